@@ -1,1 +1,66 @@
+//! End-to-end harness for bulkhead: a private containerd (`containerd`), local OCI images
+//! (`images`) and a CRI client (`cri`). Every end-to-end test in the workspace uses it.
+//!
+//! Tests that need root or containerd call [`skip_reason`] first and print one
+//! `SKIPPED: <reason>` line when it returns `Some`.
 
+pub mod containerd;
+pub mod cri;
+pub mod images;
+
+pub use containerd::{Containerd, ContainerdConfig, RuntimeHandler};
+pub use cri::{container_config, pod_config, Cri};
+
+use std::path::PathBuf;
+
+/// Why end-to-end tests cannot run here, or `None` when they can.
+pub fn skip_reason() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("end-to-end tests need root (containerd, mounts, namespaces)".into());
+    }
+    for tool in ["containerd", "ctr", "runc", "cc"] {
+        if which(tool).is_none() {
+            return Some(format!("`{tool}` is not on PATH (run `make setup`)"));
+        }
+    }
+    None
+}
+
+/// Prints `SKIPPED: <reason>` and returns true when end-to-end tests cannot run here.
+/// Set `BULKHEAD_REQUIRE_E2E=1` to turn a skip into a failure (CI on capable hosts).
+pub fn skip_if_unready(test: &str) -> bool {
+    match skip_reason() {
+        None => false,
+        Some(reason) => {
+            if std::env::var_os("BULKHEAD_REQUIRE_E2E").is_some() {
+                panic!("{test}: BULKHEAD_REQUIRE_E2E is set but: {reason}");
+            }
+            println!("SKIPPED: {test}: {reason}");
+            true
+        }
+    }
+}
+
+/// Finds `tool` on PATH.
+pub fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| PathBuf::from(d).join(tool)).find(|p| p.is_file())
+}
+
+/// The cargo target profile dir (`target/debug`) of the running test binary.
+pub fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("BULKHEAD_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    // <target>/<profile>/deps/<test-binary>
+    let mut dir = exe.parent().map(PathBuf::from).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// Path of a workspace binary (built by `cargo build --workspace` before the tests).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    target_dir().join(name)
+}

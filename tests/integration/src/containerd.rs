@@ -1,0 +1,426 @@
+//! A private containerd 1.6 for one test: its own root, state, sockets and config in a
+//! temporary directory. It is always stopped afterwards (success, failure or panic), and
+//! only the PID the harness started is signalled.
+
+use crate::cri::Cri;
+use crate::images;
+use anyhow::{anyhow, bail, Context, Result};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CONTAINERD: &str = "containerd";
+const CTR: &str = "ctr";
+/// Base for every harness directory; short, because Unix socket paths are limited.
+const BASE_DIR: &str = "/var/lib/bulkhead-test";
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_GRACE: Duration = Duration::from_secs(10);
+const IMPORT_TIMEOUT: Duration = Duration::from_secs(120);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One `[...containerd.runtimes.<name>]` entry of the CRI config.
+#[derive(Clone, Debug)]
+pub struct RuntimeHandler {
+    pub name: String,
+    /// `io.containerd.runc.v2`, or an absolute shim path (1.6.20 ignores `runtime_path`).
+    pub runtime_type: String,
+    /// String-valued `options` (for bulkhead: `ConfigPath`).
+    pub options: Vec<(String, String)>,
+    /// Pod annotations passed through to the runtime.
+    pub pod_annotations: Vec<String>,
+}
+
+impl RuntimeHandler {
+    pub fn runc() -> Self {
+        Self {
+            name: "runc".into(),
+            runtime_type: "io.containerd.runc.v2".into(),
+            options: vec![],
+            pod_annotations: vec![],
+        }
+    }
+
+    /// The `bulkhead` handler on the freshly built shim, with `config_path` as `ConfigPath`.
+    pub fn bulkhead(config_path: Option<&Path>) -> Self {
+        let shim = crate::workspace_bin("containerd-shim-bulkhead-v2");
+        Self {
+            name: "bulkhead".into(),
+            runtime_type: shim.to_string_lossy().into_owned(),
+            options: config_path
+                .map(|p| vec![("ConfigPath".to_string(), p.to_string_lossy().into_owned())])
+                .unwrap_or_default(),
+            pod_annotations: vec!["io.bulkhead.*".into()],
+        }
+    }
+}
+
+/// What to put in the private containerd's config.
+#[derive(Clone, Debug)]
+pub struct ContainerdConfig {
+    pub handlers: Vec<RuntimeHandler>,
+    /// A bridge CNI network for pod-network pods (host-network pods need none).
+    pub cni_bridge: bool,
+    /// Raw TOML appended to the generated config.
+    pub extra_toml: String,
+}
+
+impl Default for ContainerdConfig {
+    /// `runc` plus `bulkhead` with no `ConfigPath` (the shim's default path applies).
+    fn default() -> Self {
+        Self {
+            handlers: vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(None)],
+            cni_bridge: false,
+            extra_toml: String::new(),
+        }
+    }
+}
+
+/// A running private containerd. Dropping it removes all pods through CRI, stops the
+/// daemon by PID, unmounts what it left under its directory, and deletes the directory.
+pub struct Containerd {
+    child: Option<Child>,
+    dir: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    stream_port: u16,
+}
+
+impl Containerd {
+    /// Starts containerd with `config`, waits until CRI answers, and imports the local images.
+    pub async fn start(config: ContainerdConfig) -> Result<Self> {
+        std::fs::create_dir_all(BASE_DIR).with_context(|| format!("creating {BASE_DIR}"))?;
+        let dir = tempfile::Builder::new()
+            .prefix("c")
+            .tempdir_in(BASE_DIR)
+            .context("creating the containerd temp dir")?
+            .keep();
+        let stream_port = free_loopback_port()?;
+        let mut this = Self {
+            child: None,
+            socket: dir.join("containerd.sock"),
+            log: dir.join("containerd.log"),
+            dir,
+            stream_port,
+        };
+        // From here on, `this` cleans up after itself if anything below fails.
+        this.write_config(&config)?;
+        this.spawn()?;
+        this.wait_ready().await?;
+        this.import_images().await?;
+        Ok(this)
+    }
+
+    /// containerd's gRPC socket.
+    pub fn address(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The directory holding this instance's config, root, state and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// containerd's own log (stdout and stderr), for failure messages.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last `lines` lines of containerd's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// PID of the containerd process, if running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub async fn cri(&self) -> Result<Cri> {
+        Cri::connect(&self.socket).await
+    }
+
+    /// A new directory for pod logs, removed with this instance.
+    pub fn new_log_dir(&self, name: &str) -> Result<PathBuf> {
+        let d = self.dir.join("logs").join(name);
+        std::fs::create_dir_all(&d)?;
+        Ok(d)
+    }
+
+    fn write_config(&self, config: &ContainerdConfig) -> Result<()> {
+        let d = self.dir.display();
+        let mut toml = format!(
+            r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "{d}/containerd.sock"
+
+[ttrpc]
+  address = "{d}/containerd.sock.ttrpc"
+
+[debug]
+  address = "{d}/debug.sock"
+  level = "info"
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d}/opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause}"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "{port}"
+  enable_selinux = false
+  disable_apparmor = true
+
+[plugins."io.containerd.grpc.v1.cri".cni]
+  bin_dir = "/usr/lib/cni"
+  conf_dir = "{d}/cni"
+
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+"#,
+            pause = images::PAUSE,
+            port = self.stream_port,
+        );
+        for h in &config.handlers {
+            let base = format!(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}]"#, toml_key(&h.name));
+            writeln!(toml, "\n{base}\n  runtime_type = {}", toml_str(&h.runtime_type))?;
+            if !h.pod_annotations.is_empty() {
+                let list: Vec<String> = h.pod_annotations.iter().map(|a| toml_str(a)).collect();
+                writeln!(toml, "  pod_annotations = [{}]", list.join(", "))?;
+                writeln!(toml, "  container_annotations = [{}]", list.join(", "))?;
+            }
+            if !h.options.is_empty() {
+                let opts = format!(
+                    r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}.options]"#,
+                    toml_key(&h.name)
+                );
+                writeln!(toml, "{opts}")?;
+                for (k, v) in &h.options {
+                    writeln!(toml, "  {} = {}", toml_key(k), toml_str(v))?;
+                }
+            }
+        }
+        toml.push('\n');
+        toml.push_str(&config.extra_toml);
+
+        std::fs::create_dir_all(self.dir.join("cni"))?;
+        if config.cni_bridge {
+            let subnet = format!("10.{}.{}.0/24", 200 + (self.stream_port % 50), self.stream_port % 250);
+            let conflist = serde_json::json!({
+                "cniVersion": "0.4.0",
+                "name": "bulkhead-test",
+                "plugins": [
+                    { "type": "bridge", "bridge": format!("bkt{}", self.stream_port), "isGateway": false, "ipMasq": false,
+                      "ipam": { "type": "host-local", "ranges": [[{ "subnet": subnet }]] } },
+                    { "type": "loopback" }
+                ]
+            });
+            std::fs::write(self.dir.join("cni/10-bulkhead-test.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
+        }
+        std::fs::write(self.dir.join("config.toml"), toml)?;
+        Ok(())
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let log = std::fs::File::create(&self.log)?;
+        let child = Command::new(CONTAINERD)
+            .arg("--config")
+            .arg(self.dir.join("config.toml"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning containerd (is the containerd package installed?)")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    async fn wait_ready(&mut self) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    self.child = None;
+                    bail!("containerd exited during start-up ({status}); log tail:\n{}", self.log_tail(30));
+                }
+            }
+            if self.socket.exists() {
+                if let Ok(cri) = Cri::connect(&self.socket).await {
+                    if cri.version().await.is_ok() {
+                        return Ok(());
+                    }
+                }
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                bail!("containerd not ready within {READY_TIMEOUT:?}; log tail:\n{}", self.log_tail(30));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn import_images(&self) -> Result<()> {
+        let tarballs = images::build_all(&images_cache_dir())?;
+        for tarball in [&tarballs.pause, &tarballs.busybox] {
+            let out = tokio::time::timeout(
+                IMPORT_TIMEOUT,
+                tokio::process::Command::new(CTR)
+                    .arg("--address")
+                    .arg(&self.socket)
+                    .args(["-n", "k8s.io", "images", "import"])
+                    .arg(tarball)
+                    .kill_on_drop(true)
+                    .output(),
+            )
+            .await
+            .map_err(|_| anyhow!("ctr images import {} timed out", tarball.display()))?
+            .context("running ctr")?;
+            if !out.status.success() {
+                bail!("ctr images import {} failed: {}", tarball.display(), String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        // CRI learns about imported images asynchronously; wait until it lists both.
+        let cri = self.cri().await?;
+        let start = Instant::now();
+        loop {
+            let tags: Vec<String> = cri.list_images().await?.into_iter().flat_map(|i| i.repo_tags).collect();
+            if [images::BUSYBOX, images::PAUSE].iter().all(|want| tags.iter().any(|t| t == want)) {
+                return Ok(());
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                bail!("CRI does not list the imported images; it has {tags:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Removes every pod through CRI, bounded; run from `Drop` on its own thread so it
+    /// works whether or not the caller is inside a tokio runtime.
+    fn remove_pods_blocking(&self) {
+        let socket = self.socket.clone();
+        let worker = std::thread::spawn(move || -> Result<()> {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                tokio::time::timeout(CLEANUP_TIMEOUT, async { Cri::connect(&socket).await?.remove_all_pods().await })
+                    .await
+                    .map_err(|_| anyhow!("pod cleanup timed out"))?
+            })
+        });
+        if let Ok(Err(e)) = worker.join() {
+            eprintln!("harness: removing pods before stopping containerd: {e:#}");
+        }
+    }
+
+    fn stop_daemon(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        let pid = Pid::from_raw(child.id() as i32);
+        let _ = kill(pid, Signal::SIGTERM);
+        let start = Instant::now();
+        while start.elapsed() < STOP_GRACE {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if self.child.is_some() && self.socket.exists() {
+            self.remove_pods_blocking();
+        }
+        self.stop_daemon();
+        unmount_under(&self.dir);
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("harness: removing {}: {e}", self.dir.display());
+        }
+    }
+}
+
+/// Lazily unmounts every mount point below `dir`, deepest first.
+pub fn unmount_under(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn unescape_mount_path(s: &str) -> PathBuf {
+    // mountinfo escapes space, tab, newline and backslash as \ooo.
+    let mut out = Vec::with_capacity(s.len());
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    PathBuf::from(std::ffi::OsString::from(String::from_utf8_lossy(&out).into_owned()))
+}
+
+fn free_loopback_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn toml_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+fn toml_key(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+        s.to_string()
+    } else {
+        toml_str(s)
+    }
+}
+
+/// Where built image tarballs are cached between test processes.
+fn images_cache_dir() -> PathBuf {
+    crate::target_dir().join("bulkhead-test-images")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path(r"/a\040b/c"), PathBuf::from("/a b/c"));
+        assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
+        assert_eq!(unescape_mount_path(r"/trail\04"), PathBuf::from(r"/trail\04"));
+    }
+
+    #[test]
+    fn toml_strings_are_quoted_and_escaped() {
+        assert_eq!(toml_str(r#"a"b\c"#), r#""a\"b\\c""#);
+        assert_eq!(toml_key("runc"), "runc");
+        assert_eq!(toml_key("a.b"), r#""a.b""#);
+    }
+}

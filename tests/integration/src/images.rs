@@ -1,0 +1,224 @@
+//! Local OCI image-layout tarballs for tests: no registry is reachable, so the harness
+//! builds a static busybox image and a static pause image itself and imports them.
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The busybox image every test container runs.
+pub const BUSYBOX: &str = "localhost/bulkhead/busybox:test";
+/// The pod sandbox ("pause") image; containerd's `sandbox_image`.
+pub const PAUSE: &str = "localhost/bulkhead/pause:test";
+
+const BUSYBOX_BIN: &str = "/bin/busybox";
+const PAUSE_SOURCE: &str = include_str!("../images/pause.c");
+const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Paths of the two image tarballs, built on first use into `dir` and reused after.
+pub struct ImageTarballs {
+    pub busybox: PathBuf,
+    pub pause: PathBuf,
+}
+
+/// Builds (or reuses) both tarballs in `dir`. Content is deterministic, so a tarball that
+/// already exists under its final name is complete: files are written then renamed.
+pub fn build_all(dir: &Path) -> Result<ImageTarballs> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(ImageTarballs {
+        busybox: ensure(dir, "busybox.oci.tar", build_busybox_layer, BUSYBOX, &["sh"])?,
+        pause: ensure(dir, "pause.oci.tar", build_pause_layer, PAUSE, &["/pause"])?,
+    })
+}
+
+fn ensure(
+    dir: &Path,
+    name: &str,
+    layer: impl Fn(&Path) -> Result<Vec<u8>>,
+    image_name: &str,
+    cmd: &[&str],
+) -> Result<PathBuf> {
+    let out = dir.join(name);
+    if out.exists() {
+        return Ok(out);
+    }
+    let layer = layer(dir)?;
+    let tarball = oci_layout_tar(&layer, image_name, cmd)?;
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    std::fs::write(&tmp, tarball).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &out).with_context(|| format!("renaming to {}", out.display()))?;
+    Ok(out)
+}
+
+/// A layer with `/bin/busybox`, a symlink per applet, and the usual empty directories.
+fn build_busybox_layer(_dir: &Path) -> Result<Vec<u8>> {
+    let busybox =
+        std::fs::read(BUSYBOX_BIN).with_context(|| format!("reading {BUSYBOX_BIN} (install busybox-static)"))?;
+    let list = Command::new(BUSYBOX_BIN).arg("--list").output().context("running busybox --list")?;
+    if !list.status.success() {
+        bail!("busybox --list failed: {}", list.status);
+    }
+    let applets = String::from_utf8(list.stdout).context("busybox --list output")?;
+
+    let mut tar = LayerBuilder::new();
+    for d in ["bin", "dev", "etc", "proc", "sys", "tmp", "root", "var", "run"] {
+        tar.dir(d, if d == "tmp" { 0o1777 } else { 0o755 })?;
+    }
+    tar.file("bin/busybox", &busybox, 0o755)?;
+    for applet in applets.lines().map(str::trim).filter(|a| !a.is_empty()) {
+        if applet == "busybox" || applet.contains('/') {
+            continue;
+        }
+        tar.symlink(&format!("bin/{applet}"), "busybox")?;
+    }
+    tar.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n", 0o644)?;
+    tar.file("etc/group", b"root:x:0:\nnogroup:x:65534:\n", 0o644)?;
+    tar.finish()
+}
+
+/// A layer with a statically linked `/pause`, compiled from `images/pause.c`.
+fn build_pause_layer(dir: &Path) -> Result<Vec<u8>> {
+    let src = dir.join(format!("pause.{}.c", std::process::id()));
+    let bin = dir.join(format!("pause.{}", std::process::id()));
+    std::fs::write(&src, PAUSE_SOURCE)?;
+    let status = Command::new("cc")
+        .args(["-static", "-Os", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .status()
+        .context("running cc to build the static pause binary")?;
+    let _ = std::fs::remove_file(&src);
+    if !status.success() {
+        bail!("cc -static pause.c failed ({status}); is libc6-dev installed?");
+    }
+    let pause = std::fs::read(&bin)?;
+    let _ = std::fs::remove_file(&bin);
+    let mut tar = LayerBuilder::new();
+    tar.file("pause", &pause, 0o755)?;
+    tar.finish()
+}
+
+struct LayerBuilder(tar::Builder<Vec<u8>>);
+
+impl LayerBuilder {
+    fn new() -> Self {
+        let mut b = tar::Builder::new(Vec::new());
+        b.mode(tar::HeaderMode::Deterministic);
+        Self(b)
+    }
+
+    fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_size(size);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h
+    }
+
+    fn dir(&mut self, path: &str, mode: u32) -> Result<()> {
+        let mut h = Self::header(tar::EntryType::Directory, mode, 0);
+        self.0.append_data(&mut h, path, std::io::empty())?;
+        Ok(())
+    }
+
+    fn file(&mut self, path: &str, data: &[u8], mode: u32) -> Result<()> {
+        let mut h = Self::header(tar::EntryType::Regular, mode, data.len() as u64);
+        self.0.append_data(&mut h, path, data)?;
+        Ok(())
+    }
+
+    fn symlink(&mut self, path: &str, target: &str) -> Result<()> {
+        let mut h = Self::header(tar::EntryType::Symlink, 0o777, 0);
+        self.0.append_link(&mut h, path, target)?;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Vec<u8>> {
+        Ok(self.0.into_inner()?)
+    }
+}
+
+fn digest(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+/// Wraps one uncompressed layer into an OCI image layout (index.json, oci-layout, blobs/),
+/// named with both the containerd and the OCI ref-name annotations so `ctr import` tags it.
+fn oci_layout_tar(layer: &[u8], image_name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
+    let layer_digest = digest(layer);
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": { "Env": [DEFAULT_PATH], "Cmd": cmd, "WorkingDir": "/" },
+        "rootfs": { "type": "layers", "diff_ids": [layer_digest] },
+    }))?;
+    let config_digest = digest(&config);
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest, "size": config.len(),
+        },
+        "layers": [{
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": layer_digest, "size": layer.len(),
+        }],
+    }))?;
+    let manifest_digest = digest(&manifest);
+    let tag = image_name.rsplit(':').next().unwrap_or("latest");
+    let index = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest, "size": manifest.len(),
+            "platform": { "architecture": "amd64", "os": "linux" },
+            "annotations": {
+                "io.containerd.image.name": image_name,
+                "org.opencontainers.image.ref.name": tag,
+            },
+        }],
+    }))?;
+
+    let mut out = LayerBuilder::new();
+    out.file("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#, 0o644)?;
+    out.file("index.json", &index, 0o644)?;
+    out.dir("blobs", 0o755)?;
+    out.dir("blobs/sha256", 0o755)?;
+    for (d, data) in [(&layer_digest, layer), (&config_digest, &config[..]), (&manifest_digest, &manifest[..])] {
+        let hexpart = d.trim_start_matches("sha256:");
+        out.file(&format!("blobs/sha256/{hexpart}"), data, 0o644)?;
+    }
+    out.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_names_every_blob_by_its_digest() {
+        let layer = LayerBuilder::new().finish().expect("empty layer");
+        let tarball = oci_layout_tar(&layer, "localhost/x/y:t", &["sh"]).expect("layout");
+        let mut archive = tar::Archive::new(&tarball[..]);
+        let mut seen = 0;
+        for entry in archive.entries().expect("entries") {
+            let mut entry = entry.expect("entry");
+            let path = entry.path().expect("path").to_string_lossy().into_owned();
+            if let Some(name) = path.strip_prefix("blobs/sha256/") {
+                if name.is_empty() {
+                    continue;
+                }
+                let mut data = Vec::new();
+                std::io::Read::read_to_end(&mut entry, &mut data).expect("read");
+                assert_eq!(format!("sha256:{name}"), digest(&data));
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 3, "layer, config and manifest blobs");
+    }
+}
