@@ -1,0 +1,36 @@
+//! Generates the protobuf messages and the async ttrpc client/server for `proto/agent.proto`.
+use std::{env, fs, path::PathBuf};
+
+use ttrpc_codegen::{Codegen, Customize, ProtobufCustomize};
+
+fn main() {
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let gen_dir = out.join("gen");
+    fs::create_dir_all(&gen_dir).expect("create OUT_DIR/gen");
+    println!("cargo:rerun-if-changed=proto/agent.proto");
+
+    Codegen::new()
+        .out_dir(&gen_dir)
+        .inputs(["proto/agent.proto"])
+        .include("proto")
+        .rust_protobuf()
+        .customize(Customize { async_all: true, ..Default::default() })
+        .rust_protobuf_customize(ProtobufCustomize::default().gen_mod_rs(false))
+        .run()
+        .expect("ttrpc codegen for proto/agent.proto");
+
+    // `include!` cannot take inner attributes or inner doc comments, so strip them; lib.rs
+    // puts the equivalent `#[allow]`s on the wrapping modules.
+    for name in ["agent.rs", "agent_ttrpc.rs"] {
+        let src = fs::read_to_string(gen_dir.join(name)).expect("read generated file");
+        let cleaned: String = src
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("#!["))
+            .map(|l| match l.strip_prefix("//!") {
+                Some(rest) => format!("//{rest}\n"),
+                None => format!("{l}\n"),
+            })
+            .collect();
+        fs::write(out.join(name), cleaned).expect("write cleaned generated file");
+    }
+}
