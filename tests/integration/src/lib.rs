@@ -6,6 +6,7 @@
 
 pub mod containerd;
 pub mod cri;
+pub mod host;
 pub mod images;
 
 pub use containerd::{Containerd, ContainerdConfig, RuntimeHandler};

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs what bulkhead needs on a Debian 12 machine and skips whatever is already there.
+# Idempotent: safe to run before every `make test` / `make demo`.
+set -euo pipefail
+
+log() { printf 'setup: %s\n' "$*"; }
+
+# Debian packages: containerd + runc + CNI plugins for the end-to-end tests, a static
+# busybox for test images, protoc for the CRI client, musl for the static agent,
+# gcc/libc6-dev for the static pause binary, iproute2 for test network namespaces.
+APT_PACKAGES=(
+  containerd runc containernetworking-plugins busybox-static protobuf-compiler
+  musl-tools gcc libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    log "missing Debian packages: ${missing[*]}; run 'make setup' as root (or: sudo apt-get install ${missing[*]})" >&2
+    exit 1
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  log "Debian packages present"
+fi
+
+if ! command -v cargo >/dev/null || ! command -v rustup >/dev/null; then
+  log "cargo/rustup not found: install the Rust toolchain with rustup first (https://rustup.rs)" >&2
+  exit 1
+fi
+
+# The static guest agent is built for musl; the VMM's test guests may use the bare-metal target.
+for target in x86_64-unknown-linux-musl x86_64-unknown-none; do
+  if rustup target list --installed | grep -qx "$target"; then
+    log "rustup target $target present"
+  else
+    log "adding rustup target $target"
+    rustup target add "$target"
+  fi
+done
+
+for c in clippy rustfmt; do
+  if ! rustup component list --installed | grep -q "^$c"; then
+    log "adding rustup component $c"
+    rustup component add "$c"
+  fi
+done
+
+log "done"

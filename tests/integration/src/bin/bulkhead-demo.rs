@@ -1,0 +1,98 @@
+//! `make demo`: runs one Pod through containerd's CRI with the `bulkhead` handler on a
+//! private containerd, and prints its output, an ExecSync result and each step's time.
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::host::KvmKind;
+use bulkhead_integration::{container_config, pod_config, skip_reason, Containerd, ContainerdConfig, RuntimeHandler};
+use std::time::{Duration, Instant};
+
+struct Steps(Vec<(&'static str, Duration)>);
+
+impl Steps {
+    async fn time<T>(&mut self, name: &'static str, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+        let start = Instant::now();
+        let out = fut.await.with_context(|| format!("step '{name}' failed"))?;
+        let took = start.elapsed();
+        println!("  {name:<28} {:>8.1} ms", took.as_secs_f64() * 1e3);
+        self.0.push((name, took));
+        Ok(out)
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    if let Some(reason) = skip_reason() {
+        bail!("the demo cannot run here: {reason}");
+    }
+    let backend = match KvmKind::probe().vm_backend() {
+        Ok(()) => "vm",
+        Err(why) => {
+            println!("bulkhead demo: using the `namespace` backend, because {why}.");
+            println!("  The namespace backend gives NO VM isolation; it exists for development and CI.");
+            "namespace"
+        }
+    };
+    let shim = bulkhead_integration::workspace_bin("containerd-shim-bulkhead-v2");
+    if !shim.exists() {
+        bail!("{} is missing; run `make build` first", shim.display());
+    }
+
+    let cfg_dir = tempfile::tempdir()?;
+    let cfg_path = cfg_dir.path().join("bulkhead.toml");
+    std::fs::write(&cfg_path, shim_config(backend))?;
+
+    println!("bulkhead demo: backend `{backend}`, shim {}", shim.display());
+    let mut steps = Steps(vec![]);
+    let containerd = steps
+        .time("start private containerd", async {
+            Containerd::start(ContainerdConfig {
+                handlers: vec![RuntimeHandler::bulkhead(Some(&cfg_path))],
+                ..Default::default()
+            })
+            .await
+        })
+        .await?;
+    let cri = containerd.cri().await?;
+    let log_dir = containerd.new_log_dir("demo")?;
+    let pod = pod_config("bulkhead-demo", &log_dir);
+    let pod_id = steps.time("RunPodSandbox", cri.run_pod_sandbox(&pod, "bulkhead")).await?;
+    let script = "echo hello from a bulkhead pod; echo kernel: $(uname -r); exec sleep 3600";
+    let ctr = steps
+        .time("CreateContainer", cri.create_container(&pod_id, &container_config("hello", &["sh", "-c", script]), &pod))
+        .await?;
+    steps.time("StartContainer", cri.start_container(&ctr)).await?;
+    let exec = steps.time("ExecSync (id; hostname)", cri.exec_sync(&ctr, &["sh", "-c", "id; hostname"], 10)).await?;
+    steps.time("StopContainer", cri.stop_container(&ctr, 5)).await?;
+    let status = cri.container_status(&ctr).await?;
+    steps.time("RemoveContainer", cri.remove_container(&ctr)).await?;
+    steps.time("StopPodSandbox", cri.stop_pod_sandbox(&pod_id)).await?;
+    steps.time("RemovePodSandbox", cri.remove_pod_sandbox(&pod_id)).await?;
+
+    println!("\ncontainer log ({}):", log_dir.join("hello.log").display());
+    let log = std::fs::read_to_string(log_dir.join("hello.log")).unwrap_or_default();
+    for line in log.lines() {
+        // CRI log lines: "<time> <stream> <P|F> <text>".
+        println!("  | {}", line.splitn(4, ' ').nth(3).unwrap_or(line));
+    }
+    println!("\nExecSync `id; hostname`: exit code {}", exec.exit_code);
+    for line in String::from_utf8_lossy(&exec.stdout).lines() {
+        println!("  | {line}");
+    }
+    println!("\nfinal container state: exit code {} reason {:?}", status.exit_code, status.reason);
+    let start: Duration = steps
+        .0
+        .iter()
+        .filter(|(n, _)| matches!(*n, "RunPodSandbox" | "CreateContainer" | "StartContainer"))
+        .map(|(_, d)| *d)
+        .sum();
+    println!("pod start (RunPodSandbox + CreateContainer + StartContainer): {:.1} ms", start.as_secs_f64() * 1e3);
+    if log.is_empty() {
+        bail!("the container wrote no output");
+    }
+    Ok(())
+}
+
+fn shim_config(backend: &str) -> String {
+    let agent = bulkhead_integration::workspace_bin("bulkhead-agent");
+    format!("backend = \"{backend}\"\n\n[namespace]\nagent_path = \"{}\"\n", agent.display())
+}
