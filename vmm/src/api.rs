@@ -1,0 +1,231 @@
+//! The API socket: JSON lines over a Unix socket. Requests are `{"cmd": "pause" | "resume" |
+//! "shutdown" | "info"}`; every request gets one JSON line back.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use event_manager::{EventOps, Events, MutEventSubscriber};
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::epoll::EventSet;
+
+use crate::exit::{ExitReason, ExitSignal};
+use crate::vcpu::{RunState, VcpuControl};
+
+/// Longest request line; longer input closes the connection.
+pub const MAX_REQUEST_LINE: usize = 4096;
+const MAX_CLIENTS: usize = 16;
+const IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Request {
+    Pause,
+    Resume,
+    Shutdown,
+    Info,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
+pub struct VmInfo {
+    pub state: String,
+    pub pid: u32,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub irqchip: bool,
+    /// Wall-clock ns when the VMM process started its `main`.
+    pub start_unix_ns: u64,
+    /// Wall-clock ns of the first KVM_RUN, once it happened.
+    pub first_kvm_run_unix_ns: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Response {
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub info: Option<VmInfo>,
+}
+
+/// What the API may do to the VM.
+pub struct VmController {
+    pub control: Arc<VcpuControl>,
+    pub exit: Arc<ExitSignal>,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub irqchip: bool,
+    pub start_unix_ns: u64,
+}
+
+impl VmController {
+    pub fn handle(&self, req: Request) -> Response {
+        let ok = Response { ok: true, error: None, info: None };
+        match req {
+            Request::Pause => {
+                if self.control.pause(usize::from(self.vcpus), Duration::from_secs(2)) {
+                    ok
+                } else {
+                    Response { ok: false, error: Some("vCPUs did not pause in time".into()), info: None }
+                }
+            }
+            Request::Resume => {
+                self.control.resume();
+                ok
+            }
+            Request::Shutdown => {
+                self.exit.signal(ExitReason::ApiShutdown);
+                ok
+            }
+            Request::Info => Response {
+                ok: true,
+                error: None,
+                info: Some(VmInfo {
+                    state: match self.control.state() {
+                        RunState::Running => "running",
+                        RunState::Paused => "paused",
+                    }
+                    .into(),
+                    pid: std::process::id(),
+                    vcpus: self.vcpus,
+                    mem_mib: self.mem_mib,
+                    irqchip: self.irqchip,
+                    start_unix_ns: self.start_unix_ns,
+                    first_kvm_run_unix_ns: self.control.first_run_unix_ns.get().copied(),
+                }),
+            },
+        }
+    }
+}
+
+/// Parses one request line.
+pub fn parse_request(line: &[u8]) -> Result<Request, String> {
+    serde_json::from_slice(line).map_err(|e| format!("bad request: {e}"))
+}
+
+struct Client {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+pub struct ApiServer {
+    path: PathBuf,
+    listener: UnixListener,
+    clients: HashMap<RawFd, Client>,
+    controller: VmController,
+}
+
+impl ApiServer {
+    pub fn bind(path: &Path, controller: VmController) -> std::io::Result<Self> {
+        // A stale socket from a previous run would make bind fail.
+        if path.exists() {
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        Ok(Self { path: path.to_owned(), listener, clients: HashMap::new(), controller })
+    }
+
+    fn accept(&mut self, ops: &mut EventOps) {
+        while let Ok((stream, _)) = self.listener.accept() {
+            if self.clients.len() >= MAX_CLIENTS {
+                tracing::warn!("too many API clients; dropping a new connection");
+                continue;
+            }
+            let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
+            let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+            let fd = stream.as_raw_fd();
+            if ops.add(Events::new(&stream, EventSet::IN)).is_ok() {
+                self.clients.insert(fd, Client { stream, buf: Vec::new() });
+            }
+        }
+    }
+
+    /// Returns false when the client should be dropped.
+    fn serve(&mut self, fd: RawFd) -> bool {
+        let Some(client) = self.clients.get_mut(&fd) else { return false };
+        let mut chunk = [0u8; 1024];
+        let n = match client.stream.read(&mut chunk) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => n,
+        };
+        client.buf.extend_from_slice(&chunk[..n]);
+        while let Some(pos) = client.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = client.buf.drain(..=pos).collect();
+            let resp = match parse_request(&line[..line.len() - 1]) {
+                Ok(req) => self.controller.handle(req),
+                Err(e) => Response { ok: false, error: Some(e), info: None },
+            };
+            let mut out = serde_json::to_vec(&resp).unwrap_or_default();
+            out.push(b'\n');
+            if client.stream.write_all(&out).is_err() {
+                return false;
+            }
+        }
+        client.buf.len() <= MAX_REQUEST_LINE
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl MutEventSubscriber for ApiServer {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(&self.listener, EventSet::IN)) {
+            tracing::error!(error = ?e, "cannot watch the API socket");
+        }
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.listener.as_raw_fd() {
+            self.accept(ops);
+            return;
+        }
+        let hangup = events.event_set().intersects(EventSet::HANG_UP | EventSet::ERROR);
+        if hangup || !self.serve(fd) {
+            if let Some(c) = self.clients.remove(&fd) {
+                let _ = ops.remove(Events::new(&c.stream, EventSet::IN));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_requests_and_rejects_junk() {
+        assert_eq!(parse_request(br#"{"cmd":"pause"}"#), Ok(Request::Pause));
+        assert_eq!(parse_request(br#"{"cmd":"info"}"#), Ok(Request::Info));
+        assert!(parse_request(br#"{"cmd":"reboot"}"#).is_err());
+        assert!(parse_request(b"\xff\xfe").is_err());
+    }
+
+    #[test]
+    fn controller_shutdown_and_info() {
+        let c = VmController {
+            control: Arc::new(VcpuControl::new()),
+            exit: Arc::new(ExitSignal::new().unwrap()),
+            vcpus: 2,
+            mem_mib: 64,
+            irqchip: true,
+            start_unix_ns: 5,
+        };
+        let info = c.handle(Request::Info).info.unwrap();
+        assert_eq!((info.state.as_str(), info.vcpus, info.first_kvm_run_unix_ns), ("running", 2, None));
+        assert!(c.handle(Request::Shutdown).ok);
+        assert_eq!(c.exit.reason(), Some(ExitReason::ApiShutdown));
+        // No vCPU threads exist, so a pause cannot be acknowledged.
+        assert!(!c.control.pause(1, Duration::from_millis(20)));
+        c.control.resume();
+    }
+}

@@ -1,0 +1,230 @@
+//! Loading what the guest boots: a Linux kernel (ELF vmlinux or bzImage, cmdline, initramfs,
+//! zero page) or a raw test guest. Produces the entry state every vCPU starts from.
+
+use std::fs::File;
+use std::path::Path;
+
+use linux_loader::cmdline::Cmdline;
+use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader};
+use vm_memory::{Address, ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::arch::boot_params::{build_boot_params, BootParamsInput};
+use crate::arch::paging::setup_identity_paging;
+use crate::arch::regs::write_gdt_idt;
+use crate::config::{BootSource, RawFormat};
+use crate::layout::{
+    BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, RAW_STACK_TOP,
+    ZERO_PAGE_START,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error("cannot open {path}: {source}")]
+    Open { path: String, source: std::io::Error },
+    #[error("kernel {path} is neither a loadable ELF vmlinux nor a bzImage (elf: {elf}; bzImage: {bz})")]
+    KernelFormat { path: String, elf: String, bz: String },
+    #[error("kernel command line: {0}")]
+    Cmdline(String),
+    #[error("initramfs of {size} bytes does not fit in guest memory")]
+    InitramfsTooBig { size: u64 },
+    #[error("writing boot data to guest memory: {0}")]
+    Memory(#[from] vm_memory::GuestMemoryError),
+    #[error("boot params: {0}")]
+    BootParams(#[from] crate::arch::boot_params::BootParamsError),
+    #[error("raw guest image {path} could not be loaded: {reason}")]
+    RawImage { path: String, reason: String },
+}
+
+/// Where and how every vCPU starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryPoint {
+    pub rip: u64,
+    pub rsp: u64,
+    /// The zero page address for Linux (passed in rsi), 0 for raw guests.
+    pub rsi: u64,
+    pub cr3: u64,
+}
+
+/// Loads `boot` into `mem`. `mmio_devices` are (base, size, irq) entries added to the cmdline.
+pub fn load(
+    mem: &GuestMemoryMmap,
+    boot: &BootSource,
+    mem_bytes: u64,
+    mmio_devices: &[(u64, u64, u32)],
+) -> Result<EntryPoint, BootError> {
+    write_gdt_idt(mem)?;
+    let cr3 = setup_identity_paging(mem)?;
+    match boot {
+        BootSource::Linux { kernel, initramfs, cmdline } => {
+            load_linux(mem, kernel, initramfs.as_deref(), cmdline, mem_bytes, mmio_devices, cr3)
+        }
+        BootSource::Raw(raw) => load_raw(mem, &raw.image, raw.format, raw.load_addr, cr3),
+    }
+}
+
+fn open(path: &Path) -> Result<File, BootError> {
+    File::open(path).map_err(|source| BootError::Open { path: path.display().to_string(), source })
+}
+
+/// Builds the kernel cmdline with one `virtio_mmio.device=` entry per device.
+pub fn build_cmdline(base: &str, mmio_devices: &[(u64, u64, u32)]) -> Result<Cmdline, BootError> {
+    let err = |e: linux_loader::cmdline::Error| BootError::Cmdline(e.to_string());
+    let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(err)?;
+    cmdline.insert_str(base).map_err(err)?;
+    for (base, size, irq) in mmio_devices {
+        cmdline.add_virtio_mmio_device(*size, GuestAddress(*base), *irq, None).map_err(err)?;
+    }
+    Ok(cmdline)
+}
+
+fn load_linux(
+    mem: &GuestMemoryMmap,
+    kernel: &Path,
+    initramfs: Option<&Path>,
+    cmdline: &str,
+    mem_bytes: u64,
+    mmio_devices: &[(u64, u64, u32)],
+    cr3: u64,
+) -> Result<EntryPoint, BootError> {
+    let mut file = open(kernel)?;
+    let start = GuestAddress(HIMEM_START);
+    let (entry, setup_header, kernel_end) = match Elf::load(mem, None, &mut file, Some(start)) {
+        Ok(r) => (r.kernel_load.raw_value(), None, r.kernel_end),
+        Err(elf_err) => match BzImage::load(mem, None, &mut file, Some(start)) {
+            // The 64-bit entry of a bzImage sits 0x200 past its protected-mode code.
+            Ok(r) => (r.kernel_load.raw_value() + 0x200, r.setup_header, r.kernel_end),
+            Err(bz_err) => {
+                return Err(BootError::KernelFormat {
+                    path: kernel.display().to_string(),
+                    elf: elf_err.to_string(),
+                    bz: bz_err.to_string(),
+                })
+            }
+        },
+    };
+
+    let cmdline = build_cmdline(cmdline, mmio_devices)?;
+    load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    let cmdline_size = cmdline.as_cstring().map_err(|e| BootError::Cmdline(e.to_string()))?.as_bytes_with_nul().len() as u32;
+
+    let initramfs = match initramfs {
+        Some(path) => Some(load_initramfs(mem, path, mem_bytes, kernel_end)?),
+        None => None,
+    };
+    let params = build_boot_params(&BootParamsInput {
+        setup_header,
+        cmdline_addr: CMDLINE_START,
+        cmdline_size,
+        initramfs,
+        mem_bytes,
+    })?;
+    mem.write_obj(BootParamsBytes(params), GuestAddress(ZERO_PAGE_START))?;
+    Ok(EntryPoint { rip: entry, rsp: BOOT_STACK_POINTER, rsi: ZERO_PAGE_START, cr3 })
+}
+
+/// Wrapper so we can write the zero page with `write_obj`.
+#[derive(Clone, Copy, Default)]
+#[repr(transparent)]
+struct BootParamsBytes(linux_loader::loader::bootparam::boot_params);
+// SAFETY: boot_params is a plain C struct of integers; any byte pattern is valid.
+unsafe impl ByteValued for BootParamsBytes {}
+
+/// Puts the initramfs at the top of low memory, page aligned, above the kernel.
+fn load_initramfs(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    mem_bytes: u64,
+    kernel_end: u64,
+) -> Result<(u64, u32), BootError> {
+    let mut file = open(path)?;
+    let size = file
+        .metadata()
+        .map_err(|source| BootError::Open { path: path.display().to_string(), source })?
+        .len();
+    let top = mem_bytes.min(MMIO_HOLE_START);
+    let addr = top.checked_sub(size).map(|a| a & !0xfff);
+    let addr = match addr {
+        Some(a) if a >= kernel_end && size <= u64::from(u32::MAX) => a,
+        _ => return Err(BootError::InitramfsTooBig { size }),
+    };
+    mem.read_exact_volatile_from(GuestAddress(addr), &mut file, size as usize)?;
+    Ok((addr, size as u32))
+}
+
+fn load_raw(
+    mem: &GuestMemoryMmap,
+    image: &Path,
+    format: RawFormat,
+    load_addr: u64,
+    cr3: u64,
+) -> Result<EntryPoint, BootError> {
+    let raw_err = |reason: String| BootError::RawImage { path: image.display().to_string(), reason };
+    let mut file = open(image)?;
+    let rip = match format {
+        RawFormat::Elf => {
+            let r = Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
+                .map_err(|e| raw_err(e.to_string()))?;
+            r.kernel_load.raw_value()
+        }
+        RawFormat::Flat => {
+            let size = file.metadata().map_err(|e| raw_err(e.to_string()))?.len() as usize;
+            let mut f = &mut file;
+            let read = mem
+                .read_volatile_from(GuestAddress(load_addr), &mut f, size)
+                .map_err(|e| raw_err(e.to_string()))?;
+            if read != size {
+                return Err(raw_err(format!("short load: {read} of {size} bytes")));
+            }
+            load_addr
+        }
+    };
+    // rsp + 8 is 16-byte aligned, as at a normal function entry.
+    Ok(EntryPoint { rip, rsp: RAW_STACK_TOP - 8, rsi: 0, cr3 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmdline_announces_virtio_mmio_devices() {
+        let c = build_cmdline("console=ttyS0", &[(0xd000_0000, 0x1000, 5), (0xd000_1000, 0x1000, 6)])
+            .unwrap();
+        let s = c.as_cstring().unwrap().into_string().unwrap();
+        assert_eq!(
+            s,
+            "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6"
+        );
+    }
+
+    #[test]
+    fn flat_raw_guest_is_loaded_at_its_address() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, &[0xf4, 0x90]).unwrap();
+        let raw = crate::config::RawGuestConfig {
+            image: f.path().to_owned(),
+            format: RawFormat::Flat,
+            load_addr: 0x20_0000,
+        };
+        let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[]).unwrap();
+        assert_eq!(entry.rip, 0x20_0000);
+        assert_eq!(entry.rsp % 16, 8);
+        assert_eq!(mem.read_obj::<u16>(GuestAddress(0x20_0000)).unwrap(), 0x90f4);
+    }
+
+    #[test]
+    fn garbage_kernel_is_a_clear_error() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, &[0u8; 8192]).unwrap();
+        let boot = BootSource::Linux {
+            kernel: f.path().to_owned(),
+            initramfs: None,
+            cmdline: "x".into(),
+        };
+        let err = load(&mem, &boot, 4 << 20, &[]).unwrap_err();
+        assert!(err.to_string().contains("neither a loadable ELF"), "{err}");
+    }
+}

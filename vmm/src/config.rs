@@ -1,0 +1,296 @@
+//! The VM configuration the shim hands us as JSON, and its validation.
+//!
+//! Parsing is strict (`deny_unknown_fields`) so a typo in the shim fails loudly instead of being
+//! ignored; `VmConfig::validate` turns the raw document into a `ValidConfig` the rest of the VMM
+//! can trust.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Upper bounds that keep a bad config from asking for absurd resources.
+pub const MAX_VCPUS: u8 = 32;
+pub const MIN_MEM_MIB: u64 = 8;
+pub const MAX_MEM_MIB: u64 = 64 * 1024;
+pub const MAX_BLOCK_DEVICES: usize = 8;
+pub const MAX_CMDLINE_LEN: usize = 2048;
+/// Largest config document we accept (bytes).
+pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config is larger than {MAX_CONFIG_BYTES} bytes")]
+    TooLarge,
+    #[error("config is not valid JSON for a VM: {0}")]
+    Parse(#[from] serde_json::Error),
+    #[error("config names neither `kernel` nor `raw_guest`; exactly one is required")]
+    NoBootSource,
+    #[error("config names both `kernel` and `raw_guest`; exactly one is allowed")]
+    TwoBootSources,
+    #[error("`initramfs` and `cmdline` only apply to a `kernel` boot")]
+    LinuxOnlyField,
+    #[error("vcpus must be 1..={MAX_VCPUS}, got {0}")]
+    Vcpus(u8),
+    #[error("mem_mib must be {MIN_MEM_MIB}..={MAX_MEM_MIB}, got {0}")]
+    Memory(u64),
+    #[error("{what} {path}: {reason}")]
+    Path { what: &'static str, path: PathBuf, reason: String },
+    #[error("vsock guest_cid must be >= 3 and < 2^32-1, got {0}")]
+    GuestCid(u64),
+    #[error("at most {MAX_BLOCK_DEVICES} block devices, got {0}")]
+    TooManyBlock(usize),
+    #[error("cmdline is longer than {MAX_CMDLINE_LEN} bytes")]
+    CmdlineTooLong,
+    #[error("raw_guest load_addr {0:#x} is outside 1 MiB..guest memory")]
+    RawLoadAddr(u64),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// ELF vmlinux or bzImage.
+    #[serde(default)]
+    pub kernel: Option<PathBuf>,
+    #[serde(default)]
+    pub initramfs: Option<PathBuf>,
+    #[serde(default)]
+    pub cmdline: Option<String>,
+    /// A test guest: flat code or a static ELF started directly in 64-bit long mode.
+    #[serde(default)]
+    pub raw_guest: Option<RawGuestConfig>,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    #[serde(default = "default_mem")]
+    pub mem_mib: u64,
+    /// Where the 8250 output goes; without it, serial output is dropped.
+    #[serde(default)]
+    pub serial_log: Option<PathBuf>,
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+    #[serde(default)]
+    pub block: Vec<BlockConfig>,
+    #[serde(default)]
+    pub api_socket: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RawGuestConfig {
+    pub image: PathBuf,
+    #[serde(default)]
+    pub format: RawFormat,
+    /// Load address for `flat` images (ELF images carry their own).
+    #[serde(default = "default_raw_load")]
+    pub load_addr: u64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RawFormat {
+    #[default]
+    Elf,
+    Flat,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VsockConfig {
+    pub uds_path: PathBuf,
+    pub guest_cid: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BlockConfig {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_mem() -> u64 {
+    128
+}
+fn default_raw_load() -> u64 {
+    0x10_0000
+}
+
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux";
+
+/// What we boot.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BootSource {
+    Linux { kernel: PathBuf, initramfs: Option<PathBuf>, cmdline: String },
+    Raw(RawGuestConfig),
+}
+
+/// A config that passed validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidConfig {
+    pub boot: BootSource,
+    pub vcpus: u8,
+    pub mem_bytes: u64,
+    pub serial_log: Option<PathBuf>,
+    pub vsock: Option<VsockConfig>,
+    pub block: Vec<BlockConfig>,
+    pub api_socket: Option<PathBuf>,
+}
+
+impl VmConfig {
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge);
+        }
+        Ok(serde_json::from_str(text)?)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let read_err = |source| ConfigError::Read { path: path.to_owned(), source };
+        let meta = std::fs::metadata(path).map_err(read_err)?;
+        if meta.len() > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge);
+        }
+        let text = std::fs::read_to_string(path).map_err(read_err)?;
+        Self::from_json(&text)
+    }
+
+    pub fn validate(self) -> Result<ValidConfig, ConfigError> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::Vcpus(self.vcpus));
+        }
+        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
+            return Err(ConfigError::Memory(self.mem_mib));
+        }
+        let mem_bytes = self.mem_mib << 20;
+        let boot = match (self.kernel, self.raw_guest) {
+            (None, None) => return Err(ConfigError::NoBootSource),
+            (Some(_), Some(_)) => return Err(ConfigError::TwoBootSources),
+            (Some(kernel), None) => {
+                readable_file("kernel", &kernel)?;
+                if let Some(initrd) = &self.initramfs {
+                    readable_file("initramfs", initrd)?;
+                }
+                let cmdline = self.cmdline.unwrap_or_else(|| DEFAULT_CMDLINE.to_string());
+                if cmdline.len() > MAX_CMDLINE_LEN {
+                    return Err(ConfigError::CmdlineTooLong);
+                }
+                BootSource::Linux { kernel, initramfs: self.initramfs, cmdline }
+            }
+            (None, Some(raw)) => {
+                if self.initramfs.is_some() || self.cmdline.is_some() {
+                    return Err(ConfigError::LinuxOnlyField);
+                }
+                readable_file("raw_guest image", &raw.image)?;
+                if raw.load_addr < 0x10_0000 || raw.load_addr >= mem_bytes {
+                    return Err(ConfigError::RawLoadAddr(raw.load_addr));
+                }
+                BootSource::Raw(raw)
+            }
+        };
+        if let Some(v) = &self.vsock {
+            if v.guest_cid < 3 || v.guest_cid >= u64::from(u32::MAX) {
+                return Err(ConfigError::GuestCid(v.guest_cid));
+            }
+            parent_dir_exists("vsock uds_path", &v.uds_path)?;
+        }
+        if self.block.len() > MAX_BLOCK_DEVICES {
+            return Err(ConfigError::TooManyBlock(self.block.len()));
+        }
+        for b in &self.block {
+            readable_file("block device", &b.path)?;
+        }
+        if let Some(p) = &self.serial_log {
+            parent_dir_exists("serial_log", p)?;
+        }
+        if let Some(p) = &self.api_socket {
+            parent_dir_exists("api_socket", p)?;
+        }
+        Ok(ValidConfig {
+            boot,
+            vcpus: self.vcpus,
+            mem_bytes,
+            serial_log: self.serial_log,
+            vsock: self.vsock,
+            block: self.block,
+            api_socket: self.api_socket,
+        })
+    }
+}
+
+fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
+    let err = |reason: String| ConfigError::Path { what, path: path.to_owned(), reason };
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(err("is not a regular file".into()));
+    }
+    Ok(())
+}
+
+fn parent_dir_exists(what: &'static str, path: &Path) -> Result<(), ConfigError> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(ConfigError::Path {
+            what,
+            path: path.to_owned(),
+            reason: "parent directory does not exist".into(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel_file() -> tempfile::NamedTempFile {
+        tempfile::NamedTempFile::new().unwrap()
+    }
+
+    #[test]
+    fn minimal_linux_config_validates_with_defaults() {
+        let k = kernel_file();
+        let json = format!(r#"{{"kernel": "{}"}}"#, k.path().display());
+        let cfg = VmConfig::from_json(&json).unwrap().validate().unwrap();
+        assert_eq!(cfg.vcpus, 1);
+        assert_eq!(cfg.mem_bytes, 128 << 20);
+        match cfg.boot {
+            BootSource::Linux { cmdline, .. } => assert_eq!(cmdline, DEFAULT_CMDLINE),
+            other => panic!("unexpected boot {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_field_is_rejected() {
+        let err = VmConfig::from_json(r#"{"kernal": "/x"}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_give_clear_errors() {
+        let k = kernel_file();
+        let p = k.path().display();
+        let cases = [
+            (format!(r#"{{"kernel":"{p}","vcpus":0}}"#), "vcpus"),
+            (format!(r#"{{"kernel":"{p}","mem_mib":1}}"#), "mem_mib"),
+            (format!(r#"{{"kernel":"{p}","vsock":{{"uds_path":"/tmp/v","guest_cid":2}}}}"#), "guest_cid"),
+            (r#"{"kernel":"/nonexistent/vmlinux"}"#.to_string(), "kernel"),
+            (r#"{}"#.to_string(), "neither"),
+            (format!(r#"{{"kernel":"{p}","raw_guest":{{"image":"{p}"}}}}"#), "both"),
+            (format!(r#"{{"kernel":"{p}","api_socket":"/nonexistent/dir/api"}}"#), "parent"),
+        ];
+        for (json, needle) in cases {
+            let err = VmConfig::from_json(&json).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.to_string().contains(needle), "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn oversized_config_is_rejected() {
+        let big = format!(r#"{{"cmdline":"{}"}}"#, "x".repeat(MAX_CONFIG_BYTES as usize));
+        assert!(matches!(VmConfig::from_json(&big), Err(ConfigError::TooLarge)));
+    }
+}

@@ -1,0 +1,199 @@
+//! Bounded collection of a descriptor chain. Every guest-supplied (address, length) is checked
+//! against guest memory, the chain length is capped and a chain that loops or runs off the table
+//! is reported instead of being silently truncated.
+
+use std::ops::Deref;
+
+use virtio_queue::DescriptorChain;
+use vm_memory::{GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryMmap};
+
+/// Longest chain any device here accepts.
+pub const MAX_CHAIN_DESCRIPTORS: usize = 64;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ChainError {
+    #[error("chain has more than {MAX_CHAIN_DESCRIPTORS} descriptors")]
+    TooLong,
+    #[error("chain does not terminate (loop, bad next index or unreadable descriptor)")]
+    Unterminated,
+    #[error("descriptor {addr:#x}+{len:#x} is outside guest memory")]
+    OutOfRange { addr: u64, len: u32 },
+    #[error("chain carries {total} bytes, more than the {limit} allowed")]
+    TooManyBytes { total: u64, limit: u64 },
+    #[error("empty chain")]
+    Empty,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Desc {
+    pub addr: GuestAddress,
+    pub len: u32,
+    pub writable: bool,
+}
+
+/// Walks `chain`, checking every descriptor. `max_bytes` caps the chain's total length.
+pub fn collect<M>(chain: DescriptorChain<M>, mem: &GuestMemoryMmap, max_bytes: u64) -> Result<Vec<Desc>, ChainError>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    let mut last_has_next = false;
+    for d in chain {
+        if out.len() >= MAX_CHAIN_DESCRIPTORS {
+            return Err(ChainError::TooLong);
+        }
+        total += u64::from(d.len());
+        if total > max_bytes {
+            return Err(ChainError::TooManyBytes { total, limit: max_bytes });
+        }
+        if !GuestMemoryBackend::check_range(mem, d.addr(), d.len() as usize) {
+            return Err(ChainError::OutOfRange { addr: d.addr().0, len: d.len() });
+        }
+        last_has_next = d.has_next();
+        out.push(Desc { addr: d.addr(), len: d.len(), writable: d.is_write_only() });
+    }
+    if last_has_next {
+        return Err(ChainError::Unterminated);
+    }
+    if out.is_empty() {
+        return Err(ChainError::Empty);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+pub(crate) mod test_utils {
+    //! A tiny split-virtqueue driver over in-memory guest memory, for device unit tests.
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::{Queue, QueueT};
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+    pub const F_NEXT: u16 = 1;
+    pub const F_WRITE: u16 = 2;
+
+    pub struct TestQueue {
+        pub size: u16,
+        pub desc: u64,
+        pub avail: u64,
+        pub used: u64,
+        avail_idx: u16,
+    }
+
+    impl TestQueue {
+        pub fn new(base: u64, size: u16) -> Self {
+            let desc = base;
+            let avail = desc + 16 * u64::from(size);
+            let used = (avail + 6 + 2 * u64::from(size) + 3) & !3;
+            Self { size, desc, avail, used, avail_idx: 0 }
+        }
+
+        pub fn queue(&self) -> Queue {
+            let mut q = Queue::new(self.size).unwrap();
+            q.set_desc_table_address(Some(self.desc as u32), Some((self.desc >> 32) as u32));
+            q.set_avail_ring_address(Some(self.avail as u32), Some((self.avail >> 32) as u32));
+            q.set_used_ring_address(Some(self.used as u32), Some((self.used >> 32) as u32));
+            q.set_ready(true);
+            q
+        }
+
+        pub fn set_desc(&self, mem: &GuestMemoryMmap, idx: u16, addr: u64, len: u32, flags: u16, next: u16) {
+            let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
+            mem.write_obj(d, GuestAddress(self.desc + 16 * u64::from(idx))).unwrap();
+        }
+
+        /// Publishes chain head `head` in the available ring.
+        pub fn publish(&mut self, mem: &GuestMemoryMmap, head: u16) {
+            let slot = self.avail + 4 + 2 * u64::from(self.avail_idx % self.size);
+            mem.write_obj(head, GuestAddress(slot)).unwrap();
+            self.avail_idx = self.avail_idx.wrapping_add(1);
+            mem.write_obj(self.avail_idx, GuestAddress(self.avail + 2)).unwrap();
+        }
+
+        pub fn used_idx(&self, mem: &GuestMemoryMmap) -> u16 {
+            mem.read_obj(GuestAddress(self.used + 2)).unwrap()
+        }
+
+        /// (head id, len) of used element `i`.
+        pub fn used_elem(&self, mem: &GuestMemoryMmap, i: u16) -> (u32, u32) {
+            let base = self.used + 4 + 8 * u64::from(i % self.size);
+            (mem.read_obj(GuestAddress(base)).unwrap(), mem.read_obj(GuestAddress(base + 4)).unwrap())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_utils::*;
+    use super::*;
+    use virtio_queue::QueueOwnedT;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    }
+
+    fn first_chain(mem: &GuestMemoryMmap, tq: &TestQueue) -> Result<Vec<Desc>, ChainError> {
+        let mut q = tq.queue();
+        let chain = q.iter(mem).unwrap().next().unwrap();
+        collect(chain, mem, 1 << 20)
+    }
+
+    #[test]
+    fn good_chain_is_collected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, 0x8000, 16, F_NEXT, 1);
+        tq.set_desc(&m, 1, 0x9000, 512, F_WRITE, 0);
+        tq.publish(&m, 0);
+        let c = first_chain(&m, &tq).unwrap();
+        assert_eq!(c.len(), 2);
+        assert!(!c[0].writable && c[1].writable);
+    }
+
+    #[test]
+    fn out_of_range_address_is_rejected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, 0xffff_0000_0000, 16, 0, 0);
+        tq.publish(&m, 0);
+        assert!(matches!(first_chain(&m, &tq), Err(ChainError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn straddling_the_end_of_memory_is_rejected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, (1 << 20) - 8, 16, 0, 0);
+        tq.publish(&m, 0);
+        assert!(matches!(first_chain(&m, &tq), Err(ChainError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn loop_is_detected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, 0x8000, 16, F_NEXT, 1);
+        tq.set_desc(&m, 1, 0x9000, 16, F_NEXT, 0);
+        tq.publish(&m, 0);
+        assert_eq!(first_chain(&m, &tq), Err(ChainError::Unterminated));
+    }
+
+    #[test]
+    fn next_index_past_the_table_is_detected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, 0x8000, 16, F_NEXT, 200);
+        tq.publish(&m, 0);
+        assert_eq!(first_chain(&m, &tq), Err(ChainError::Unterminated));
+    }
+
+    #[test]
+    fn oversized_length_is_rejected() {
+        let m = mem();
+        let mut tq = TestQueue::new(0x1000, 8);
+        tq.set_desc(&m, 0, 0x8000, 0xffff_0000, 0, 0);
+        tq.publish(&m, 0);
+        assert!(matches!(first_chain(&m, &tq), Err(ChainError::TooManyBytes { .. })));
+    }
+}

@@ -1,0 +1,120 @@
+//! Virtio devices over the virtio-mmio transport.
+//!
+//! Every device lives in its own folder with the same rooms: `device.rs` (virtio semantics),
+//! `event_handler.rs` (fd readiness -> device work), `packet.rs` (wire parsing, every length checked
+//! against guest memory) and `persist.rs` (plain serialisable state, virtqueue indices included).
+
+pub mod block;
+pub mod chain;
+pub mod mmio;
+pub mod persist;
+pub mod vsock;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_VSOCK: u32 = 19;
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+pub const VIRTIO_MMIO_INT_VRING: u32 = 0x1;
+pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x2;
+
+/// The device-to-driver interrupt: the status bits the driver reads (and acks) through the
+/// transport, plus an eventfd that is an irqfd when the in-kernel irqchip is present.
+#[derive(Clone)]
+pub struct IrqTrigger {
+    status: Arc<AtomicU32>,
+    evt: Arc<EventFd>,
+}
+
+impl IrqTrigger {
+    pub fn new(evt: EventFd) -> Self {
+        Self { status: Arc::new(AtomicU32::new(0)), evt: Arc::new(evt) }
+    }
+
+    pub fn trigger(&self, bits: u32) {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+        if let Err(e) = self.evt.write(1) {
+            tracing::warn!(error = %e, "failed to signal virtio interrupt");
+        }
+    }
+
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+}
+
+/// Why a device refused to go live or stopped serving.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum DeviceError {
+    #[error("queue {0} is not valid in guest memory (addresses or size)")]
+    InvalidQueue(usize),
+    #[error("driver did not set up queue {0}")]
+    QueueNotReady(usize),
+    #[error("malformed descriptor chain: {0}")]
+    Chain(#[from] chain::ChainError),
+    #[error("malformed request: {0}")]
+    Request(String),
+    #[error("guest memory access failed: {0}")]
+    Memory(String),
+    #[error("available ring index is corrupt")]
+    AvailRing,
+}
+
+/// What a virtio device must offer the transport.
+pub trait VirtioDevice: Send {
+    fn device_type(&self) -> u32;
+    fn avail_features(&self) -> u64;
+    fn set_acked_features(&mut self, features: u64);
+    fn queue_max_sizes(&self) -> &[u16];
+    /// One eventfd per queue; the transport signals it on QueueNotify.
+    fn queue_events(&self) -> &[EventFd];
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// DRIVER_OK: the device takes ownership of the queues and starts serving.
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError>;
+    /// Driver reset: drop queues and connections, back to the inactive state.
+    fn reset(&mut self);
+    /// The device hit a fatal guest error and no longer serves (reported as DEVICE_NEEDS_RESET).
+    fn is_broken(&self) -> bool;
+}
+
+/// The life of a device between driver resets. A device stops serving on the first fatal guest
+/// error and stays `Broken` until the driver resets it.
+pub enum DeviceState<A> {
+    Inactive,
+    Active(A),
+    Broken(DeviceError),
+}
+
+impl<A> DeviceState<A> {
+    pub fn is_broken(&self) -> bool {
+        matches!(self, DeviceState::Broken(_))
+    }
+}
+
+/// Checks queue readiness and validity against guest memory before a device goes live.
+pub fn validate_queues(mem: &GuestMemoryMmap, queues: &[Queue]) -> Result<(), DeviceError> {
+    use virtio_queue::QueueT;
+    for (i, q) in queues.iter().enumerate() {
+        if !q.ready() {
+            return Err(DeviceError::QueueNotReady(i));
+        }
+        if !q.is_valid(mem) {
+            return Err(DeviceError::InvalidQueue(i));
+        }
+    }
+    Ok(())
+}

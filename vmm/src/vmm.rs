@@ -1,0 +1,270 @@
+//! Builds the VM from a validated config (KVM, memory, devices, boot, vCPUs) and runs the event
+//! loop until something stops it.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VmFd};
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::api::{ApiServer, VmController};
+use crate::boot;
+use crate::config::ValidConfig;
+use crate::devices::bus::{Bus, BusDevice};
+use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_LEN};
+use crate::devices::legacy::serial::{SerialDevice, SERIAL_PORT, SERIAL_PORT_LEN};
+use crate::devices::legacy::EventFdTrigger;
+use crate::devices::virtio::block::Block;
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::exit::{ExitReason, ExitSignal};
+use crate::layout;
+use crate::memory::create_guest_memory;
+use crate::vcpu::{install_kick_handler, unix_ns, Vcpu, VcpuControl};
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error("cannot open /dev/kvm: {0}")]
+    Kvm(kvm_ioctls::Error),
+    #[error("KVM setup ({what}): {source}")]
+    KvmSetup { what: &'static str, source: kvm_ioctls::Error },
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
+    #[error(transparent)]
+    Boot(#[from] crate::boot::BootError),
+    #[error(transparent)]
+    Vcpu(#[from] crate::vcpu::VcpuError),
+    #[error("device {what}: {source}")]
+    Device { what: String, source: std::io::Error },
+    #[error("bus: {0}")]
+    Bus(#[from] crate::devices::bus::BusError),
+    #[error("event loop: {0}")]
+    EventLoop(String),
+}
+
+fn dev_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmmError {
+    let what = what.into();
+    move |source| VmmError::Device { what, source }
+}
+
+/// Blocks SIGTERM/SIGINT in the calling thread (and every thread spawned after) and returns a
+/// signalfd for them, so signals are handled on the event loop like any other event.
+pub fn block_termination_signals() -> std::io::Result<OwnedFd> {
+    // SAFETY: plain libc calls on a stack-local sigset; return values are checked.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Wakes the loop when the VM must stop.
+struct ExitWatcher(Arc<ExitSignal>);
+impl MutEventSubscriber for ExitWatcher {
+    fn init(&mut self, ops: &mut EventOps) {
+        let _ = ops.add(Events::new(self.0.eventfd(), EventSet::IN));
+    }
+    fn process(&mut self, _: Events, _: &mut EventOps) {
+        let _ = self.0.eventfd().read();
+    }
+}
+
+/// SIGTERM/SIGINT -> orderly shutdown.
+struct SignalWatcher {
+    fd: OwnedFd,
+    exit: Arc<ExitSignal>,
+}
+impl MutEventSubscriber for SignalWatcher {
+    fn init(&mut self, ops: &mut EventOps) {
+        let _ = ops.add(Events::new_raw(self.fd.as_raw_fd(), EventSet::IN));
+    }
+    fn process(&mut self, _: Events, _: &mut EventOps) {
+        // SAFETY: signalfd_siginfo is plain data; we read at most its size from our own fd.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                &mut info as *mut _ as *mut libc::c_void,
+                std::mem::size_of::<libc::signalfd_siginfo>(),
+            )
+        };
+        if n > 0 {
+            tracing::info!(signal = info.ssi_signo, "termination signal; shutting down");
+            self.exit.signal(ExitReason::Signal(info.ssi_signo as i32));
+        }
+    }
+}
+
+type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+
+fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmmError> {
+    for (slot, region) in mem.iter().enumerate() {
+        let host = mem
+            .get_host_address(region.start_addr())
+            .map_err(|_| VmmError::KvmSetup { what: "host address", source: kvm_ioctls::Error::new(libc::EFAULT) })?;
+        let r = kvm_userspace_memory_region {
+            slot: slot as u32,
+            flags: 0,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the mapping lives as long as `mem`, which outlives the VM (held until exit).
+        unsafe { vm.set_user_memory_region(r) }
+            .map_err(|source| VmmError::KvmSetup { what: "memory region", source })?;
+    }
+    Ok(())
+}
+
+/// An interrupt line: an irqfd on `gsi` when the irqchip exists, a plain eventfd otherwise
+/// (test guests poll and never take interrupts).
+fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
+    let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("irq eventfd"))?;
+    if irqchip {
+        vm.register_irqfd(&evt, gsi).map_err(|source| VmmError::KvmSetup { what: "irqfd", source })?;
+    }
+    Ok(evt)
+}
+
+/// Builds and runs the VM. Returns why it stopped.
+pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
+    let kvm = Kvm::new().map_err(VmmError::Kvm)?;
+    let vm = kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?;
+    vm.set_tss_address(layout::TSS_ADDRESS)
+        .map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
+    let irqchip = match vm.create_irq_chip() {
+        Ok(()) => {
+            let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+            if let Err(e) = vm.create_pit2(pit) {
+                tracing::warn!(error = %e, "no in-kernel PIT");
+            }
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no in-kernel irqchip; devices will not raise interrupts");
+            false
+        }
+    };
+
+    let mem = create_guest_memory(cfg.mem_bytes)?;
+    register_memory(&vm, &mem)?;
+
+    let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
+    let control = Arc::new(VcpuControl::new());
+    let mut pio = Bus::new();
+    let mut mmio = Bus::new();
+    let mut subscribers: Vec<Subscriber> = Vec::new();
+
+    // Legacy devices.
+    let serial_out: Box<dyn Write + Send> = match &cfg.serial_log {
+        Some(p) => Box::new(
+            OpenOptions::new().create(true).append(true).open(p).map_err(dev_err(format!("serial log {}", p.display())))?,
+        ),
+        None => Box::new(std::io::sink()),
+    };
+    let serial_irq = EventFdTrigger(irq_line(&vm, irqchip, layout::SERIAL_IRQ)?);
+    pio.insert(Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out))), SERIAL_PORT, SERIAL_PORT_LEN)?;
+    let reset_exit = exit.clone();
+    let i8042 = I8042::new(ResetTrigger(Box::new(move || {
+        tracing::info!("guest reset through i8042");
+        reset_exit.signal(ExitReason::GuestReset);
+    })));
+    pio.insert(Arc::new(Mutex::new(i8042)), I8042_PORT, I8042_PORT_LEN)?;
+
+    // Virtio devices, one MMIO slot each: block devices first, then vsock.
+    let mut virtio: Vec<(String, Arc<Mutex<dyn VirtioDevice>>)> = Vec::new();
+    for (i, b) in cfg.block.iter().enumerate() {
+        let blk = Arc::new(Mutex::new(Block::new(b, i).map_err(dev_err(format!("block {}", b.path.display())))?));
+        subscribers.push(blk.clone());
+        virtio.push((format!("blk{i}"), blk));
+    }
+    #[cfg(any())]
+    if let Some(v) = &cfg.vsock {
+        let vsock = Arc::new(Mutex::new(
+            Vsock::new(v.guest_cid, &v.uds_path).map_err(dev_err(format!("vsock {}", v.uds_path.display())))?,
+        ));
+        subscribers.push(vsock.clone());
+        virtio.push(("vsock".to_string(), vsock));
+    }
+    let mut cmdline_devices = Vec::new();
+    for (i, (name, dev)) in virtio.into_iter().enumerate() {
+        let base = layout::virtio_mmio_addr(i);
+        let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
+        let irq = IrqTrigger::new(irq_line(&vm, irqchip, gsi)?);
+        let transport = MmioTransport::new(name.clone(), mem.clone(), dev, irq).map_err(dev_err(name))?;
+        let transport: Arc<Mutex<dyn BusDevice>> = Arc::new(Mutex::new(transport));
+        mmio.insert(transport, base, layout::VIRTIO_MMIO_SIZE)?;
+        cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
+    }
+
+    let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices)?;
+    tracing::debug!(?entry, irqchip, "guest loaded");
+
+    let pio = Arc::new(pio);
+    let mmio = Arc::new(mmio);
+    let mut vcpus = Vec::new();
+    for id in 0..cfg.vcpus {
+        vcpus.push(Vcpu::new(
+            &kvm, &vm, id, cfg.vcpus, &entry, irqchip, pio.clone(), mmio.clone(), exit.clone(), control.clone(),
+        )?);
+    }
+
+    let mut em: EventManager<Subscriber> =
+        EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+    em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
+    em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));
+    for s in subscribers {
+        em.add_subscriber(s);
+    }
+    if let Some(path) = &cfg.api_socket {
+        let controller = VmController {
+            control: control.clone(),
+            exit: exit.clone(),
+            vcpus: cfg.vcpus,
+            mem_mib: cfg.mem_bytes >> 20,
+            irqchip,
+            start_unix_ns,
+        };
+        let api = ApiServer::bind(path, controller).map_err(dev_err(format!("api socket {}", path.display())))?;
+        em.add_subscriber(Arc::new(Mutex::new(api)));
+    }
+
+    install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
+    for (id, vcpu) in vcpus.into_iter().enumerate() {
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || vcpu.run())
+            .map_err(dev_err("vcpu thread"))?;
+        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
+    }
+
+    loop {
+        if let Some(reason) = exit.reason() {
+            // Let parked vCPUs see the exit; running ones die with the process.
+            control.resume();
+            drop(mem);
+            return Ok(reason);
+        }
+        em.run_with_timeout(1000).map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+    }
+}
+
+/// Wall-clock now, for callers that want to report the process start.
+pub fn now_unix_ns() -> u64 {
+    unix_ns()
+}

@@ -1,0 +1,156 @@
+//! Test harness for KVM integration tests: builds the no_std test guests with rustc for
+//! x86_64-unknown-none, writes VM configs, and runs the real `bulkhead-vmm` binary with a timeout.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub const VMM: &str = env!("CARGO_BIN_EXE_bulkhead-vmm");
+
+/// Why a KVM test cannot run here, if it cannot.
+pub fn kvm_unavailable() -> Option<String> {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => None,
+        Err(e) => Some(format!("/dev/kvm is not usable: {e}")),
+    }
+}
+
+/// Prints the SKIPPED line and returns true if KVM tests cannot run.
+pub fn skip_without_kvm() -> bool {
+    if let Some(reason) = kvm_unavailable() {
+        println!("SKIPPED: {reason}");
+        return true;
+    }
+    false
+}
+
+fn guests_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/guests")
+}
+
+/// Compiles `tests/guests/<name>.rs` into a static ELF. Err(reason) means "cannot build here".
+pub fn build_guest(name: &str) -> Result<PathBuf, String> {
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
+    std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
+    let out = out_dir.join(format!("{name}.elf"));
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let output = Command::new(rustc)
+        .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
+        .args(["-C", "panic=abort", "-C", "opt-level=s", "-C", "relocation-model=static"])
+        .arg("-o")
+        .arg(&out)
+        .arg(guests_dir().join(format!("{name}.rs")))
+        .output()
+        .map_err(|e| format!("cannot run rustc: {e}"))?;
+    if !output.status.success() {
+        let err = String::from_utf8_lossy(&output.stderr);
+        if err.contains("can't find crate for `core`") || err.contains("target may not be installed") {
+            return Err("rust target x86_64-unknown-none is not installed".into());
+        }
+        panic!("test guest {name} failed to compile:\n{err}");
+    }
+    Ok(out)
+}
+
+/// Skips (prints SKIPPED) when KVM or the guest toolchain is missing; otherwise the guest path.
+pub fn guest_or_skip(name: &str) -> Option<PathBuf> {
+    if skip_without_kvm() {
+        return None;
+    }
+    match build_guest(name) {
+        Ok(p) => Some(p),
+        Err(reason) => {
+            println!("SKIPPED: {reason}");
+            None
+        }
+    }
+}
+
+pub struct Run {
+    pub status: ExitStatus,
+    pub stderr: String,
+    pub serial: String,
+}
+
+/// A VMM child process with a hard deadline.
+pub struct VmmProcess {
+    pub child: Child,
+    pub dir: PathBuf,
+    deadline: Instant,
+}
+
+impl VmmProcess {
+    pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
+        let cfg_path = dir.join("vm.json");
+        std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
+        let child = Command::new(VMM)
+            .arg("--config")
+            .arg(&cfg_path)
+            .env("BULKHEAD_VMM_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bulkhead-vmm");
+        Self { child, dir: dir.to_owned(), deadline: Instant::now() + timeout }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits for exit; kills the child (by PID) and panics if the deadline passes.
+    pub fn wait(mut self) -> Run {
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() > self.deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                panic!(
+                    "bulkhead-vmm did not exit in time; killed.\nstderr:\n{err}\nserial:\n{}",
+                    read_serial(&self.dir)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut stderr);
+        }
+        Run { status, stderr, serial: read_serial(&self.dir) }
+    }
+}
+
+impl Drop for VmmProcess {
+    fn drop(&mut self) {
+        // Never leave a VMM behind if a test fails midway.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+pub fn read_serial(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("serial.log")).unwrap_or_default()
+}
+
+/// Base config for a raw test guest; the serial log lands in `dir/serial.log`.
+pub fn raw_config(dir: &Path, guest: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "raw_guest": { "image": guest },
+        "vcpus": 1,
+        "mem_mib": 32,
+        "serial_log": dir.join("serial.log"),
+    })
+}
+
+/// Generous: guest code runs through the PVM instruction emulator here.
+pub const GUEST_TIMEOUT: Duration = Duration::from_secs(60);

@@ -1,0 +1,205 @@
+//! Shared code of the no_std test guests (built for x86_64-unknown-none by the test harness).
+//! Guests start in 64-bit long mode at CPL0 with the first 4 GiB identity mapped and interrupts
+//! off. They poll devices and never take an exception. Keep them tiny: under the PVM instruction
+//! emulator every instruction costs microseconds.
+#![allow(dead_code)]
+
+use core::arch::asm;
+use core::ptr::{read_volatile, write_volatile};
+
+pub const MMIO_BASE: u64 = 0xd000_0000;
+pub const MMIO_SLOT: u64 = 0x1000;
+
+pub fn outb(port: u16, v: u8) {
+    unsafe { asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack)) }
+}
+
+pub fn puts(s: &str) {
+    for b in s.bytes() {
+        outb(0x3f8, b);
+    }
+}
+
+pub fn put_hex(v: u64) {
+    let digits = b"0123456789abcdef";
+    let mut started = false;
+    for i in (0..16).rev() {
+        let d = ((v >> (i * 4)) & 0xf) as usize;
+        if d != 0 || started || i == 0 {
+            started = true;
+            outb(0x3f8, digits[d]);
+        }
+    }
+}
+
+/// Pulse the i8042 reset line: the VMM exits 0.
+pub fn reset() -> ! {
+    outb(0x64, 0xfe);
+    loop {
+        unsafe { asm!("hlt", options(nomem, nostack)) }
+    }
+}
+
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    puts("guest panic\n");
+    reset()
+}
+
+pub fn r32(addr: u64) -> u32 {
+    unsafe { read_volatile(addr as *const u32) }
+}
+pub fn w32(addr: u64, v: u32) {
+    unsafe { write_volatile(addr as *mut u32, v) }
+}
+pub fn r16(addr: u64) -> u16 {
+    unsafe { read_volatile(addr as *const u16) }
+}
+pub fn w16(addr: u64, v: u16) {
+    unsafe { write_volatile(addr as *mut u16, v) }
+}
+pub fn w64(addr: u64, v: u64) {
+    unsafe { write_volatile(addr as *mut u64, v) }
+}
+pub fn r64(addr: u64) -> u64 {
+    unsafe { read_volatile(addr as *const u64) }
+}
+pub fn r8(addr: u64) -> u8 {
+    unsafe { read_volatile(addr as *const u8) }
+}
+pub fn w8(addr: u64, v: u8) {
+    unsafe { write_volatile(addr as *mut u8, v) }
+}
+
+// virtio-mmio registers.
+pub const MAGIC: u64 = 0x000;
+pub const VERSION: u64 = 0x004;
+pub const DEVICE_ID: u64 = 0x008;
+pub const DEVICE_FEATURES: u64 = 0x010;
+pub const DEVICE_FEATURES_SEL: u64 = 0x014;
+pub const DRIVER_FEATURES: u64 = 0x020;
+pub const DRIVER_FEATURES_SEL: u64 = 0x024;
+pub const QUEUE_SEL: u64 = 0x030;
+pub const QUEUE_NUM_MAX: u64 = 0x034;
+pub const QUEUE_NUM: u64 = 0x038;
+pub const QUEUE_READY: u64 = 0x044;
+pub const QUEUE_NOTIFY: u64 = 0x050;
+pub const STATUS: u64 = 0x070;
+pub const QUEUE_DESC_LOW: u64 = 0x080;
+pub const QUEUE_DESC_HIGH: u64 = 0x084;
+pub const QUEUE_DRIVER_LOW: u64 = 0x090;
+pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
+pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
+pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+pub const CONFIG: u64 = 0x100;
+
+pub const F_NEXT: u16 = 1;
+pub const F_WRITE: u16 = 2;
+
+/// Finds the MMIO slot holding a device of `id`, or 0.
+pub fn find_device(id: u32) -> u64 {
+    for i in 0..8 {
+        let base = MMIO_BASE + i * MMIO_SLOT;
+        if r32(base + MAGIC) == 0x7472_6976 && r32(base + DEVICE_ID) == id {
+            return base;
+        }
+    }
+    0
+}
+
+/// ACK, DRIVER, accept VERSION_1 only, FEATURES_OK. Returns false if the device refused.
+pub fn negotiate(base: u64) -> bool {
+    w32(base + STATUS, 0);
+    w32(base + STATUS, 1);
+    w32(base + STATUS, 3);
+    w32(base + DEVICE_FEATURES_SEL, 1);
+    if r32(base + DEVICE_FEATURES) & 1 == 0 {
+        return false;
+    }
+    w32(base + DRIVER_FEATURES_SEL, 1);
+    w32(base + DRIVER_FEATURES, 1);
+    w32(base + DRIVER_FEATURES_SEL, 0);
+    w32(base + DRIVER_FEATURES, 0);
+    w32(base + STATUS, 0xb);
+    r32(base + STATUS) & 8 != 0
+}
+
+/// A split virtqueue at a fixed guest-physical address: descriptors, then avail, then used.
+pub struct Vq {
+    pub dev: u64,
+    pub index: u32,
+    pub size: u16,
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+    pub avail_idx: u16,
+    pub used_seen: u16,
+}
+
+impl Vq {
+    pub const fn new(dev: u64, index: u32, base: u64, size: u16) -> Self {
+        let desc = base;
+        let avail = desc + 16 * size as u64;
+        let used = (avail + 6 + 2 * size as u64 + 3) & !3;
+        Vq { dev, index, size, desc, avail, used, avail_idx: 0, used_seen: 0 }
+    }
+
+    /// Programs the queue registers. Returns false if the device has no such queue.
+    pub fn setup(&self) -> bool {
+        let b = self.dev;
+        w32(b + QUEUE_SEL, self.index);
+        if r32(b + QUEUE_NUM_MAX) < self.size as u32 {
+            return false;
+        }
+        w32(b + QUEUE_NUM, self.size as u32);
+        w32(b + QUEUE_DESC_LOW, self.desc as u32);
+        w32(b + QUEUE_DESC_HIGH, 0);
+        w32(b + QUEUE_DRIVER_LOW, self.avail as u32);
+        w32(b + QUEUE_DRIVER_HIGH, 0);
+        w32(b + QUEUE_DEVICE_LOW, self.used as u32);
+        w32(b + QUEUE_DEVICE_HIGH, 0);
+        w32(b + QUEUE_READY, 1);
+        r32(b + QUEUE_READY) == 1
+    }
+
+    pub fn set_desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let d = self.desc + 16 * i as u64;
+        w64(d, addr);
+        w32(d + 8, len);
+        w16(d + 12, flags);
+        w16(d + 14, next);
+    }
+
+    /// Makes chain `head` available and notifies the device.
+    pub fn publish(&mut self, head: u16) {
+        w16(self.avail + 4 + 2 * (self.avail_idx % self.size) as u64, head);
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+        w16(self.avail + 2, self.avail_idx);
+        w32(self.dev + QUEUE_NOTIFY, self.index);
+    }
+
+    /// The next used element (id, len) if the device produced one.
+    pub fn poll_used(&mut self) -> Option<(u32, u32)> {
+        if r16(self.used + 2) == self.used_seen {
+            return None;
+        }
+        let e = self.used + 4 + 8 * (self.used_seen % self.size) as u64;
+        self.used_seen = self.used_seen.wrapping_add(1);
+        Some((r32(e), r32(e + 4)))
+    }
+
+    /// Polls for a used element, giving up after `spins` polls.
+    pub fn wait_used(&mut self, spins: u32) -> Option<(u32, u32)> {
+        for _ in 0..spins {
+            if let Some(u) = self.poll_used() {
+                return Some(u);
+            }
+        }
+        None
+    }
+}
+
+pub fn driver_ok(base: u64) -> bool {
+    w32(base + STATUS, 0xf);
+    r32(base + STATUS) & 0x4 != 0
+}
