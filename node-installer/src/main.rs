@@ -1,1 +1,179 @@
-fn main() {}
+//! Binary edge of the node installer: flags/env, logging, signals. The work is in the library.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bulkhead_node_installer::failpoint::FailPoints;
+use bulkhead_node_installer::installer::{Installer, Outcome, Settings};
+use bulkhead_node_installer::kube::{InCluster, NodeApi};
+use bulkhead_node_installer::layout::Layout;
+use bulkhead_node_installer::probe;
+use bulkhead_node_installer::restart::CommandRestarter;
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio::signal::unix::{signal, SignalKind};
+
+#[derive(Parser, Debug)]
+#[command(name = "bulkhead-node-installer", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Where the host's `/` is mounted in this container.
+    #[arg(long, env = "BULKHEAD_HOST_ROOT", default_value = "/host", global = true)]
+    host_root: PathBuf,
+    /// The same tree as containerd sees it (`/` on a node; a scratch dir in tests).
+    #[arg(long, env = "BULKHEAD_VIEW_ROOT", default_value = "/", global = true)]
+    view_root: PathBuf,
+    /// Artifact directory inside the image.
+    #[arg(long, env = "BULKHEAD_ARTIFACTS", default_value = "/opt/bulkhead-artifacts", global = true)]
+    artifacts: PathBuf,
+    /// Version directory name under /opt/bulkhead.
+    #[arg(long = "artifact-version", env = "BULKHEAD_VERSION", default_value = env!("CARGO_PKG_VERSION"), global = true)]
+    artifact_version: String,
+    /// containerd's main config (host path).
+    #[arg(long, env = "BULKHEAD_CONTAINERD_CONFIG", default_value = "/etc/containerd/config.toml", global = true)]
+    containerd_config: PathBuf,
+    /// containerd's CRI socket (host path).
+    #[arg(long, env = "BULKHEAD_CONTAINERD_SOCKET", default_value = "/run/containerd/containerd.sock", global = true)]
+    containerd_socket: PathBuf,
+    /// Command that restarts the node's containerd (split on whitespace).
+    #[arg(long, env = "BULKHEAD_RESTART_COMMAND", default_value = "systemctl restart containerd", global = true)]
+    restart_command: String,
+    /// This node's name (downward API); the only Node the installer touches.
+    #[arg(long, env = "NODE_NAME", global = true)]
+    node_name: Option<String>,
+    /// Run without the Kubernetes API (no label, no taint).
+    #[arg(long, env = "BULKHEAD_NO_KUBE", global = true)]
+    no_kube: bool,
+    /// Startup taint (e.g. Karpenter's) to remove once the node is ready.
+    #[arg(long, env = "BULKHEAD_STARTUP_TAINT", global = true)]
+    startup_taint: Option<String>,
+    /// The shipped guest kernel is PVM-aware: accept kvm_pvm hosts.
+    #[arg(long, env = "BULKHEAD_ALLOW_PVM", global = true)]
+    allow_pvm: bool,
+    /// How long to wait for containerd to report the handler.
+    #[arg(long, env = "BULKHEAD_CRI_TIMEOUT_SECS", default_value_t = 90, global = true)]
+    cri_timeout_secs: u64,
+    #[arg(long, env = "BULKHEAD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json, global = true)]
+    log_format: LogFormat,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// DaemonSet mode: install, keep converging, uninstall on SIGTERM.
+    Run {
+        /// Re-check (and repair) the install this often.
+        #[arg(long, env = "BULKHEAD_RESYNC_SECS", default_value_t = 300)]
+        resync_secs: u64,
+        /// What SIGTERM does.
+        #[arg(long, env = "BULKHEAD_ON_SIGTERM", value_enum, default_value_t = OnSigterm::Uninstall)]
+        on_sigterm: OnSigterm,
+    },
+    /// Install once and exit.
+    Install,
+    /// Uninstall once and exit.
+    Uninstall,
+    /// Print the host probe verdict and exit (0 capable, 2 refused).
+    Probe,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OnSigterm {
+    Uninstall,
+    Keep,
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => b.json().flatten_event(true).init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logs(cli.log_format);
+    let mut layout = Layout::new(&cli.host_root, &cli.view_root);
+    layout.containerd_config = cli.containerd_config.clone();
+    let settings = Settings {
+        layout,
+        artifacts_dir: cli.artifacts.clone(),
+        version: cli.artifact_version.clone(),
+        containerd_socket: cli.containerd_socket.clone(),
+        startup_taint: cli.startup_taint.clone().filter(|t| !t.is_empty()),
+        allow_pvm: cli.allow_pvm,
+        cri_timeout: Duration::from_secs(cli.cri_timeout_secs),
+    };
+    if let Command::Probe = cli.command {
+        let v = probe::verdict(&settings.layout.host_root, settings.allow_pvm);
+        tracing::info!(verdict = ?v, "probe");
+        std::process::exit(if matches!(v, probe::Verdict::Capable { .. }) { 0 } else { 2 });
+    }
+    let restarter = CommandRestarter::parse(&cli.restart_command)?;
+    let api: Option<InCluster> = if cli.no_kube { None } else { Some(InCluster::from_env()?) };
+    let node = match (&api, &cli.node_name) {
+        (Some(_), Some(n)) if !n.is_empty() => Some(n.clone()),
+        (Some(_), _) => anyhow::bail!("NODE_NAME is required (set it from spec.nodeName), or pass --no-kube"),
+        (None, _) => None,
+    };
+    let installer = Installer {
+        settings,
+        restarter: &restarter,
+        nodes: api.as_ref().zip(node).map(|(a, n)| (a as &dyn NodeApi, n)),
+        fail: FailPoints::from_env(),
+    };
+    match cli.command {
+        Command::Install => {
+            let report = installer.install().await.context("install")?;
+            if let Outcome::Refused { reason } = &report.outcome {
+                tracing::warn!(reason = %reason, "install refused");
+            }
+            Ok(())
+        }
+        Command::Uninstall => installer.uninstall().await.context("uninstall"),
+        Command::Run { resync_secs, on_sigterm } => run(&installer, Duration::from_secs(resync_secs), on_sigterm).await,
+        Command::Probe => Ok(()),
+    }
+}
+
+/// Converge now and every `resync`; retry failures with backoff; on SIGTERM uninstall (or keep) and exit.
+async fn run(installer: &Installer<'_>, resync: Duration, on_sigterm: OnSigterm) -> Result<()> {
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    let mut backoff = Duration::from_secs(5);
+    loop {
+        let wait = match installer.install().await {
+            Ok(report) => {
+                backoff = Duration::from_secs(5);
+                tracing::info!(outcome = ?report.outcome, restarted = report.restarted, "converged; next check in {resync:?}");
+                resync
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "install failed; retrying in {backoff:?}");
+                let w = backoff;
+                backoff = (backoff * 2).min(Duration::from_secs(300));
+                w
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+    tracing::info!(?on_sigterm, "termination signal received");
+    match on_sigterm {
+        OnSigterm::Uninstall => installer.uninstall().await.context("uninstall on SIGTERM"),
+        OnSigterm::Keep => Ok(()),
+    }
+}

@@ -1,0 +1,139 @@
+//! Copy the image's artifacts to `<prefix>/<version>/` and flip `<prefix>/current` to it.
+//!
+//! Each file is written to a temp name, fsynced and renamed, and the `current` symlink is replaced by rename, so
+//! containerd never execs a half-written shim and an upgrade switches all files at once.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::error::{io, Error, Result};
+use crate::failpoint::FailPoints;
+use crate::fsutil;
+use crate::layout::{Layout, SHIM_BINARY, SHIM_CONFIG};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// Without it nothing can work: the install fails.
+    Required,
+    /// Needed by the `vm` backend: a missing one is reported and blocks the node label.
+    VmBackend,
+    /// Shipped when the image carries it; otherwise the installer writes a default.
+    Optional,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Artifact {
+    pub name: &'static str,
+    pub mode: u32,
+    pub need: Need,
+}
+
+/// The artifact directory of the image holds these names, flat; they land flat in `<prefix>/<version>/`.
+pub const ARTIFACTS: &[Artifact] = &[
+    Artifact { name: SHIM_BINARY, mode: 0o755, need: Need::Required },
+    Artifact { name: "bulkhead-vmm", mode: 0o755, need: Need::VmBackend },
+    Artifact { name: "virtiofsd", mode: 0o755, need: Need::VmBackend },
+    Artifact { name: "vmlinux", mode: 0o644, need: Need::VmBackend },
+    Artifact { name: "initramfs.cpio.gz", mode: 0o644, need: Need::VmBackend },
+    Artifact { name: SHIM_CONFIG, mode: 0o644, need: Need::Optional },
+];
+
+#[derive(Debug, Default)]
+pub struct CopyReport {
+    pub changed: bool,
+    /// `VmBackend` artifacts the image did not carry.
+    pub missing: Vec<&'static str>,
+}
+
+pub fn install(layout: &Layout, src: &Path, version: &str, fp: &FailPoints) -> Result<CopyReport> {
+    let root = layout.install_dir();
+    let dir = root.join(version);
+    fs::create_dir_all(&dir).map_err(io("create dir", &dir))?;
+    fsutil::clean_temps(&dir)?;
+    fsutil::clean_temps(&root)?;
+    let mut report = CopyReport::default();
+    for a in ARTIFACTS {
+        let from = src.join(a.name);
+        let to = dir.join(a.name);
+        if !from.exists() {
+            match a.need {
+                Need::Required => return Err(Error::MissingArtifact { name: a.name, dir: src.to_path_buf() }),
+                Need::VmBackend => {
+                    tracing::warn!(artifact = a.name, src = %src.display(), "artifact missing from image; vm backend unavailable");
+                    report.missing.push(a.name);
+                }
+                Need::Optional => {
+                    let text = default_shim_config(layout, version);
+                    if fsutil::read_opt(&to)?.as_deref() != Some(text.as_bytes()) {
+                        fsutil::atomic_write(&to, text.as_bytes(), a.mode, fp)?;
+                        tracing::info!(artifact = a.name, dest = %to.display(), "wrote default shim config");
+                        report.changed = true;
+                    }
+                }
+            }
+            continue;
+        }
+        if fsutil::same_file_content(&from, &to, a.mode)? {
+            tracing::info!(artifact = a.name, dest = %to.display(), "artifact up to date");
+            continue;
+        }
+        fsutil::atomic_copy(&from, &to, a.mode, fp)?;
+        tracing::info!(artifact = a.name, dest = %to.display(), "artifact installed");
+        report.changed = true;
+    }
+    fp.check("artifacts-copied")?;
+
+    let link = root.join("current");
+    let target = PathBuf::from(version);
+    if fs::read_link(&link).ok().as_deref() == Some(target.as_path()) {
+        tracing::info!(link = %link.display(), version, "current symlink up to date");
+    } else {
+        fsutil::atomic_symlink(&target, &link)?;
+        tracing::info!(link = %link.display(), version, "current symlink flipped");
+        report.changed = true;
+    }
+    fp.check("symlink-flipped")?;
+    prune_old_versions(&root, version)?;
+    Ok(report)
+}
+
+/// Older version directories are removed once `current` points at the new one. Running shims keep their
+/// already-open binaries (unlinked inodes stay valid).
+fn prune_old_versions(root: &Path, keep: &str) -> Result<()> {
+    for entry in fs::read_dir(root).map_err(io("read dir", root))? {
+        let entry = entry.map_err(io("read dir", root))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if is_dir && name != keep && name != "state" {
+            let p = entry.path();
+            fs::remove_dir_all(&p).map_err(io("remove dir", &p))?;
+            tracing::info!(path = %p.display(), "removed old version");
+        }
+    }
+    Ok(())
+}
+
+/// Shim config used when the image ships none. Paths point into this version's directory, so a shim always
+/// pairs with the VMM, kernel and initramfs of its own release, even while `current` flips.
+pub fn default_shim_config(layout: &Layout, version: &str) -> String {
+    let d = layout.view(&layout.prefix.join(version));
+    format!(
+        "# Written by bulkhead-node-installer {version}. Ship config.toml in the image to override.\n\
+         backend = \"vm\"\n\n[vm]\nvmm = \"{d}/bulkhead-vmm\"\nkernel = \"{d}/vmlinux\"\n\
+         initramfs = \"{d}/initramfs.cpio.gz\"\nvirtiofsd = \"{d}/virtiofsd\"\n",
+        d = d.display()
+    )
+}
+
+/// Remove everything under the prefix (artifacts, state). Idempotent.
+pub fn remove_all(layout: &Layout) -> Result<()> {
+    let root = layout.install_dir();
+    match fs::remove_dir_all(&root) {
+        Ok(()) => {
+            tracing::info!(path = %root.display(), "removed install directory");
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io("remove dir", &root)(e)),
+    }
+}

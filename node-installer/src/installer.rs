@@ -1,0 +1,177 @@
+//! The install and uninstall sequences, as explicit step machines. Every step checks the disk (or the API) for
+//! what is already done, so a rerun after any interruption converges to the same end state.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::artifacts;
+use crate::containerd::{self, ConfigVersion};
+use crate::cri;
+use crate::error::{Error, Result};
+use crate::failpoint::FailPoints;
+use crate::kube::{self, NodeApi};
+use crate::layout::{self, Layout, HANDLER};
+use crate::probe::{self, Verdict};
+use crate::restart::Restarter;
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub layout: Layout,
+    /// Where the image keeps the artifacts (a path inside the installer's own filesystem).
+    pub artifacts_dir: PathBuf,
+    pub version: String,
+    /// containerd's CRI socket as a host path (resolved under the host root).
+    pub containerd_socket: PathBuf,
+    /// Karpenter startup taint to remove once ready.
+    pub startup_taint: Option<String>,
+    /// The guest kernel is PVM-aware, so a PVM host counts as capable.
+    pub allow_pvm: bool,
+    pub cri_timeout: Duration,
+}
+
+/// Install steps, in order. `run_install` walks them; each is idempotent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Probe,
+    CopyArtifacts,
+    WireContainerd,
+    RestartContainerd,
+    CheckCri,
+    Label,
+    RemoveTaint,
+    Done,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Handler registered in containerd and (when a node API is given) the node labelled.
+    Ready { config_version: ConfigVersion },
+    /// The node cannot run the `vm` backend; nothing was wired and the node carries the reason.
+    Refused { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    pub outcome: Outcome,
+    pub restarted: bool,
+    pub artifacts_changed: bool,
+}
+
+pub struct Installer<'a> {
+    pub settings: Settings,
+    pub restarter: &'a dyn Restarter,
+    /// `None` runs without Kubernetes (no label, no taint): for tests and plain hosts.
+    pub nodes: Option<(&'a dyn NodeApi, String)>,
+    pub fail: FailPoints,
+}
+
+impl Installer<'_> {
+    fn socket(&self) -> PathBuf {
+        self.settings.layout.host(&self.settings.containerd_socket)
+    }
+
+    async fn refuse(&self, reason: String) -> Result<Report> {
+        if let Some((api, node)) = &self.nodes {
+            kube::mark_refused(*api, node, &reason).await?;
+        } else {
+            tracing::warn!(reason = %reason, "node cannot run the vm backend; not wiring bulkhead");
+        }
+        Ok(Report { outcome: Outcome::Refused { reason }, restarted: false, artifacts_changed: false })
+    }
+
+    pub async fn install(&self) -> Result<Report> {
+        let s = &self.settings;
+        layout::check_version(&s.version)?;
+        let (mut restarted, mut artifacts_changed) = (false, false);
+        let (mut config_version, mut ready_reason) = (None, String::new());
+        let mut step = Step::Probe;
+        loop {
+            tracing::debug!(?step, "install step");
+            step = match step {
+                Step::Probe => match probe::verdict(&s.layout.host_root, s.allow_pvm) {
+                    Verdict::Capable { virt, reason } => {
+                        tracing::info!(?virt, reason = %reason, "host can run the vm backend");
+                        ready_reason = reason;
+                        Step::CopyArtifacts
+                    }
+                    Verdict::Refused { virt, reason } => {
+                        tracing::warn!(?virt, reason = %reason, "host probe refused");
+                        return self.refuse(reason).await;
+                    }
+                },
+                Step::CopyArtifacts => {
+                    let r = artifacts::install(&s.layout, &s.artifacts_dir, &s.version, &self.fail)?;
+                    artifacts_changed = r.changed;
+                    if !r.missing.is_empty() {
+                        let reason = format!("image lacks vm backend artifacts: {}", r.missing.join(", "));
+                        return self.refuse(reason).await;
+                    }
+                    Step::WireContainerd
+                }
+                Step::WireContainerd => {
+                    config_version = Some(containerd::install(&s.layout, &self.fail)?);
+                    Step::RestartContainerd
+                }
+                Step::RestartContainerd => {
+                    if containerd::restart_pending(&s.layout) {
+                        self.restarter.restart()?;
+                        restarted = true;
+                        self.fail.check("restarted")?;
+                        containerd::clear_restart_pending(&s.layout)?;
+                    } else {
+                        tracing::info!("containerd config unchanged; no restart");
+                    }
+                    Step::CheckCri
+                }
+                Step::CheckCri => {
+                    if let Err(e) = cri::wait_for_handler(&self.socket(), HANDLER, s.cri_timeout).await {
+                        if let Some((api, node)) = &self.nodes {
+                            kube::mark_refused(*api, node, &format!("containerd does not report the handler: {e}")).await?;
+                        }
+                        return Err(e);
+                    }
+                    Step::Label
+                }
+                Step::Label => {
+                    if let Some((api, node)) = &self.nodes {
+                        kube::label_ready(*api, node, &ready_reason, &s.version).await?;
+                        self.fail.check("labelled")?;
+                    }
+                    Step::RemoveTaint
+                }
+                Step::RemoveTaint => {
+                    if let (Some((api, node)), Some(taint)) = (&self.nodes, &s.startup_taint) {
+                        kube::remove_taint(*api, node, taint).await?;
+                    }
+                    Step::Done
+                }
+                Step::Done => {
+                    let config_version =
+                        config_version.ok_or_else(|| Error::Setting("containerd step skipped".into()))?;
+                    tracing::info!(version = %s.version, restarted, artifacts_changed, "install complete");
+                    return Ok(Report { outcome: Outcome::Ready { config_version }, restarted, artifacts_changed });
+                }
+            }
+        }
+    }
+
+    /// Label first (no new pods), then containerd (drop-in, imports, restart), then files.
+    pub async fn uninstall(&self) -> Result<()> {
+        let s = &self.settings;
+        if let Some((api, node)) = &self.nodes {
+            kube::unlabel(*api, node).await?;
+        }
+        self.fail.check("uninstall-label-removed")?;
+        containerd::uninstall(&s.layout, &self.fail)?;
+        if containerd::restart_pending(&s.layout) {
+            self.restarter.restart()?;
+            self.fail.check("uninstall-restarted")?;
+            containerd::clear_restart_pending(&s.layout)?;
+        } else {
+            tracing::info!("containerd config unchanged by uninstall; no restart");
+        }
+        artifacts::remove_all(&s.layout)?;
+        tracing::info!("uninstall complete");
+        Ok(())
+    }
+}

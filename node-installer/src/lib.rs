@@ -1,0 +1,21 @@
+//! bulkhead-node-installer: runs on every node (DaemonSet, host `/` mounted) and makes the node ready for
+//! `runtimeClassName: bulkhead`, or says on the node why it cannot.
+//!
+//! Boundaries: it touches only `<prefix>` (/opt/bulkhead), one drop-in file, the `imports` line of containerd's
+//! config (original bytes kept for uninstall), containerd's restart, and its own Node's label, annotations and one
+//! startup taint. Module per job: `probe`, `artifacts`, `containerd`, `restart`, `cri`, `kube`; `installer`
+//! sequences them.
+
+pub mod artifacts;
+pub mod containerd;
+pub mod cri;
+pub mod error;
+pub mod failpoint;
+pub mod fsutil;
+pub mod installer;
+pub mod kube;
+pub mod layout;
+pub mod probe;
+pub mod restart;
+
+pub use error::{Error, Result};
