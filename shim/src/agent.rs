@@ -1,0 +1,282 @@
+//! Client side of the agent protocol (`bulkhead-protocol`): dial, version handshake, and one
+//! method per RPC with the configured deadline. stdio streams are dialled here too; their
+//! bytes are moved by [`crate::io`].
+//!
+//! The agent is untrusted: every reply is bounded by ttrpc's message limit and by a deadline,
+//! except the waits (process exit, OOM long-poll) which legitimately take as long as the workload.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bulkhead_protocol::agent as pb;
+use bulkhead_protocol::agent_ttrpc::AgentClient as RawClient;
+use bulkhead_protocol::handshake::{self, HandshakeError};
+use bulkhead_protocol::stream::{HeaderError, StreamHeader, StreamKind};
+use bulkhead_protocol::{ports, PROTOCOL_VERSION};
+use tokio::net::UnixStream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("agent at {socket}: connect: {source}")]
+    Dial { socket: PathBuf, source: HandshakeError },
+    #[error("agent speaks protocol version {agent}, the shim speaks {PROTOCOL_VERSION}")]
+    Version { agent: u32 },
+    #[error("agent {method}: {source}")]
+    Rpc { method: &'static str, source: ttrpc::Error },
+    #[error("agent stream {kind:?} for {id}: {source}")]
+    Stream { kind: StreamKind, id: String, source: HeaderError },
+    #[error("agent reply to {method}: {what}")]
+    BadReply { method: &'static str, what: String },
+}
+
+impl AgentError {
+    /// The ttrpc status code the agent answered with, if it answered at all.
+    pub fn code(&self) -> Option<ttrpc::Code> {
+        match self {
+            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => Some(status.code()),
+            _ => None,
+        }
+    }
+
+    /// The agent's own words for an RPC error, else the whole error.
+    pub fn message(&self) -> String {
+        match self {
+            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => status.message().to_string(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// Deadlines for talking to the agent.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub connect: Duration,
+    pub rpc: Duration,
+}
+
+/// How a process ended, as the agent reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentExit {
+    /// Exit status, 128+signal when signalled (runc's convention).
+    pub code: u32,
+    pub oom_killed: bool,
+    /// Nanoseconds since the epoch; 0 if the agent did not say.
+    pub at_unix_nanos: i64,
+}
+
+pub struct AgentClient {
+    raw: RawClient,
+    socket: PathBuf,
+    timeouts: Timeouts,
+    /// What the agent said about itself, for logs.
+    pub agent_version: String,
+    pub mode: String,
+}
+
+fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentError {
+    move |source| AgentError::Rpc { method, source }
+}
+
+impl AgentClient {
+    /// Dials the agent's ttrpc port over its hybrid-vsock socket and checks the version.
+    pub async fn connect(socket: &Path, timeouts: Timeouts) -> Result<Self, AgentError> {
+        let stream = handshake::dial_unix(socket, ports::AGENT_TTRPC, timeouts.connect)
+            .await
+            .map_err(|source| AgentError::Dial { socket: socket.into(), source })?;
+        let client = ttrpc::asynchronous::Client::new(ttrpc::asynchronous::transport::Socket::new(stream));
+        let raw = RawClient::new(client);
+        let reply = raw
+            .version(
+                ttrpc::context::with_timeout(timeouts.rpc.as_nanos() as i64),
+                &pb::VersionRequest {
+                    protocol_version: PROTOCOL_VERSION,
+                    client: format!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION")),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(rpc_err("Version"))?;
+        if reply.protocol_version != PROTOCOL_VERSION {
+            return Err(AgentError::Version { agent: reply.protocol_version });
+        }
+        Ok(Self { raw, socket: socket.into(), timeouts, agent_version: reply.agent_version, mode: reply.mode })
+    }
+
+    fn ctx(&self) -> ttrpc::context::Context {
+        ttrpc::context::with_timeout(self.timeouts.rpc.as_nanos() as i64)
+    }
+
+    pub async fn setup_sandbox(&self, req: pb::SetupSandboxRequest) -> Result<(), AgentError> {
+        self.raw.setup_sandbox(self.ctx(), &req).await.map_err(rpc_err("SetupSandbox"))?;
+        Ok(())
+    }
+
+    pub async fn destroy_sandbox(&self, grace: Duration) -> Result<(), AgentError> {
+        let req = pb::DestroySandboxRequest {
+            timeout_ms: grace.as_millis().min(u32::MAX as u128) as u32,
+            ..Default::default()
+        };
+        // The grace period is part of the call, so the deadline covers it.
+        let ctx = ttrpc::context::with_timeout((self.timeouts.rpc + grace).as_nanos() as i64);
+        self.raw.destroy_sandbox(ctx, &req).await.map_err(rpc_err("DestroySandbox"))?;
+        Ok(())
+    }
+
+    pub async fn create_container(&self, req: pb::CreateContainerRequest) -> Result<u32, AgentError> {
+        let reply = self.raw.create_container(self.ctx(), &req).await.map_err(rpc_err("CreateContainer"))?;
+        Ok(reply.pid)
+    }
+
+    pub async fn start_container(&self, container_id: &str) -> Result<u32, AgentError> {
+        let req = pb::StartContainerRequest { container_id: container_id.into(), ..Default::default() };
+        let reply = self.raw.start_container(self.ctx(), &req).await.map_err(rpc_err("StartContainer"))?;
+        Ok(reply.pid)
+    }
+
+    pub async fn remove_container(&self, container_id: &str, force: bool) -> Result<(), AgentError> {
+        let req = pb::RemoveContainerRequest { container_id: container_id.into(), force, ..Default::default() };
+        self.raw.remove_container(self.ctx(), &req).await.map_err(rpc_err("RemoveContainer"))?;
+        Ok(())
+    }
+
+    pub async fn exec_process(&self, req: pb::ExecProcessRequest) -> Result<u32, AgentError> {
+        let reply = self.raw.exec_process(self.ctx(), &req).await.map_err(rpc_err("ExecProcess"))?;
+        Ok(reply.pid)
+    }
+
+    pub async fn signal_process(
+        &self,
+        container_id: &str,
+        exec_id: Option<&str>,
+        signal: u32,
+        all: bool,
+    ) -> Result<(), AgentError> {
+        let req = pb::SignalProcessRequest {
+            container_id: container_id.into(),
+            exec_id: exec_id.unwrap_or_default().into(),
+            signal,
+            all,
+            ..Default::default()
+        };
+        self.raw.signal_process(self.ctx(), &req).await.map_err(rpc_err("SignalProcess"))?;
+        Ok(())
+    }
+
+    /// Waits for a process to exit; no deadline (a workload may run for months).
+    pub async fn wait_process(&self, container_id: &str, exec_id: Option<&str>) -> Result<AgentExit, AgentError> {
+        let req = pb::WaitProcessRequest {
+            container_id: container_id.into(),
+            exec_id: exec_id.unwrap_or_default().into(),
+            ..Default::default()
+        };
+        let reply =
+            self.raw.wait_process(ttrpc::context::Context::default(), &req).await.map_err(rpc_err("WaitProcess"))?;
+        let code = u32::try_from(reply.exit_code).map_err(|_| AgentError::BadReply {
+            method: "WaitProcess",
+            what: format!("negative exit code {}", reply.exit_code),
+        })?;
+        if code > 255 + 128 {
+            return Err(AgentError::BadReply { method: "WaitProcess", what: format!("exit code {code} out of range") });
+        }
+        Ok(AgentExit { code, oom_killed: reply.oom_killed, at_unix_nanos: reply.exited_at_unix_nanos })
+    }
+
+    pub async fn resize_pty(
+        &self,
+        container_id: &str,
+        exec_id: Option<&str>,
+        cols: u32,
+        rows: u32,
+    ) -> Result<(), AgentError> {
+        let req = pb::ResizePtyRequest {
+            container_id: container_id.into(),
+            exec_id: exec_id.unwrap_or_default().into(),
+            rows,
+            cols,
+            ..Default::default()
+        };
+        self.raw.resize_pty(self.ctx(), &req).await.map_err(rpc_err("ResizePty"))?;
+        Ok(())
+    }
+
+    pub async fn close_stdin(&self, container_id: &str, exec_id: Option<&str>) -> Result<(), AgentError> {
+        let req = pb::CloseStdinRequest {
+            container_id: container_id.into(),
+            exec_id: exec_id.unwrap_or_default().into(),
+            ..Default::default()
+        };
+        self.raw.close_stdin(self.ctx(), &req).await.map_err(rpc_err("CloseStdin"))?;
+        Ok(())
+    }
+
+    pub async fn stats(&self, container_id: &str) -> Result<pb::StatsResponse, AgentError> {
+        let req = pb::StatsRequest { container_id: container_id.into(), ..Default::default() };
+        self.raw.stats(self.ctx(), &req).await.map_err(rpc_err("Stats"))
+    }
+
+    fn container_req(container_id: &str) -> pb::ContainerRequest {
+        pb::ContainerRequest { container_id: container_id.into(), ..Default::default() }
+    }
+
+    pub async fn pause_container(&self, container_id: &str) -> Result<(), AgentError> {
+        self.raw
+            .pause_container(self.ctx(), &Self::container_req(container_id))
+            .await
+            .map_err(rpc_err("PauseContainer"))?;
+        Ok(())
+    }
+
+    pub async fn resume_container(&self, container_id: &str) -> Result<(), AgentError> {
+        self.raw
+            .resume_container(self.ctx(), &Self::container_req(container_id))
+            .await
+            .map_err(rpc_err("ResumeContainer"))?;
+        Ok(())
+    }
+
+    pub async fn update_container(&self, container_id: &str, resources_json: Vec<u8>) -> Result<(), AgentError> {
+        let req =
+            pb::UpdateContainerRequest { container_id: container_id.into(), resources_json, ..Default::default() };
+        self.raw.update_container(self.ctx(), &req).await.map_err(rpc_err("UpdateContainer"))?;
+        Ok(())
+    }
+
+    pub async fn list_pids(&self, container_id: &str) -> Result<Vec<u32>, AgentError> {
+        let reply =
+            self.raw.list_pids(self.ctx(), &Self::container_req(container_id)).await.map_err(rpc_err("ListPids"))?;
+        Ok(reply.pids)
+    }
+
+    /// One OOM long-poll: the first event after `after_seq`, or `None` after `wait`.
+    pub async fn next_oom_event(&self, after_seq: u64, wait: Duration) -> Result<Option<pb::OomEvent>, AgentError> {
+        let req = pb::GetOomEventRequest {
+            after_seq,
+            wait_ms: wait.as_millis().min(u32::MAX as u128) as u32,
+            ..Default::default()
+        };
+        let ctx = ttrpc::context::with_timeout((self.timeouts.rpc + wait).as_nanos() as i64);
+        let reply = self.raw.get_oom_event(ctx, &req).await.map_err(rpc_err("GetOomEvent"))?;
+        Ok(reply.event.into_option())
+    }
+
+    /// Opens one stdio stream connection and has the agent attach it.
+    pub async fn open_stream(
+        &self,
+        container_id: &str,
+        exec_id: Option<&str>,
+        kind: StreamKind,
+    ) -> Result<UnixStream, AgentError> {
+        let id = match exec_id {
+            Some(exec) => format!("{container_id}/{exec}"),
+            None => container_id.to_string(),
+        };
+        let mut stream = handshake::dial_unix(&self.socket, ports::AGENT_STREAMS, self.timeouts.connect)
+            .await
+            .map_err(|source| AgentError::Dial { socket: self.socket.clone(), source })?;
+        StreamHeader::new(container_id, exec_id, kind)
+            .open(&mut stream, self.timeouts.connect)
+            .await
+            .map_err(|source| AgentError::Stream { kind, id, source })?;
+        Ok(stream)
+    }
+}

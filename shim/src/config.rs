@@ -1,0 +1,292 @@
+//! Shim configuration: a TOML file named by the runtime options (`ConfigPath`, Kata's convention)
+//! or found at [`DEFAULT_CONFIG_PATH`].
+//!
+//! Every table uses `deny_unknown_fields`, so a typo is an error naming the key, reported at Create.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Where the config lives when containerd passes no `ConfigPath`.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/bulkhead/config.toml";
+
+/// Upper bound for the config file; anything larger is not a config file.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("bulkhead config {path}: cannot read: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("bulkhead config {path}: larger than {MAX_CONFIG_BYTES} bytes")]
+    TooLarge { path: PathBuf },
+    #[error("bulkhead config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("bulkhead config {path}: {field}: {message}")]
+    Invalid { path: PathBuf, field: &'static str, message: String },
+}
+
+/// Which sandbox backend runs the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The product: one microVM per pod.
+    Vm,
+    /// The agent as PID 1 of fresh namespaces on the host. No VM isolation.
+    Namespace,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `vm` or `namespace`. Defaults to `vm`: the namespace backend must be chosen explicitly.
+    #[serde(default = "default_backend")]
+    pub backend: Backend,
+    /// Directory for per-pod state (agent socket, pid file, rootfs bind mounts).
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// Log level of the shim (`error`, `warn`, `info`, `debug`, `trace`).
+    #[serde(default = "default_log_level")]
+    pub log_level: String,
+    #[serde(default)]
+    pub agent: AgentConfig,
+    #[serde(default)]
+    pub namespace: NamespaceConfig,
+    #[serde(default)]
+    pub vm: VmConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// How long the sandbox start may wait for the agent to answer, in milliseconds.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Deadline for one control RPC to the agent, in milliseconds (waits for exit are not bounded).
+    #[serde(default = "default_rpc_timeout_ms")]
+    pub rpc_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Path of the `bulkhead-agent` binary run as PID 1 of the pod's namespaces.
+    #[serde(default = "default_agent_path")]
+    pub agent_path: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    #[serde(default = "default_vmm_path")]
+    pub vmm_path: PathBuf,
+    #[serde(default = "default_kernel_path")]
+    pub kernel_path: PathBuf,
+    #[serde(default = "default_initramfs_path")]
+    pub initramfs_path: PathBuf,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: u32,
+    /// Unprivileged uid/gid the VMM runs as.
+    #[serde(default = "default_jailer_id")]
+    pub jailer_uid: u32,
+    #[serde(default = "default_jailer_id")]
+    pub jailer_gid: u32,
+    #[serde(default = "default_template_cache_dir")]
+    pub template_cache_dir: PathBuf,
+}
+
+fn default_backend() -> Backend {
+    Backend::Vm
+}
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/run/bulkhead")
+}
+fn default_log_level() -> String {
+    "info".into()
+}
+fn default_connect_timeout_ms() -> u64 {
+    5_000
+}
+fn default_rpc_timeout_ms() -> u64 {
+    10_000
+}
+fn default_agent_path() -> PathBuf {
+    PathBuf::from("/usr/local/bin/bulkhead-agent")
+}
+fn default_vmm_path() -> PathBuf {
+    PathBuf::from("/usr/local/bin/bulkhead-vmm")
+}
+fn default_kernel_path() -> PathBuf {
+    PathBuf::from("/usr/share/bulkhead/vmlinux")
+}
+fn default_initramfs_path() -> PathBuf {
+    PathBuf::from("/usr/share/bulkhead/initramfs.cpio.gz")
+}
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_memory_mib() -> u32 {
+    256
+}
+fn default_jailer_id() -> u32 {
+    65534
+}
+fn default_template_cache_dir() -> PathBuf {
+    PathBuf::from("/var/cache/bulkhead/templates")
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self { connect_timeout_ms: default_connect_timeout_ms(), rpc_timeout_ms: default_rpc_timeout_ms() }
+    }
+}
+impl Default for NamespaceConfig {
+    fn default() -> Self {
+        Self { agent_path: default_agent_path() }
+    }
+}
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            vmm_path: default_vmm_path(),
+            kernel_path: default_kernel_path(),
+            initramfs_path: default_initramfs_path(),
+            vcpus: default_vcpus(),
+            memory_mib: default_memory_mib(),
+            jailer_uid: default_jailer_id(),
+            jailer_gid: default_jailer_id(),
+            template_cache_dir: default_template_cache_dir(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates the config at `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        use std::io::Read;
+        let file = std::fs::File::open(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let mut text = String::new();
+        file.take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge { path: path.into() });
+        }
+        Self::parse(path, &text)
+    }
+
+    /// Parses and validates config text; `path` only labels errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            message: e.message().to_string() + &span_hint(text, e.span()),
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid =
+            |field, message: &str| ConfigError::Invalid { path: path.into(), field, message: message.to_string() };
+        if !self.state_dir.is_absolute() {
+            return Err(invalid("state_dir", "must be an absolute path"));
+        }
+        if !["error", "warn", "info", "debug", "trace"].contains(&self.log_level.as_str()) {
+            return Err(invalid("log_level", "must be one of error, warn, info, debug, trace"));
+        }
+        if self.agent.connect_timeout_ms == 0 || self.agent.connect_timeout_ms > 600_000 {
+            return Err(invalid("agent.connect_timeout_ms", "must be between 1 and 600000"));
+        }
+        if self.agent.rpc_timeout_ms == 0 || self.agent.rpc_timeout_ms > 600_000 {
+            return Err(invalid("agent.rpc_timeout_ms", "must be between 1 and 600000"));
+        }
+        if !self.namespace.agent_path.is_absolute() {
+            return Err(invalid("namespace.agent_path", "must be an absolute path"));
+        }
+        if self.vm.vcpus == 0 {
+            return Err(invalid("vm.vcpus", "must be at least 1"));
+        }
+        if self.vm.memory_mib < 64 {
+            return Err(invalid("vm.memory_mib", "must be at least 64"));
+        }
+        Ok(())
+    }
+}
+
+/// " (line N)" for a TOML error span, so the operator finds the bad key quickly.
+fn span_hint(text: &str, span: Option<std::ops::Range<usize>>) -> String {
+    match span {
+        Some(span) if span.start <= text.len() => {
+            let line = text[..span.start].matches('\n').count() + 1;
+            format!(" (line {line})")
+        }
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("/test/config.toml"), text)
+    }
+
+    #[test]
+    fn empty_config_defaults_to_vm_backend() {
+        let config = parse("").unwrap();
+        assert_eq!(config.backend, Backend::Vm);
+        assert_eq!(config.state_dir, PathBuf::from("/run/bulkhead"));
+    }
+
+    #[test]
+    fn namespace_backend_is_explicit() {
+        let config = parse("backend = \"namespace\"\n[namespace]\nagent_path = \"/bin/agent\"\n").unwrap();
+        assert_eq!(config.backend, Backend::Namespace);
+        assert_eq!(config.namespace.agent_path, PathBuf::from("/bin/agent"));
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = parse("backend = \"namespace\"\nbakend = 1\n").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("bakend"), "{text}");
+        assert!(text.contains("line 2"), "{text}");
+    }
+
+    #[test]
+    fn unknown_key_in_table_is_named() {
+        let err = parse("[vm]\nvcpu = 2\n").unwrap_err();
+        assert!(err.to_string().contains("vcpu"), "{err}");
+    }
+
+    #[test]
+    fn bad_backend_value_is_an_error() {
+        let err = parse("backend = \"firecracker\"\n").unwrap_err();
+        assert!(err.to_string().contains("firecracker"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let err = parse("[vm]\nvcpus = 0\n").unwrap_err();
+        assert!(err.to_string().contains("vm.vcpus"), "{err}");
+        let err = parse("state_dir = \"relative\"\n").unwrap_err();
+        assert!(err.to_string().contains("state_dir"), "{err}");
+        let err = parse("log_level = \"loud\"\n").unwrap_err();
+        assert!(err.to_string().contains("log_level"), "{err}");
+    }
+
+    #[test]
+    fn missing_file_is_a_clear_error() {
+        let err = Config::load(Path::new("/nonexistent/bulkhead.toml")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/bulkhead.toml"), "{err}");
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let text = include_str!("../config.example.toml");
+        let config = parse(text).unwrap();
+        assert_eq!(config.backend, Backend::Namespace);
+    }
+}

@@ -1,0 +1,75 @@
+//! One container of the pod: its role, its init process and its execs, and where its rootfs
+//! is mounted. The Task RPCs in [`crate::task`] look containers up here.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bulkhead_protocol::agent as pb;
+
+use crate::io::{StdioPaths, Target};
+use crate::process::Process;
+use crate::task::TaskError;
+
+/// The agent's stdio request for containerd's paths.
+pub fn stdio_config(paths: &StdioPaths) -> pb::StdioConfig {
+    pb::StdioConfig {
+        terminal: paths.terminal,
+        stdin: !matches!(Target::parse(&paths.stdin), Ok(Target::None)),
+        ..Default::default()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerKind {
+    /// The pod sandbox (CRI's pause container): its process is the sandbox itself.
+    Sandbox,
+    /// A workload container run by the agent.
+    Workload,
+}
+
+/// Where a workload's rootfs stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rootfs {
+    /// Nothing mounted by the shim (sandbox, or a bundle containerd prepared itself).
+    Unmanaged,
+    /// containerd's rootfs mounts made at `host`, bind-mounted into the sandbox.
+    Mounted { host: PathBuf },
+}
+
+pub struct Container {
+    pub id: String,
+    pub bundle: String,
+    pub kind: ContainerKind,
+    pub init: Arc<dyn Process>,
+    pub execs: HashMap<String, Arc<dyn Process>>,
+    pub rootfs: Rootfs,
+}
+
+impl Container {
+    /// The init process (`exec_id` empty) or one exec.
+    pub fn process(&self, exec_id: &str) -> Result<Arc<dyn Process>, TaskError> {
+        if exec_id.is_empty() {
+            return Ok(self.init.clone());
+        }
+        self.execs.get(exec_id).cloned().ok_or_else(|| TaskError::NotFound(format!("exec {exec_id} of {}", self.id)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stdio_config_reflects_stdin_and_tty() {
+        let cfg = stdio_config(&StdioPaths {
+            stdin: "/f/in".into(),
+            stdout: "/f/out".into(),
+            stderr: String::new(),
+            terminal: true,
+        });
+        assert!(cfg.terminal && cfg.stdin);
+        let cfg = stdio_config(&StdioPaths::default());
+        assert!(!cfg.terminal && !cfg.stdin);
+    }
+}

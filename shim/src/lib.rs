@@ -1,0 +1,41 @@
+//! `containerd-shim-bulkhead-v2`: the containerd shim v2 of bulkhead.
+//!
+//! Job: serve containerd's Task API for every container of one pod, and run the pod in a
+//! sandbox backend (`vm`, the product, or `namespace`, the no-isolation stand-in for hosts
+//! that cannot run guests). Boundaries: everything about *running* a container is the
+//! agent's (`bulkhead-agent`, reached through [`agent`]); this crate owns pod grouping,
+//! Task state machines, stdio plumbing, events, config and the sandbox's lifetime.
+//!
+//! Map (follow one RPC from [`task`] into [`sandbox`] and [`agent`]):
+//! - [`service`]: the shim's own lifecycle: `start` (spawn or reuse by pod), `delete`
+//!   (cleanup after a crash), serve mode.
+//! - [`task`]: the Task RPCs, on top of [`container`] and [`process`].
+//! - [`spec`]: OCI spec validation and translation for the agent.
+//! - [`io`]: containerd FIFOs / log files <-> agent stream connections.
+//! - [`events`]: publishing task events to containerd.
+//! - [`config`]: the TOML config.
+//! - [`sandbox`]: the backend trait, `namespace` and `vm`.
+
+pub mod agent;
+pub mod config;
+pub mod container;
+pub mod events;
+pub mod io;
+pub mod logging;
+pub mod process;
+pub mod sandbox;
+pub mod service;
+pub mod spec;
+pub mod task;
+
+/// The runtime id containerd knows this shim by.
+pub const RUNTIME_ID: &str = "io.containerd.bulkhead.v2";
+
+/// Entry point of the binary.
+pub fn run() {
+    // The namespace launcher must run before any thread exists (unshare/fork rules).
+    if let Some(code) = sandbox::launcher::maybe_run_launcher() {
+        std::process::exit(code);
+    }
+    service::main();
+}

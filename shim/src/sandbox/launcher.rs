@@ -1,0 +1,162 @@
+//! The namespace trampoline: `containerd-shim-bulkhead-v2 __bulkhead-ns-launch ...`.
+//!
+//! The shim is multi-threaded (tokio), and `unshare(CLONE_NEWNS)`/`setns` want a single
+//! thread, while a new PID namespace only applies to children. So the shim re-executes
+//! itself as this small launcher, which, still single-threaded:
+//! 1. joins the pod network namespace (if the spec names one);
+//! 2. unshares mount, UTS, IPC and PID namespaces;
+//! 3. forks: the child (PID 1 of the new PID namespace) makes `/` a recursive slave (so
+//!    rootfs bind mounts the shim makes later in the shared state dir propagate in), mounts a
+//!    fresh `/proc`, asks for SIGKILL if the launcher dies, and execs the agent;
+//! 4. waits for the agent and exits with its status (128+signal if signalled).
+//!
+//! No user namespace: the shim runs as root and the agent needs real root to mount and to
+//! manage cgroups for the containers; a user namespace would add uid-mapping of every rootfs
+//! and volume without adding isolation that matters next to "no VM". Documented in README.
+
+use std::ffi::CString;
+use std::os::fd::AsFd;
+
+use nix::mount::{mount, MsFlags};
+use nix::sched::{setns, unshare, CloneFlags};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{execv, fork, ForkResult};
+
+/// First argument that selects launcher mode.
+pub const LAUNCH_ARG: &str = "__bulkhead-ns-launch";
+
+/// Arguments of the launcher, after [`LAUNCH_ARG`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchArgs {
+    /// Network namespace to join; `None` keeps the current one (host network pods).
+    pub netns: Option<String>,
+    /// The agent binary and its arguments.
+    pub command: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// Renders the arguments the shim passes after [`LAUNCH_ARG`].
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args =
+            vec!["--netns".to_string(), self.netns.clone().unwrap_or_else(|| "-".to_string()), "--".to_string()];
+        args.extend(self.command.iter().cloned());
+        args
+    }
+
+    /// Parses what [`LaunchArgs::to_args`] produced.
+    pub fn parse(args: &[String]) -> Result<Self, String> {
+        match args {
+            [flag, netns, sep, command @ ..] if flag == "--netns" && sep == "--" => {
+                if command.is_empty() {
+                    return Err("launcher: no command after --".into());
+                }
+                let netns = (netns != "-").then(|| netns.clone());
+                Ok(Self { netns, command: command.to_vec() })
+            }
+            _ => Err("launcher: usage: --netns <path|-> -- <agent> [args...]".into()),
+        }
+    }
+}
+
+/// Runs the launcher if argv asks for it; returns the exit code to use.
+pub fn maybe_run_launcher() -> Option<i32> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some(LAUNCH_ARG) {
+        return None;
+    }
+    let code = match LaunchArgs::parse(&args[2..]) {
+        Ok(launch) => match launch_and_wait(&launch) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("bulkhead namespace launcher: {e}");
+                125
+            }
+        },
+        Err(e) => {
+            eprintln!("{e}");
+            125
+        }
+    };
+    Some(code)
+}
+
+fn launch_and_wait(launch: &LaunchArgs) -> Result<i32, String> {
+    if let Some(netns) = &launch.netns {
+        let file = std::fs::File::open(netns).map_err(|e| format!("open netns {netns}: {e}"))?;
+        setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| format!("join netns {netns}: {e}"))?;
+    }
+    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("unshare mount/uts/ipc/pid namespaces: {e}"))?;
+    // Prepare everything exec needs before fork, so the child only makes syscalls.
+    let program = CString::new(launch.command[0].clone()).map_err(|_| "agent path has a NUL byte")?;
+    let argv = launch
+        .command
+        .iter()
+        .map(|a| CString::new(a.as_str()).map_err(|_| "agent argument has a NUL byte"))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // SAFETY: the launcher is single-threaded (it runs before any runtime starts).
+    match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
+        ForkResult::Child => {
+            let code = child_exec(&program, &argv);
+            // Only reached when exec failed.
+            std::process::exit(code);
+        }
+        ForkResult::Parent { child } => loop {
+            match waitpid(child, None) {
+                Ok(WaitStatus::Exited(_, code)) => return Ok(code),
+                Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(128 + sig as i32),
+                Ok(_) => continue,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(format!("wait for agent: {e}")),
+            }
+        },
+    }
+}
+
+fn child_exec(program: &CString, argv: &[CString]) -> i32 {
+    // SAFETY: prctl with PR_SET_PDEATHSIG only sets a flag on this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+    }
+    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_SLAVE, None::<&str>) {
+        eprintln!("bulkhead namespace launcher: make / rslave: {e}");
+        return 125;
+    }
+    if let Err(e) = mount(
+        Some("proc"),
+        "/proc",
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    ) {
+        eprintln!("bulkhead namespace launcher: mount /proc: {e}");
+        return 125;
+    }
+    let err = execv(program, argv).unwrap_err();
+    eprintln!("bulkhead namespace launcher: exec {program:?}: {err}");
+    127
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_round_trip() {
+        let launch = LaunchArgs {
+            netns: Some("/var/run/netns/cni-1".into()),
+            command: vec!["/bin/agent".into(), "--mode".into(), "namespace".into()],
+        };
+        assert_eq!(LaunchArgs::parse(&launch.to_args()).unwrap(), launch);
+        let host = LaunchArgs { netns: None, command: vec!["/bin/agent".into()] };
+        assert_eq!(LaunchArgs::parse(&host.to_args()).unwrap(), host);
+    }
+
+    #[test]
+    fn malformed_args_are_refused() {
+        assert!(LaunchArgs::parse(&[]).is_err());
+        assert!(LaunchArgs::parse(&["--netns".into(), "-".into(), "--".into()]).is_err());
+        assert!(LaunchArgs::parse(&["--x".into(), "-".into(), "--".into(), "a".into()]).is_err());
+    }
+}

@@ -1,0 +1,81 @@
+//! Sandbox backends: what runs a pod's agent. [`namespace`] (agent as PID 1 of fresh
+//! namespaces, no VM isolation) and [`vm`] (one microVM per pod; shape only for now).
+//! Everything above this trait is the same code on both backends.
+
+pub mod launcher;
+pub mod namespace;
+pub mod paths;
+pub mod vm;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::agent::{AgentClient, AgentError};
+use crate::config::{Backend, Config};
+use crate::process::ExitInfo;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("{backend} backend is not implemented on this host: {reason}")]
+    NotImplemented { backend: &'static str, reason: String },
+    #[error("sandbox {what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error("sandbox {what}: {source}")]
+    Sys { what: String, source: nix::Error },
+    #[error("agent did not come up: {0}")]
+    AgentStart(String),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+}
+
+/// What a backend needs to start a pod.
+#[derive(Debug, Clone)]
+pub struct SandboxRequest {
+    pub sandbox_id: String,
+    /// The pod network namespace from the sandbox spec; `None` for host-network pods.
+    pub netns: Option<PathBuf>,
+}
+
+/// Lifecycle of a sandbox, kept by each backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxState {
+    Running { pid: u32 },
+    Exited { pid: u32, exit: ExitInfo },
+}
+
+#[async_trait]
+pub trait Sandbox: Send + Sync {
+    fn backend(&self) -> Backend;
+
+    /// Host pid that stands for the sandbox (its process, reported as the sandbox task's pid).
+    fn pid(&self) -> u32;
+
+    /// The agent of this pod, connected and version-checked.
+    fn agent(&self) -> Arc<AgentClient>;
+
+    /// Makes a container rootfs prepared on the host visible to the agent; returns the path
+    /// the agent sees it at.
+    async fn share_rootfs(&self, container_id: &str, host_rootfs: &Path) -> Result<PathBuf, SandboxError>;
+
+    /// Undoes [`Sandbox::share_rootfs`]; idempotent.
+    async fn unshare_rootfs(&self, container_id: &str) -> Result<(), SandboxError>;
+
+    /// Sends a signal to the sandbox as a whole (SIGKILL ends the pod).
+    async fn signal(&self, signal: u32) -> Result<(), SandboxError>;
+
+    /// Resolves when the sandbox has exited.
+    async fn wait(&self) -> ExitInfo;
+
+    /// Stops the sandbox (if running) and removes everything it left on the host.
+    async fn destroy(&self) -> Result<(), SandboxError>;
+}
+
+/// Starts the sandbox of a pod with the configured backend.
+pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<dyn Sandbox>, SandboxError> {
+    match config.backend {
+        Backend::Namespace => Ok(namespace::NamespaceSandbox::start(config, req).await?),
+        Backend::Vm => Ok(vm::VmSandbox::start(config, req).await?),
+    }
+}

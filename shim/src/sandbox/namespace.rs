@@ -1,0 +1,382 @@
+//! The `namespace` backend: `bulkhead-agent --mode namespace` as PID 1 of fresh
+//! pid/mount/uts/ipc namespaces, in the pod's network namespace, reached through its Unix
+//! socket with the same CONNECT handshake as the VM's hybrid vsock.
+//!
+//! It gives NO VM isolation: the workload shares the host kernel. It exists so the whole
+//! shim/agent stack runs on hosts that cannot run guests, and is chosen only by
+//! `backend = "namespace"`; every sandbox start logs a warning saying so.
+//!
+//! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, and `shared/`, a mount
+//! with shared propagation made before the agent starts. The agent's mount namespace is a
+//! recursive slave of the host, so rootfs bind mounts made later under `shared/` appear
+//! inside it at the same path. The pause container is not run: the agent is the pod's PID 1
+//! and the sandbox task's process.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::sync::watch;
+use tracing::{debug, info, warn, Instrument};
+
+use super::launcher::{LaunchArgs, LAUNCH_ARG};
+use super::paths::PodPaths;
+use super::{Sandbox, SandboxError, SandboxRequest, SandboxState};
+use crate::agent::{AgentClient, Timeouts};
+use crate::config::{Backend, Config};
+use crate::process::ExitInfo;
+
+pub struct NamespaceSandbox {
+    id: String,
+    paths: PodPaths,
+    agent: Arc<AgentClient>,
+    state: Mutex<SandboxState>,
+    exited: watch::Receiver<Option<ExitInfo>>,
+}
+
+fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Sys { what, source }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Io { what, source }
+}
+
+impl NamespaceSandbox {
+    pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<Self>, SandboxError> {
+        warn!(
+            sandbox = %req.sandbox_id,
+            "namespace backend: this pod runs with NO VM isolation (host kernel shared); \
+             use backend = \"vm\" for isolation"
+        );
+        let paths = PodPaths::new(&config.state_dir, &req.sandbox_id);
+        // A leftover of an earlier crashed attempt must not confuse this one.
+        cleanup(&paths).await;
+        std::fs::create_dir_all(paths.shared_dir()).map_err(io(format!("create {}", paths.shared_dir().display())))?;
+        make_shared_mount(&paths.shared_dir())?;
+
+        let agent_path = &config.namespace.agent_path;
+        if !agent_path.is_file() {
+            cleanup(&paths).await;
+            return Err(SandboxError::AgentStart(format!(
+                "namespace.agent_path {} is not a file",
+                agent_path.display()
+            )));
+        }
+        let socket = paths.agent_socket();
+        let launch = LaunchArgs {
+            netns: req.netns.as_ref().map(|p| p.display().to_string()),
+            command: vec![
+                agent_path.display().to_string(),
+                "--listen".into(),
+                format!("unix:{}", socket.display()),
+                "--mode".into(),
+                "namespace".into(),
+            ],
+        };
+        let exe = std::env::current_exe().map_err(io("find own executable"))?;
+        let mut child = tokio::process::Command::new(exe)
+            .arg(LAUNCH_ARG)
+            .args(launch.to_args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Own process group: a Ctrl-C or group signal aimed at the shim is not the pod's.
+            .process_group(0)
+            .spawn()
+            .map_err(io("spawn namespace launcher"))?;
+        let pid = child.id().unwrap_or_default();
+        std::fs::write(paths.pid_file(), pid.to_string()).map_err(io("write pid file"))?;
+        info!(sandbox = %req.sandbox_id, pid, netns = ?req.netns, "agent launched");
+
+        for (pipe, name) in [
+            (child.stdout.take().map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), "stdout"),
+            (child.stderr.take().map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), "stderr"),
+        ] {
+            if let Some(pipe) = pipe {
+                tokio::spawn(forward_agent_log(pipe, name).in_current_span());
+            }
+        }
+
+        let (exit_tx, exit_rx) = watch::channel(None);
+        tokio::spawn(
+            async move {
+                let exit = match child.wait().await {
+                    Ok(status) => {
+                        use std::os::unix::process::ExitStatusExt;
+                        let code = status
+                            .code()
+                            .map(|c| c as u32)
+                            .or_else(|| status.signal().map(|s| 128 + s as u32))
+                            .unwrap_or(255);
+                        ExitInfo::from_agent(code, 0, false)
+                    }
+                    Err(e) => {
+                        warn!("wait for namespace launcher: {e}");
+                        ExitInfo::from_agent(255, 0, false)
+                    }
+                };
+                info!(status = exit.status, "sandbox exited");
+                exit_tx.send_replace(Some(exit));
+            }
+            .in_current_span(),
+        );
+
+        let timeouts = Timeouts {
+            connect: Duration::from_millis(config.agent.connect_timeout_ms),
+            rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
+        };
+        let agent = match dial_agent(&socket, timeouts, &exit_rx).await {
+            Ok(agent) => agent,
+            Err(e) => {
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                cleanup(&paths).await;
+                return Err(e);
+            }
+        };
+        info!(
+            agent_version = %agent.agent_version,
+            mode = %agent.mode,
+            "agent connected"
+        );
+        Ok(Arc::new(Self {
+            id: req.sandbox_id,
+            paths,
+            agent: Arc::new(agent),
+            state: Mutex::new(SandboxState::Running { pid }),
+            exited: exit_rx,
+        }))
+    }
+
+    fn current(&self) -> SandboxState {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let (SandboxState::Running { pid }, Some(exit)) = (*state, *self.exited.borrow()) {
+            *state = SandboxState::Exited { pid, exit };
+        }
+        *state
+    }
+}
+
+/// Retries the dial until the agent answers, the launcher dies, or the deadline passes.
+async fn dial_agent(
+    socket: &Path,
+    timeouts: Timeouts,
+    exited: &watch::Receiver<Option<ExitInfo>>,
+) -> Result<AgentClient, SandboxError> {
+    let deadline = Instant::now() + timeouts.connect;
+    let mut last = String::from("socket never appeared");
+    loop {
+        if let Some(exit) = *exited.borrow() {
+            return Err(SandboxError::AgentStart(format!(
+                "agent exited with status {} before answering ({last})",
+                exit.status
+            )));
+        }
+        if socket.exists() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = Timeouts { connect: left.min(Duration::from_secs(1)), rpc: timeouts.rpc };
+            match AgentClient::connect(socket, attempt).await {
+                Ok(agent) => return Ok(agent),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(SandboxError::AgentStart(format!(
+                "no answer within {:?} at {}: {last}",
+                timeouts.connect,
+                socket.display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Relays the agent's own log lines into the shim log, a bounded chunk at a time.
+async fn forward_agent_log(mut pipe: Box<dyn tokio::io::AsyncRead + Send + Unpin>, name: &'static str) {
+    let mut buf = vec![0u8; 8192];
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                    if !line.is_empty() {
+                        info!(target: "bulkhead_agent", stream = name, "{line}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Bind-mounts `dir` onto itself in a peer group of its own with shared propagation.
+fn make_shared_mount(dir: &Path) -> Result<(), SandboxError> {
+    let what = format!("shared mount {}", dir.display());
+    mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(sys(&*what))?;
+    mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(sys(&*what))?;
+    mount(None::<&str>, dir, None::<&str>, MsFlags::MS_SHARED, None::<&str>).map_err(sys(&*what))?;
+    Ok(())
+}
+
+/// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
+fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut found: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(unescape_mountinfo)
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    found
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape_mountinfo(field: &str) -> String {
+    field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+}
+
+/// Unmounts (lazily) everything at or below `dir`.
+pub fn unmount_all(dir: &Path) {
+    for target in mounts_below(dir) {
+        if let Err(e) = umount2(&target, MntFlags::MNT_DETACH) {
+            debug!("umount {}: {e}", target.display());
+        }
+    }
+}
+
+/// Whether `pid` is one of our launchers (guards against pid reuse after a crash).
+fn is_launcher(pid: i32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|cmdline| cmdline.split(|b| *b == 0).any(|arg| arg == LAUNCH_ARG.as_bytes()))
+        .unwrap_or(false)
+}
+
+/// Removes everything a pod left on the host: kills its launcher (the agent dies with it, and
+/// with the agent every process of its PID namespace), unmounts, removes socket and state.
+/// Safe to call repeatedly; used by `destroy` and by `delete` after a shim crash.
+pub async fn cleanup(paths: &PodPaths) {
+    if let Ok(text) = std::fs::read_to_string(paths.pid_file()) {
+        if let Ok(pid) = text.trim().parse::<i32>() {
+            if pid > 1 && is_launcher(pid) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                // Bounded wait for it to go (it may be someone else's zombie to reap).
+                for _ in 0..200 {
+                    if !is_launcher(pid) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+    unmount_all(&paths.dir);
+    if let Err(e) = std::fs::remove_dir_all(&paths.dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            warn!("remove {}: {e}", paths.dir.display());
+        }
+    }
+}
+
+#[async_trait]
+impl Sandbox for NamespaceSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Namespace
+    }
+
+    fn pid(&self) -> u32 {
+        match self.current() {
+            SandboxState::Running { pid } | SandboxState::Exited { pid, .. } => pid,
+        }
+    }
+
+    fn agent(&self) -> Arc<AgentClient> {
+        self.agent.clone()
+    }
+
+    async fn share_rootfs(&self, container_id: &str, host_rootfs: &Path) -> Result<PathBuf, SandboxError> {
+        let target = self.paths.rootfs(container_id);
+        std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
+        mount(Some(host_rootfs), &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(sys(format!("bind {} at {}", host_rootfs.display(), target.display())))?;
+        Ok(target)
+    }
+
+    async fn unshare_rootfs(&self, container_id: &str) -> Result<(), SandboxError> {
+        let target = self.paths.rootfs(container_id);
+        unmount_all(&target);
+        match std::fs::remove_dir(&target) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(SandboxError::Io { what: format!("remove {}", target.display()), source: e }),
+        }
+    }
+
+    async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
+        let SandboxState::Running { pid } = self.current() else {
+            return Ok(());
+        };
+        let sig = Signal::try_from(signal as i32).map_err(sys(format!("signal {signal}")))?;
+        match kill(Pid::from_raw(pid as i32), sig) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+            Err(e) => Err(SandboxError::Sys { what: format!("kill sandbox {}", self.id), source: e }),
+        }
+    }
+
+    async fn wait(&self) -> ExitInfo {
+        let mut rx = self.exited.clone();
+        loop {
+            if let Some(exit) = *rx.borrow_and_update() {
+                return exit;
+            }
+            if rx.changed().await.is_err() {
+                return ExitInfo::from_agent(255, 0, false);
+            }
+        }
+    }
+
+    async fn destroy(&self) -> Result<(), SandboxError> {
+        if let SandboxState::Running { .. } = self.current() {
+            self.signal(Signal::SIGKILL as u32).await?;
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.wait()).await;
+        }
+        cleanup(&self.paths).await;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+    }
+
+    #[test]
+    fn non_launcher_pids_are_left_alone() {
+        // Our own process is not a launcher, so cleanup would never signal it.
+        assert!(!is_launcher(std::process::id() as i32));
+        assert!(!is_launcher(i32::MAX));
+    }
+
+    #[tokio::test]
+    async fn cleanup_of_missing_state_is_a_no_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PodPaths::new(dir.path(), "nothing-here");
+        cleanup(&paths).await;
+        assert!(!paths.dir.exists());
+    }
+}

@@ -1,0 +1,81 @@
+//! Host paths of a pod's state, shared by the running shim and `delete` after a crash.
+
+use std::path::{Path, PathBuf};
+
+/// `<state_dir>/<sandbox id>/...`
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodPaths {
+    pub dir: PathBuf,
+}
+
+impl PodPaths {
+    pub fn new(state_dir: &Path, sandbox_id: &str) -> Self {
+        Self { dir: state_dir.join(sandbox_id) }
+    }
+
+    /// The agent's hybrid-vsock Unix socket (short name: sun_path has 108 bytes).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("a.sock")
+    }
+
+    /// The launcher's pid, for cleanup after a shim crash.
+    pub fn pid_file(&self) -> PathBuf {
+        self.dir.join("sandbox.pid")
+    }
+
+    /// A shared-propagation mount; rootfs bind mounts made below it appear in the agent.
+    pub fn shared_dir(&self) -> PathBuf {
+        self.dir.join("shared")
+    }
+
+    /// Where a container's rootfs is bind-mounted (same path inside the agent).
+    pub fn rootfs(&self, container_id: &str) -> PathBuf {
+        self.shared_dir().join(container_id)
+    }
+}
+
+/// What the shim records in each bundle at Create, so that `delete` (which gets no runtime
+/// options) finds the pod's state after a crash.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BundleRecord {
+    pub state_dir: PathBuf,
+    pub sandbox_id: String,
+    pub is_sandbox: bool,
+}
+
+impl BundleRecord {
+    pub const FILE: &'static str = "bulkhead.json";
+
+    pub fn write(&self, bundle: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        std::fs::write(bundle.join(Self::FILE), json)
+    }
+
+    pub fn read(bundle: &Path) -> std::io::Result<Self> {
+        let bytes = std::fs::read(bundle.join(Self::FILE))?;
+        if bytes.len() > 64 * 1024 {
+            return Err(std::io::Error::other("bundle record too large"));
+        }
+        serde_json::from_slice(&bytes).map_err(std::io::Error::other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = BundleRecord { state_dir: "/run/bulkhead".into(), sandbox_id: "sb1".into(), is_sandbox: true };
+        record.write(dir.path()).unwrap();
+        assert_eq!(BundleRecord::read(dir.path()).unwrap(), record);
+    }
+
+    #[test]
+    fn socket_path_fits_sun_path_for_default_state_dir() {
+        let id = "a".repeat(64);
+        let paths = PodPaths::new(Path::new("/run/bulkhead"), &id);
+        assert!(paths.agent_socket().as_os_str().len() < 108);
+    }
+}

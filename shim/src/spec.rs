@@ -1,0 +1,325 @@
+//! The OCI spec, as far as the shim cares: which pod a bundle belongs to, validation against
+//! what the backend can honour (errors name the field), and translation into the spec the
+//! agent runs (namespace paths that point at the sandbox become "the agent's own").
+//!
+//! Works on the JSON value, so fields the shim does not know pass through untouched.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// CRI annotation: "sandbox" or "container".
+pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// CRI annotation: the pod sandbox id of a container.
+pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+
+/// Upper bound for a bundle's config.json.
+const MAX_SPEC_BYTES: u64 = 4 << 20;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("OCI spec {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("OCI spec field {field}: {message}")]
+    Unsupported { field: String, message: String },
+}
+
+fn unsupported(field: impl Into<String>, message: impl Into<String>) -> SpecError {
+    SpecError::Unsupported { field: field.into(), message: message.into() }
+}
+
+/// Where a bundle sits in its pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// The pod sandbox (CRI's pause container); starts the shim and the sandbox.
+    Sandbox,
+    /// A workload container of the pod `sandbox_id`.
+    Container { sandbox_id: String },
+}
+
+impl Role {
+    /// The id that groups the pod: the sandbox's own id, or the one it names.
+    pub fn group<'a>(&'a self, own_id: &'a str) -> &'a str {
+        match self {
+            Role::Sandbox => own_id,
+            Role::Container { sandbox_id } => sandbox_id,
+        }
+    }
+}
+
+/// A bundle's spec.
+#[derive(Debug, Clone)]
+pub struct BundleSpec {
+    pub value: Value,
+}
+
+impl BundleSpec {
+    pub fn load(bundle: &Path) -> Result<Self, SpecError> {
+        use std::io::Read;
+        let path = bundle.join("config.json");
+        let err = |message: String| SpecError::Read { path: path.display().to_string(), message };
+        let file = std::fs::File::open(&path).map_err(|e| err(e.to_string()))?;
+        let mut bytes = Vec::new();
+        file.take(MAX_SPEC_BYTES + 1).read_to_end(&mut bytes).map_err(|e| err(e.to_string()))?;
+        if bytes.len() as u64 > MAX_SPEC_BYTES {
+            return Err(err(format!("larger than {MAX_SPEC_BYTES} bytes")));
+        }
+        Self::from_bytes(&bytes).map_err(|e| err(e.to_string()))
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        let value: Value = serde_json::from_slice(bytes)?;
+        Ok(Self { value })
+    }
+
+    fn annotation(&self, key: &str) -> Option<&str> {
+        self.value.get("annotations")?.get(key)?.as_str()
+    }
+
+    /// Pod grouping from the CRI annotations. A bundle without them (plain `ctr run`) is a
+    /// pod of its own.
+    pub fn role(&self) -> Role {
+        match (self.annotation(CONTAINER_TYPE), self.annotation(SANDBOX_ID)) {
+            (Some("container"), Some(sandbox_id)) if !sandbox_id.is_empty() => {
+                Role::Container { sandbox_id: sandbox_id.into() }
+            }
+            _ => Role::Sandbox,
+        }
+    }
+
+    pub fn hostname(&self) -> Option<&str> {
+        self.value.get("hostname")?.as_str()
+    }
+
+    pub fn sysctls(&self) -> Vec<(String, String)> {
+        self.value
+            .pointer("/linux/sysctl")
+            .and_then(Value::as_object)
+            .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+            .unwrap_or_default()
+    }
+
+    fn namespaces(&self) -> Vec<(String, Option<String>)> {
+        self.value
+            .pointer("/linux/namespaces")
+            .and_then(Value::as_array)
+            .map(|list| {
+                list.iter()
+                    .filter_map(|ns| {
+                        let typ = ns.get("type")?.as_str()?.to_string();
+                        let path = ns.get("path").and_then(Value::as_str).filter(|p| !p.is_empty()).map(str::to_string);
+                        Some((typ, path))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Fields no bulkhead backend honours; refused for sandbox and containers alike.
+    fn validate_common(&self) -> Result<(), SpecError> {
+        if let Some(hooks) = self.value.get("hooks").and_then(Value::as_object) {
+            if hooks.values().any(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
+                return Err(unsupported(
+                    "hooks",
+                    "OCI hooks would run on the host, outside the sandbox; not supported",
+                ));
+            }
+        }
+        if self.value.pointer("/linux/intelRdt").is_some_and(|v| !v.is_null()) {
+            return Err(unsupported("linux.intelRdt", "not supported by bulkhead"));
+        }
+        if self.value.pointer("/linux/seccomp").is_some_and(|v| !v.is_null()) {
+            return Err(unsupported(
+                "linux.seccomp",
+                "seccomp profiles are not applied by the bulkhead agent yet; \
+                 run the pod with seccompProfile Unconfined",
+            ));
+        }
+        for (typ, _) in self.namespaces() {
+            if typ == "user" || typ == "time" || typ == "cgroup" {
+                return Err(unsupported(
+                    format!("linux.namespaces[type={typ}]"),
+                    "not supported by the bulkhead namespace backend",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a sandbox spec and returns the pod network namespace to join (`None`: host).
+    pub fn validate_sandbox(&self) -> Result<Option<PathBuf>, SpecError> {
+        self.validate_common()?;
+        let namespaces = self.namespaces();
+        let has = |t: &str| namespaces.iter().any(|(typ, _)| typ == t);
+        if !has("pid") {
+            return Err(unsupported(
+                "linux.namespaces[type=pid]",
+                "the pod asks for the host PID namespace (hostPID), which bulkhead cannot honour",
+            ));
+        }
+        if !has("ipc") {
+            return Err(unsupported(
+                "linux.namespaces[type=ipc]",
+                "the pod asks for the host IPC namespace (hostIPC), which bulkhead cannot honour",
+            ));
+        }
+        for (typ, path) in &namespaces {
+            if typ != "network" && path.is_some() {
+                return Err(unsupported(
+                    format!("linux.namespaces[type={typ}].path"),
+                    "a sandbox can only join an existing network namespace",
+                ));
+            }
+        }
+        Ok(namespaces.into_iter().find(|(typ, _)| typ == "network").and_then(|(_, path)| path.map(PathBuf::from)))
+    }
+
+    /// Checks a container spec and returns the JSON the agent runs. Namespace paths that
+    /// name the sandbox (`/proc/<sandbox pid>/ns/<type>`, CRI's convention) are removed: in
+    /// the sandbox, the agent's own namespaces are the pod's.
+    pub fn translate_container(&self, sandbox_pid: u32) -> Result<Vec<u8>, SpecError> {
+        self.validate_common()?;
+        let mut value = self.value.clone();
+        if let Some(list) = value.pointer_mut("/linux/namespaces").and_then(Value::as_array_mut) {
+            let mut kept = Vec::new();
+            for ns in list.drain(..) {
+                let typ = ns.get("type").and_then(Value::as_str).unwrap_or_default();
+                let path = ns.get("path").and_then(Value::as_str).filter(|p| !p.is_empty());
+                match path {
+                    None => kept.push(ns),
+                    Some(path) if points_at_sandbox(path, sandbox_pid, typ) => {}
+                    Some(path) => {
+                        return Err(unsupported(
+                            format!("linux.namespaces[type={typ}].path"),
+                            format!("{path} is not the pod sandbox's namespace"),
+                        ))
+                    }
+                }
+            }
+            *list = kept;
+        }
+        serde_json::to_vec(&value).map_err(|e| SpecError::Read { path: "config.json".into(), message: e.to_string() })
+    }
+}
+
+/// Whether `path` is `/proc/<sandbox_pid>/ns/<typ>` (CRI names "network" as "net").
+fn points_at_sandbox(path: &str, sandbox_pid: u32, typ: &str) -> bool {
+    let file = match typ {
+        "network" => "net",
+        "mount" => "mnt",
+        other => other,
+    };
+    path == format!("/proc/{sandbox_pid}/ns/{file}")
+}
+
+/// The OCI `process` of an Exec request (containerd sends it as JSON in an Any), checked.
+pub fn exec_process_json(value: &[u8]) -> Result<Vec<u8>, SpecError> {
+    let parsed: Map<String, Value> = serde_json::from_slice(value)
+        .map_err(|e| SpecError::Read { path: "exec process".into(), message: e.to_string() })?;
+    match parsed.get("args").and_then(Value::as_array) {
+        Some(args) if !args.is_empty() => {}
+        _ => return Err(unsupported("process.args", "an exec needs a command")),
+    }
+    Ok(value.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(value: Value) -> BundleSpec {
+        BundleSpec { value }
+    }
+
+    fn sandbox_spec() -> Value {
+        json!({
+            "annotations": {CONTAINER_TYPE: "sandbox"},
+            "hostname": "pod-a",
+            "linux": {
+                "namespaces": [
+                    {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                    {"type": "network", "path": "/var/run/netns/cni-1"}
+                ],
+                "sysctl": {"net.ipv4.ip_forward": "1"}
+            }
+        })
+    }
+
+    #[test]
+    fn roles_follow_cri_annotations() {
+        assert_eq!(spec(sandbox_spec()).role(), Role::Sandbox);
+        let c = spec(json!({"annotations": {CONTAINER_TYPE: "container", SANDBOX_ID: "sb1"}}));
+        assert_eq!(c.role(), Role::Container { sandbox_id: "sb1".into() });
+        assert_eq!(c.role().group("c1"), "sb1");
+        assert_eq!(spec(json!({})).role(), Role::Sandbox);
+    }
+
+    #[test]
+    fn sandbox_netns_and_settings_are_read() {
+        let s = spec(sandbox_spec());
+        assert_eq!(s.validate_sandbox().unwrap(), Some(PathBuf::from("/var/run/netns/cni-1")));
+        assert_eq!(s.hostname(), Some("pod-a"));
+        assert_eq!(s.sysctls(), vec![("net.ipv4.ip_forward".into(), "1".into())]);
+    }
+
+    #[test]
+    fn host_pid_is_refused_naming_the_field() {
+        let mut v = sandbox_spec();
+        v["linux"]["namespaces"] = json!([{"type": "ipc"}, {"type": "mount"}]);
+        let err = spec(v).validate_sandbox().unwrap_err();
+        assert!(err.to_string().contains("linux.namespaces[type=pid]"), "{err}");
+    }
+
+    #[test]
+    fn hooks_and_seccomp_are_refused() {
+        let mut v = sandbox_spec();
+        v["hooks"] = json!({"prestart": [{"path": "/bin/true"}]});
+        assert!(spec(v).validate_sandbox().unwrap_err().to_string().contains("hooks"));
+        let mut v = sandbox_spec();
+        v["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ERRNO"});
+        let err = spec(v).validate_sandbox().unwrap_err();
+        assert!(err.to_string().contains("linux.seccomp"), "{err}");
+    }
+
+    #[test]
+    fn container_namespaces_of_the_sandbox_are_dropped() {
+        let s = spec(json!({
+            "process": {"args": ["sh"]},
+            "linux": {"namespaces": [
+                {"type": "pid"},
+                {"type": "network", "path": "/proc/42/ns/net"},
+                {"type": "ipc", "path": "/proc/42/ns/ipc"},
+                {"type": "uts", "path": "/proc/42/ns/uts"},
+                {"type": "mount"}
+            ]}
+        }));
+        let out: Value = serde_json::from_slice(&s.translate_container(42).unwrap()).unwrap();
+        assert_eq!(out["linux"]["namespaces"], json!([{"type": "pid"}, {"type": "mount"}]));
+        assert_eq!(out["process"]["args"], json!(["sh"]));
+    }
+
+    #[test]
+    fn foreign_namespace_paths_are_refused() {
+        let s = spec(json!({"linux": {"namespaces": [
+            {"type": "network", "path": "/proc/7/ns/net"}
+        ]}}));
+        let err = s.translate_container(42).unwrap_err();
+        assert!(err.to_string().contains("linux.namespaces[type=network].path"), "{err}");
+    }
+
+    #[test]
+    fn exec_process_needs_args() {
+        assert!(exec_process_json(br#"{"args":["ls"]}"#).is_ok());
+        assert!(exec_process_json(br#"{"args":[]}"#).is_err());
+        assert!(exec_process_json(b"not json").is_err());
+    }
+
+    #[test]
+    fn malformed_bundle_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), b"{").unwrap();
+        assert!(BundleSpec::load(dir.path()).is_err());
+        assert!(BundleSpec::load(&dir.path().join("missing")).is_err());
+    }
+}

@@ -1,0 +1,815 @@
+//! The Task service containerd calls. Each RPC looks up a [`Container`] and one of its
+//! [`Process`]es and calls the trait; what differs between an init, an exec and the sandbox
+//! lives in the process implementations, not here.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bulkhead_protocol::agent as pb;
+use containerd_shim::api::{
+    CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse, DeleteRequest,
+    ExecProcessRequest, KillRequest, PauseRequest, PidsRequest, PidsResponse, ResizePtyRequest, ResumeRequest,
+    ShutdownRequest, StartRequest, StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse,
+    UpdateTaskRequest, WaitRequest, WaitResponse,
+};
+use containerd_shim::protos::cgroups::metrics::{
+    CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat, Throttle,
+};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use containerd_shim::protos::protobuf::well_known_types::empty::Empty;
+use containerd_shim::protos::types::task::{ProcessInfo, Status};
+use containerd_shim::{DeleteResponse, ExitSignal, Task, TtrpcContext, TtrpcResult};
+use tracing::{info, info_span, warn, Instrument};
+
+use crate::agent::{AgentClient, AgentError};
+use crate::config::{Config, ConfigError, DEFAULT_CONFIG_PATH};
+use crate::container::{stdio_config, Container, ContainerKind, Rootfs};
+use crate::events::{timestamp, EventSink};
+use crate::io::{IoError, IoSession, StdioPaths};
+use crate::process::{
+    ContainerInit, ExecProcess, ExitInfo, ExitSource, Process, ProcessCore, ProcessEvent, ProcessState, SandboxInit,
+};
+use crate::sandbox::paths::BundleRecord;
+use crate::sandbox::{self, Sandbox, SandboxError, SandboxRequest};
+use crate::spec::{self, BundleSpec, Role, SpecError};
+
+/// How long the exit path waits for stdout/stderr to drain before publishing TaskExit.
+const IO_DRAIN: Duration = Duration::from_secs(2);
+/// Longest Update resources / exec process JSON accepted from containerd.
+const MAX_JSON: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("{0}: not found")]
+    NotFound(String),
+    #[error("{0}: already exists")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<TaskError> for ttrpc::Error {
+    fn from(e: TaskError) -> Self {
+        use ttrpc::Code;
+        let code = match &e {
+            TaskError::NotFound(_) => Code::NOT_FOUND,
+            TaskError::AlreadyExists(_) => Code::ALREADY_EXISTS,
+            TaskError::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+            TaskError::InvalidArgument(_) | TaskError::Config(_) | TaskError::Spec(_) => Code::INVALID_ARGUMENT,
+            TaskError::Agent(a) => a.code().unwrap_or(Code::UNKNOWN),
+            _ => Code::UNKNOWN,
+        };
+        let message = match &e {
+            TaskError::Agent(a) => a.message(),
+            other => other.to_string(),
+        };
+        ttrpc::Error::RpcStatus(ttrpc::get_status(code, message))
+    }
+}
+
+/// The pod's sandbox, as seen by the task service.
+enum PodSandbox {
+    None,
+    Running(Arc<dyn Sandbox>),
+}
+
+/// Everything one shim serves: a pod.
+pub struct TaskService {
+    namespace: String,
+    events: Arc<EventSink>,
+    containers: tokio::sync::Mutex<HashMap<String, Container>>,
+    sandbox: tokio::sync::Mutex<PodSandbox>,
+    /// Containers for which TaskOOM was published since they last started.
+    oom_reported: Arc<Mutex<HashSet<String>>>,
+    exit: Arc<ExitSignal>,
+}
+
+/// The runtime options containerd passes for non-runc runtimes (`runtimeoptions.v1.Options`,
+/// Kata's convention): `type_url` = 1, `config_path` = 2.
+pub fn config_path_from_options(any: Option<&Any>) -> Result<Option<String>, TaskError> {
+    let Some(any) = any else { return Ok(None) };
+    if !any.type_url.ends_with("runtimeoptions.v1.Options") {
+        return Ok(None);
+    }
+    let mut buf = any.value.as_slice();
+    let mut config_path = None;
+    while !buf.is_empty() {
+        let (key, rest) = read_varint(buf)?;
+        buf = rest;
+        let (field, wire) = (key >> 3, key & 7);
+        match wire {
+            2 => {
+                let (len, rest) = read_varint(buf)?;
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|l| *l <= rest.len())
+                    .ok_or_else(|| TaskError::InvalidArgument("runtime options: truncated".into()))?;
+                if field == 2 {
+                    let s = std::str::from_utf8(&rest[..len])
+                        .map_err(|_| TaskError::InvalidArgument("runtime options: ConfigPath is not UTF-8".into()))?;
+                    config_path = Some(s.to_string()).filter(|s| !s.is_empty());
+                }
+                buf = &rest[len..];
+            }
+            0 => buf = read_varint(buf)?.1,
+            _ => return Err(TaskError::InvalidArgument(format!("runtime options: unexpected wire type {wire}"))),
+        }
+    }
+    Ok(config_path)
+}
+
+fn read_varint(buf: &[u8]) -> Result<(u64, &[u8]), TaskError> {
+    let mut value = 0u64;
+    for (i, byte) in buf.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Ok((value, &buf[i + 1..]));
+        }
+    }
+    Err(TaskError::InvalidArgument("runtime options: bad varint".into()))
+}
+
+fn status_of(state: ProcessState) -> Status {
+    match state {
+        ProcessState::Created => Status::CREATED,
+        ProcessState::Running { .. } => Status::RUNNING,
+        ProcessState::Paused { .. } => Status::PAUSED,
+        ProcessState::Exited { .. } => Status::STOPPED,
+    }
+}
+
+impl TaskService {
+    pub fn new(namespace: &str, events: EventSink, exit: Arc<ExitSignal>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            events: Arc::new(events),
+            containers: Default::default(),
+            sandbox: tokio::sync::Mutex::new(PodSandbox::None),
+            oom_reported: Default::default(),
+            exit,
+        }
+    }
+
+    async fn container_process(&self, id: &str, exec_id: &str) -> Result<(ContainerKind, Arc<dyn Process>), TaskError> {
+        let containers = self.containers.lock().await;
+        let c = containers.get(id).ok_or_else(|| TaskError::NotFound(format!("container {id}")))?;
+        Ok((c.kind, c.process(exec_id)?))
+    }
+
+    async fn running_sandbox(&self) -> Option<Arc<dyn Sandbox>> {
+        match &*self.sandbox.lock().await {
+            PodSandbox::Running(s) => Some(s.clone()),
+            PodSandbox::None => None,
+        }
+    }
+
+    async fn agent(&self) -> Result<Arc<AgentClient>, TaskError> {
+        self.running_sandbox()
+            .await
+            .map(|s| s.agent())
+            .ok_or_else(|| TaskError::FailedPrecondition("the pod sandbox is not running".into()))
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, TaskError> {
+        let config_path =
+            config_path_from_options(req.options.as_ref())?.unwrap_or_else(|| DEFAULT_CONFIG_PATH.to_string());
+        let config = Config::load(Path::new(&config_path))?;
+        let bundle = PathBuf::from(&req.bundle);
+        let spec = BundleSpec::load(&bundle)?;
+        let stdio = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        crate::io::stream_kinds(&stdio)?;
+        if self.containers.lock().await.contains_key(&req.id) {
+            return Err(TaskError::AlreadyExists(format!("container {}", req.id)));
+        }
+        let container = match spec.role() {
+            Role::Sandbox => self.create_sandbox(&req, &config, &spec, stdio.clone()).await?,
+            Role::Container { sandbox_id } => {
+                self.create_workload(&req, &config, &spec, &sandbox_id, stdio.clone()).await?
+            }
+        };
+        let pid = container.init.core().state().pid();
+        self.containers.lock().await.insert(req.id.clone(), container);
+        self.events.create(&req.id, &req.bundle, req.rootfs.clone(), &stdio, pid).await;
+        Ok(CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    async fn create_sandbox(
+        &self,
+        req: &CreateTaskRequest,
+        config: &Config,
+        spec: &BundleSpec,
+        stdio: StdioPaths,
+    ) -> Result<Container, TaskError> {
+        let netns = spec.validate_sandbox()?;
+        let mut slot = self.sandbox.lock().await;
+        if let PodSandbox::Running(_) = &*slot {
+            return Err(TaskError::AlreadyExists(format!("a sandbox in the shim of {}", req.id)));
+        }
+        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: req.id.clone(), is_sandbox: true }
+            .write(Path::new(&req.bundle))
+            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+        let sandbox = sandbox::start(config, SandboxRequest { sandbox_id: req.id.clone(), netns }).await?;
+        let agent = sandbox.agent();
+        let setup = pb::SetupSandboxRequest {
+            hostname: spec.hostname().unwrap_or_default().into(),
+            sysctls: spec.sysctls().into_iter().collect(),
+            ..Default::default()
+        };
+        if let Err(e) = agent.setup_sandbox(setup).await {
+            let _ = sandbox.destroy().await;
+            return Err(e.into());
+        }
+        *slot = PodSandbox::Running(sandbox.clone());
+        drop(slot);
+        tokio::spawn(
+            oom_watch(agent, self.events.clone(), self.oom_reported.clone(), sandbox.clone()).in_current_span(),
+        );
+        let init = SandboxInit { core: ProcessCore::new(&req.id, None, stdio), sandbox };
+        // The sandbox runs from Create on; Start only reports it.
+        Ok(Container {
+            id: req.id.clone(),
+            bundle: req.bundle.clone(),
+            kind: ContainerKind::Sandbox,
+            init: Arc::new(init),
+            execs: HashMap::new(),
+            rootfs: Rootfs::Unmanaged,
+        })
+    }
+
+    async fn create_workload(
+        &self,
+        req: &CreateTaskRequest,
+        config: &Config,
+        spec: &BundleSpec,
+        sandbox_id: &str,
+        stdio: StdioPaths,
+    ) -> Result<Container, TaskError> {
+        let sandbox = self.running_sandbox().await.ok_or_else(|| {
+            TaskError::FailedPrecondition(format!("pod sandbox {sandbox_id} is not running in this shim"))
+        })?;
+        let spec_json = spec.translate_container(sandbox.pid())?;
+        let bundle = Path::new(&req.bundle);
+        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: sandbox_id.into(), is_sandbox: false }
+            .write(bundle)
+            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+
+        let host_rootfs = bundle.join("rootfs");
+        let rootfs = if req.rootfs.is_empty() {
+            Rootfs::Unmanaged
+        } else {
+            std::fs::create_dir_all(&host_rootfs)
+                .map_err(|e| TaskError::Internal(format!("create rootfs dir: {e}")))?;
+            for m in &req.rootfs {
+                if let Err(e) = containerd_shim::asynchronous::util::mount_rootfs(m, &host_rootfs).await {
+                    crate::sandbox::namespace::unmount_all(&host_rootfs);
+                    return Err(TaskError::Internal(format!("mount rootfs: {e}")));
+                }
+            }
+            Rootfs::Mounted { host: host_rootfs.clone() }
+        };
+        let undo_rootfs = |rootfs: &Rootfs| {
+            if let Rootfs::Mounted { host } = rootfs {
+                crate::sandbox::namespace::unmount_all(host);
+            }
+        };
+        let shared = match sandbox.share_rootfs(&req.id, &host_rootfs).await {
+            Ok(path) => path,
+            Err(e) => {
+                undo_rootfs(&rootfs);
+                return Err(e.into());
+            }
+        };
+        let agent = sandbox.agent();
+        let create = pb::CreateContainerRequest {
+            container_id: req.id.clone(),
+            oci_spec_json: spec_json,
+            rootfs_path: shared.display().to_string(),
+            stdio: Some(stdio_config(&stdio)).into(),
+            ..Default::default()
+        };
+        let attach = async {
+            agent.create_container(create).await?;
+            IoSession::attach(&agent, &req.id, None, &stdio).await.map_err(TaskError::from)
+        };
+        let session = match attach.await {
+            Ok(session) => session,
+            Err(e) => {
+                let _ = agent.remove_container(&req.id, true).await;
+                let _ = sandbox.unshare_rootfs(&req.id).await;
+                undo_rootfs(&rootfs);
+                return Err(e);
+            }
+        };
+        let core = ProcessCore::new(&req.id, None, stdio);
+        *core.io.lock().await = session;
+        Ok(Container {
+            id: req.id.clone(),
+            bundle: req.bundle.clone(),
+            kind: ContainerKind::Workload,
+            init: Arc::new(ContainerInit { core, agent }),
+            execs: HashMap::new(),
+            rootfs,
+        })
+    }
+
+    async fn do_start(&self, req: StartRequest) -> Result<StartResponse, TaskError> {
+        let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
+        let core = process.core();
+        if req.exec_id.is_empty() {
+            self.oom_reported.lock().unwrap_or_else(|p| p.into_inner()).remove(&req.id);
+        }
+        let pid = process.start().await?;
+        if let Some(exec_id) = &core.exec_id {
+            // The agent holds the process's output until its streams attach.
+            let agent = self.agent().await?;
+            match IoSession::attach(&agent, &core.container_id, Some(exec_id), &core.stdio).await {
+                Ok(session) => *core.io.lock().await = session,
+                Err(e) => {
+                    let _ = process.kill(9, false).await;
+                    warn!(exec_id, "attach exec stdio: {e}");
+                }
+            }
+        }
+        tokio::spawn(watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span());
+        match &core.exec_id {
+            None => self.events.start(&req.id, pid).await,
+            Some(exec_id) => self.events.exec_started(&req.id, exec_id, pid).await,
+        }
+        Ok(StartResponse { pid, ..Default::default() })
+    }
+
+    async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse, TaskError> {
+        if !req.exec_id.is_empty() {
+            let mut containers = self.containers.lock().await;
+            let c = containers.get_mut(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
+            let process = c.process(&req.exec_id)?;
+            let state = process.core().state();
+            if matches!(state, ProcessState::Running { .. } | ProcessState::Paused { .. }) {
+                return Err(TaskError::FailedPrecondition(format!("exec {} is still running", req.exec_id)));
+            }
+            c.execs.remove(&req.exec_id);
+            return Ok(delete_response(state));
+        }
+        let container = {
+            let containers = self.containers.lock().await;
+            let c = containers.get(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
+            let state = c.init.core().state();
+            if matches!(state, ProcessState::Running { .. } | ProcessState::Paused { .. }) {
+                return Err(TaskError::FailedPrecondition(format!("container {} is still running", req.id)));
+            }
+            (c.kind, c.rootfs.clone(), state)
+        };
+        let (kind, rootfs, state) = container;
+        match kind {
+            ContainerKind::Workload => {
+                if let Some(sandbox) = self.running_sandbox().await {
+                    if let Err(e) = sandbox.agent().remove_container(&req.id, true).await {
+                        if e.code() != Some(ttrpc::Code::NOT_FOUND) {
+                            warn!(container = %req.id, "agent remove: {e}");
+                        }
+                    }
+                    sandbox.unshare_rootfs(&req.id).await?;
+                }
+                if let Rootfs::Mounted { host } = &rootfs {
+                    crate::sandbox::namespace::unmount_all(host);
+                }
+            }
+            ContainerKind::Sandbox => {
+                let mut slot = self.sandbox.lock().await;
+                if let PodSandbox::Running(sandbox) = &*slot {
+                    sandbox.destroy().await?;
+                }
+                *slot = PodSandbox::None;
+            }
+        }
+        self.containers.lock().await.remove(&req.id);
+        let resp = delete_response(state);
+        let at = state.exit().map(|e| e.at).unwrap_or_else(SystemTime::now);
+        self.events.delete(&req.id, resp.pid, resp.exit_status, at).await;
+        Ok(resp)
+    }
+
+    async fn do_exec(&self, req: ExecProcessRequest) -> Result<(), TaskError> {
+        let value = req
+            .spec
+            .as_ref()
+            .map(|any| any.value.as_slice())
+            .ok_or_else(|| TaskError::InvalidArgument("exec without a process spec".into()))?;
+        if value.len() > MAX_JSON {
+            return Err(TaskError::InvalidArgument("exec process spec too large".into()));
+        }
+        let process_json = spec::exec_process_json(value)?;
+        let stdio = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        crate::io::stream_kinds(&stdio)?;
+        let agent = self.agent().await?;
+        let mut containers = self.containers.lock().await;
+        let c = containers.get_mut(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
+        if c.kind == ContainerKind::Sandbox {
+            return Err(TaskError::FailedPrecondition(
+                "exec into the pod sandbox is not supported (no pause process runs)".into(),
+            ));
+        }
+        if c.execs.contains_key(&req.exec_id) {
+            return Err(TaskError::AlreadyExists(format!("exec {}", req.exec_id)));
+        }
+        let exec = ExecProcess { core: ProcessCore::new(&req.id, Some(&req.exec_id), stdio), agent, process_json };
+        c.execs.insert(req.exec_id.clone(), Arc::new(exec));
+        drop(containers);
+        self.events.exec_added(&req.id, &req.exec_id).await;
+        Ok(())
+    }
+
+    async fn workload_agent(&self, id: &str) -> Result<Option<Arc<AgentClient>>, TaskError> {
+        let (kind, _) = self.container_process(id, "").await?;
+        match kind {
+            ContainerKind::Sandbox => Ok(None),
+            ContainerKind::Workload => Ok(Some(self.agent().await?)),
+        }
+    }
+
+    async fn do_pause(&self, id: &str, pause: bool) -> Result<(), TaskError> {
+        let (_, init) = self.container_process(id, "").await?;
+        if let Some(agent) = self.workload_agent(id).await? {
+            if pause {
+                agent.pause_container(id).await?;
+            } else {
+                agent.resume_container(id).await?;
+            }
+        }
+        let event = if pause { ProcessEvent::Paused } else { ProcessEvent::Resumed };
+        init.core().transition(event)?;
+        if pause {
+            self.events.paused(id).await;
+        } else {
+            self.events.resumed(id).await;
+        }
+        Ok(())
+    }
+
+    async fn do_stats(&self, id: &str) -> Result<Metrics, TaskError> {
+        let Some(agent) = self.workload_agent(id).await? else {
+            return Ok(Metrics::default());
+        };
+        let s = agent.stats(id).await?;
+        let mut m = Metrics::default();
+        if let Some(cpu) = s.cpu.as_ref() {
+            m.cpu = Some(CPUStat {
+                usage: Some(CPUUsage {
+                    total: cpu.usage_total_nanos,
+                    user: cpu.usage_user_nanos,
+                    kernel: cpu.usage_kernel_nanos,
+                    ..Default::default()
+                })
+                .into(),
+                throttling: Some(Throttle {
+                    throttled_periods: cpu.throttled_periods,
+                    throttled_time: cpu.throttled_nanos,
+                    ..Default::default()
+                })
+                .into(),
+                ..Default::default()
+            })
+            .into();
+        }
+        if let Some(mem) = s.memory.as_ref() {
+            m.memory = Some(MemoryStat {
+                cache: mem.cache_bytes,
+                rss: mem.rss_bytes,
+                total_cache: mem.cache_bytes,
+                total_rss: mem.rss_bytes,
+                usage: Some(MemoryEntry {
+                    usage: mem.usage_bytes,
+                    max: mem.max_usage_bytes,
+                    limit: mem.limit_bytes,
+                    ..Default::default()
+                })
+                .into(),
+                ..Default::default()
+            })
+            .into();
+        }
+        if let Some(pids) = s.pids.as_ref() {
+            m.pids = Some(PidsStat { current: pids.current, limit: pids.limit, ..Default::default() }).into();
+        }
+        Ok(m)
+    }
+}
+
+fn delete_response(state: ProcessState) -> DeleteResponse {
+    let exit = state.exit();
+    DeleteResponse {
+        pid: state.pid(),
+        exit_status: exit.map(|e| e.status).unwrap_or_default(),
+        exited_at: exit.map(|e| timestamp(e.at)).into(),
+        ..Default::default()
+    }
+}
+
+/// Waits for one process to end, drains its output, records the exit and tells containerd.
+async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_reported: Arc<Mutex<HashSet<String>>>) {
+    let core = process.core();
+    let exit = match process.exit_source() {
+        ExitSource::Agent(agent) => {
+            match agent.wait_process(&core.container_id, core.exec_id.as_deref()).await {
+                Ok(e) => ExitInfo::from_agent(e.code, e.at_unix_nanos, e.oom_killed),
+                Err(e) => {
+                    // The agent is gone, and with it every process of the pod (SIGKILL).
+                    warn!("wait: {e}; reporting the process as killed");
+                    ExitInfo::from_agent(128 + 9, 0, false)
+                }
+            }
+        }
+        ExitSource::Sandbox(sandbox) => sandbox.wait().await,
+    };
+    core.io.lock().await.finish(IO_DRAIN).await;
+    if exit.oom_killed && core.exec_id.is_none() {
+        let first = oom_reported.lock().unwrap_or_else(|p| p.into_inner()).insert(core.container_id.clone());
+        if first {
+            events.oom(&core.container_id).await;
+        }
+    }
+    let pid = core.state().pid();
+    if let Err(e) = core.transition(ProcessEvent::Exited(exit)) {
+        warn!("record exit: {e}");
+    }
+    info!(status = exit.status, oom = exit.oom_killed, "process exited");
+    events.exit(&core.container_id, core.event_id(), pid, exit.status, exit.at).await;
+}
+
+/// Relays the agent's OOM events as TaskOOM until the sandbox ends.
+async fn oom_watch(
+    agent: Arc<AgentClient>,
+    events: Arc<EventSink>,
+    oom_reported: Arc<Mutex<HashSet<String>>>,
+    sandbox: Arc<dyn Sandbox>,
+) {
+    let mut after = 0;
+    let ended = sandbox.wait();
+    tokio::pin!(ended);
+    loop {
+        tokio::select! {
+            _ = &mut ended => return,
+            next = agent.next_oom_event(after, Duration::from_secs(30)) => match next {
+                Ok(Some(event)) => {
+                    after = event.seq;
+                    oom_reported
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(event.container_id.clone());
+                    events.oom(&event.container_id).await;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!("OOM events: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+}
+
+fn span(op: &'static str, id: &str, exec_id: &str) -> tracing::Span {
+    if exec_id.is_empty() {
+        info_span!("container", op, id = %id)
+    } else {
+        info_span!("exec", op, id = %id, exec_id = %exec_id)
+    }
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
+        let span = span("create", &req.id, "");
+        async move {
+            info!(bundle = %req.bundle, "create");
+            self.do_create(req).await.map_err(|e| {
+                warn!("create failed: {e}");
+                e.into()
+            })
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        let span = span("start", &req.id, &req.exec_id);
+        async move {
+            self.do_start(req).await.map_err(|e| {
+                warn!("start failed: {e}");
+                e.into()
+            })
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        let (bundle, process) = {
+            let containers = self.containers.lock().await;
+            let c = containers.get(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
+            (c.bundle.clone(), c.process(&req.exec_id)?)
+        };
+        let core = process.core();
+        let state = core.state();
+        let exit = state.exit();
+        Ok(StateResponse {
+            id: req.id,
+            bundle,
+            pid: state.pid(),
+            status: status_of(state).into(),
+            stdin: core.stdio.stdin.clone(),
+            stdout: core.stdio.stdout.clone(),
+            stderr: core.stdio.stderr.clone(),
+            terminal: core.stdio.terminal,
+            exit_status: exit.map(|e| e.status).unwrap_or_default(),
+            exited_at: exit.map(|e| timestamp(e.at)).into(),
+            exec_id: req.exec_id,
+            ..Default::default()
+        })
+    }
+
+    async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        let span = span("delete", &req.id, &req.exec_id);
+        async move { self.do_delete(req).await.map_err(Into::into) }.instrument(span).await
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        let (kind, init) = self.container_process(&req.id, "").await?;
+        let pids = match kind {
+            ContainerKind::Sandbox => vec![init.core().state().pid()],
+            ContainerKind::Workload => self.agent().await?.list_pids(&req.id).await.map_err(TaskError::from)?,
+        };
+        Ok(PidsResponse {
+            processes: pids.into_iter().map(|pid| ProcessInfo { pid, ..Default::default() }).collect(),
+            ..Default::default()
+        })
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        self.do_pause(&req.id, true).await?;
+        Ok(Empty::new())
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        self.do_pause(&req.id, false).await?;
+        Ok(Empty::new())
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        let span = span("kill", &req.id, &req.exec_id);
+        async move {
+            let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
+            info!(signal = req.signal, all = req.all, "kill");
+            process.kill(req.signal, req.all).await?;
+            Ok(Empty::new())
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        let span = span("exec", &req.id, &req.exec_id);
+        async move {
+            self.do_exec(req).await?;
+            Ok(Empty::new())
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
+        process.resize_pty(req.width, req.height).await?;
+        Ok(Empty::new())
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        if req.stdin {
+            let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
+            process.close_stdin().await?;
+        }
+        Ok(Empty::new())
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let Some(agent) = self.workload_agent(&req.id).await? else {
+            return Ok(Empty::new());
+        };
+        let resources = req.resources.as_ref().map(|any| any.value.clone()).unwrap_or_default();
+        if resources.len() > MAX_JSON {
+            return Err(TaskError::InvalidArgument("resources too large".into()).into());
+        }
+        agent.update_container(&req.id, resources).await.map_err(TaskError::from)?;
+        Ok(Empty::new())
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
+        let exit = process.core().wait().await;
+        Ok(WaitResponse { exit_status: exit.status, exited_at: Some(timestamp(exit.at)).into(), ..Default::default() })
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        let metrics = self.do_stats(&req.id).await?;
+        let any = containerd_shim::util::convert_to_any(Box::new(metrics))
+            .map_err(|e| TaskError::Internal(format!("encode stats: {e}")))?;
+        Ok(StatsResponse { stats: Some(any).into(), ..Default::default() })
+    }
+
+    async fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        let task_pid = match self.container_process(&req.id, "").await {
+            Ok((_, init)) => init.core().state().pid(),
+            Err(_) => 0,
+        };
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
+        if !self.containers.lock().await.is_empty() {
+            return Ok(Empty::new());
+        }
+        if let Some(sandbox) = self.running_sandbox().await {
+            let _ = sandbox.destroy().await;
+        }
+        info!(namespace = %self.namespace, "no containers left; shim exits");
+        self.exit.signal();
+        Ok(Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn any(type_url: &str, value: Vec<u8>) -> Any {
+        Any { type_url: type_url.into(), value, ..Default::default() }
+    }
+
+    fn encode_options(type_url: &str, config_path: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (field, s) in [(1u8, type_url), (2u8, config_path)] {
+            out.push(field << 3 | 2);
+            out.push(s.len() as u8);
+            out.extend_from_slice(s.as_bytes());
+        }
+        out
+    }
+
+    #[test]
+    fn config_path_comes_from_runtime_options() {
+        let a = any("runtimeoptions.v1.Options", encode_options("", "/etc/bulkhead/test.toml"));
+        assert_eq!(config_path_from_options(Some(&a)).unwrap().as_deref(), Some("/etc/bulkhead/test.toml"));
+        assert_eq!(config_path_from_options(None).unwrap(), None);
+        let runc = any("containerd.runc.v1.Options", vec![1, 2, 3]);
+        assert_eq!(config_path_from_options(Some(&runc)).unwrap(), None);
+    }
+
+    #[test]
+    fn malformed_runtime_options_are_an_error() {
+        let truncated = any("runtimeoptions.v1.Options", vec![0x12, 50, b'a']);
+        assert!(config_path_from_options(Some(&truncated)).is_err());
+        let bad_varint = any("runtimeoptions.v1.Options", vec![0xff; 12]);
+        assert!(config_path_from_options(Some(&bad_varint)).is_err());
+    }
+
+    #[test]
+    fn errors_map_to_ttrpc_codes() {
+        let e: ttrpc::Error = TaskError::NotFound("process already finished".into()).into();
+        match e {
+            ttrpc::Error::RpcStatus(s) => assert_eq!(s.code(), ttrpc::Code::NOT_FOUND),
+            other => panic!("{other:?}"),
+        }
+    }
+}
