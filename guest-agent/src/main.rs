@@ -1,1 +1,41 @@
-fn main() {}
+//! `bulkhead-agent`: PID 1 of a bulkhead sandbox. See the crate README for the job and boundaries.
+
+mod cgroups;
+mod cli;
+mod container;
+mod error;
+mod frame_guard;
+mod guest_init;
+mod oom;
+mod reaper;
+mod runtime;
+mod sandbox;
+mod service;
+mod stdio;
+mod transport;
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let args = cli::Cli::parse();
+    match args.command {
+        // The libcontainer helper must run single-threaded (it clones), so it is dispatched
+        // before any runtime starts.
+        Some(cli::Command::Libcontainer(op)) => runtime::helper::main(op),
+        None => match run(args.agent) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bulkhead-agent: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
+    cli::init_tracing(&opts);
+    // Mounts and subreaper status come before any thread exists.
+    guest_init::prepare(opts.mode, &guest_init::LinuxSyscall)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(sandbox::serve(opts))
+}

@@ -1,0 +1,114 @@
+//! Command line: the agent's flags and the hidden libcontainer helper subcommand.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "bulkhead-agent", version, about = "bulkhead guest agent (sandbox PID 1)")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub agent: AgentOpts,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Internal: one libcontainer operation in a fresh single-threaded process.
+    #[command(name = "__libcontainer", hide = true)]
+    Libcontainer(crate::runtime::helper::HelperOp),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// PID 1 of a microVM: mounts proc/sys/dev/cgroup/tmp, owns the clock and entropy.
+    Guest,
+    /// PID 1 of fresh namespaces on a host: the host already provides devices, clock, entropy.
+    Namespace,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Guest => "guest",
+            Mode::Namespace => "namespace",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AgentOpts {
+    /// `vsock` (ports from bulkhead-protocol; the VMM answers the CONNECT preamble) or
+    /// `unix:<path>` (the agent answers the CONNECT preamble itself).
+    #[arg(long, default_value = "vsock")]
+    pub listen: Listen,
+    #[arg(long, value_enum, default_value = "guest")]
+    pub mode: Mode,
+    /// Agent state: bundles, libcontainer state, console sockets.
+    #[arg(long, default_value = "/run/bulkhead-agent")]
+    pub state_dir: PathBuf,
+    /// Parent of every container cgroup (absolute, inside the agent's cgroup view).
+    #[arg(long, default_value = "/bulkhead")]
+    pub cgroup_parent: PathBuf,
+    /// A ttrpc frame in progress that makes no progress for this long closes its connection.
+    #[arg(long, default_value = "500", value_parser = parse_millis)]
+    pub frame_stall_ms: Duration,
+    /// An attached stdio reader that accepts no bytes for this long is disconnected, so the
+    /// process is never blocked on its output for longer.
+    #[arg(long, default_value = "10000", value_parser = parse_millis)]
+    pub stream_stall_ms: Duration,
+    /// Output kept per stream while no reader is attached (oldest bytes dropped beyond it).
+    #[arg(long, default_value = "1048576")]
+    pub stream_backlog_bytes: usize,
+    /// Log as JSON lines.
+    #[arg(long)]
+    pub log_json: bool,
+}
+
+fn parse_millis(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Vsock,
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "vsock" {
+            return Ok(Listen::Vsock);
+        }
+        match s.strip_prefix("unix:") {
+            Some(p) if !p.is_empty() => Ok(Listen::Unix(PathBuf::from(p))),
+            _ => Err(format!("--listen {s:?}: expected `vsock` or `unix:<path>`")),
+        }
+    }
+}
+
+pub fn init_tracing(opts: &AgentOpts) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_AGENT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libcontainer=warn,libcgroups=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if opts.log_json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_listen() {
+        assert_eq!("vsock".parse::<Listen>().unwrap(), Listen::Vsock);
+        assert_eq!("unix:/run/a.sock".parse::<Listen>().unwrap(), Listen::Unix("/run/a.sock".into()));
+        assert!("unix:".parse::<Listen>().is_err());
+        assert!("tcp:1".parse::<Listen>().is_err());
+    }
+}

@@ -1,0 +1,188 @@
+//! SetupSandbox: the sandbox-wide settings the shim hands the agent.
+
+use std::path::{Component, Path, PathBuf};
+
+use super::{parse_mount_options, Syscall};
+use crate::{
+    cli::Mode,
+    error::{AgentError, Result},
+};
+
+#[derive(Debug, Clone, Default)]
+pub struct GuestMount {
+    pub source: String,
+    pub destination: PathBuf,
+    pub fstype: String,
+    pub options: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SandboxSettings {
+    pub hostname: String,
+    pub resolv_conf: Vec<u8>,
+    pub sysctls: Vec<(String, String)>,
+    pub wall_clock_unix_nanos: i64,
+    pub entropy_seed: Vec<u8>,
+    pub mounts: Vec<GuestMount>,
+}
+
+const MAX_RESOLV_CONF: usize = 64 << 10;
+const MAX_ENTROPY: usize = 4096;
+
+/// Applies the settings. In namespace mode the host owns the clock, the entropy pool and
+/// /etc/resolv.conf (the container's resolv.conf arrives as a spec mount), so those are
+/// skipped and logged.
+pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result<()> {
+    validate(s)?;
+    if !s.hostname.is_empty() {
+        sys.sethostname(&s.hostname).map_err(|e| AgentError::internal("sethostname", e))?;
+    }
+    for (key, value) in &s.sysctls {
+        let path = sysctl_path(key)?;
+        sys.write_file(&path, value.as_bytes())
+            .map_err(|e| AgentError::FailedPrecondition(format!("sysctl {key}={value}: {e}")))?;
+    }
+    for m in &s.mounts {
+        let opts = parse_mount_options(&m.options);
+        sys.mkdir_all(&m.destination).map_err(|e| AgentError::internal("mkdir guest mount point", e))?;
+        sys.mount(
+            Some(&m.source),
+            &m.destination,
+            (!m.fstype.is_empty()).then_some(m.fstype.as_str()),
+            opts.flags,
+            opts.data.as_deref(),
+        )
+        .map_err(|e| {
+            AgentError::FailedPrecondition(format!("mount {} on {}: {e}", m.source, m.destination.display()))
+        })?;
+    }
+    match mode {
+        Mode::Guest => {
+            if !s.resolv_conf.is_empty() {
+                sys.mkdir_all(Path::new("/etc")).map_err(|e| AgentError::internal("mkdir /etc", e))?;
+                sys.write_file(Path::new("/etc/resolv.conf"), &s.resolv_conf)
+                    .map_err(|e| AgentError::internal("write /etc/resolv.conf", e))?;
+            }
+            if s.wall_clock_unix_nanos != 0 {
+                sys.set_realtime_clock(s.wall_clock_unix_nanos)
+                    .map_err(|e| AgentError::internal("clock_settime", e))?;
+            }
+            if !s.entropy_seed.is_empty() {
+                sys.add_entropy(&s.entropy_seed).map_err(|e| AgentError::internal("RNDADDENTROPY", e))?;
+            }
+        }
+        Mode::Namespace => {
+            tracing::info!("namespace mode: host provides clock, entropy and resolv.conf; skipped");
+        }
+    }
+    Ok(())
+}
+
+fn validate(s: &SandboxSettings) -> Result<()> {
+    if s.hostname.len() > 64 {
+        return Err(AgentError::InvalidArgument(format!("hostname is {} bytes, the limit is 64", s.hostname.len())));
+    }
+    if s.resolv_conf.len() > MAX_RESOLV_CONF {
+        return Err(AgentError::InvalidArgument(format!(
+            "resolv.conf is {} bytes, the limit is {MAX_RESOLV_CONF}",
+            s.resolv_conf.len()
+        )));
+    }
+    if s.entropy_seed.len() > MAX_ENTROPY {
+        return Err(AgentError::InvalidArgument(format!(
+            "entropy seed is {} bytes, the limit is {MAX_ENTROPY}",
+            s.entropy_seed.len()
+        )));
+    }
+    for m in &s.mounts {
+        if !m.destination.is_absolute() {
+            return Err(AgentError::InvalidArgument(format!(
+                "guest mount destination {:?} is not absolute",
+                m.destination
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `net.ipv4.ip_forward` -> `/proc/sys/net/ipv4/ip_forward`, refusing anything that could
+/// escape /proc/sys.
+fn sysctl_path(key: &str) -> Result<PathBuf> {
+    let rel = key.replace('.', "/");
+    let bad = key.is_empty()
+        || key.len() > 256
+        || key.split('.').any(|seg| seg.is_empty() || seg.contains('/'))
+        || Path::new(&rel).components().any(|c| !matches!(c, Component::Normal(_)));
+    if bad {
+        return Err(AgentError::InvalidArgument(format!("bad sysctl key {key:?}")));
+    }
+    Ok(Path::new("/proc/sys").join(rel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::syscall::test::{Call, RecordingSyscall};
+    use super::*;
+
+    fn settings() -> SandboxSettings {
+        SandboxSettings {
+            hostname: "pod-a".into(),
+            resolv_conf: b"nameserver 10.0.0.10\n".to_vec(),
+            sysctls: vec![("net.ipv4.ip_forward".into(), "1".into())],
+            wall_clock_unix_nanos: 1_700_000_000_123_456_789,
+            entropy_seed: vec![7; 32],
+            mounts: vec![GuestMount {
+                source: "vol0".into(),
+                destination: "/run/vol0".into(),
+                fstype: "virtiofs".into(),
+                options: vec!["ro".into()],
+            }],
+        }
+    }
+
+    #[test]
+    fn guest_mode_applies_everything() {
+        let sys = RecordingSyscall::default();
+        apply_setup(&settings(), Mode::Guest, &sys).unwrap();
+        let calls = sys.calls();
+        assert!(calls.contains(&Call::Hostname("pod-a".into())));
+        assert!(calls.contains(&Call::Write("/proc/sys/net/ipv4/ip_forward".into(), b"1".to_vec())));
+        assert!(calls.contains(&Call::Write("/etc/resolv.conf".into(), b"nameserver 10.0.0.10\n".to_vec())));
+        assert!(calls.contains(&Call::Clock(1_700_000_000_123_456_789)));
+        assert!(calls.contains(&Call::Entropy(32)));
+        assert!(calls.iter().any(|c| matches!(c, Call::Mount { fstype: Some(t), flags, .. }
+            if t == "virtiofs" && flags.contains(nix::mount::MsFlags::MS_RDONLY))));
+    }
+
+    #[test]
+    fn namespace_mode_leaves_host_owned_state_alone() {
+        let sys = RecordingSyscall::default();
+        apply_setup(&settings(), Mode::Namespace, &sys).unwrap();
+        let calls = sys.calls();
+        assert!(!calls.iter().any(|c| matches!(c, Call::Clock(_) | Call::Entropy(_))));
+        assert!(!calls.iter().any(|c| matches!(c, Call::Write(p, _) if p == Path::new("/etc/resolv.conf"))));
+        assert!(calls.contains(&Call::Hostname("pod-a".into())));
+    }
+
+    #[test]
+    fn rejects_escaping_sysctls_and_oversized_fields() {
+        for key in ["", "..", "net/../../etc", "a..b", "/abs"] {
+            let mut s = SandboxSettings::default();
+            s.sysctls = vec![(key.into(), "1".into())];
+            assert!(
+                matches!(
+                    apply_setup(&s, Mode::Guest, &RecordingSyscall::default()),
+                    Err(AgentError::InvalidArgument(_))
+                ),
+                "{key:?}"
+            );
+        }
+        let s = SandboxSettings { hostname: "h".repeat(65), ..Default::default() };
+        assert!(apply_setup(&s, Mode::Guest, &RecordingSyscall::default()).is_err());
+        let s = SandboxSettings {
+            mounts: vec![GuestMount { destination: "rel".into(), ..Default::default() }],
+            ..Default::default()
+        };
+        assert!(apply_setup(&s, Mode::Guest, &RecordingSyscall::default()).is_err());
+    }
+}

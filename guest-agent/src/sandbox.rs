@@ -1,0 +1,594 @@
+//! The sandbox: the agent's containers and the operations the service exposes. One method
+//! per RPC; the ttrpc layer (service.rs) only converts messages.
+
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use bulkhead_protocol::stream::{validate_id, StreamAck, StreamHeader};
+use oci_spec::runtime::{LinuxResources, Process as OciProcess, Spec};
+
+use crate::{
+    cgroups::{Cgroup, Hierarchy},
+    cli::{AgentOpts, Listen, Mode},
+    container::{Container, Event, ExitRecord, NewContainer},
+    error::{AgentError, Result},
+    guest_init::{self, LinuxSyscall, SandboxSettings, Syscall},
+    oom::OomEvents,
+    reaper::Reaper,
+    runtime::{ChildIo, Runtime},
+    stdio::{OutputStream, ProcessIo, PtyMaster, PumpOpts, StdinSink},
+    transport::{self, Conn, Dispatch},
+};
+
+/// Largest OCI spec / process JSON accepted (ttrpc caps the frame at 4 MiB anyway).
+const MAX_SPEC_JSON: usize = 1 << 20;
+const STREAM_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+const CONSOLE_TIMEOUT: Duration = Duration::from_secs(30);
+const OOM_POLL: Duration = Duration::from_millis(200);
+
+pub struct StdioRequest {
+    pub terminal: bool,
+    pub stdin: bool,
+}
+
+pub struct CreateRequest {
+    pub id: String,
+    pub spec_json: Vec<u8>,
+    pub rootfs_path: String,
+    pub rootfs_mounts: Vec<guest_init::GuestMount>,
+    pub stdio: StdioRequest,
+}
+
+pub struct Sandbox {
+    pub mode: Mode,
+    state_dir: PathBuf,
+    cgroup_parent: PathBuf,
+    pump: PumpOpts,
+    reaper: Reaper,
+    runtime: Runtime,
+    pub oom: Arc<OomEvents>,
+    containers: Mutex<HashMap<String, Arc<Container>>>,
+    /// Ids between reservation and insertion (create in progress), and exec ids likewise.
+    reserved: Mutex<HashSet<String>>,
+    sock_seq: AtomicU64,
+    sys: LinuxSyscall,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Releases a reservation on every exit path.
+struct Reservation<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    key: String,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        lock(self.set).remove(&self.key);
+    }
+}
+
+fn bad_json(what: &str, e: impl std::fmt::Display) -> AgentError {
+    AgentError::InvalidArgument(format!("malformed {what}: {e}"))
+}
+
+impl Sandbox {
+    pub fn new(opts: &AgentOpts, reaper: Reaper) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(opts.state_dir.join("bundles"))?;
+        std::fs::create_dir_all(opts.state_dir.join("sock"))?;
+        let runtime = Runtime::new(opts.state_dir.join("libcontainer"), reaper.clone())?;
+        Ok(Self {
+            mode: opts.mode,
+            state_dir: opts.state_dir.clone(),
+            cgroup_parent: opts.cgroup_parent.clone(),
+            pump: PumpOpts { backlog: opts.stream_backlog_bytes, stall: opts.stream_stall_ms },
+            reaper,
+            runtime,
+            oom: Arc::new(OomEvents::default()),
+            containers: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(HashSet::new()),
+            sock_seq: AtomicU64::new(0),
+            sys: LinuxSyscall,
+        })
+    }
+
+    pub fn container(&self, id: &str) -> Result<Arc<Container>> {
+        lock(&self.containers).get(id).cloned().ok_or_else(|| AgentError::NotFound(format!("container {id}")))
+    }
+
+    fn reserve(&self, key: String, what: &str) -> Result<Reservation<'_>> {
+        let mut r = lock(&self.reserved);
+        let taken = r.contains(&key) || (what == "container" && lock(&self.containers).contains_key(&key));
+        if taken {
+            return Err(AgentError::AlreadyExists(format!("{what} {key}")));
+        }
+        r.insert(key.clone());
+        Ok(Reservation { set: &self.reserved, key })
+    }
+
+    pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
+        guest_init::apply_setup(s, self.mode, &self.sys)
+    }
+
+    // ---- create / exec ---------------------------------------------------------------
+
+    pub async fn create_container(self: &Arc<Self>, req: CreateRequest) -> Result<i32> {
+        validate_id(&req.id)?;
+        let _res = self.reserve(req.id.clone(), "container")?;
+        let hierarchy = Hierarchy::detect()?;
+        let mut spec = parse_spec(&req.spec_json)?;
+        let bundle = self.state_dir.join("bundles").join(&req.id);
+        if bundle.exists() {
+            // Left over from a failed create: start clean.
+            let _ = std::fs::remove_dir_all(&bundle);
+        }
+        std::fs::create_dir_all(&bundle).map_err(|e| AgentError::internal("mkdir bundle", e))?;
+
+        let cgroup_path = self.cgroup_parent.join(&req.id);
+        let rootfs = prepare_spec(&mut spec, &req, &cgroup_path)?;
+        let mut mounted = Vec::new();
+        let result = async {
+            for m in &req.rootfs_mounts {
+                let target = rootfs.join(m.destination.strip_prefix("/").unwrap_or(&m.destination));
+                let opts = guest_init::parse_mount_options(&m.options);
+                self.sys.mkdir_all(&target).map_err(|e| AgentError::internal("mkdir rootfs mount", e))?;
+                self.sys
+                    .mount(
+                        Some(&m.source),
+                        &target,
+                        (!m.fstype.is_empty()).then_some(m.fstype.as_str()),
+                        opts.flags,
+                        opts.data.as_deref(),
+                    )
+                    .map_err(|e| AgentError::FailedPrecondition(format!("rootfs mount {}: {e}", m.source)))?;
+                mounted.push(target);
+            }
+            if !rootfs.is_dir() {
+                return Err(AgentError::InvalidArgument(format!("rootfs {} is not a directory", rootfs.display())));
+            }
+            let json = serde_json::to_vec_pretty(&spec).map_err(|e| AgentError::internal("spec", e))?;
+            std::fs::write(bundle.join("config.json"), json)
+                .map_err(|e| AgentError::internal("write config.json", e))?;
+            let (child_io, pending) = self.child_stdio(&req.stdio).await?;
+            let pid = self.runtime.create(&req.id, &bundle, child_io).await?;
+            let io = self.finish_stdio(pending, &format!("{}/init", req.id)).await?;
+            Ok((pid, io))
+        }
+        .await;
+        let (pid, io) = match result {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.runtime.delete(&req.id, true).await;
+                for m in mounted.iter().rev() {
+                    let _ = self.sys.umount(m);
+                }
+                let _ = std::fs::remove_dir_all(&bundle);
+                return Err(e);
+            }
+        };
+        let c = Container::new(
+            NewContainer {
+                id: req.id.clone(),
+                bundle,
+                cgroup: Cgroup::new(cgroup_path, hierarchy),
+                rootfs_mounts: mounted,
+                init_pid: pid,
+                init_io: io,
+            },
+            &self.reaper,
+        );
+        c.set_monitor(self.spawn_oom_monitor(&c));
+        lock(&self.containers).insert(req.id.clone(), c);
+        tracing::info!(container = %req.id, pid, "container created");
+        Ok(pid)
+    }
+
+    pub async fn start_container(&self, id: &str) -> Result<i32> {
+        let c = self.container(id)?;
+        c.check(Event::Start)?;
+        self.runtime.start(id).await?;
+        c.transition(Event::Start)?;
+        Ok(c.init.pid)
+    }
+
+    pub async fn exec_process(&self, id: &str, exec_id: &str, process_json: &[u8], stdio: StdioRequest) -> Result<i32> {
+        validate_id(exec_id)?;
+        let c = self.container(id)?;
+        match c.state() {
+            crate::container::ContainerState::Running => {}
+            other => {
+                return Err(AgentError::FailedPrecondition(format!(
+                    "cannot exec in container {id}: it is {}",
+                    other.name()
+                )))
+            }
+        }
+        let _res = self.reserve(format!("{id}/{exec_id}"), "exec")?;
+        if c.has_exec(exec_id) {
+            return Err(AgentError::AlreadyExists(format!("exec {exec_id} in container {id}")));
+        }
+        if process_json.len() > MAX_SPEC_JSON {
+            return Err(AgentError::InvalidArgument(format!(
+                "process JSON is {} bytes, limit {MAX_SPEC_JSON}",
+                process_json.len()
+            )));
+        }
+        let mut process: OciProcess = serde_json::from_slice(process_json).map_err(|e| bad_json("OCI process", e))?;
+        if process.args().as_ref().is_none_or(|a| a.is_empty()) {
+            return Err(AgentError::InvalidArgument("process.args is empty".into()));
+        }
+        process.set_terminal(Some(stdio.terminal));
+        let path = c.bundle.join(format!("exec-{exec_id}.json"));
+        std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
+            .map_err(|e| AgentError::internal("write process.json", e))?;
+        let (child_io, pending) = self.child_stdio(&stdio).await?;
+        let pid = self.runtime.exec(id, &path, child_io).await?;
+        let io = self.finish_stdio(pending, &format!("{id}/{exec_id}")).await?;
+        c.add_exec(exec_id, pid, io, &self.reaper);
+        tracing::info!(container = id, exec = exec_id, pid, "exec started");
+        Ok(pid)
+    }
+
+    // ---- stdio plumbing -----------------------------------------------------------------
+
+    async fn child_stdio(&self, req: &StdioRequest) -> Result<(ChildIo, PendingIo)> {
+        if req.terminal {
+            let n = self.sock_seq.fetch_add(1, Ordering::Relaxed);
+            let path = self.state_dir.join("sock").join(format!("c{n}.sock"));
+            let _ = std::fs::remove_file(&path);
+            let listener =
+                tokio::net::UnixListener::bind(&path).map_err(|e| AgentError::internal("console socket", e))?;
+            let accept = tokio::spawn(recv_console_master(listener, path.clone()));
+            return Ok((ChildIo::Console(path), PendingIo::Tty(accept)));
+        }
+        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::internal("pipe2", e));
+        let (stdin_child, stdin_ours) = if req.stdin {
+            let (r, w) = pipe()?;
+            (r, Some(w))
+        } else {
+            let null = std::fs::File::open("/dev/null").map_err(|e| AgentError::internal("open /dev/null", e))?;
+            (OwnedFd::from(null), None)
+        };
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        Ok((
+            ChildIo::Pipes([stdin_child, out_w, err_w]),
+            PendingIo::Pipes { stdin: stdin_ours, stdout: out_r, stderr: err_r },
+        ))
+    }
+
+    async fn finish_stdio(&self, p: PendingIo, label: &str) -> Result<ProcessIo> {
+        match p {
+            PendingIo::Pipes { stdin, stdout, stderr } => {
+                let rx = |fd: OwnedFd| {
+                    tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| AgentError::internal("pipe", e))
+                };
+                let stdin = match stdin {
+                    Some(w) => Some(StdinSink::new(Box::new(
+                        tokio::net::unix::pipe::Sender::from_owned_fd(w)
+                            .map_err(|e| AgentError::internal("pipe", e))?,
+                    ))),
+                    None => None,
+                };
+                Ok(ProcessIo::Pipes {
+                    stdin,
+                    stdout: OutputStream::spawn(rx(stdout)?, self.pump, format!("{label}/stdout")),
+                    stderr: OutputStream::spawn(rx(stderr)?, self.pump, format!("{label}/stderr")),
+                })
+            }
+            PendingIo::Tty(accept) => {
+                let master = tokio::time::timeout(CONSOLE_TIMEOUT, accept)
+                    .await
+                    .map_err(|_| AgentError::Timeout("pty master from libcontainer".into()))?
+                    .map_err(|e| AgentError::internal("console task", e))??;
+                let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| AgentError::internal("dup pty master", e));
+                let reader = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
+                let writer = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
+                Ok(ProcessIo::Tty {
+                    control: master,
+                    output: OutputStream::spawn(reader, self.pump, format!("{label}/tty")),
+                    input: StdinSink::new(Box::new(writer)),
+                })
+            }
+        }
+    }
+
+    /// Serves one stream connection: header, lookup, ack, attach.
+    pub async fn accept_stream(self: Arc<Self>, mut conn: Conn) {
+        let header = match StreamHeader::read_from(&mut conn, STREAM_HEADER_TIMEOUT).await {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "bad stream header");
+                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
+                return;
+            }
+        };
+        let exec = header.exec_id.clone().unwrap_or_default();
+        let process = self.container(&header.container_id).and_then(|c| c.process(&exec));
+        let process = match process {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
+                return;
+            }
+        };
+        if let Err(e) = process.io.check(header.kind) {
+            let _ = StreamAck::Rejected(e).write_to(&mut conn).await;
+            return;
+        }
+        if StreamAck::Attached.write_to(&mut conn).await.is_err() {
+            return;
+        }
+        if let Err(e) = process.io.attach(header.kind, conn) {
+            tracing::warn!(container = %header.container_id, exec = %exec, kind = %header.kind,
+                error = %e, "stream attach failed after ack");
+        }
+    }
+
+    // ---- signals, wait, tty -----------------------------------------------------------------
+
+    pub fn signal(&self, id: &str, exec_id: &str, signal: u32, all: bool) -> Result<()> {
+        let sig = i32::try_from(signal)
+            .ok()
+            .filter(|s| (1..=64).contains(s))
+            .ok_or_else(|| AgentError::InvalidArgument(format!("signal {signal} out of range")))?;
+        let c = self.container(id)?;
+        if all && exec_id.is_empty() {
+            for pid in c.cgroup.pids()? {
+                // SAFETY: plain kill(2).
+                unsafe { libc::kill(pid as i32, sig) };
+            }
+            return Ok(());
+        }
+        let p = c.process(exec_id)?;
+        if p.exited().is_some() {
+            return Err(AgentError::NotFound(format!("process {id}/{exec_id} (already exited)")));
+        }
+        // SAFETY: plain kill(2) on a pid we have not reaped yet (so it cannot be reused).
+        let rc = unsafe { libc::kill(p.pid, sig) };
+        if rc != 0 {
+            return Err(AgentError::internal("kill", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    pub async fn wait(&self, id: &str, exec_id: &str) -> Result<ExitRecord> {
+        let p = self.container(id)?.process(exec_id)?;
+        Ok(p.wait().await)
+    }
+
+    pub fn resize(&self, id: &str, exec_id: &str, rows: u32, cols: u32) -> Result<()> {
+        let p = self.container(id)?.process(exec_id)?;
+        let dim = |v: u32| u16::try_from(v).map_err(|_| AgentError::InvalidArgument(format!("tty size {v}")));
+        p.io.resize(dim(rows)?, dim(cols)?).map_err(AgentError::FailedPrecondition)
+    }
+
+    pub fn close_stdin(&self, id: &str, exec_id: &str) -> Result<()> {
+        let p = self.container(id)?.process(exec_id)?;
+        p.io.close_stdin();
+        Ok(())
+    }
+
+    // ---- resources ----------------------------------------------------------------------
+
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let c = self.container(id)?;
+        c.check(Event::Pause)?;
+        self.runtime.pause(id).await?;
+        c.transition(Event::Pause).map(|_| ())
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let c = self.container(id)?;
+        c.check(Event::Resume)?;
+        self.runtime.resume(id).await?;
+        c.transition(Event::Resume).map(|_| ())
+    }
+
+    pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<()> {
+        if resources_json.len() > MAX_SPEC_JSON {
+            return Err(AgentError::InvalidArgument("resources JSON too large".into()));
+        }
+        let r: LinuxResources = serde_json::from_slice(resources_json).map_err(|e| bad_json("linux.resources", e))?;
+        self.container(id)?.cgroup.update(&r)
+    }
+
+    fn spawn_oom_monitor(&self, c: &Arc<Container>) -> tokio::task::JoinHandle<()> {
+        // Polling the counter works the same on v1 and v2 and needs no eventfd plumbing;
+        // a 200 ms delay on an OOM event is acceptable.
+        let weak = Arc::downgrade(c);
+        let oom = self.oom.clone();
+        let id = c.id.clone();
+        let mut last = c.oom_baseline();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(OOM_POLL).await;
+                let Some(c) = weak.upgrade() else { return };
+                if let Some(n) = c.cgroup.oom_kill_count() {
+                    if n > last {
+                        oom.publish(&id);
+                        last = n;
+                    }
+                }
+            }
+        })
+    }
+
+    // ---- removal and shutdown ----------------------------------------------------------
+
+    pub async fn remove(&self, id: &str, force: bool) -> Result<()> {
+        let c = self.container(id)?;
+        let state = c.state();
+        use crate::container::ContainerState as S;
+        if !force && matches!(state, S::Running | S::Paused) {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {id} is {}; stop it or remove with force",
+                state.name()
+            )));
+        }
+        self.runtime.delete(id, true).await?;
+        for m in c.rootfs_mounts.iter().rev() {
+            if let Err(e) = self.sys.umount(m) {
+                tracing::warn!(path = %m.display(), error = %e, "unmount at remove");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&c.bundle);
+        lock(&self.containers).remove(id);
+        tracing::info!(container = id, "container removed");
+        Ok(())
+    }
+
+    /// Stops everything: TERM, then KILL after `grace`, then removes every container.
+    pub async fn destroy(&self, grace: Duration) {
+        let all: Vec<Arc<Container>> = lock(&self.containers).values().cloned().collect();
+        for c in &all {
+            let _ = self.signal(&c.id, "", libc::SIGTERM as u32, true);
+        }
+        let _ = tokio::time::timeout(grace, async {
+            for c in &all {
+                c.init.wait().await;
+            }
+        })
+        .await;
+        for c in &all {
+            if let Err(e) = self.remove(&c.id, true).await {
+                tracing::warn!(container = %c.id, error = %e, "remove at destroy");
+            }
+        }
+    }
+}
+
+enum PendingIo {
+    Pipes { stdin: Option<OwnedFd>, stdout: OwnedFd, stderr: OwnedFd },
+    Tty(tokio::task::JoinHandle<Result<OwnedFd>>),
+}
+
+fn parse_spec(bytes: &[u8]) -> Result<Spec> {
+    if bytes.len() > MAX_SPEC_JSON {
+        return Err(AgentError::InvalidArgument(format!("OCI spec is {} bytes, limit {MAX_SPEC_JSON}", bytes.len())));
+    }
+    serde_json::from_slice(bytes).map_err(|e| bad_json("OCI spec", e))
+}
+
+/// Adjusts the spec to this sandbox and returns the rootfs path.
+fn prepare_spec(spec: &mut Spec, req: &CreateRequest, cgroup_path: &Path) -> Result<PathBuf> {
+    if spec.linux().as_ref().and_then(|l| l.seccomp().as_ref()).is_some() {
+        return Err(AgentError::Unsupported(
+            "linux.seccomp: this agent is built without libseccomp (no static libseccomp for \
+             musl), so it refuses seccomp profiles instead of silently ignoring them"
+                .into(),
+        ));
+    }
+    let process =
+        spec.process_mut().as_mut().ok_or_else(|| AgentError::InvalidArgument("spec has no process".into()))?;
+    if process.args().as_ref().is_none_or(|a| a.is_empty()) {
+        return Err(AgentError::InvalidArgument("spec process.args is empty".into()));
+    }
+    process.set_terminal(Some(req.stdio.terminal));
+    let rootfs = if req.rootfs_path.is_empty() {
+        spec.root()
+            .as_ref()
+            .map(|r| r.path().clone())
+            .ok_or_else(|| AgentError::InvalidArgument("no rootfs_path and no spec.root".into()))?
+    } else {
+        PathBuf::from(&req.rootfs_path)
+    };
+    if !rootfs.is_absolute() {
+        return Err(AgentError::InvalidArgument(format!("rootfs {} must be absolute", rootfs.display())));
+    }
+    let mut root = spec.root().clone().unwrap_or_default();
+    root.set_path(rootfs.clone());
+    spec.set_root(Some(root));
+    let mut linux = spec.linux().clone().unwrap_or_default();
+    linux.set_cgroups_path(Some(cgroup_path.to_path_buf()));
+    spec.set_linux(Some(linux));
+    Ok(rootfs)
+}
+
+async fn recv_console_master(listener: tokio::net::UnixListener, path: PathBuf) -> Result<OwnedFd> {
+    let (stream, _) = listener.accept().await.map_err(|e| AgentError::internal("accept console socket", e))?;
+    let _ = std::fs::remove_file(&path);
+    let std_stream = stream.into_std().map_err(|e| AgentError::internal("console socket", e))?;
+    tokio::task::spawn_blocking(move || {
+        std_stream
+            .set_nonblocking(false)
+            .and_then(|_| std_stream.set_read_timeout(Some(CONSOLE_TIMEOUT)))
+            .map_err(|e| AgentError::internal("console socket", e))?;
+        recv_fd(&std_stream)
+    })
+    .await
+    .map_err(|e| AgentError::internal("console task", e))?
+}
+
+fn recv_fd(sock: &std::os::unix::net::UnixStream) -> Result<OwnedFd> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut buf = [0u8; 4096];
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(|e| AgentError::internal("recvmsg pty master", e))?;
+    for c in msg.cmsgs().map_err(|e| AgentError::internal("cmsgs", e))? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            if let Some(fd) = fds.first() {
+                // SAFETY: SCM_RIGHTS just installed this descriptor in our table.
+                return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
+            }
+        }
+    }
+    Err(AgentError::Internal("console socket sent no descriptor".into()))
+}
+
+/// Runs the agent until DestroySandbox (or a fatal listener error).
+pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
+    let reaper = Reaper::start()?;
+    let sandbox = Arc::new(Sandbox::new(&opts, reaper)?);
+    if sandbox.mode == Mode::Namespace {
+        tracing::warn!("namespace mode: containers share the host kernel (no VM isolation)");
+    }
+    let (ttrpc_tx, ttrpc_rx) = tokio::sync::mpsc::channel(16);
+    let (stream_tx, mut stream_rx) = tokio::sync::mpsc::channel::<Conn>(64);
+    let dispatch = Dispatch { ttrpc: ttrpc_tx, streams: stream_tx, frame_stall: opts.frame_stall_ms };
+    let sb = sandbox.clone();
+    tokio::spawn(async move {
+        while let Some(conn) = stream_rx.recv().await {
+            tokio::spawn(sb.clone().accept_stream(conn));
+        }
+    });
+    let (shutdown_tx, mut shutdown_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut server = crate::service::server(sandbox.clone(), ttrpc_rx, shutdown_tx)?;
+    server.start().await?;
+    let listener = match opts.listen.clone() {
+        Listen::Unix(path) => tokio::spawn(async move { transport::serve_unix(&path, dispatch).await }),
+        Listen::Vsock => tokio::spawn(async move { transport::serve_vsock(dispatch).await }),
+    };
+    tokio::select! {
+        r = listener => {
+            match r {
+                Ok(Ok(())) => anyhow::bail!("listener ended"),
+                Ok(Err(e)) => anyhow::bail!("listener: {e}"),
+                Err(e) => anyhow::bail!("listener task: {e}"),
+            }
+        }
+        _ = shutdown_rx.recv() => {
+            tracing::info!("sandbox destroyed; shutting down");
+            // Let the DestroySandbox response reach the shim.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    if sandbox.mode == Mode::Guest {
+        nix::unistd::sync();
+        let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+    }
+    Ok(())
+}

@@ -1,0 +1,134 @@
+//! Listeners and dispatch by port. Unix: the agent answers the hybrid-vsock preamble itself.
+//! Vsock: the VMM has already answered it on the host side, so the guest just listens on
+//! each port.
+
+use std::{
+    io,
+    path::Path,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bulkhead_protocol::{handshake, ports};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{UnixListener, UnixStream},
+    sync::mpsc,
+};
+use tokio_vsock::{VsockAddr, VsockListener, VsockStream, VMADDR_CID_ANY};
+
+use crate::frame_guard::FrameGuard;
+
+/// One accepted connection, whatever the transport.
+pub enum Conn {
+    Unix(UnixStream),
+    Vsock(VsockStream),
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self.get_mut() {
+            Conn::Unix($s) => $e,
+            Conn::Vsock($s) => $e,
+        }
+    };
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        delegate!(self, s => Pin::new(s).poll_write(cx, buf))
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_flush(cx))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+pub type TtrpcConn = FrameGuard<Conn>;
+
+/// Where accepted connections go.
+#[derive(Clone)]
+pub struct Dispatch {
+    pub ttrpc: mpsc::Sender<io::Result<TtrpcConn>>,
+    pub streams: mpsc::Sender<Conn>,
+    pub frame_stall: Duration,
+}
+
+impl Dispatch {
+    async fn route(&self, port: u32, conn: Conn) {
+        let sent = match port {
+            ports::AGENT_TTRPC => self.ttrpc.send(Ok(FrameGuard::new(conn, self.frame_stall))).await.is_ok(),
+            ports::AGENT_STREAMS => self.streams.send(conn).await.is_ok(),
+            other => {
+                tracing::warn!(port = other, "connection for an unserved port dropped");
+                true
+            }
+        };
+        if !sent {
+            tracing::warn!(port, "dispatcher closed; connection dropped");
+        }
+    }
+}
+
+/// Accepts on a Unix socket, answering the preamble per connection (never blocking the
+/// accept loop on a slow or hostile client).
+pub async fn serve_unix(path: &Path, dispatch: Dispatch) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let listener = UnixListener::bind(path)?;
+    tracing::info!(path = %path.display(), "listening (unix, hybrid-vsock preamble)");
+    loop {
+        let (mut stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let dispatch = dispatch.clone();
+        tokio::spawn(async move {
+            match handshake::accept(&mut stream, &ports::ALL, handshake::DEFAULT_TIMEOUT).await {
+                Ok(port) => dispatch.route(port, Conn::Unix(stream)).await,
+                Err(e) => tracing::warn!(error = %e, "preamble refused"),
+            }
+        });
+    }
+}
+
+/// Listens on every agent port over vsock.
+pub async fn serve_vsock(dispatch: Dispatch) -> io::Result<()> {
+    let mut tasks = Vec::new();
+    for port in ports::ALL {
+        let listener = VsockListener::bind(VsockAddr::new(VMADDR_CID_ANY, port))?;
+        tracing::info!(port, "listening (vsock)");
+        let dispatch = dispatch.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((s, _)) => dispatch.route(port, Conn::Vsock(s)).await,
+                    Err(e) => {
+                        tracing::warn!(port, error = %e, "vsock accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    Ok(())
+}
