@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds the guest vmlinux from Debian's linux-source-6.12 and bulkhead.config.
+# The result is cached outside the checkout, keyed by a hash of the source tarball and the
+# config fragment, so CI and later runs reuse it. Prints the vmlinux path on stdout.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${BULKHEAD_CACHE:-/var/cache/bulkhead}
+log() { printf 'guest-kernel: %s\n' "$*" >&2; }
+
+src_pkg=linux-source-6.12
+if ! dpkg-query -W -f='${Status}' "$src_pkg" 2>/dev/null | grep -q "install ok installed"; then
+  log "installing $src_pkg"
+  apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "$src_pkg" bc bison flex libelf-dev libssl-dev xz-utils >&2
+fi
+tarball=$(ls /usr/src/linux-source-6.12*.tar.xz | head -n 1)
+version=$(dpkg-query -W -f='${Version}' "$src_pkg")
+key=$(printf '%s\n' "$src_pkg=$version" | cat - "$here/bulkhead.config" "$0" | sha256sum | cut -c1-16)
+out="$cache/kernel-$key"
+if [[ -s "$out/vmlinux" ]]; then
+  log "cached: $out/vmlinux"
+  echo "$out/vmlinux"
+  exit 0
+fi
+
+work="$cache/build-$key"
+rm -rf "$work" && mkdir -p "$work"
+log "unpacking $tarball"
+tar -C "$work" -xf "$tarball"
+cd "$work"/linux-source-*
+make -s tinyconfig >&2
+scripts/kconfig/merge_config.sh -m .config "$here/bulkhead.config" >&2
+make -s olddefconfig >&2
+log "building vmlinux with $(nproc) jobs"
+make -s -j"$(nproc)" vmlinux >&2
+mkdir -p "$out.tmp"
+cp vmlinux .config "$out.tmp/"
+rm -rf "$out" && mv "$out.tmp" "$out"
+cd / && rm -rf "$work"
+log "built: $out/vmlinux"
+echo "$out/vmlinux"
