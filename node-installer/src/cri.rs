@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 /// Upper bound on the config JSON we accept (a real one is a few KiB).
 const MAX_CONFIG_JSON: usize = 1 << 20;
 
-async fn connect(socket: &Path) -> Result<RuntimeServiceClient<Channel>> {
+pub async fn connect(socket: &Path) -> Result<RuntimeServiceClient<Channel>> {
     let path: PathBuf = socket.to_path_buf();
     // The URI is a placeholder: the connector below always dials the Unix socket.
     let channel = Endpoint::try_from("http://[::1]:1")
@@ -29,8 +29,20 @@ async fn connect(socket: &Path) -> Result<RuntimeServiceClient<Channel>> {
             async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
         }))
         .await
-        .map_err(|e| Error::Cri(format!("connect {}: {e}", socket.display())))?;
+        .map_err(|e| Error::Cri(format!("connect {}: {}", socket.display(), chain(&e))))?;
     Ok(RuntimeServiceClient::new(channel))
+}
+
+/// An error with its sources, on one line (tonic's top-level message alone is just "transport error").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 /// One check: Ok(true) when containerd reports the handler.
@@ -39,7 +51,7 @@ pub async fn handler_registered(socket: &Path, handler: &str) -> Result<bool> {
     let resp = client
         .status(StatusRequest { verbose: true })
         .await
-        .map_err(|e| Error::Cri(format!("Status: {e}")))?
+        .map_err(|e| Error::Cri(format!("Status: {}", chain(&e))))?
         .into_inner();
     let config = resp.info.get("config").ok_or_else(|| Error::Cri("Status has no verbose config".into()))?;
     runtimes_contain(config, handler)

@@ -1,0 +1,309 @@
+//! A scratch root laid out like a node, a private containerd 1.6 started from that root's config, a fake shim
+//! that records how it was called, and a local pause image. Only processes started here are stopped, by PID.
+#![allow(dead_code)]
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bulkhead_node_installer::error::{Error, Result as IResult};
+use bulkhead_node_installer::installer::Settings;
+use bulkhead_node_installer::layout::Layout;
+use bulkhead_node_installer::restart::Restarter;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+pub const CONTAINERD: &str = "/usr/bin/containerd";
+pub const PAUSE_IMAGE: &str = "bulkhead.test/pause:1";
+
+/// Prints one SKIPPED line and returns false when this host cannot run the real-containerd tests.
+pub fn can_run_containerd() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: real containerd tests need root");
+        return false;
+    }
+    for bin in [CONTAINERD, "/usr/bin/ctr"] {
+        if !Path::new(bin).exists() {
+            println!("SKIPPED: {bin} not installed");
+            return false;
+        }
+    }
+    true
+}
+
+pub struct Node {
+    pub dir: tempfile::TempDir,
+    pub artifacts: tempfile::TempDir,
+}
+
+impl Node {
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+    pub fn config(&self) -> PathBuf {
+        self.root().join("etc/containerd/config.toml")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.root().join("run/containerd/containerd.sock")
+    }
+    /// Every line the fake shim appended: one per invocation.
+    pub fn shim_calls(&self) -> Vec<String> {
+        fs::read_to_string(self.artifacts.path().join("shim-calls.log"))
+            .map(|s| s.lines().map(str::to_string).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn settings(&self) -> Settings {
+        Settings {
+            layout: Layout::new(self.root(), self.root()),
+            artifacts_dir: self.artifacts.path().join("image"),
+            version: "0.1.0-test".into(),
+            containerd_socket: "/run/containerd/containerd.sock".into(),
+            startup_taint: Some("bulkhead.io/not-ready".into()),
+            allow_pvm: false,
+            cri_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// The node's files the installer may touch (containerd's own root/state/logs excluded), with contents.
+    pub fn snapshot(&self) -> Vec<(String, Vec<u8>)> {
+        let mut out = vec![];
+        for top in ["etc", "opt", "dev", "proc"] {
+            walk(&self.root().join(top), self.root(), &mut out);
+        }
+        out.sort();
+        out
+    }
+}
+
+fn walk(p: &Path, root: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+    let rel = p.strip_prefix(root).map(|r| r.display().to_string()).unwrap_or_default();
+    let Ok(meta) = fs::symlink_metadata(p) else { return };
+    if meta.is_dir() {
+        out.push((format!("{rel}/"), vec![]));
+        let mut entries: Vec<_> = fs::read_dir(p).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        entries.sort();
+        for e in entries {
+            walk(&e, root, out);
+        }
+    } else if meta.file_type().is_symlink() {
+        out.push((format!("{rel} -> {}", fs::read_link(p).map(|l| l.display().to_string()).unwrap_or_default()), vec![]));
+    } else {
+        out.push((rel, fs::read(p).unwrap_or_default()));
+    }
+}
+
+/// The user's own containerd config (version 2), as a node would have it.
+pub fn user_config(root: &Path) -> String {
+    let r = root.display();
+    format!(
+        r#"# The node's own config: the installer must never rewrite this.
+version = 2
+root = "{r}/var/lib/containerd"
+state = "{r}/run/containerd"
+
+[grpc]
+  address = "{r}/run/containerd/containerd.sock"
+
+[ttrpc]
+  address = "{r}/run/containerd/containerd.sock.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{r}/var/lib/containerd-opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "{r}/etc/cni/net.d"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+"#
+    )
+}
+
+/// Lay out the scratch node: containerd config, /opt, a VMX cpuinfo and a /dev/kvm stand-in; and an image
+/// artifact dir whose shim is a script that logs its arguments and fails.
+pub fn node(kvm: bool) -> Node {
+    let dir = tempfile::Builder::new().prefix("bhn").tempdir_in("/tmp").expect("tempdir");
+    let artifacts = tempfile::Builder::new().prefix("bha").tempdir_in("/tmp").expect("tempdir");
+    let r = dir.path();
+    for d in ["etc/containerd", "etc/cni/net.d", "opt", "dev", "proc", "run/containerd", "var/lib"] {
+        fs::create_dir_all(r.join(d)).expect("mkdir");
+    }
+    fs::write(r.join("etc/containerd/config.toml"), user_config(r)).expect("config");
+    fs::write(r.join("proc/cpuinfo"), "processor\t: 0\nflags\t\t: fpu vmx sse2\n\n").expect("cpuinfo");
+    if kvm {
+        fs::write(r.join("dev/kvm"), "").expect("kvm");
+    }
+    let img = artifacts.path().join("image");
+    fs::create_dir_all(&img).expect("mkdir");
+    let log = artifacts.path().join("shim-calls.log");
+    let shim = format!("#!/bin/sh\necho \"$*\" >> {}\necho 'fake bulkhead shim' >&2\nexit 1\n", log.display());
+    write_exec(&img.join("containerd-shim-bulkhead-v2"), &shim);
+    write_exec(&img.join("bulkhead-vmm"), "#!/bin/sh\nexit 0\n");
+    write_exec(&img.join("virtiofsd"), "#!/bin/sh\nexit 0\n");
+    fs::write(img.join("vmlinux"), vec![0x7fu8; 4096]).expect("kernel");
+    fs::write(img.join("initramfs.cpio.gz"), vec![0x1fu8; 2048]).expect("initramfs");
+    Node { dir, artifacts }
+}
+
+pub fn write_exec(p: &Path, text: &str) {
+    fs::write(p, text).expect("write");
+    fs::set_permissions(p, fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// A containerd the test owns; `restart` is the installer's injected restart.
+pub struct Containerd {
+    config: PathBuf,
+    log: PathBuf,
+    child: Mutex<Option<Child>>,
+    pub restarts: AtomicUsize,
+}
+
+impl Containerd {
+    pub fn start(node: &Node) -> Self {
+        let c = Self {
+            config: node.config(),
+            log: node.root().join("var/containerd.log"),
+            child: Mutex::new(None),
+            restarts: AtomicUsize::new(0),
+        };
+        c.spawn().expect("start containerd");
+        c
+    }
+
+    fn spawn(&self) -> std::io::Result<()> {
+        let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new(CONTAINERD)
+            .arg("--config")
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        *self.child.lock().expect("lock") = Some(child);
+        Ok(())
+    }
+
+    fn stop(&self) {
+        let Some(mut child) = self.child.lock().expect("lock").take() else { return };
+        // SAFETY: signalling the PID of the child we spawned and have not yet reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    pub fn log_tail(&self) -> String {
+        let s = fs::read_to_string(&self.log).unwrap_or_default();
+        s.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
+    pub fn restart_count(&self) -> usize {
+        self.restarts.load(Ordering::SeqCst)
+    }
+}
+
+impl Restarter for Containerd {
+    fn restart(&self) -> IResult<()> {
+        self.stop();
+        self.spawn().map_err(|e| Error::Restart(e.to_string()))?;
+        self.restarts.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn sha(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+fn tar_file(b: &mut tar::Builder<Vec<u8>>, path: &str, data: &[u8], mode: u32) {
+    let mut h = tar::Header::new_ustar();
+    h.set_size(data.len() as u64);
+    h.set_mode(mode);
+    h.set_cksum();
+    b.append_data(&mut h, path, data).expect("tar append");
+}
+
+/// An OCI image-layout tarball holding a one-file pause image (no registry is reachable here).
+pub fn pause_image_tar(dir: &Path) -> PathBuf {
+    let mut layer = tar::Builder::new(Vec::new());
+    tar_file(&mut layer, "pause", b"#!/bin/sh\nexec sleep 3600\n", 0o755);
+    let layer = layer.into_inner().expect("tar");
+    let config = json!({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Entrypoint": ["/pause"]},
+        "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{}", sha(&layer))]},
+    })
+    .to_string();
+    let manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": format!("sha256:{}", sha(config.as_bytes())), "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": format!("sha256:{}", sha(&layer)), "size": layer.len()}],
+    })
+    .to_string();
+    let index = json!({
+        "schemaVersion": 2,
+        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "digest": format!("sha256:{}", sha(manifest.as_bytes())), "size": manifest.len(),
+                       "platform": {"architecture": "amd64", "os": "linux"},
+                       "annotations": {"io.containerd.image.name": PAUSE_IMAGE,
+                                       "org.opencontainers.image.ref.name": "1"}}],
+    })
+    .to_string();
+    let mut out = tar::Builder::new(Vec::new());
+    tar_file(&mut out, "oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#, 0o644);
+    tar_file(&mut out, "index.json", index.as_bytes(), 0o644);
+    for blob in [layer.as_slice(), config.as_bytes(), manifest.as_bytes()] {
+        tar_file(&mut out, &format!("blobs/sha256/{}", sha(blob)), blob, 0o644);
+    }
+    let p = dir.join("pause.tar");
+    fs::write(&p, out.into_inner().expect("tar")).expect("write image");
+    p
+}
+
+/// Import the pause image into the k8s.io namespace (retrying while containerd comes up).
+pub fn import_pause(node: &Node) {
+    let tar = pause_image_tar(node.artifacts.path());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = Command::new("/usr/bin/ctr")
+            .arg("--address")
+            .arg(node.socket())
+            .args(["-n", "k8s.io", "images", "import", "--snapshotter", "native"])
+            .arg(&tar)
+            .output()
+            .expect("run ctr");
+        if out.status.success() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "ctr import failed: {}", String::from_utf8_lossy(&out.stderr));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
