@@ -126,7 +126,8 @@ impl Installer<'_> {
                 Step::CheckCri => {
                     if let Err(e) = cri::wait_for_handler(&self.socket(), HANDLER, s.cri_timeout).await {
                         if let Some((api, node)) = &self.nodes {
-                            kube::mark_refused(*api, node, &format!("containerd does not report the handler: {e}")).await?;
+                            kube::mark_refused(*api, node, &format!("containerd does not report the handler: {e}"))
+                                .await?;
                         }
                         return Err(e);
                     }

@@ -132,7 +132,8 @@ const MAX_BODY: usize = 4 << 20;
 
 impl InCluster {
     pub fn from_env() -> Result<Self> {
-        let host = std::env::var("KUBERNETES_SERVICE_HOST").map_err(|_| Error::Kube("KUBERNETES_SERVICE_HOST unset: not in a cluster".into()))?;
+        let host = std::env::var("KUBERNETES_SERVICE_HOST")
+            .map_err(|_| Error::Kube("KUBERNETES_SERVICE_HOST unset: not in a cluster".into()))?;
         let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
         let ca_path = format!("{SA_DIR}/ca.crt");
         let ca = std::fs::read(&ca_path).map_err(|e| Error::Kube(format!("read {ca_path}: {e}")))?;
@@ -237,7 +238,12 @@ impl NodeApi for FakeNodes {
             m.remove("resourceVersion");
         }
         apply_merge_patch(&mut n, &p);
-        let next = n.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0) + 1;
+        let next = n
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(0)
+            + 1;
         apply_merge_patch(&mut n, &json!({"metadata": {"resourceVersion": next.to_string()}}));
         if let Ok(mut log) = self.patches.lock() {
             log.push(patch.clone());

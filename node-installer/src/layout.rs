@@ -96,7 +96,10 @@ mod tests {
         let l = Layout::new("/host", "/");
         assert_eq!(l.config_file(), PathBuf::from("/host/etc/containerd/config.toml"));
         assert_eq!(l.view_shim(), PathBuf::from("/opt/bulkhead/current/containerd-shim-bulkhead-v2"));
-        assert_eq!(l.host_from_view(Path::new("/etc/containerd/conf.d")), Some(PathBuf::from("/host/etc/containerd/conf.d")));
+        assert_eq!(
+            l.host_from_view(Path::new("/etc/containerd/conf.d")),
+            Some(PathBuf::from("/host/etc/containerd/conf.d"))
+        );
     }
 
     #[test]

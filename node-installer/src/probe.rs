@@ -78,10 +78,9 @@ pub fn verdict(host_root: &Path, allow_pvm: bool) -> Verdict {
                      set allowPvm only with a PVM-aware kernel"
                 .into(),
         },
-        Virt::None if !host_root.join("dev/kvm").exists() => Verdict::Refused {
-            virt,
-            reason: "no /dev/kvm: use a metal or nested-virtualization instance type".into(),
-        },
+        Virt::None if !host_root.join("dev/kvm").exists() => {
+            Verdict::Refused { virt, reason: "no /dev/kvm: use a metal or nested-virtualization instance type".into() }
+        }
         Virt::None => Verdict::Refused {
             virt,
             reason: "/dev/kvm present but CPU has neither vmx nor svm and kvm_pvm is not loaded".into(),

@@ -108,7 +108,10 @@ async fn install_reaches_shim_reinstall_is_noop_uninstall_restores_bytes() {
     let mut c = cri::connect(&node.socket()).await.unwrap();
     let res = c.run_pod_sandbox(sandbox_request("p1")).await;
     let calls = node.shim_calls();
-    assert!(calls.iter().any(|l| l.contains("-id ") && l.trim_end().ends_with("start")), "shim calls: {calls:?}; {res:?}");
+    assert!(
+        calls.iter().any(|l| l.contains("-id ") && l.trim_end().ends_with("start")),
+        "shim calls: {calls:?}; {res:?}"
+    );
     assert!(calls.iter().all(|l| l.contains("-namespace k8s.io")), "{calls:?}");
 
     println!("shim reached: {calls:?}");
@@ -207,8 +210,12 @@ async fn image_without_vm_artifacts_is_refused() {
     let node = support::node(true);
     fs::remove_file(node.artifacts.path().join("image/bulkhead-vmm")).unwrap();
     let api = fake_node();
-    let inst =
-        Installer { settings: node.settings(), restarter: &NoRestart, nodes: Some((&api, "n1".into())), fail: FailPoints::none() };
+    let inst = Installer {
+        settings: node.settings(),
+        restarter: &NoRestart,
+        nodes: Some((&api, "n1".into())),
+        fail: FailPoints::none(),
+    };
     let Outcome::Refused { reason } = inst.install().await.unwrap().outcome else { panic!("expected refusal") };
     assert!(reason.contains("bulkhead-vmm"), "{reason}");
     let cfg = fs::read_to_string(node.config()).unwrap();

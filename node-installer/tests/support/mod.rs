@@ -92,7 +92,10 @@ fn walk(p: &Path, root: &Path, out: &mut Vec<(String, Vec<u8>)>) {
             walk(&e, root, out);
         }
     } else if meta.file_type().is_symlink() {
-        out.push((format!("{rel} -> {}", fs::read_link(p).map(|l| l.display().to_string()).unwrap_or_default()), vec![]));
+        out.push((
+            format!("{rel} -> {}", fs::read_link(p).map(|l| l.display().to_string()).unwrap_or_default()),
+            vec![],
+        ));
     } else {
         out.push((rel, fs::read(p).unwrap_or_default()));
     }

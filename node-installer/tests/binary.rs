@@ -1,0 +1,191 @@
+//! The installer binary as the DaemonSet runs it: killed midway (abort at a fail point, like `kill -9`), rerun to
+//! convergence, then `run` mode uninstalling on SIGTERM. containerd is restarted through the injectable
+//! `--restart-command`, here a script that restarts the test's own containerd by PID file.
+
+mod support;
+
+use std::fs;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_bulkhead-node-installer");
+
+struct Script {
+    path: PathBuf,
+    pidfile: PathBuf,
+    count: PathBuf,
+}
+
+impl Script {
+    fn new(node: &support::Node) -> Self {
+        let a = node.artifacts.path();
+        let (path, pidfile, count) = (a.join("ctd.sh"), a.join("containerd.pid"), a.join("restarts"));
+        let text = format!(
+            "#!/bin/sh\nPIDFILE={pid}\nif [ \"$1\" = restart ] && [ -s $PIDFILE ]; then\n  pid=$(cat $PIDFILE)\n  kill $pid 2>/dev/null\n  i=0\n  \
+             while [ -d /proc/$pid ] && [ \"$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null)\" != Z ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done\n  \
+             echo restart >> {count}\nfi\n{ctd} --config {cfg} >>{log} 2>&1 </dev/null &\necho $! > $PIDFILE\n",
+            pid = pidfile.display(),
+            count = count.display(),
+            ctd = support::CONTAINERD,
+            cfg = node.config().display(),
+            log = a.join("containerd.log").display(),
+        );
+        support::write_exec(&path, &text);
+        Self { path, pidfile, count }
+    }
+
+    fn run(&self, mode: &str) {
+        assert!(Command::new(&self.path).arg(mode).status().expect("script").success());
+    }
+
+    fn restarts(&self) -> usize {
+        fs::read_to_string(&self.count).map(|s| s.lines().count()).unwrap_or(0)
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        // Stop the containerd this test started, by its PID.
+        if let Some(pid) = fs::read_to_string(&self.pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+            // SAFETY: plain kill(2) on a PID this test's script started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+                let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                if stat.split(' ').nth(2) == Some("Z") {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn installer(node: &support::Node, script: &Script, cmd: &str) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg(cmd)
+        .arg("--no-kube")
+        .arg("--host-root")
+        .arg(node.root())
+        .arg("--view-root")
+        .arg(node.root())
+        .arg("--artifacts")
+        .arg(node.artifacts.path().join("image"))
+        .args(["--artifact-version", "0.1.0-test", "--cri-timeout-secs", "30"])
+        .arg("--restart-command")
+        .arg(format!("{} restart", script.path.display()))
+        .env_remove("BULKHEAD_INSTALLER_FAILPOINT")
+        .stdin(Stdio::null());
+    c
+}
+
+fn temp_files(dir: &Path) -> Vec<String> {
+    let mut out = vec![];
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                stack.push(p);
+            } else if p.to_string_lossy().ends_with(".bulkhead-tmp") {
+                out.push(p.display().to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn killed_midway_rerun_converges_then_sigterm_uninstalls() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    let original = fs::read(node.config()).unwrap();
+    let before = node.snapshot();
+    let script = Script::new(&node);
+    script.run("start");
+
+    // Killed while writing the first artifact: a temp file is left, nothing is on the final path.
+    let out = installer(&node, &script, "install")
+        .env("BULKHEAD_INSTALLER_FAILPOINT", "artifact-temp-written")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{}", String::from_utf8_lossy(&out.stderr));
+    let version_dir = node.root().join("opt/bulkhead/0.1.0-test");
+    assert_eq!(temp_files(&version_dir).len(), 1);
+    assert!(!version_dir.join("containerd-shim-bulkhead-v2").exists());
+
+    // Killed after the config backup, before the config edit.
+    let out = installer(&node, &script, "install")
+        .env("BULKHEAD_INSTALLER_FAILPOINT", "config-backup-written")
+        .output()
+        .unwrap();
+    let log2 = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{log2}");
+    assert!(log2.contains("removed temp file left by an interrupted run"), "{log2}");
+    assert!(log2.contains("artifact installed") && log2.contains("drop-in written"), "{log2}");
+    assert_eq!(fs::read(node.config()).unwrap(), original);
+    assert_eq!(script.restarts(), 0);
+
+    // Rerun: converges, restarts containerd once, and logs every action as one JSON line.
+    let out = installer(&node, &script, "install").output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(temp_files(node.root()).is_empty());
+    assert_eq!(script.restarts(), 1);
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not one JSON line ({e}): {line}"));
+        assert!(v.get("message").is_some(), "{line}");
+    }
+    for action in [
+        "artifact up to date",
+        "current symlink up to date",
+        "drop-in up to date",
+        "imports entry added",
+        "original containerd config saved",
+        "restarting containerd",
+        "CRI reports handler registered",
+        "install complete",
+    ] {
+        assert!(log.contains(action), "missing log line {action:?}:\n{log}");
+    }
+
+    // DaemonSet mode: converge (nothing to do), then SIGTERM uninstalls.
+    let err_path = node.artifacts.path().join("run.log");
+    let mut child = installer(&node, &script, "run")
+        .stderr(fs::File::create(&err_path).unwrap())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !fs::read_to_string(&err_path).unwrap_or_default().contains("converged") {
+        assert!(
+            Instant::now() < deadline,
+            "run mode never converged: {}",
+            fs::read_to_string(&err_path).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(script.restarts(), 1, "already installed: run mode must not restart containerd");
+    // SAFETY: kill(2) on the child we spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("installer ignored SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "{}", fs::read_to_string(&err_path).unwrap_or_default());
+    assert_eq!(fs::read(node.config()).unwrap(), original, "config restored byte for byte");
+    assert_eq!(node.snapshot(), before, "no files left");
+    assert_eq!(script.restarts(), 2);
+}
