@@ -2,7 +2,6 @@
 //! is mounted. The Task RPCs in [`crate::task`] look containers up here.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use bulkhead_protocol::agent as pb;
@@ -28,22 +27,12 @@ pub enum ContainerKind {
     Workload,
 }
 
-/// Where a workload's rootfs stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Rootfs {
-    /// Nothing mounted by the shim (sandbox, or a bundle containerd prepared itself).
-    Unmanaged,
-    /// containerd's rootfs mounts made at `host`, bind-mounted into the sandbox.
-    Mounted { host: PathBuf },
-}
-
 pub struct Container {
     pub id: String,
     pub bundle: String,
     pub kind: ContainerKind,
     pub init: Arc<dyn Process>,
     pub execs: HashMap<String, Arc<dyn Process>>,
-    pub rootfs: Rootfs,
 }
 
 impl Container {

@@ -5,8 +5,9 @@
 //! - `delete`: called after a shim died; kills the pod's sandbox, unmounts, removes state.
 //! - serve mode (no action): the ttrpc Task server until Shutdown.
 //!
-//! `start` is handled here rather than by `containerd_shim::run`, because that library answers
-//! with the JSON of newer containerd versions while containerd 1.6 reads a bare address.
+//! The bootstrap is ours rather than `containerd_shim::run`'s: that library answers `start`
+//! with the JSON of newer containerd versions (1.6 reads a bare address) and registers the
+//! Task service only as `containerd.task.v3.Task` (1.6 calls `containerd.task.v2.Task`).
 
 use std::io::Write;
 use std::path::Path;
@@ -14,7 +15,6 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::Context as _;
-use async_trait::async_trait;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{DeleteResponse, ExitSignal, Flags, StartOpts};
 
@@ -41,30 +41,21 @@ pub fn main() {
             std::process::exit(1);
         }
     };
-    if flags.action == "start" {
-        match runtime.block_on(start(&flags)) {
-            Ok(address) => {
-                // containerd 1.6 takes stdout (and stderr) as the address: print nothing else.
-                let mut out = std::io::stdout();
-                let _ = out.write_all(address.as_bytes());
-                let _ = out.flush();
-            }
-            Err(e) => {
-                eprintln!("{RUNTIME_ID} start: {e:#}");
-                std::process::exit(1);
-            }
-        }
-        return;
-    }
-    let config = containerd_shim::Config {
-        no_setup_logger: true,
-        // The shim only spawns the namespace launcher, which tokio reaps; agent descendants
-        // live in the agent's PID namespace and never reparent to the shim.
-        no_reaper: true,
-        no_sub_reaper: true,
-        ..Default::default()
+    let result = match flags.action.as_str() {
+        "start" => runtime.block_on(start(&flags)).map(|address| {
+            // containerd 1.6 takes stdout (and stderr) as the address: print nothing else.
+            let mut out = std::io::stdout();
+            let _ = out.write_all(address.as_bytes());
+            let _ = out.flush();
+        }),
+        "delete" => runtime.block_on(delete(&flags)),
+        "" => runtime.block_on(serve(&flags)),
+        other => Err(anyhow::anyhow!("unknown action {other:?}")),
     };
-    runtime.block_on(containerd_shim::asynchronous::run::<Service>(RUNTIME_ID, Some(config)));
+    if let Err(e) = result {
+        eprintln!("{RUNTIME_ID} {}: {e:#}", flags.action);
+        std::process::exit(1);
+    }
 }
 
 fn start_opts(flags: &Flags) -> StartOpts {
@@ -100,51 +91,80 @@ async fn start(flags: &Flags) -> anyhow::Result<String> {
     Ok(address)
 }
 
-pub struct Service {
-    namespace: String,
-    id: String,
-    address: String,
-    exit: Arc<ExitSignal>,
+/// The ttrpc service names containerd looks the Task API up by: 1.6/1.7 use `v2`, 2.x `v3`;
+/// the messages are the same on the wire.
+const TASK_SERVICE_V2: &str = "containerd.task.v2.Task";
+const TASK_SERVICE_V3: &str = "containerd.task.v3.Task";
+
+/// Serve mode: the Task API on `-socket` until Shutdown leaves the shim with nothing to do.
+async fn serve(flags: &Flags) -> anyhow::Result<()> {
+    anyhow::ensure!(!flags.socket.is_empty(), "-socket is required in serve mode");
+    crate::logging::init(flags.debug, &flags.namespace, &flags.id);
+    let socket_path = flags.socket.strip_prefix("unix://").unwrap_or(&flags.socket).to_string();
+    let listener = match bind(&socket_path) {
+        Ok(listener) => listener,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && socket_alive(&flags.socket) => {
+            // Another shim already serves this pod: hand containerd its address.
+            std::fs::write("address", &flags.socket).context("write address file")?;
+            signal_started();
+            return Ok(());
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            let _ = std::fs::remove_file(&socket_path);
+            bind(&socket_path).context("bind shim socket")?
+        }
+        Err(e) => return Err(e).context("bind shim socket"),
+    };
+    let ttrpc_address = std::env::var("TTRPC_ADDRESS").context("TTRPC_ADDRESS is not set")?;
+    let publisher = RemotePublisher::new(&ttrpc_address).await.context("connect to containerd's event service")?;
+    let exit = Arc::new(ExitSignal::default());
+    let task: Arc<dyn containerd_shim::Task + Send + Sync> =
+        Arc::new(TaskService::new(&flags.namespace, EventSink::new(publisher, &flags.namespace), exit.clone()));
+    let mut v2 = containerd_shim::protos::shim_async::create_task(task.clone());
+    let mut services = containerd_shim::protos::shim_async::create_task(task);
+    if let Some(service) = v2.remove(TASK_SERVICE_V3) {
+        services.insert(TASK_SERVICE_V2.to_string(), service);
+    }
+    let listener = ttrpc::asynchronous::transport::Listener::try_from(listener).context("ttrpc listener")?;
+    let mut server = ttrpc::asynchronous::Server::new().add_listener(listener).register_service(services);
+    server.start().await.context("start ttrpc server")?;
+    signal_started();
+    tracing::info!(socket = %flags.socket, "serving the Task API");
+    exit.wait().await;
+    tracing::info!("shutting down");
+    let _ = server.shutdown().await;
+    let _ = std::fs::remove_file(&socket_path);
+    Ok(())
 }
 
-#[async_trait]
-impl containerd_shim::asynchronous::Shim for Service {
-    type T = TaskService;
-
-    async fn new(_runtime_id: &str, args: &Flags, _config: &mut containerd_shim::Config) -> Self {
-        if args.action.is_empty() {
-            crate::logging::init(args.debug, &args.namespace, &args.id);
-        }
-        Service {
-            namespace: args.namespace.clone(),
-            id: args.id.clone(),
-            address: args.address.clone(),
-            exit: Arc::new(ExitSignal::default()),
-        }
+fn bind(path: &str) -> std::io::Result<std::os::unix::net::UnixListener> {
+    if let Some(parent) = Path::new(path).parent() {
+        std::fs::create_dir_all(parent)?;
     }
+    std::os::unix::net::UnixListener::bind(path)
+}
 
-    async fn start_shim(&mut self, _opts: StartOpts) -> containerd_shim::Result<String> {
-        // `main` answers `start` itself (containerd 1.6 reply format).
-        Err(containerd_shim::Error::InvalidArgument("start is handled before the library".into()))
+/// `start` waits for our stdout to close: point it at stderr (containerd's /dev/null).
+fn signal_started() {
+    // SAFETY: dup2 on the process's own standard descriptors.
+    unsafe {
+        libc::dup2(libc::STDERR_FILENO, libc::STDOUT_FILENO);
     }
+}
 
-    async fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
-        delete_after_crash(&self.namespace, &self.id, &self.address).await;
-        Ok(DeleteResponse {
-            pid: 0,
-            exit_status: 128 + 9,
-            exited_at: Some(timestamp(SystemTime::now())).into(),
-            ..Default::default()
-        })
-    }
-
-    async fn wait(&mut self) {
-        self.exit.wait().await;
-    }
-
-    async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
-        TaskService::new(&self.namespace, EventSink::new(publisher, &self.namespace), self.exit.clone())
-    }
+/// `delete`: clean up after a dead shim and report the task as killed.
+async fn delete(flags: &Flags) -> anyhow::Result<()> {
+    use containerd_shim::protos::protobuf::Message;
+    delete_after_crash(&flags.namespace, &flags.id, &flags.address).await;
+    let response = DeleteResponse {
+        pid: 0,
+        exit_status: 128 + 9,
+        exited_at: Some(timestamp(SystemTime::now())).into(),
+        ..Default::default()
+    };
+    let bytes = response.write_to_bytes().context("encode DeleteResponse")?;
+    std::io::stdout().write_all(&bytes).context("write DeleteResponse")?;
+    Ok(())
 }
 
 /// `delete` runs in the bundle of `id` after its shim died (or a start failed).
@@ -165,5 +185,10 @@ async fn delete_after_crash(namespace: &str, id: &str, containerd_address: &str)
     let pod_shim = containerd_shim::socket_address(containerd_address, namespace, &record.sandbox_id);
     if record.is_sandbox || !socket_alive(&pod_shim) {
         cleanup(&paths).await;
+        // A shim killed with SIGKILL could not remove its socket.
+        let socket = pod_shim.strip_prefix("unix://").unwrap_or(&pod_shim);
+        if Path::new(socket).exists() && !socket_alive(&pod_shim) {
+            let _ = std::fs::remove_file(socket);
+        }
     }
 }

@@ -26,7 +26,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, ConfigError, DEFAULT_CONFIG_PATH};
-use crate::container::{stdio_config, Container, ContainerKind, Rootfs};
+use crate::container::{stdio_config, Container, ContainerKind};
 use crate::events::{timestamp, EventSink};
 use crate::io::{IoError, IoSession, StdioPaths};
 use crate::process::{
@@ -254,7 +254,6 @@ impl TaskService {
             kind: ContainerKind::Sandbox,
             init: Arc::new(init),
             execs: HashMap::new(),
-            rootfs: Rootfs::Unmanaged,
         })
     }
 
@@ -275,37 +274,13 @@ impl TaskService {
             .write(bundle)
             .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
-        let host_rootfs = bundle.join("rootfs");
-        let rootfs = if req.rootfs.is_empty() {
-            Rootfs::Unmanaged
-        } else {
-            std::fs::create_dir_all(&host_rootfs)
-                .map_err(|e| TaskError::Internal(format!("create rootfs dir: {e}")))?;
-            for m in &req.rootfs {
-                if let Err(e) = containerd_shim::asynchronous::util::mount_rootfs(m, &host_rootfs).await {
-                    crate::sandbox::namespace::unmount_all(&host_rootfs);
-                    return Err(TaskError::Internal(format!("mount rootfs: {e}")));
-                }
-            }
-            Rootfs::Mounted { host: host_rootfs.clone() }
-        };
-        let undo_rootfs = |rootfs: &Rootfs| {
-            if let Rootfs::Mounted { host } = rootfs {
-                crate::sandbox::namespace::unmount_all(host);
-            }
-        };
-        let shared = match sandbox.share_rootfs(&req.id, &host_rootfs).await {
-            Ok(path) => path,
-            Err(e) => {
-                undo_rootfs(&rootfs);
-                return Err(e.into());
-            }
-        };
+        let plan = sandbox.prepare_rootfs(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
         let agent = sandbox.agent();
         let create = pb::CreateContainerRequest {
             container_id: req.id.clone(),
             oci_spec_json: spec_json,
-            rootfs_path: shared.display().to_string(),
+            rootfs_path: plan.path.display().to_string(),
+            rootfs_mounts: plan.mounts,
             stdio: Some(stdio_config(&stdio)).into(),
             ..Default::default()
         };
@@ -317,8 +292,7 @@ impl TaskService {
             Ok(session) => session,
             Err(e) => {
                 let _ = agent.remove_container(&req.id, true).await;
-                let _ = sandbox.unshare_rootfs(&req.id).await;
-                undo_rootfs(&rootfs);
+                let _ = sandbox.release_rootfs(&req.id).await;
                 return Err(e);
             }
         };
@@ -330,7 +304,6 @@ impl TaskService {
             kind: ContainerKind::Workload,
             init: Arc::new(ContainerInit { core, agent }),
             execs: HashMap::new(),
-            rootfs,
         })
     }
 
@@ -379,9 +352,9 @@ impl TaskService {
             if matches!(state, ProcessState::Running { .. } | ProcessState::Paused { .. }) {
                 return Err(TaskError::FailedPrecondition(format!("container {} is still running", req.id)));
             }
-            (c.kind, c.rootfs.clone(), state)
+            (c.kind, state)
         };
-        let (kind, rootfs, state) = container;
+        let (kind, state) = container;
         match kind {
             ContainerKind::Workload => {
                 if let Some(sandbox) = self.running_sandbox().await {
@@ -390,10 +363,7 @@ impl TaskService {
                             warn!(container = %req.id, "agent remove: {e}");
                         }
                     }
-                    sandbox.unshare_rootfs(&req.id).await?;
-                }
-                if let Rootfs::Mounted { host } = &rootfs {
-                    crate::sandbox::namespace::unmount_all(host);
+                    sandbox.release_rootfs(&req.id).await?;
                 }
             }
             ContainerKind::Sandbox => {

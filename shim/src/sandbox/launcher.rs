@@ -5,9 +5,9 @@
 //! itself as this small launcher, which, still single-threaded:
 //! 1. joins the pod network namespace (if the spec names one);
 //! 2. unshares mount, UTS, IPC and PID namespaces;
-//! 3. forks: the child (PID 1 of the new PID namespace) makes `/` a recursive slave (so
-//!    rootfs bind mounts the shim makes later in the shared state dir propagate in), mounts a
-//!    fresh `/proc`, asks for SIGKILL if the launcher dies, and execs the agent;
+//! 3. forks: the child (PID 1 of the new PID namespace) makes `/` recursively private (the
+//!    pod's mounts stay out of the host and the host's out of the pod), mounts a fresh
+//!    `/proc`, asks for SIGKILL if the launcher dies, and execs the agent;
 //! 4. waits for the agent and exits with its status (128+signal if signalled).
 //!
 //! No user namespace: the shim runs as root and the agent needs real root to mount and to
@@ -119,8 +119,8 @@ fn child_exec(program: &CString, argv: &[CString]) -> i32 {
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
     }
-    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_SLAVE, None::<&str>) {
-        eprintln!("bulkhead namespace launcher: make / rslave: {e}");
+    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>) {
+        eprintln!("bulkhead namespace launcher: make / rprivate: {e}");
         return 125;
     }
     if let Err(e) = mount(

@@ -12,6 +12,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use bulkhead_protocol::agent as pb;
+use containerd_shim::protos::types::mount::Mount;
+
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Backend, Config};
 use crate::process::ExitInfo;
@@ -38,6 +41,14 @@ pub struct SandboxRequest {
     pub netns: Option<PathBuf>,
 }
 
+/// Where the agent finds a container's rootfs: `path` in its own mount namespace, after
+/// performing `mounts` (each relative to `path`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RootfsPlan {
+    pub path: PathBuf,
+    pub mounts: Vec<pb::Mount>,
+}
+
 /// Lifecycle of a sandbox, kept by each backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SandboxState {
@@ -55,12 +66,18 @@ pub trait Sandbox: Send + Sync {
     /// The agent of this pod, connected and version-checked.
     fn agent(&self) -> Arc<AgentClient>;
 
-    /// Makes a container rootfs prepared on the host visible to the agent; returns the path
-    /// the agent sees it at.
-    async fn share_rootfs(&self, container_id: &str, host_rootfs: &Path) -> Result<PathBuf, SandboxError>;
+    /// Plans how the agent assembles a container's rootfs from containerd's rootfs mounts
+    /// (or, when there are none, the bundle's `rootfs` directory containerd prepared).
+    async fn prepare_rootfs(
+        &self,
+        container_id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+    ) -> Result<RootfsPlan, SandboxError>;
 
-    /// Undoes [`Sandbox::share_rootfs`]; idempotent.
-    async fn unshare_rootfs(&self, container_id: &str) -> Result<(), SandboxError>;
+    /// Removes what [`Sandbox::prepare_rootfs`] left on the host; idempotent. The agent
+    /// unmounts its own mounts when it removes the container.
+    async fn release_rootfs(&self, container_id: &str) -> Result<(), SandboxError>;
 
     /// Sends a signal to the sandbox as a whole (SIGKILL ends the pod).
     async fn signal(&self, signal: u32) -> Result<(), SandboxError>;

@@ -6,11 +6,13 @@
 //! shim/agent stack runs on hosts that cannot run guests, and is chosen only by
 //! `backend = "namespace"`; every sandbox start logs a warning saying so.
 //!
-//! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, and `shared/`, a mount
-//! with shared propagation made before the agent starts. The agent's mount namespace is a
-//! recursive slave of the host, so rootfs bind mounts made later under `shared/` appear
-//! inside it at the same path. The pause container is not run: the agent is the pod's PID 1
-//! and the sandbox task's process.
+//! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, and `rootfs/<id>`, an
+//! empty directory per container. The agent's mount namespace is private (the agent makes `/`
+//! rprivate at boot), so host mounts made after it started never appear inside it; instead
+//! the agent performs containerd's rootfs mounts (overlay over snapshot directories, which
+//! are plain directories both sides see) at `rootfs/<id>` itself, or bind-mounts the bundle's
+//! `rootfs` directory when containerd prepared it. The shim mounts nothing on the host.
+//! The pause container is not run: the agent is the pod's PID 1 and the sandbox task's process.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -18,7 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use bulkhead_protocol::agent as pb;
+use containerd_shim::protos::types::mount::Mount;
+use nix::mount::{umount2, MntFlags};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncReadExt;
@@ -27,7 +31,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
 use super::paths::PodPaths;
-use super::{Sandbox, SandboxError, SandboxRequest, SandboxState};
+use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::process::ExitInfo;
@@ -60,8 +64,7 @@ impl NamespaceSandbox {
         let paths = PodPaths::new(&config.state_dir, &req.sandbox_id);
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
-        std::fs::create_dir_all(paths.shared_dir()).map_err(io(format!("create {}", paths.shared_dir().display())))?;
-        make_shared_mount(&paths.shared_dir())?;
+        std::fs::create_dir_all(paths.rootfs_dir()).map_err(io(format!("create {}", paths.rootfs_dir().display())))?;
 
         let agent_path = &config.namespace.agent_path;
         if !agent_path.is_file() {
@@ -216,13 +219,28 @@ async fn forward_agent_log(mut pipe: Box<dyn tokio::io::AsyncRead + Send + Unpin
     }
 }
 
-/// Bind-mounts `dir` onto itself in a peer group of its own with shared propagation.
-fn make_shared_mount(dir: &Path) -> Result<(), SandboxError> {
-    let what = format!("shared mount {}", dir.display());
-    mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(sys(&*what))?;
-    mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(sys(&*what))?;
-    mount(None::<&str>, dir, None::<&str>, MsFlags::MS_SHARED, None::<&str>).map_err(sys(&*what))?;
-    Ok(())
+/// containerd's rootfs mounts as the agent performs them at the rootfs path; with none, a
+/// recursive bind of the bundle's `rootfs` directory.
+fn agent_rootfs_mounts(bundle_rootfs: &Path, mounts: &[Mount]) -> Vec<pb::Mount> {
+    if mounts.is_empty() {
+        return vec![pb::Mount {
+            source: bundle_rootfs.display().to_string(),
+            destination: "/".into(),
+            fstype: String::new(),
+            options: vec!["rbind".into()],
+            ..Default::default()
+        }];
+    }
+    mounts
+        .iter()
+        .map(|m| pb::Mount {
+            source: m.source.clone(),
+            destination: "/".into(),
+            fstype: m.type_.clone(),
+            options: m.options.clone(),
+            ..Default::default()
+        })
+        .collect()
 }
 
 /// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
@@ -304,17 +322,19 @@ impl Sandbox for NamespaceSandbox {
         self.agent.clone()
     }
 
-    async fn share_rootfs(&self, container_id: &str, host_rootfs: &Path) -> Result<PathBuf, SandboxError> {
+    async fn prepare_rootfs(
+        &self,
+        container_id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+    ) -> Result<RootfsPlan, SandboxError> {
         let target = self.paths.rootfs(container_id);
         std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
-        mount(Some(host_rootfs), &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-            .map_err(sys(format!("bind {} at {}", host_rootfs.display(), target.display())))?;
-        Ok(target)
+        Ok(RootfsPlan { path: target, mounts: agent_rootfs_mounts(bundle_rootfs, mounts) })
     }
 
-    async fn unshare_rootfs(&self, container_id: &str) -> Result<(), SandboxError> {
+    async fn release_rootfs(&self, container_id: &str) -> Result<(), SandboxError> {
         let target = self.paths.rootfs(container_id);
-        unmount_all(&target);
         match std::fs::remove_dir(&target) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -358,6 +378,24 @@ impl Sandbox for NamespaceSandbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rootfs_mounts_go_to_the_agent() {
+        let overlay = Mount {
+            type_: "overlay".into(),
+            source: "overlay".into(),
+            options: vec!["lowerdir=/l".into(), "upperdir=/u".into(), "workdir=/w".into()],
+            ..Default::default()
+        };
+        let planned = agent_rootfs_mounts(Path::new("/b/rootfs"), &[overlay]);
+        assert_eq!(planned.len(), 1);
+        assert_eq!(planned[0].fstype, "overlay");
+        assert_eq!(planned[0].destination, "/");
+        assert_eq!(planned[0].options[0], "lowerdir=/l");
+        let bind = agent_rootfs_mounts(Path::new("/b/rootfs"), &[]);
+        assert_eq!(bind[0].source, "/b/rootfs");
+        assert_eq!(bind[0].options, vec!["rbind".to_string()]);
+    }
 
     #[test]
     fn mountinfo_escapes_are_undone() {

@@ -23,14 +23,14 @@ impl PodPaths {
         self.dir.join("sandbox.pid")
     }
 
-    /// A shared-propagation mount; rootfs bind mounts made below it appear in the agent.
-    pub fn shared_dir(&self) -> PathBuf {
-        self.dir.join("shared")
+    /// Parent of the containers' rootfs mount points.
+    pub fn rootfs_dir(&self) -> PathBuf {
+        self.dir.join("rootfs")
     }
 
-    /// Where a container's rootfs is bind-mounted (same path inside the agent).
+    /// Where the agent assembles a container's rootfs (same path on the host, unmounted).
     pub fn rootfs(&self, container_id: &str) -> PathBuf {
-        self.shared_dir().join(container_id)
+        self.rootfs_dir().join(container_id)
     }
 }
 

@@ -2,15 +2,16 @@
 //! VMM's hybrid-vsock Unix socket (same handshake as the namespace backend), share rootfs
 //! with virtio-fs. The VM issue fills it in; until then starting one is a clear error.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::{Sandbox, SandboxError, SandboxRequest};
+use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest};
 use crate::agent::AgentClient;
 use crate::config::{Backend, Config};
 use crate::process::ExitInfo;
+use containerd_shim::protos::types::mount::Mount;
 
 pub struct VmSandbox {
     _never: std::convert::Infallible,
@@ -40,10 +41,10 @@ impl Sandbox for VmSandbox {
     fn agent(&self) -> Arc<AgentClient> {
         match self._never {}
     }
-    async fn share_rootfs(&self, _: &str, _: &Path) -> Result<PathBuf, SandboxError> {
+    async fn prepare_rootfs(&self, _: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
         match self._never {}
     }
-    async fn unshare_rootfs(&self, _: &str) -> Result<(), SandboxError> {
+    async fn release_rootfs(&self, _: &str) -> Result<(), SandboxError> {
         match self._never {}
     }
     async fn signal(&self, _: u32) -> Result<(), SandboxError> {

@@ -1,0 +1,493 @@
+//! End-to-end tests of `containerd-shim-bulkhead-v2` on the `namespace` backend, through a
+//! private containerd 1.6 and CRI (issue 4, "Done when"). Each test starts its own containerd
+//! with the `bulkhead` handler, whose `ConfigPath` names a config selecting
+//! `backend = "namespace"` and the freshly built `bulkhead-agent`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bulkhead_integration::{
+    container_config, pod_config, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri, RuntimeHandler,
+};
+use k8s_cri::v1 as cri;
+
+const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
+const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
+
+/// A private containerd with the bulkhead handler on the namespace backend.
+struct Env {
+    containerd: Containerd,
+    cri: Cri,
+    /// The shim's `state_dir` (short: it holds the agent's Unix socket).
+    state_dir: tempfile::TempDir,
+    _config_dir: tempfile::TempDir,
+}
+
+fn write_config(dir: &Path, name: &str, text: &str) -> Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+/// Prints `SKIPPED` and returns `None` when the host or the build cannot run these tests.
+async fn setup(test: &str, extra: Vec<RuntimeHandler>) -> Result<Option<Env>> {
+    if skip_if_unready(test) {
+        return Ok(None);
+    }
+    let agent = workspace_bin("bulkhead-agent");
+    let shim = workspace_bin("containerd-shim-bulkhead-v2");
+    for bin in [&agent, &shim] {
+        if !bin.is_file() {
+            println!("SKIPPED: {test}: {} is not built (run `cargo build --workspace`)", bin.display());
+            return Ok(None);
+        }
+    }
+    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let config = write_config(
+        config_dir.path(),
+        "bulkhead.toml",
+        &format!(
+            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+            state_dir.path().display(),
+            agent.display()
+        ),
+    )?;
+    let mut handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
+    handlers.extend(extra);
+    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let cri = containerd.cri().await?;
+    Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
+}
+
+impl Env {
+    fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
+        Ok(pod_config(name, &self.containerd.new_log_dir(name)?))
+    }
+
+    /// Runs a pod with one started container; returns (pod id, container id).
+    async fn pod_with(&self, pod: &cri::PodSandboxConfig, ctr: &cri::ContainerConfig) -> Result<(String, String)> {
+        let pod_id = self.cri.run_pod_sandbox(pod, "bulkhead").await?;
+        let ctr_id = self.cri.create_container(&pod_id, ctr, pod).await?;
+        self.cri.start_container(&ctr_id).await?;
+        Ok((pod_id, ctr_id))
+    }
+
+    fn fail_context(&self) -> String {
+        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+    }
+}
+
+/// A long-running container that exits 0 on SIGTERM and carries `marker` in its command line.
+fn sleeper(name: &str, marker: &str) -> cri::ContainerConfig {
+    let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
+    container_config(name, &["sh", "-c", &script])
+}
+
+fn unique(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    format!("bhmark-{tag}-{}-{nanos}", std::process::id())
+}
+
+/// Host pids whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if pid == std::process::id() {
+            continue;
+        }
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+fn mounts_with(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// containerd's shim socket for `group` (same hash as the shim computes).
+fn shim_socket(containerd: &Containerd, group: &str) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let key = containerd.address().join("k8s.io").join(group);
+    let hash = hex::encode(Sha256::digest(key.display().to_string().as_bytes()));
+    PathBuf::from(format!("/run/containerd/s/{hash}"))
+}
+
+/// Polls `check` (which returns what is still left over) until it is empty or `within` passes.
+async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -> Vec<String>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = check();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("{what} still present after {within:?}: {left:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Nothing of the pod may remain: processes, mounts, sockets, state.
+async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str) -> Result<()> {
+    let within = Duration::from_secs(15);
+    eventually_nothing("workload processes", within, || {
+        processes_with(marker).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    eventually_nothing("shim/agent processes of the pod", within, || {
+        processes_with(pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    let mut ids = vec![pod_id];
+    ids.extend_from_slice(ctr_ids);
+    eventually_nothing("mounts", within, || ids.iter().flat_map(|id| mounts_with(id)).collect()).await?;
+    let pod_state = env.state_dir.path().join(pod_id);
+    let socket = shim_socket(&env.containerd, pod_id);
+    eventually_nothing("sockets and state", within, || {
+        [&pod_state, &socket].into_iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shim_pod_lifecycle_leaves_nothing_behind() -> Result<()> {
+    let Some(env) = setup("shim_pod_lifecycle_leaves_nothing_behind", vec![]).await? else { return Ok(()) };
+    let marker = unique("life");
+    let pod = env.pod("life")?;
+    let (pod_id, ctr) = env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
+
+    let status = env.cri.wait_container(&ctr, Duration::from_secs(10), |s| s.state == RUNNING).await?;
+    assert_eq!(status.state, RUNNING);
+    assert!(!processes_with(&marker).is_empty(), "the workload runs on this host");
+
+    let out = env.cri.exec_sync(&ctr, &["echo", "hi"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+    assert_eq!(out.exit_code, 0);
+
+    let grace = 10;
+    let stop_started = Instant::now();
+    env.cri.stop_container(&ctr, grace).await?;
+    let took = stop_started.elapsed();
+    assert!(took < Duration::from_secs(grace as u64), "StopContainer took {took:?}, grace {grace}s");
+    let status = env.cri.container_status(&ctr).await?;
+    assert_eq!(status.state, EXITED);
+    assert_eq!(status.exit_code, 0, "the workload's TERM trap exits 0");
+
+    env.cri.remove_container(&ctr).await?;
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    assert!(env.cri.list_pod_sandboxes().await?.is_empty());
+    assert_pod_gone(&env, &pod_id, &[&ctr], &marker).await
+}
+
+#[tokio::test]
+async fn shim_exit_code_log_file_and_oom_killed() -> Result<()> {
+    let Some(env) = setup("shim_exit_code_log_file_and_oom_killed", vec![]).await? else { return Ok(()) };
+    let pod = env.pod("exits")?;
+    let script = "echo out-line; echo err-line >&2; exit 3";
+    let (pod_id, ctr) = env
+        .pod_with(&pod, &container_config("three", &["sh", "-c", script]))
+        .await
+        .with_context(|| env.fail_context())?;
+    let status = env.cri.wait_container(&ctr, Duration::from_secs(15), |s| s.state == EXITED).await?;
+    assert_eq!(status.exit_code, 3);
+    assert_eq!(status.reason, "Error");
+    let log = std::fs::read_to_string(&status.log_path).with_context(|| format!("read {}", status.log_path))?;
+    assert!(log.lines().any(|l| l.contains(" stdout ") && l.ends_with("out-line")), "log: {log}");
+    assert!(log.lines().any(|l| l.contains(" stderr ") && l.ends_with("err-line")), "log: {log}");
+
+    // A container over its memory limit is killed by the OOM killer: reason OOMKilled.
+    let mut hog = container_config("hog", &["sh", "-c", "tail /dev/zero"]);
+    hog.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources { memory_limit_in_bytes: 32 << 20, ..Default::default() }),
+        ..Default::default()
+    });
+    let hog_id = env.cri.create_container(&pod_id, &hog, &pod).await?;
+    env.cri.start_container(&hog_id).await?;
+    let status = env.cri.wait_container(&hog_id, Duration::from_secs(60), |s| s.state == EXITED).await?;
+    assert_eq!(status.reason, "OOMKilled", "status: {status:?}");
+    assert_eq!(status.exit_code, 137);
+    Ok(())
+}
+
+#[tokio::test]
+async fn shim_two_containers_share_a_volume() -> Result<()> {
+    let Some(env) = setup("shim_two_containers_share_a_volume", vec![]).await? else { return Ok(()) };
+    let volume = tempfile::tempdir()?;
+    let mount = cri::Mount {
+        container_path: "/data".into(),
+        host_path: volume.path().display().to_string(),
+        ..Default::default()
+    };
+    let pod = env.pod("pair")?;
+    let mut writer = container_config(
+        "writer",
+        &["sh", "-c", "echo from-writer > /data/f; trap 'exit 0' TERM; while true; do sleep 0.2; done"],
+    );
+    writer.mounts = vec![mount.clone()];
+    let mut reader = sleeper("reader", &unique("pair"));
+    reader.mounts = vec![mount];
+
+    let (pod_id, w) = env.pod_with(&pod, &writer).await.with_context(|| env.fail_context())?;
+    let r = env.cri.create_container(&pod_id, &reader, &pod).await?;
+    env.cri.start_container(&r).await?;
+    env.cri.wait_container(&r, Duration::from_secs(10), |s| s.state == RUNNING).await?;
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let out = env.cri.exec_sync(&r, &["cat", "/data/f"], 10).await?;
+        if out.exit_code == 0 || Instant::now() > deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(String::from_utf8_lossy(&seen.stdout), "from-writer\n");
+    assert_eq!(std::fs::read_to_string(volume.path().join("f"))?, "from-writer\n");
+
+    let mut listed: Vec<String> = env.cri.list_containers(Some(&pod_id)).await?.into_iter().map(|c| c.id).collect();
+    listed.sort();
+    let mut want = vec![w, r];
+    want.sort();
+    assert_eq!(listed, want);
+    Ok(())
+}
+
+/// Minimal RFC 6455 client: enough to speak the Kubernetes `v4.channel.k8s.io` protocol to
+/// containerd's streaming server, as `crictl exec -it` does (over websocket instead of SPDY).
+mod ws {
+    use anyhow::{bail, Context, Result};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    pub struct Client {
+        stream: TcpStream,
+    }
+
+    /// Longest frame accepted from the server.
+    const MAX_FRAME: u64 = 1 << 20;
+
+    impl Client {
+        pub async fn connect(url: &str, protocol: &str) -> Result<Self> {
+            let rest = url.strip_prefix("http://").context("streaming URL is not http://")?;
+            let (host, path) = rest.split_once('/').context("streaming URL has no path")?;
+            let mut stream = TcpStream::connect(host).await.with_context(|| format!("connect {host}"))?;
+            let request = format!(
+                "GET /{path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                 Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+                 Sec-WebSocket-Protocol: {protocol}\r\n\r\n"
+            );
+            stream.write_all(request.as_bytes()).await?;
+            // Read the response head byte by byte so no frame byte is consumed.
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                if head.len() > 8192 {
+                    bail!("websocket response head too long");
+                }
+                let mut b = [0u8; 1];
+                if stream.read(&mut b).await? == 0 {
+                    bail!("server closed during handshake: {}", String::from_utf8_lossy(&head));
+                }
+                head.push(b[0]);
+            }
+            let head = String::from_utf8_lossy(&head).to_string();
+            if !head.starts_with("HTTP/1.1 101") {
+                bail!("websocket upgrade refused: {head}");
+            }
+            Ok(Self { stream })
+        }
+
+        /// Sends one binary message: channel byte + data (client frames are masked).
+        pub async fn send(&mut self, channel: u8, data: &[u8]) -> Result<()> {
+            let mut payload = vec![channel];
+            payload.extend_from_slice(data);
+            let mask = [0x12u8, 0x34, 0x56, 0x78];
+            let mut frame = vec![0x82u8];
+            let len = payload.len();
+            if len < 126 {
+                frame.push(0x80 | len as u8);
+            } else {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            frame.extend_from_slice(&mask);
+            frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+            self.stream.write_all(&frame).await?;
+            Ok(())
+        }
+
+        /// Next data message as (channel, bytes); `None` when the server closes.
+        pub async fn recv(&mut self) -> Result<Option<(u8, Vec<u8>)>> {
+            loop {
+                let mut h = [0u8; 2];
+                if self.stream.read_exact(&mut h).await.is_err() {
+                    return Ok(None);
+                }
+                let opcode = h[0] & 0x0f;
+                let mut len = u64::from(h[1] & 0x7f);
+                if len == 126 {
+                    let mut b = [0u8; 2];
+                    self.stream.read_exact(&mut b).await?;
+                    len = u64::from(u16::from_be_bytes(b));
+                } else if len == 127 {
+                    let mut b = [0u8; 8];
+                    self.stream.read_exact(&mut b).await?;
+                    len = u64::from_be_bytes(b);
+                }
+                if len > MAX_FRAME {
+                    bail!("websocket frame of {len} bytes");
+                }
+                let mut payload = vec![0u8; len as usize];
+                self.stream.read_exact(&mut payload).await?;
+                match opcode {
+                    0x8 => return Ok(None),
+                    0x9 | 0xA => continue,
+                    _ if payload.is_empty() => continue,
+                    _ => return Ok(Some((payload[0], payload[1..].to_vec()))),
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn shim_streaming_tty_exec() -> Result<()> {
+    let Some(env) = setup("shim_streaming_tty_exec", vec![]).await? else { return Ok(()) };
+    let pod = env.pod("tty")?;
+    let (_pod_id, ctr) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("tty"))).await.with_context(|| env.fail_context())?;
+
+    let url = env
+        .cri
+        .exec(cri::ExecRequest {
+            container_id: ctr.clone(),
+            cmd: vec!["sh".into()],
+            tty: true,
+            stdin: true,
+            stdout: true,
+            stderr: false,
+        })
+        .await?;
+    let mut client = ws::Client::connect(&url, "v4.channel.k8s.io").await?;
+    client.send(4, br#"{"Width":80,"Height":24}"#).await?;
+    client.send(0, b"echo $((6*7))-tty-ok; exit\n").await?;
+
+    let mut stdout = Vec::new();
+    let mut status = Vec::new();
+    let result = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some((channel, data)) = client.recv().await? {
+            match channel {
+                1 => stdout.extend_from_slice(&data),
+                3 => status.extend_from_slice(&data),
+                _ => {}
+            }
+        }
+        anyhow::Ok(())
+    })
+    .await;
+    let text = String::from_utf8_lossy(&stdout).to_string();
+    result.map_err(|_| anyhow!("TTY exec did not finish; stdout so far: {text:?}"))??;
+    // The terminal echoes the typed line (with the expression unexpanded); the output has 42.
+    assert!(text.contains("42-tty-ok"), "stdout: {text:?}");
+    let status = String::from_utf8_lossy(&status);
+    assert!(status.contains("Success"), "exec status: {status}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn shim_error_paths_are_fast_and_clear() -> Result<()> {
+    let config_dir = tempfile::tempdir()?;
+    let bad_key = write_config(config_dir.path(), "typo.toml", "backend = \"namespace\"\nbakend = 1\n")?;
+    let mut missing = RuntimeHandler::bulkhead(Some(Path::new("/nonexistent/bulkhead-config.toml")));
+    missing.name = "bulkhead-missing".into();
+    let mut typo = RuntimeHandler::bulkhead(Some(&bad_key));
+    typo.name = "bulkhead-typo".into();
+    let Some(env) = setup("shim_error_paths_are_fast_and_clear", vec![missing, typo]).await? else { return Ok(()) };
+
+    // A bad config path is a clear error at RunPodSandbox.
+    let err = env.cri.run_pod_sandbox(&env.pod("badcfg")?, "bulkhead-missing").await.unwrap_err();
+    assert!(format!("{err:#}").contains("/nonexistent/bulkhead-config.toml"), "{err:#}");
+    let err = env.cri.run_pod_sandbox(&env.pod("typo")?, "bulkhead-typo").await.unwrap_err();
+    assert!(format!("{err:#}").contains("bakend"), "{err:#}");
+
+    let pod = env.pod("errs")?;
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("errs"))).await.with_context(|| env.fail_context())?;
+
+    // An exec of a missing binary fails fast, naming it.
+    let started = Instant::now();
+    let result = env.cri.exec_sync(&ctr, &["/no/such/binary"], 30).await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "missing-binary exec took {took:?}");
+    match result {
+        Err(e) => assert!(format!("{e:#}").contains("/no/such/binary"), "{e:#}"),
+        Ok(out) => {
+            assert_ne!(out.exit_code, 0);
+            let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("/no/such/binary"), "exec output: {text}");
+        }
+    }
+
+    // Kill (StopContainer) on a task that already exited is handled.
+    let done = env.cri.create_container(&pod_id, &container_config("done", &["true"]), &pod).await?;
+    env.cri.start_container(&done).await?;
+    env.cri.wait_container(&done, Duration::from_secs(10), |s| s.state == EXITED).await?;
+    let started = Instant::now();
+    env.cri.stop_container(&done, 10).await?;
+    assert!(started.elapsed() < Duration::from_secs(5), "stop of an exited task took {:?}", started.elapsed());
+    assert_eq!(env.cri.container_status(&done).await?.exit_code, 0);
+    env.cri.remove_container(&done).await?;
+
+    // The pod is unharmed by all of the above.
+    let out = env.cri.exec_sync(&ctr, &["echo", "still-here"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "still-here\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn shim_kill9_then_delete_leaves_no_orphans() -> Result<()> {
+    let Some(env) = setup("shim_kill9_then_delete_leaves_no_orphans", vec![]).await? else { return Ok(()) };
+    let marker = unique("crash");
+    let pod = env.pod("crash")?;
+    let (pod_id, ctr) = env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
+    env.cri.wait_container(&ctr, Duration::from_secs(10), |s| s.state == RUNNING).await?;
+    assert!(!processes_with(&marker).is_empty());
+
+    let shims: Vec<u32> = processes_with("containerd-shim-bulkhead-v2")
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains(&pod_id) && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(shims.len(), 1, "one shim serves the pod: {shims:?}");
+    // The shim is a descendant of the containerd this test started; signal it by PID only.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
+
+    // containerd notices, runs `shim delete`, which must leave nothing of the pod running.
+    eventually_nothing("workload processes after shim kill -9", Duration::from_secs(20), || {
+        processes_with(&marker).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    env.cri.wait_container(&ctr, Duration::from_secs(20), |s| s.state == EXITED).await?;
+    // CRI can still clean the pod up, and then nothing is left.
+    let _ = env.cri.stop_container(&ctr, 1).await;
+    env.cri.remove_container(&ctr).await?;
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    assert_pod_gone(&env, &pod_id, &[&ctr], &marker).await
+}
