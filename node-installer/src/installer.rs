@@ -32,6 +32,9 @@ pub struct Settings {
 /// Install steps, in order. `run_install` walks them; each is idempotent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
+    /// A labelled node whose containerd lost the handler (reboot regenerated the config, manual edit) must stop
+    /// attracting pods before anything else happens.
+    Guard,
     Probe,
     CopyArtifacts,
     WireContainerd,
@@ -84,10 +87,25 @@ impl Installer<'_> {
         layout::check_version(&s.version)?;
         let (mut restarted, mut artifacts_changed) = (false, false);
         let (mut config_version, mut ready_reason) = (None, String::new());
-        let mut step = Step::Probe;
+        let mut step = Step::Guard;
         loop {
             tracing::debug!(?step, "install step");
             step = match step {
+                Step::Guard => {
+                    if let Some((api, node)) = &self.nodes {
+                        let labelled = api
+                            .get(node)
+                            .await?
+                            .pointer(&format!("/metadata/labels/{}", kube::LABEL.replace('/', "~1")))
+                            .and_then(serde_json::Value::as_str)
+                            == Some(kube::LABEL_READY);
+                        if labelled && !matches!(cri::handler_registered(&self.socket(), HANDLER).await, Ok(true)) {
+                            tracing::warn!(node = %node, "labelled ready but containerd lacks the handler; unlabelling until repaired");
+                            kube::unlabel(*api, node).await?;
+                        }
+                    }
+                    Step::Probe
+                }
                 Step::Probe => match probe::verdict(&s.layout.host_root, s.allow_pvm) {
                     Verdict::Capable { virt, reason } => {
                         tracing::info!(?virt, reason = %reason, "host can run the vm backend");

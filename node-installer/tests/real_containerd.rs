@@ -221,3 +221,38 @@ async fn image_without_vm_artifacts_is_refused() {
     let cfg = fs::read_to_string(node.config()).unwrap();
     assert_eq!(cfg, support::user_config(node.root()), "containerd not wired when refused");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labelled_node_whose_containerd_lost_the_handler_is_unlabelled_first() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    let ctd = support::Containerd::start(&node);
+    let api = fake_node();
+    let inst = Installer {
+        settings: node.settings(),
+        restarter: &ctd,
+        nodes: Some((&api, "n1".into())),
+        fail: FailPoints::none(),
+    };
+    inst.install().await.unwrap();
+    // A reboot regenerates containerd's config without our imports entry (AL2023's nodeadm does this).
+    fs::write(node.config(), support::user_config(node.root())).unwrap();
+    bulkhead_node_installer::restart::Restarter::restart(&ctd).unwrap();
+    assert!(!registered(&node, "bulkhead").await);
+    // Stop right after the guard: the label must already be gone before anything is repaired.
+    let stopped = Installer {
+        settings: node.settings(),
+        restarter: &ctd,
+        nodes: Some((&api, "n1".into())),
+        fail: FailPoints::arm("restart-marked", FailMode::Error),
+    };
+    assert!(matches!(stopped.install().await, Err(Error::Interrupted(_))));
+    assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), None, "unlabelled before repair");
+    // The full rerun repairs and labels again.
+    inst.install().await.unwrap();
+    assert!(registered(&node, "bulkhead").await);
+    assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), Some(&json!("ready")));
+    inst.uninstall().await.unwrap();
+}
