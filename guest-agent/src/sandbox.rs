@@ -197,7 +197,13 @@ impl Sandbox {
         let c = self.container(id)?;
         c.check(Event::Start)?;
         self.runtime.start(id).await?;
-        c.transition(Event::Start)?;
+        // A fast process (`echo`) may already have exited and moved the container to
+        // Stopped; that is a successful start.
+        if let Err(e) = c.transition(Event::Start) {
+            if c.state() != crate::container::ContainerState::Stopped {
+                return Err(e);
+            }
+        }
         Ok(c.init.pid)
     }
 

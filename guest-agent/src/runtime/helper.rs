@@ -63,7 +63,10 @@ pub enum HelperResult {
 
 pub fn main(op: HelperOp) -> ExitCode {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new("error"))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_HELPER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
         .with_writer(std::io::stderr)
         .try_init();
     let (common, outcome) = match op.cmd {

@@ -1,0 +1,348 @@
+//! End-to-end: the real agent as PID 1 of fresh namespaces, spoken to only over its Unix
+//! socket with the CONNECT preamble. Each test proves one "Done when" item of issue 3.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bulkhead_protocol::{agent::*, stream::StreamKind};
+use common::*;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_echo_exit_codes_and_destroy() {
+    if !can_run("lifecycle_echo_exit_codes_and_destroy") {
+        return;
+    }
+    let mut agent = Agent::start("life").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+
+    agent
+        .create("echo", &spec(&rootfs, &["echo", "hello from bulkhead"], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let mut out = agent.stream("echo", None, StreamKind::Stdout).await;
+    let mut err = agent.stream("echo", None, StreamKind::Stderr).await;
+    agent.start_ctr("echo").await;
+    assert_eq!(read_all(&mut out).await, "hello from bulkhead\n");
+    assert_eq!(read_all(&mut err).await, "");
+    let w = agent.wait("echo", "").await;
+    assert_eq!((w.exit_code, w.signal, w.oom_killed), (0, 0, false));
+    assert!(w.exited_at_unix_nanos > 0);
+
+    agent.create("seven", &spec(&rootfs, &["sh", "-c", "exit 7"], vec![], json!({})), false).await.unwrap();
+    agent.start_ctr("seven").await;
+    assert_eq!(agent.wait("seven", "").await.exit_code, 7);
+
+    agent.remove("echo").await;
+    agent.remove("seven").await;
+
+    let t0 = Instant::now();
+    agent
+        .client
+        .destroy_sandbox(ctx(), &DestroySandboxRequest { timeout_ms: 1000, ..Default::default() })
+        .await
+        .unwrap();
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert!(status.is_some(), "agent did not exit after DestroySandbox");
+    println!("destroy -> agent exit: {:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_with_tty_sees_a_terminal_and_resize_changes_stty_size() {
+    if !can_run("exec_with_tty_sees_a_terminal_and_resize_changes_stty_size") {
+        return;
+    }
+    let agent = Agent::start("tty").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    agent
+        .create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.start_ctr("box").await;
+
+    agent
+        .exec("box", "term", &["sh", "-c", "tty; stty size; echo READY; read x; stty size; echo DONE"], true)
+        .await
+        .unwrap_or_else(|e| panic!("exec: {e}\n{}", agent.log()));
+    let mut tty = agent.stream("box", Some("term"), StreamKind::Tty).await;
+    let mut seen = String::new();
+    read_until(&mut tty, &mut seen, "READY").await;
+    assert!(seen.contains("/dev/pts/"), "tty output: {seen:?}");
+
+    let resize = ResizePtyRequest {
+        container_id: "box".into(),
+        exec_id: "term".into(),
+        rows: 40,
+        cols: 123,
+        ..Default::default()
+    };
+    agent.client.resize_pty(ctx(), &resize).await.unwrap();
+    tty.write_all(b"go\n").await.unwrap();
+    read_until(&mut tty, &mut seen, "DONE").await;
+    assert!(seen.contains("40 123"), "stty size after resize: {seen:?}");
+    assert_eq!(agent.wait("box", "term").await.exit_code, 0);
+
+    // ResizePty on a process without a terminal is a precise error.
+    let bad = ResizePtyRequest { container_id: "box".into(), rows: 1, cols: 1, ..Default::default() };
+    let e = agent.client.resize_pty(ctx(), &bad).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
+    agent.remove("box").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_reports_15_and_sigkill_stops_a_term_trapper() {
+    if !can_run("sigterm_reports_15_and_sigkill_stops_a_term_trapper") {
+        return;
+    }
+    let agent = Agent::start("sig").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    // The init traps TERM itself (prints, keeps running).
+    let trapper = "trap 'echo got-term' TERM; echo armed; while :; do sleep 0.2; done";
+    agent
+        .create("sig", &spec(&rootfs, &["sh", "-c", trapper], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let mut out = agent.stream("sig", None, StreamKind::Stdout).await;
+    agent.start_ctr("sig").await;
+    let mut seen = String::new();
+    read_until(&mut out, &mut seen, "armed").await;
+
+    // A plain sleep (not PID 1 of its namespace) dies of TERM.
+    agent.exec("sig", "sleeper", &["sleep", "100"], false).await.unwrap();
+    agent.signal("sig", "sleeper", libc::SIGTERM).await.unwrap();
+    let w = agent.wait("sig", "sleeper").await;
+    assert_eq!((w.signal, w.exit_code), (15, 143));
+
+    // The trapper survives TERM...
+    agent.signal("sig", "", libc::SIGTERM).await.unwrap();
+    read_until(&mut out, &mut seen, "got-term").await;
+    let still = agent.wait_ms("sig", "", 500).await;
+    assert!(still.is_err(), "trapper exited on TERM: {still:?}");
+    // ...but not KILL.
+    agent.signal("sig", "", libc::SIGKILL).await.unwrap();
+    let w = agent.wait("sig", "").await;
+    assert_eq!((w.signal, w.exit_code), (9, 137));
+
+    // Signalling an exited process is a precise error.
+    let e = agent.signal("sig", "sleeper", libc::SIGTERM).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
+    agent.remove("sig").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oom_kill_is_reported_in_wait_and_on_the_oom_stream() {
+    if !can_run("oom_kill_is_reported_in_wait_and_on_the_oom_stream") {
+        return;
+    }
+    let agent = Agent::start("oom").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    // Double a shell string until the 32 MiB limit is hit.
+    let hog = "a=xxxxxxxxxxxxxxxx; while :; do a=\"$a$a\"; done";
+    let limit = 32 << 20;
+    let res = json!({"memory": {"limit": limit, "swap": limit}});
+    agent
+        .create("hog", &spec(&rootfs, &["sh", "-c", hog], vec![], res), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.start_ctr("hog").await;
+    let w = agent.wait("hog", "").await;
+    assert!(w.oom_killed, "not reported as OOM-killed: {w:?}\n{}", agent.log());
+    assert_eq!(w.signal, 9);
+
+    let ev = agent
+        .client
+        .get_oom_event(ctx(), &GetOomEventRequest { after_seq: 0, wait_ms: 10_000, ..Default::default() })
+        .await
+        .unwrap();
+    let ev = ev.event.into_option().expect("no OOM event within 10 s");
+    assert_eq!(ev.container_id, "hog");
+    // Nothing newer: the long poll times out empty.
+    let none = agent
+        .client
+        .get_oom_event(ctx(), &GetOomEventRequest { after_seq: ev.seq, wait_ms: 300, ..Default::default() })
+        .await
+        .unwrap();
+    assert!(none.event.is_none());
+    agent.remove("hog").await;
+}
+
+fn read_counter(path: &std::path::Path) -> u64 {
+    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_pause_resume_and_list_pids() {
+    if !can_run("stats_pause_resume_and_list_pids") {
+        return;
+    }
+    let agent = Agent::start("stats").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let vol = agent.dir.path().join("vol");
+    std::fs::create_dir_all(&vol).unwrap();
+    let counter = vol.join("counter");
+    let busy =
+        "i=0; while :; do i=$((i+1)); echo $i > /shared/counter.tmp; mv /shared/counter.tmp /shared/counter; done";
+    let mounts = vec![json!({"destination": "/shared", "type": "bind", "source": vol, "options": ["rbind", "rw"]})];
+    let pid = agent
+        .create("busy", &spec(&rootfs, &["sh", "-c", busy], mounts, json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.start_ctr("busy").await;
+
+    let deadline = Instant::now() + T;
+    while read_counter(&counter) < 100 {
+        assert!(Instant::now() < deadline, "counter never moved\n{}", agent.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let stats =
+        agent.client.stats(ctx(), &StatsRequest { container_id: "busy".into(), ..Default::default() }).await.unwrap();
+    let cpu = stats.cpu.usage_total_nanos;
+    let mem = stats.memory.usage_bytes;
+    println!("stats ({}): cpu {cpu} ns, memory {mem} B, pids {}", stats.cgroup_version, stats.pids.current);
+    assert!(cpu > 0 && mem > 0, "{stats:?}");
+
+    let pids = agent
+        .client
+        .list_pids(ctx(), &ContainerRequest { container_id: "busy".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .pids;
+    assert!(pids.contains(&pid), "init {pid} not in {pids:?}");
+
+    let creq = ContainerRequest { container_id: "busy".into(), ..Default::default() };
+    agent.client.pause_container(ctx(), &creq).await.unwrap();
+    // Frozen: the counter stays put (allow one in-flight write to land first).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a = read_counter(&counter);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b = read_counter(&counter);
+    assert_eq!(a, b, "counter moved while paused");
+    // Pausing twice is a precise error.
+    let e = agent.client.pause_container(ctx(), &creq).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
+
+    agent.client.resume_container(ctx(), &creq).await.unwrap();
+    let deadline = Instant::now() + T;
+    while read_counter(&counter) <= b {
+        assert!(Instant::now() < deadline, "counter did not move after resume");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("paused at {b}, moving again after resume");
+    agent.remove("busy").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_containers_share_a_volume() {
+    if !can_run("two_containers_share_a_volume") {
+        return;
+    }
+    let agent = Agent::start("vol").await;
+    let rootfs_a = busybox_rootfs(agent.dir.path(), "rootfs-a");
+    let rootfs_b = busybox_rootfs(agent.dir.path(), "rootfs-b");
+    let vol = agent.dir.path().join("vol");
+    std::fs::create_dir_all(&vol).unwrap();
+    let mount = || vec![json!({"destination": "/shared", "type": "bind", "source": vol, "options": ["rbind", "rw"]})];
+
+    let writer = "echo written-by-a > /shared/msg; while [ ! -f /shared/ack ]; do sleep 0.1; done; cat /shared/ack";
+    agent.create("a", &spec(&rootfs_a, &["sh", "-c", writer], mount(), json!({})), false).await.unwrap();
+    let reader = "while [ ! -f /shared/msg ]; do sleep 0.1; done; cat /shared/msg; echo ack-from-b > /shared/ack";
+    agent.create("b", &spec(&rootfs_b, &["sh", "-c", reader], mount(), json!({})), false).await.unwrap();
+    let mut out_a = agent.stream("a", None, StreamKind::Stdout).await;
+    let mut out_b = agent.stream("b", None, StreamKind::Stdout).await;
+    agent.start_ctr("a").await;
+    agent.start_ctr("b").await;
+    assert_eq!(read_all(&mut out_b).await, "written-by-a\n");
+    assert_eq!(read_all(&mut out_a).await, "ack-from-b\n");
+    assert_eq!(agent.wait("a", "").await.exit_code, 0);
+    assert_eq!(agent.wait("b", "").await.exit_code, 0);
+    agent.remove("a").await;
+    agent.remove("b").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
+    if !can_run("bad_input_gets_precise_errors_and_the_agent_keeps_serving") {
+        return;
+    }
+    let agent = Agent::start("bad").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let good = spec(&rootfs, &["sleep", "1000"], vec![], json!({}));
+    agent.create("ok", &good, false).await.unwrap();
+    agent.start_ctr("ok").await;
+
+    // Duplicate id.
+    let e = agent.create("ok", &good, false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::ALREADY_EXISTS, "{e}");
+    // Malformed spec.
+    let req = CreateContainerRequest {
+        container_id: "bad1".into(),
+        oci_spec_json: b"{\"ociVersion\": 12".to_vec(),
+        ..Default::default()
+    };
+    let e = agent.client.create_container(ctx(), &req).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+    assert!(format!("{e}").contains("malformed OCI spec"), "{e}");
+    // Path-like id.
+    let e = agent.create("../etc", &good, false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+    // Seccomp is refused, not silently ignored.
+    let mut sec = good.clone();
+    sec["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW"});
+    let e = agent.create("sec", &sec, false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::UNIMPLEMENTED, "{e}");
+    // Unknown container.
+    let e = agent.wait_ms("ghost", "", 2000).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
+    let e = agent.signal("ghost", "", 15).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
+    // Duplicate exec id.
+    agent.exec("ok", "e1", &["sleep", "1000"], false).await.unwrap();
+    let e = agent.exec("ok", "e1", &["true"], false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::ALREADY_EXISTS, "{e}");
+    // Exec with a malformed process.
+    let req = ExecProcessRequest {
+        container_id: "ok".into(),
+        exec_id: "e2".into(),
+        process_json: b"[]".to_vec(),
+        ..Default::default()
+    };
+    let e = agent.client.exec_process(ctx(), &req).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+    // Over-long message (5 MiB > ttrpc's 4 MiB).
+    let req = CreateContainerRequest {
+        container_id: "huge".into(),
+        oci_spec_json: vec![b' '; 5 << 20],
+        ..Default::default()
+    };
+    let e = agent.client.create_container(ctx(), &req).await.unwrap_err();
+    println!("over-long message -> {e}");
+    // A stopped container refuses exec.
+    agent.create("done", &spec(&rootfs, &["true"], vec![], json!({})), false).await.unwrap();
+    agent.start_ctr("done").await;
+    assert_eq!(agent.wait("done", "").await.exit_code, 0);
+    let e = agent.exec("done", "late", &["true"], false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
+    assert!(format!("{e}").contains("stopped"), "{e}");
+    // Stream for an unknown process is rejected in the ack.
+    let mut s = bulkhead_protocol::handshake::dial_unix(
+        &agent.sock,
+        bulkhead_protocol::ports::AGENT_STREAMS,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let e = bulkhead_protocol::stream::StreamHeader::new("ghost", None, StreamKind::Stdout)
+        .open(&mut s, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("ghost"), "{e}");
+
+    // Still serving the good container.
+    agent.exec("ok", "e3", &["true"], false).await.unwrap();
+    assert_eq!(agent.wait("ok", "e3").await.exit_code, 0);
+    agent.remove("ok").await;
+    agent.remove("done").await;
+}

@@ -1,0 +1,315 @@
+//! Harness: the real agent binary as PID 1 of fresh pid/mount/uts/ipc namespaces
+//! (`unshare --fork --kill-child`), reached only through its Unix socket with the CONNECT
+//! preamble, plus a busybox rootfs and OCI spec builders.
+#![allow(dead_code)]
+
+use std::{
+    io::Read,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use bulkhead_protocol::{
+    agent::*,
+    agent_ttrpc::AgentClient,
+    client::connect_agent,
+    handshake::dial_unix,
+    ports,
+    stream::{StreamHeader, StreamKind},
+};
+use serde_json::{json, Value};
+use tokio::{io::AsyncReadExt, net::UnixStream};
+
+pub const T: Duration = Duration::from_secs(20);
+
+/// Returns false (after printing the SKIPPED line) when the test cannot run here.
+pub fn can_run(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: {test}: needs root (namespaces, mounts, cgroups)");
+        return false;
+    }
+    if !Path::new("/bin/busybox").exists() {
+        println!("SKIPPED: {test}: /bin/busybox (static) is not installed");
+        return false;
+    }
+    if Command::new("unshare").arg("--version").output().is_err() {
+        println!("SKIPPED: {test}: unshare(1) not found");
+        return false;
+    }
+    true
+}
+
+pub fn ctx() -> ttrpc::context::Context {
+    ttrpc::context::with_timeout(T.as_nanos() as i64)
+}
+
+pub fn ctx_ms(ms: u64) -> ttrpc::context::Context {
+    ttrpc::context::with_timeout(Duration::from_millis(ms).as_nanos() as i64)
+}
+
+pub struct Agent {
+    pub dir: tempfile::TempDir,
+    pub sock: PathBuf,
+    pub cgroup_parent: String,
+    child: Option<Child>,
+    pub client: AgentClient,
+}
+
+impl Agent {
+    pub async fn start(name: &str) -> Agent {
+        let dir = tempfile::Builder::new().prefix("bhagent").tempdir_in("/tmp").expect("tempdir");
+        let sock = dir.path().join("agent.sock");
+        let cgroup_parent = format!("/bulkhead-test-{}-{name}", std::process::id());
+        let log = std::fs::File::create(dir.path().join("agent.log")).expect("log file");
+        let child = Command::new("unshare")
+            .args(["--fork", "--kill-child", "--pid", "--mount", "--uts", "--ipc"])
+            .arg(env!("CARGO_BIN_EXE_bulkhead-agent"))
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .args(["--mode", "namespace", "--state-dir"])
+            .arg(dir.path().join("state"))
+            .args(["--cgroup-parent", &cgroup_parent])
+            .env("BULKHEAD_AGENT_LOG", "info")
+            .env("BULKHEAD_HELPER_LOG", std::env::var("BULKHEAD_HELPER_LOG").unwrap_or_else(|_| "error".into()))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn unshare + agent");
+        let deadline = Instant::now() + T;
+        let client = loop {
+            if sock.exists() {
+                if let Ok(c) = connect_agent(&sock, "e2e", Duration::from_secs(5)).await {
+                    break c;
+                }
+            }
+            assert!(Instant::now() < deadline, "agent did not come up; log:\n{}", read_log(dir.path()));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        Agent { dir, sock, cgroup_parent, child: Some(child), client }
+    }
+
+    pub fn log(&self) -> String {
+        read_log(self.dir.path())
+    }
+
+    /// Waits (bounded) for the agent process to exit on its own.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let child = self.child.as_mut()?;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = child.try_wait() {
+                self.child = None;
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    pub async fn stream(&self, id: &str, exec: Option<&str>, kind: StreamKind) -> UnixStream {
+        let mut s =
+            dial_unix(&self.sock, ports::AGENT_STREAMS, Duration::from_secs(5)).await.expect("dial stream port");
+        StreamHeader::new(id, exec, kind).open(&mut s, Duration::from_secs(5)).await.expect("stream attach");
+        s
+    }
+
+    pub async fn create(&self, id: &str, spec: &Value, terminal: bool) -> ttrpc::Result<u32> {
+        let req = CreateContainerRequest {
+            container_id: id.into(),
+            oci_spec_json: serde_json::to_vec(spec).unwrap(),
+            stdio: Some(StdioConfig { terminal, stdin: false, ..Default::default() }).into(),
+            ..Default::default()
+        };
+        self.client.create_container(ctx(), &req).await.map(|r| r.pid)
+    }
+
+    pub async fn start_ctr(&self, id: &str) {
+        let req = StartContainerRequest { container_id: id.into(), ..Default::default() };
+        self.client.start_container(ctx(), &req).await.unwrap_or_else(|e| panic!("start {id}: {e}\n{}", self.log()));
+    }
+
+    pub async fn wait(&self, id: &str, exec: &str) -> WaitProcessResponse {
+        self.wait_ms(id, exec, T.as_millis() as u64)
+            .await
+            .unwrap_or_else(|e| panic!("wait {id}/{exec}: {e}\n{}", self.log()))
+    }
+
+    pub async fn wait_ms(&self, id: &str, exec: &str, ms: u64) -> ttrpc::Result<WaitProcessResponse> {
+        let req = WaitProcessRequest { container_id: id.into(), exec_id: exec.into(), ..Default::default() };
+        self.client.wait_process(ctx_ms(ms), &req).await
+    }
+
+    pub async fn exec(&self, id: &str, exec: &str, args: &[&str], terminal: bool) -> ttrpc::Result<u32> {
+        let process = json!({
+            "terminal": terminal,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": ["PATH=/bin", "TERM=xterm"],
+            "cwd": "/",
+        });
+        let req = ExecProcessRequest {
+            container_id: id.into(),
+            exec_id: exec.into(),
+            process_json: serde_json::to_vec(&process).unwrap(),
+            stdio: Some(StdioConfig { terminal, ..Default::default() }).into(),
+            ..Default::default()
+        };
+        self.client.exec_process(ctx(), &req).await.map(|r| r.pid)
+    }
+
+    pub async fn signal(&self, id: &str, exec: &str, sig: i32) -> ttrpc::Result<()> {
+        let req = SignalProcessRequest {
+            container_id: id.into(),
+            exec_id: exec.into(),
+            signal: sig as u32,
+            ..Default::default()
+        };
+        self.client.signal_process(ctx(), &req).await.map(|_| ())
+    }
+
+    pub async fn remove(&self, id: &str) {
+        let req = RemoveContainerRequest { container_id: id.into(), force: true, ..Default::default() };
+        self.client.remove_container(ctx(), &req).await.unwrap_or_else(|e| panic!("remove {id}: {e}\n{}", self.log()));
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // unshare --kill-child takes the agent (PID 1 of its namespace) and all below.
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Best effort: the per-test cgroup parent in every v1 controller (or v2).
+        let rel = self.cgroup_parent.trim_start_matches('/');
+        if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+            for e in rd.flatten() {
+                let _ = remove_cgroup_tree(&e.path().join(rel));
+            }
+        }
+        let _ = remove_cgroup_tree(&Path::new("/sys/fs/cgroup").join(rel));
+    }
+}
+
+fn remove_cgroup_tree(p: &Path) -> std::io::Result<()> {
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                let _ = remove_cgroup_tree(&e.path());
+            }
+        }
+    }
+    std::fs::remove_dir(p)
+}
+
+fn read_log(dir: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(mut f) = std::fs::File::open(dir.join("agent.log")) {
+        let _ = f.read_to_string(&mut s);
+    }
+    s
+}
+
+/// A busybox rootfs: /bin/busybox plus one symlink per applet.
+pub fn busybox_rootfs(parent: &Path, name: &str) -> PathBuf {
+    let root = parent.join(name);
+    for d in ["bin", "proc", "sys", "dev", "tmp", "etc", "shared", "root"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    let out = Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&out.stdout).lines() {
+        if applet != "busybox" && !applet.is_empty() {
+            let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(applet));
+        }
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    std::fs::write(root.join("etc/group"), "root:x:0:\ntty:x:5:\n").unwrap();
+    root
+}
+
+const CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+];
+
+/// A runc-like default spec for `args` on `rootfs`, with extra mounts and resources.
+pub fn spec(rootfs: &Path, args: &[&str], extra_mounts: Vec<Value>, resources: Value) -> Value {
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+               "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+               "options": ["nosuid", "noexec", "nodev", "ro"]}),
+    ];
+    mounts.extend(extra_mounts);
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": ["PATH=/bin", "TERM=xterm"],
+            "cwd": "/",
+            "capabilities": {"bounding": CAPS, "effective": CAPS, "permitted": CAPS},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": true
+        },
+        "root": {"path": rootfs, "readonly": false},
+        "hostname": "ctr",
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [{"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"}],
+            "resources": resources,
+            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+        }
+    })
+}
+
+/// Reads `s` until EOF, bounded.
+pub async fn read_all(s: &mut UnixStream) -> String {
+    let mut out = Vec::new();
+    tokio::time::timeout(T, s.read_to_end(&mut out))
+        .await
+        .expect("stream did not reach EOF in time")
+        .expect("stream read");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads from `s` until `out` contains `needle`, bounded; returns everything read.
+pub async fn read_until(s: &mut UnixStream, acc: &mut String, needle: &str) {
+    let deadline = Instant::now() + T;
+    let mut buf = [0u8; 4096];
+    while !acc.contains(needle) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let n = tokio::time::timeout(left, s.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {needle:?}; got {acc:?}"))
+            .expect("read");
+        assert!(n > 0, "EOF before {needle:?}; got {acc:?}");
+        acc.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+}
+
+pub fn code_of(e: &ttrpc::Error) -> ttrpc::Code {
+    match e {
+        ttrpc::Error::RpcStatus(s) => s.code(),
+        _ => ttrpc::Code::UNKNOWN,
+    }
+}
