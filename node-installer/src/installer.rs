@@ -82,7 +82,21 @@ impl Installer<'_> {
         Ok(Report { outcome: Outcome::Refused { reason }, restarted: false, artifacts_changed: false })
     }
 
+    /// Run the install steps. On failure the node is left unlabelled with the error as its reason annotation
+    /// (best effort: the API may be what failed), so `kubectl get node` explains what the pod log says.
     pub async fn install(&self) -> Result<Report> {
+        let result = self.install_steps().await;
+        if let (Err(e), Some((api, node))) = (&result, &self.nodes) {
+            if !matches!(e, Error::Interrupted(_) | Error::Kube(_)) {
+                if let Err(k) = kube::mark_refused(*api, node, &format!("install failed: {e}")).await {
+                    tracing::warn!(error = %k, "could not record the failure on the node");
+                }
+            }
+        }
+        result
+    }
+
+    async fn install_steps(&self) -> Result<Report> {
         let s = &self.settings;
         layout::check_version(&s.version)?;
         let (mut restarted, mut artifacts_changed) = (false, false);
@@ -142,13 +156,7 @@ impl Installer<'_> {
                     Step::CheckCri
                 }
                 Step::CheckCri => {
-                    if let Err(e) = cri::wait_for_handler(&self.socket(), HANDLER, s.cri_timeout).await {
-                        if let Some((api, node)) = &self.nodes {
-                            kube::mark_refused(*api, node, &format!("containerd does not report the handler: {e}"))
-                                .await?;
-                        }
-                        return Err(e);
-                    }
+                    cri::wait_for_handler(&self.socket(), HANDLER, s.cri_timeout).await?;
                     Step::Label
                 }
                 Step::Label => {

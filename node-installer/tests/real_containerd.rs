@@ -256,3 +256,23 @@ async fn labelled_node_whose_containerd_lost_the_handler_is_unlabelled_first() {
     assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), Some(&json!("ready")));
     inst.uninstall().await.unwrap();
 }
+
+#[tokio::test]
+async fn failed_install_is_explained_on_the_node() {
+    let node = support::node(true);
+    fs::write(node.config(), "version = 1\n").unwrap();
+    let api = fake_node();
+    let inst = Installer {
+        settings: node.settings(),
+        restarter: &NoRestart,
+        nodes: Some((&api, "n1".into())),
+        fail: FailPoints::none(),
+    };
+    let err = inst.install().await.unwrap_err().to_string();
+    assert!(err.contains("version 1"), "{err}");
+    let reason = api.snapshot().pointer("/metadata/annotations/bulkhead.io~1runtime-reason").cloned();
+    assert!(reason
+        .and_then(|r| r.as_str().map(|r| r.starts_with("install failed:") && r.contains("version 1")))
+        .unwrap_or(false));
+    assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), None);
+}
