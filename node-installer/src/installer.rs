@@ -185,8 +185,14 @@ impl Installer<'_> {
     /// Label first (no new pods), then containerd (drop-in, imports, restart), then files.
     pub async fn uninstall(&self) -> Result<()> {
         let s = &self.settings;
+        // If the API refuses (e.g. RBAC deleted together with the DaemonSet), the node is still unwired: a labelled
+        // node whose pods fail to start beats a node left wired forever. The error is returned at the end.
+        let mut api_error = None;
         if let Some((api, node)) = &self.nodes {
-            kube::unlabel(*api, node).await?;
+            if let Err(e) = kube::unlabel(*api, node).await {
+                tracing::error!(error = %e, "could not remove the node label; unwiring the node anyway");
+                api_error = Some(e);
+            }
         }
         self.fail.check("uninstall-label-removed")?;
         containerd::uninstall(&s.layout, &self.fail)?;
@@ -198,7 +204,12 @@ impl Installer<'_> {
             tracing::info!("containerd config unchanged by uninstall; no restart");
         }
         artifacts::remove_all(&s.layout)?;
-        tracing::info!("uninstall complete");
-        Ok(())
+        match api_error {
+            Some(e) => Err(e),
+            None => {
+                tracing::info!("uninstall complete");
+                Ok(())
+            }
+        }
     }
 }

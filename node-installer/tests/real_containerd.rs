@@ -276,3 +276,44 @@ async fn failed_install_is_explained_on_the_node() {
         .unwrap_or(false));
     assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), None);
 }
+
+/// The API refuses everything, as after the RBAC was deleted together with the DaemonSet.
+struct RefusingApi;
+#[async_trait::async_trait]
+impl bulkhead_node_installer::kube::NodeApi for RefusingApi {
+    async fn get(&self, _: &str) -> bulkhead_node_installer::Result<Value> {
+        Err(Error::Kube("403 Forbidden".into()))
+    }
+    async fn merge_patch(&self, _: &str, _: &Value) -> Result<Value, bulkhead_node_installer::kube::PatchError> {
+        Err(Error::Kube("403 Forbidden".into()).into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uninstall_unwires_the_node_even_when_the_api_refuses() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    let original = fs::read(node.config()).unwrap();
+    let before = node.snapshot();
+    let ctd = support::Containerd::start(&node);
+    let api = fake_node();
+    let inst = Installer {
+        settings: node.settings(),
+        restarter: &ctd,
+        nodes: Some((&api, "n1".into())),
+        fail: FailPoints::none(),
+    };
+    inst.install().await.unwrap();
+    let refusing = Installer {
+        settings: node.settings(),
+        restarter: &ctd,
+        nodes: Some((&RefusingApi, "n1".into())),
+        fail: FailPoints::none(),
+    };
+    let err = refusing.uninstall().await.unwrap_err();
+    assert!(err.to_string().contains("403"), "{err}");
+    assert_eq!(fs::read(node.config()).unwrap(), original);
+    assert_eq!(node.snapshot(), before);
+}
