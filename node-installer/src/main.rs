@@ -152,7 +152,14 @@ async fn run(installer: &Installer<'_>, resync: Duration, on_sigterm: OnSigterm)
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let mut backoff = Duration::from_secs(5);
     loop {
-        let wait = match installer.install().await {
+        // A signal cancels an install in progress: every step is idempotent and survives interruption, and
+        // uninstall must start within the pod's grace period.
+        let result = tokio::select! {
+            r = installer.install() => r,
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        };
+        let wait = match result {
             Ok(report) => {
                 backoff = Duration::from_secs(5);
                 tracing::info!(outcome = ?report.outcome, restarted = report.restarted, "converged; next check in {resync:?}");
