@@ -135,9 +135,15 @@ impl InCluster {
         let host = std::env::var("KUBERNETES_SERVICE_HOST")
             .map_err(|_| Error::Kube("KUBERNETES_SERVICE_HOST unset: not in a cluster".into()))?;
         let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+        let host = if host.contains(':') { format!("[{host}]") } else { host };
         let ca_path = format!("{SA_DIR}/ca.crt");
         let ca = std::fs::read(&ca_path).map_err(|e| Error::Kube(format!("read {ca_path}: {e}")))?;
-        let cert = reqwest::Certificate::from_pem(&ca).map_err(|e| Error::Kube(format!("CA {ca_path}: {e}")))?;
+        Self::new(format!("https://{host}:{port}"), &ca, format!("{SA_DIR}/token").into())
+    }
+
+    /// `base` like `https://10.0.0.1:443`; only `ca_pem` is trusted (no system roots).
+    pub fn new(base: String, ca_pem: &[u8], token_path: std::path::PathBuf) -> Result<Self> {
+        let cert = reqwest::Certificate::from_pem(ca_pem).map_err(|e| Error::Kube(format!("CA: {e}")))?;
         let http = reqwest::Client::builder()
             .use_rustls_tls()
             .tls_built_in_root_certs(false)
@@ -145,8 +151,7 @@ impl InCluster {
             .timeout(Duration::from_secs(15))
             .build()
             .map_err(|e| Error::Kube(format!("http client: {e}")))?;
-        let host = if host.contains(':') { format!("[{host}]") } else { host };
-        Ok(Self { http, base: format!("https://{host}:{port}"), token_path: format!("{SA_DIR}/token").into() })
+        Ok(Self { http, base, token_path })
     }
 
     /// Re-read on every call: projected tokens rotate.
