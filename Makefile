@@ -2,6 +2,9 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
+# Long-lived builds and tools live outside the checkout (see scripts/setup.sh).
+export BULKHEAD_CACHE ?= /var/cache/bulkhead
+export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
 .PHONY: all setup build test demo bench lint fmt initramfs clean help
 

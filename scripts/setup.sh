@@ -53,4 +53,16 @@ for c in clippy rustfmt; do
   fi
 done
 
+# Offline Kubernetes schema validation for the manifests (runtimeclass/validate.sh), in a
+# venv outside the checkout so Debian's externally-managed Python stays untouched.
+venv="${BULKHEAD_CACHE:-/var/cache/bulkhead}/venv"
+if "$venv/bin/kubernetes-validate" --help >/dev/null 2>&1 && "$venv/bin/python3" -c 'import yaml' 2>/dev/null; then
+  log "kubernetes-validate present in $venv"
+else
+  log "installing kubernetes-validate into $venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q kubernetes-validate==1.37.0 pyyaml
+fi
+
 log "done"
