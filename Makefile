@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt initramfs clean help
+.PHONY: all setup build test demo bench lint fmt initramfs kernel clean help
 
 all: build
 
@@ -24,6 +24,10 @@ setup:
 build:
 	$(CARGO) build --workspace --bins
 
+# The guest vmlinux from Debian's linux-source-6.12, cached in $(BULKHEAD_CACHE) by content hash.
+kernel:
+	@guest-kernel/build-kernel.sh
+
 # The static musl agent and its initramfs (guest-kernel/Makefile).
 initramfs:
 	$(MAKE) -C guest-kernel initramfs
@@ -33,7 +37,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Binaries first: end-to-end tests start the freshly built shim, agent and VMM.
-test: setup lint build
+test: setup lint build kernel
 	@scripts/run-tests.sh
 
 demo: setup build
