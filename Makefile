@@ -26,7 +26,7 @@ build:
 
 # The guest vmlinux from Debian's linux-source-6.12, cached in $(BULKHEAD_CACHE) by content hash.
 kernel:
-	@guest-kernel/build-kernel.sh
+	@guest-kernel/build-kernel.sh >/dev/null
 
 # The static musl agent and its initramfs (guest-kernel/Makefile).
 initramfs:
