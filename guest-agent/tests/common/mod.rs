@@ -59,13 +59,18 @@ pub struct Agent {
 
 impl Agent {
     pub async fn start(name: &str) -> Agent {
+        Self::start_with(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent"))).await
+    }
+
+    /// Starts `bin` (e.g. the static musl build) as the agent.
+    pub async fn start_with(name: &str, bin: &Path) -> Agent {
         let dir = tempfile::Builder::new().prefix("bhagent").tempdir_in("/tmp").expect("tempdir");
         let sock = dir.path().join("agent.sock");
         let cgroup_parent = format!("/bulkhead-test-{}-{name}", std::process::id());
         let log = std::fs::File::create(dir.path().join("agent.log")).expect("log file");
         let child = Command::new("unshare")
             .args(["--fork", "--kill-child", "--pid", "--mount", "--uts", "--ipc"])
-            .arg(env!("CARGO_BIN_EXE_bulkhead-agent"))
+            .arg(bin)
             .arg("--listen")
             .arg(format!("unix:{}", sock.display()))
             .args(["--mode", "namespace", "--state-dir"])
@@ -183,14 +188,26 @@ impl Drop for Agent {
             let _ = c.kill();
             let _ = c.wait();
         }
-        // Best effort: the per-test cgroup parent in every v1 controller (or v2).
+        // Best effort: the per-test cgroup parent in every v1 controller (or v2). Killed
+        // processes leave their cgroups asynchronously, so retry briefly (bounded).
         let rel = self.cgroup_parent.trim_start_matches('/');
-        if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
-            for e in rd.flatten() {
-                let _ = remove_cgroup_tree(&e.path().join(rel));
+        for _ in 0..40 {
+            let mut left = false;
+            let mut roots = vec![PathBuf::from("/sys/fs/cgroup")];
+            if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+                roots.extend(rd.flatten().map(|e| e.path()));
             }
+            for root in roots {
+                let p = root.join(rel);
+                if p.exists() && remove_cgroup_tree(&p).is_err() {
+                    left = true;
+                }
+            }
+            if !left {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = remove_cgroup_tree(&Path::new("/sys/fs/cgroup").join(rel));
     }
 }
 
