@@ -127,6 +127,8 @@ impl Reaper {
 mod tests {
     use super::*;
 
+    // The reaper is the waiter here, by design; `Child::wait` would race it.
+    #[allow(clippy::zombie_processes)]
     #[tokio::test]
     async fn delivers_exit_to_late_and_early_watchers() {
         let reaper = Reaper::start().unwrap();

@@ -346,3 +346,39 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     agent.remove("ok").await;
     agent.remove("done").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_close_and_streams_never_block_each_other() {
+    if !can_run("stdin_close_and_streams_never_block_each_other") {
+        return;
+    }
+    let agent = Agent::start("stdio").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    // 8 MiB on stdout that nobody reads, then a line on stderr: the process must not stall
+    // on the absent stdout reader, and stderr must arrive regardless.
+    let flood = "head -c 8388608 /dev/zero; echo flood-done >&2";
+    agent
+        .create("flood", &spec(&rootfs, &["sh", "-c", flood], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let mut err = agent.stream("flood", None, StreamKind::Stderr).await;
+    agent.start_ctr("flood").await;
+    assert_eq!(read_all(&mut err).await, "flood-done\n");
+    assert_eq!(agent.wait("flood", "").await.exit_code, 0);
+
+    // stdin: bytes flow in, CloseStdin gives EOF.
+    agent.create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.start_ctr("box").await;
+    agent.exec_io("box", "cat", &["sh", "-c", "cat; echo eof-seen"], false, true).await.unwrap();
+    let mut input = agent.stream("box", Some("cat"), StreamKind::Stdin).await;
+    let mut out = agent.stream("box", Some("cat"), StreamKind::Stdout).await;
+    input.write_all(b"piped through\n").await.unwrap();
+    let mut seen = String::new();
+    read_until(&mut out, &mut seen, "piped through\n").await;
+    let close = CloseStdinRequest { container_id: "box".into(), exec_id: "cat".into(), ..Default::default() };
+    agent.client.close_stdin(ctx(), &close).await.unwrap();
+    read_until(&mut out, &mut seen, "eof-seen").await;
+    assert_eq!(agent.wait("box", "cat").await.exit_code, 0);
+    agent.remove("flood").await;
+    agent.remove("box").await;
+}

@@ -167,8 +167,7 @@ mod tests {
     #[test]
     fn rejects_escaping_sysctls_and_oversized_fields() {
         for key in ["", "..", "net/../../etc", "a..b", "/abs"] {
-            let mut s = SandboxSettings::default();
-            s.sysctls = vec![(key.into(), "1".into())];
+            let s = SandboxSettings { sysctls: vec![(key.into(), "1".into())], ..Default::default() };
             assert!(
                 matches!(
                     apply_setup(&s, Mode::Guest, &RecordingSyscall::default()),

@@ -148,6 +148,17 @@ impl Agent {
     }
 
     pub async fn exec(&self, id: &str, exec: &str, args: &[&str], terminal: bool) -> ttrpc::Result<u32> {
+        self.exec_io(id, exec, args, terminal, false).await
+    }
+
+    pub async fn exec_io(
+        &self,
+        id: &str,
+        exec: &str,
+        args: &[&str],
+        terminal: bool,
+        stdin: bool,
+    ) -> ttrpc::Result<u32> {
         let process = json!({
             "terminal": terminal,
             "user": {"uid": 0, "gid": 0},
@@ -159,7 +170,7 @@ impl Agent {
             container_id: id.into(),
             exec_id: exec.into(),
             process_json: serde_json::to_vec(&process).unwrap(),
-            stdio: Some(StdioConfig { terminal, ..Default::default() }).into(),
+            stdio: Some(StdioConfig { terminal, stdin, ..Default::default() }).into(),
             ..Default::default()
         };
         self.client.exec_process(ctx(), &req).await.map(|r| r.pid)
