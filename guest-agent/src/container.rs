@@ -192,12 +192,33 @@ impl Container {
     pub fn add_exec(self: &Arc<Self>, exec_id: &str, pid: i32, io: ProcessIo, reaper: &Reaper) {
         let (tx, rx) = watch::channel(None);
         let p = Arc::new(Process { pid, io, exit: rx });
-        lock(&self.execs).insert(exec_id.to_owned(), p);
+        let mut execs = lock(&self.execs);
+        prune_execs(&mut execs, std::time::SystemTime::now());
+        execs.insert(exec_id.to_owned(), p);
+        drop(execs);
         spawn_exit_watch(Arc::downgrade(self), pid, tx, reaper, false);
     }
 
     pub fn oom_baseline(&self) -> u64 {
         self.oom_baseline
+    }
+}
+
+/// Exited execs are kept for WaitProcess for [`EXEC_KEEP`], so exec-heavy containers (probes
+/// every few seconds) do not grow the agent without bound; at most [`EXEC_MAX_EXITED`] are
+/// kept regardless of age.
+const EXEC_KEEP: std::time::Duration = std::time::Duration::from_secs(300);
+const EXEC_MAX_EXITED: usize = 256;
+
+fn prune_execs(execs: &mut HashMap<String, Arc<Process>>, now: std::time::SystemTime) {
+    execs.retain(|_, p| p.exited().is_none_or(|r| now.duration_since(r.info.at).unwrap_or_default() < EXEC_KEEP));
+    let mut exited: Vec<(std::time::SystemTime, String)> =
+        execs.iter().filter_map(|(id, p)| p.exited().map(|r| (r.info.at, id.clone()))).collect();
+    if exited.len() > EXEC_MAX_EXITED {
+        exited.sort();
+        for (_, id) in exited.iter().take(exited.len() - EXEC_MAX_EXITED) {
+            execs.remove(id);
+        }
     }
 }
 
@@ -227,6 +248,45 @@ fn spawn_exit_watch(
 mod tests {
     use super::ContainerState::*;
     use super::*;
+
+    fn exited_process(at: std::time::SystemTime) -> Arc<Process> {
+        let (_tx, rx) =
+            watch::channel(Some(ExitRecord { info: ExitInfo { code: 0, signal: 0, at }, oom_killed: false }));
+        let (r, w) = tokio::io::duplex(8);
+        let _ = w;
+        Arc::new(Process {
+            pid: 1,
+            io: ProcessIo::Pipes {
+                stdin: None,
+                stdout: crate::stdio::OutputStream::spawn(
+                    r,
+                    crate::stdio::PumpOpts { backlog: 8, stall: std::time::Duration::from_secs(1) },
+                    "t".into(),
+                ),
+                stderr: crate::stdio::OutputStream::spawn(
+                    tokio::io::empty(),
+                    crate::stdio::PumpOpts { backlog: 8, stall: std::time::Duration::from_secs(1) },
+                    "t".into(),
+                ),
+            },
+            exit: rx,
+        })
+    }
+
+    #[tokio::test]
+    async fn exited_execs_are_pruned_by_age_and_count() {
+        let now = std::time::SystemTime::now();
+        let mut execs = HashMap::new();
+        execs.insert("old".to_owned(), exited_process(now - EXEC_KEEP - std::time::Duration::from_secs(1)));
+        execs.insert("fresh".to_owned(), exited_process(now));
+        prune_execs(&mut execs, now);
+        assert!(execs.contains_key("fresh") && !execs.contains_key("old"));
+        for i in 0..EXEC_MAX_EXITED + 5 {
+            execs.insert(format!("e{i}"), exited_process(now));
+        }
+        prune_execs(&mut execs, now);
+        assert_eq!(execs.len(), EXEC_MAX_EXITED);
+    }
 
     #[test]
     fn lifecycle_transitions() {
