@@ -1,1 +1,170 @@
-fn main() {}
+//! CRI pod start and ExecSync latency: `bulkhead` (namespace backend) against `runc`, in the
+//! same run, on one private containerd (issue 4).
+//!
+//! Per pod: RunPodSandbox + CreateContainer + StartContainer (one timing), then
+//! `EXECS_PER_POD` ExecSync `echo hi` calls (one timing each). Handlers alternate pod by pod
+//! so that drift on the host hits both alike. Prints p50/p95 and the bulkhead/runc ratio.
+//! Goals: pod start ratio <= 1.3, ExecSync ratio <= 1.5.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::{
+    container_config, pod_config, skip_reason, workspace_bin, Containerd, ContainerdConfig, RuntimeHandler,
+};
+
+/// Pods measured per handler (after warm-up).
+const PODS: usize = 20;
+const WARMUP: usize = 2;
+const EXECS_PER_POD: usize = 5;
+
+#[derive(Default)]
+struct Samples {
+    pod_start: Vec<Duration>,
+    exec_sync: Vec<Duration>,
+}
+
+fn percentile(samples: &[Duration], p: f64) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+async fn one_pod(containerd: &Containerd, handler: &str, n: usize, samples: Option<&mut Samples>) -> Result<()> {
+    let cri = containerd.cri().await?;
+    let name = format!("bench-{handler}-{n}");
+    let pod = pod_config(&name, &containerd.new_log_dir(&name)?);
+    let ctr = container_config("sleeper", &["sleep", "3600"]);
+
+    let started = Instant::now();
+    let pod_id = cri.run_pod_sandbox(&pod, handler).await?;
+    let ctr_id = cri.create_container(&pod_id, &ctr, &pod).await?;
+    cri.start_container(&ctr_id).await?;
+    let pod_start = started.elapsed();
+
+    let mut execs = Vec::new();
+    for _ in 0..EXECS_PER_POD {
+        let started = Instant::now();
+        let out = cri.exec_sync(&ctr_id, &["echo", "hi"], 10).await?;
+        execs.push(started.elapsed());
+        if out.stdout != b"hi\n" || out.exit_code != 0 {
+            bail!("{handler}: ExecSync echo hi gave {:?}/{}", String::from_utf8_lossy(&out.stdout), out.exit_code);
+        }
+    }
+    cri.stop_pod_sandbox(&pod_id).await?;
+    cri.remove_pod_sandbox(&pod_id).await?;
+    if let Some(samples) = samples {
+        samples.pod_start.push(pod_start);
+        samples.exec_sync.extend(execs);
+    }
+    Ok(())
+}
+
+async fn run() -> Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("SKIPPED: cri_pod_start: {reason}");
+        return Ok(());
+    }
+    let bin_dir = choose_bin_dir();
+    println!("cri_pod_start: shim and agent from {}", bin_dir.display());
+    std::env::set_var("BULKHEAD_BIN_DIR", &bin_dir);
+    let agent = workspace_bin("bulkhead-agent");
+    if !agent.is_file() || !workspace_bin("containerd-shim-bulkhead-v2").is_file() {
+        println!("SKIPPED: cri_pod_start: shim or agent not built (run `cargo build --workspace`)");
+        return Ok(());
+    }
+    let state_dir = tempfile_dir()?;
+    let config = state_dir.join("bulkhead.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+            state_dir.join("s").display(),
+            agent.display()
+        ),
+    )?;
+    let result = async {
+        let containerd = Containerd::start(ContainerdConfig {
+            handlers: vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))],
+            ..Default::default()
+        })
+        .await?;
+        for n in 0..WARMUP {
+            for handler in ["runc", "bulkhead"] {
+                one_pod(&containerd, handler, n, None).await.with_context(|| format!("warm-up {handler}"))?;
+            }
+        }
+        let (mut runc, mut bulkhead) = (Samples::default(), Samples::default());
+        for n in 0..PODS {
+            one_pod(&containerd, "runc", WARMUP + n, Some(&mut runc)).await.context("runc pod")?;
+            one_pod(&containerd, "bulkhead", WARMUP + n, Some(&mut bulkhead)).await.context("bulkhead pod")?;
+        }
+        report(&runc, &bulkhead);
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&state_dir);
+    result
+}
+
+/// Release builds of the shim and agent when present (a fair match for runc), else the debug
+/// builds `make build` leaves. BULKHEAD_BIN_DIR overrides both.
+fn choose_bin_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("BULKHEAD_BIN_DIR") {
+        return dir.into();
+    }
+    let here = bulkhead_integration::target_dir();
+    let has_bins =
+        |d: &std::path::Path| d.join("containerd-shim-bulkhead-v2").is_file() && d.join("bulkhead-agent").is_file();
+    if has_bins(&here) {
+        return here;
+    }
+    let debug = here.parent().map(|p| p.join("debug")).unwrap_or_default();
+    if has_bins(&debug) {
+        debug
+    } else {
+        here
+    }
+}
+
+fn tempfile_dir() -> Result<std::path::PathBuf> {
+    // Short: the agent socket lives below it.
+    let dir = std::path::PathBuf::from(format!("/run/bhb{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn report(runc: &Samples, bulkhead: &Samples) {
+    println!("cri_pod_start: {PODS} pods per handler, {EXECS_PER_POD} ExecSync per pod, host-network pods");
+    println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "metric", "runc p50", "runc p95", "bh p50", "bh p95");
+    for (name, r, b, goal) in [
+        ("RunPodSandbox+Create+Start (ms)", &runc.pod_start, &bulkhead.pod_start, 1.3),
+        ("ExecSync echo (ms)", &runc.exec_sync, &bulkhead.exec_sync, 1.5),
+    ] {
+        let (r50, r95, b50, b95) = (percentile(r, 50.0), percentile(r, 95.0), percentile(b, 50.0), percentile(b, 95.0));
+        println!("{name:<34} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", ms(r50), ms(r95), ms(b50), ms(b95));
+        let ratio = ms(b50) / ms(r50).max(f64::EPSILON);
+        let verdict = if ratio <= goal { "meets" } else { "MISSES" };
+        println!(
+            "  ratio bulkhead/runc p50 = {ratio:.2} ({verdict} goal <= {goal}); p95 ratio = {:.2}",
+            ms(b95) / ms(r95).max(f64::EPSILON)
+        );
+    }
+}
+
+fn main() -> Result<()> {
+    // `cargo bench` passes --bench; a filter argument that does not match skips the run.
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    if !args.is_empty() && !args.iter().any(|a| "cri_pod_start".contains(a.as_str())) {
+        return Ok(());
+    }
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+}

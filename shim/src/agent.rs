@@ -64,6 +64,26 @@ pub struct AgentExit {
     pub at_unix_nanos: i64,
 }
 
+/// Checks the agent's exit report: an exit status 0..=255, or 128+signal.
+fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentError> {
+    let bad = |what: String| AgentError::BadReply { method: "WaitProcess", what };
+    let code = u32::try_from(reply.exit_code).map_err(|_| bad(format!("negative exit code {}", reply.exit_code)))?;
+    if code > 255 {
+        return Err(bad(format!("exit code {code} out of range")));
+    }
+    if reply.exited_at_unix_nanos < 0 {
+        return Err(bad(format!("exit time {} before the epoch", reply.exited_at_unix_nanos)));
+    }
+    Ok(AgentExit { code, oom_killed: reply.oom_killed, at_unix_nanos: reply.exited_at_unix_nanos })
+}
+
+/// An OOM event must at least name a well-formed container id.
+fn check_oom_event(event: pb::OomEvent) -> Result<pb::OomEvent, AgentError> {
+    bulkhead_protocol::stream::validate_id(&event.container_id)
+        .map_err(|e| AgentError::BadReply { method: "GetOomEvent", what: format!("container id: {e}") })?;
+    Ok(event)
+}
+
 pub struct AgentClient {
     raw: RawClient,
     socket: PathBuf,
@@ -171,14 +191,7 @@ impl AgentClient {
         };
         let reply =
             self.raw.wait_process(ttrpc::context::Context::default(), &req).await.map_err(rpc_err("WaitProcess"))?;
-        let code = u32::try_from(reply.exit_code).map_err(|_| AgentError::BadReply {
-            method: "WaitProcess",
-            what: format!("negative exit code {}", reply.exit_code),
-        })?;
-        if code > 255 + 128 {
-            return Err(AgentError::BadReply { method: "WaitProcess", what: format!("exit code {code} out of range") });
-        }
-        Ok(AgentExit { code, oom_killed: reply.oom_killed, at_unix_nanos: reply.exited_at_unix_nanos })
+        exit_from_reply(&reply)
     }
 
     pub async fn resize_pty(
@@ -256,7 +269,7 @@ impl AgentClient {
         };
         let ctx = ttrpc::context::with_timeout((self.timeouts.rpc + wait).as_nanos() as i64);
         let reply = self.raw.get_oom_event(ctx, &req).await.map_err(rpc_err("GetOomEvent"))?;
-        Ok(reply.event.into_option())
+        reply.event.into_option().map(check_oom_event).transpose()
     }
 
     /// Opens one stdio stream connection and has the agent attach it.
@@ -278,5 +291,33 @@ impl AgentClient {
             .await
             .map_err(|source| AgentError::Stream { kind, id, source })?;
         Ok(stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait_reply(exit_code: i32, at: i64) -> pb::WaitProcessResponse {
+        pb::WaitProcessResponse { exit_code, exited_at_unix_nanos: at, ..Default::default() }
+    }
+
+    #[test]
+    fn exit_reports_are_range_checked() {
+        assert_eq!(exit_from_reply(&wait_reply(3, 1)).unwrap().code, 3);
+        assert_eq!(exit_from_reply(&wait_reply(137, 0)).unwrap().code, 137);
+        assert!(exit_from_reply(&wait_reply(-1, 0)).is_err());
+        assert!(exit_from_reply(&wait_reply(100_000, 0)).is_err());
+        assert!(exit_from_reply(&wait_reply(0, -5)).is_err());
+    }
+
+    #[test]
+    fn oom_events_need_a_valid_container_id() {
+        let ok = pb::OomEvent { seq: 1, container_id: "abc123".into(), ..Default::default() };
+        assert!(check_oom_event(ok).is_ok());
+        for bad in ["", "../etc", &"a".repeat(300)] {
+            let ev = pb::OomEvent { seq: 1, container_id: bad.into(), ..Default::default() };
+            assert!(check_oom_event(ev).is_err(), "{bad:?}");
+        }
     }
 }

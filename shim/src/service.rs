@@ -118,8 +118,12 @@ async fn serve(flags: &Flags) -> anyhow::Result<()> {
     let ttrpc_address = std::env::var("TTRPC_ADDRESS").context("TTRPC_ADDRESS is not set")?;
     let publisher = RemotePublisher::new(&ttrpc_address).await.context("connect to containerd's event service")?;
     let exit = Arc::new(ExitSignal::default());
-    let task: Arc<dyn containerd_shim::Task + Send + Sync> =
-        Arc::new(TaskService::new(&flags.namespace, EventSink::new(publisher, &flags.namespace), exit.clone()));
+    let task: Arc<dyn containerd_shim::Task + Send + Sync> = Arc::new(TaskService::new(
+        &flags.namespace,
+        &flags.id,
+        EventSink::new(publisher, &flags.namespace),
+        exit.clone(),
+    ));
     let mut v2 = containerd_shim::protos::shim_async::create_task(task.clone());
     let mut services = containerd_shim::protos::shim_async::create_task(task);
     if let Some(service) = v2.remove(TASK_SERVICE_V3) {

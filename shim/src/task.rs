@@ -94,11 +94,13 @@ enum PodSandbox {
 pub struct TaskService {
     namespace: String,
     events: Arc<EventSink>,
-    containers: tokio::sync::Mutex<HashMap<String, Container>>,
+    containers: Arc<tokio::sync::Mutex<HashMap<String, Container>>>,
     sandbox: tokio::sync::Mutex<PodSandbox>,
     /// Containers for which TaskOOM was published since they last started.
     oom_reported: Arc<Mutex<HashSet<String>>>,
     exit: Arc<ExitSignal>,
+    /// Parent of every RPC's span: the pod this shim serves.
+    pod_span: tracing::Span,
 }
 
 /// The runtime options containerd passes for non-runc runtimes (`runtimeoptions.v1.Options`,
@@ -156,8 +158,9 @@ fn status_of(state: ProcessState) -> Status {
 }
 
 impl TaskService {
-    pub fn new(namespace: &str, events: EventSink, exit: Arc<ExitSignal>) -> Self {
+    pub fn new(namespace: &str, pod_id: &str, events: EventSink, exit: Arc<ExitSignal>) -> Self {
         Self {
+            pod_span: info_span!("pod", id = %pod_id),
             namespace: namespace.into(),
             events: Arc::new(events),
             containers: Default::default(),
@@ -244,7 +247,8 @@ impl TaskService {
         *slot = PodSandbox::Running(sandbox.clone());
         drop(slot);
         tokio::spawn(
-            oom_watch(agent, self.events.clone(), self.oom_reported.clone(), sandbox.clone()).in_current_span(),
+            oom_watch(agent, self.events.clone(), self.oom_reported.clone(), self.containers.clone(), sandbox.clone())
+                .in_current_span(),
         );
         let init = SandboxInit { core: ProcessCore::new(&req.id, None, stdio), sandbox };
         // The sandbox runs from Create on; Start only reports it.
@@ -314,21 +318,27 @@ impl TaskService {
             self.oom_reported.lock().unwrap_or_else(|p| p.into_inner()).remove(&req.id);
         }
         let pid = process.start().await?;
+        let mut attach_error = None;
         if let Some(exec_id) = &core.exec_id {
             // The agent holds the process's output until its streams attach.
             let agent = self.agent().await?;
             match IoSession::attach(&agent, &core.container_id, Some(exec_id), &core.stdio).await {
                 Ok(session) => *core.io.lock().await = session,
                 Err(e) => {
+                    // An exec whose output nobody can read must not run on unseen.
                     let _ = process.kill(9, false).await;
-                    warn!(exec_id, "attach exec stdio: {e}");
+                    attach_error = Some(TaskError::from(e));
                 }
             }
         }
-        tokio::spawn(watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span());
+        // Start before Exit: the watcher publishes only after this event is queued.
         match &core.exec_id {
             None => self.events.start(&req.id, pid).await,
             Some(exec_id) => self.events.exec_started(&req.id, exec_id, pid).await,
+        }
+        tokio::spawn(watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span());
+        if let Some(e) = attach_error {
+            return Err(e);
         }
         Ok(StartResponse { pid, ..Default::default() })
     }
@@ -538,6 +548,7 @@ async fn oom_watch(
     agent: Arc<AgentClient>,
     events: Arc<EventSink>,
     oom_reported: Arc<Mutex<HashSet<String>>>,
+    containers: Arc<tokio::sync::Mutex<HashMap<String, Container>>>,
     sandbox: Arc<dyn Sandbox>,
 ) {
     let mut after = 0;
@@ -549,6 +560,16 @@ async fn oom_watch(
             next = agent.next_oom_event(after, Duration::from_secs(30)) => match next {
                 Ok(Some(event)) => {
                     after = event.seq;
+                    // The agent may only speak for containers of its own pod.
+                    let known = containers
+                        .lock()
+                        .await
+                        .get(&event.container_id)
+                        .is_some_and(|c| c.kind == ContainerKind::Workload);
+                    if !known {
+                        warn!(container = %event.container_id, "OOM event for a container not in this pod; ignored");
+                        continue;
+                    }
                     oom_reported
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -565,18 +586,20 @@ async fn oom_watch(
     }
 }
 
-fn span(op: &'static str, id: &str, exec_id: &str) -> tracing::Span {
-    if exec_id.is_empty() {
-        info_span!("container", op, id = %id)
-    } else {
-        info_span!("exec", op, id = %id, exec_id = %exec_id)
+impl TaskService {
+    fn span(&self, op: &'static str, id: &str, exec_id: &str) -> tracing::Span {
+        if exec_id.is_empty() {
+            info_span!(parent: &self.pod_span, "container", op, id = %id)
+        } else {
+            info_span!(parent: &self.pod_span, "exec", op, id = %id, exec_id = %exec_id)
+        }
     }
 }
 
 #[async_trait]
 impl Task for TaskService {
     async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
-        let span = span("create", &req.id, "");
+        let span = self.span("create", &req.id, "");
         async move {
             info!(bundle = %req.bundle, "create");
             self.do_create(req).await.map_err(|e| {
@@ -589,7 +612,7 @@ impl Task for TaskService {
     }
 
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
-        let span = span("start", &req.id, &req.exec_id);
+        let span = self.span("start", &req.id, &req.exec_id);
         async move {
             self.do_start(req).await.map_err(|e| {
                 warn!("start failed: {e}");
@@ -626,7 +649,7 @@ impl Task for TaskService {
     }
 
     async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
-        let span = span("delete", &req.id, &req.exec_id);
+        let span = self.span("delete", &req.id, &req.exec_id);
         async move { self.do_delete(req).await.map_err(Into::into) }.instrument(span).await
     }
 
@@ -653,7 +676,7 @@ impl Task for TaskService {
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
-        let span = span("kill", &req.id, &req.exec_id);
+        let span = self.span("kill", &req.id, &req.exec_id);
         async move {
             let (_, process) = self.container_process(&req.id, &req.exec_id).await?;
             info!(signal = req.signal, all = req.all, "kill");
@@ -665,7 +688,7 @@ impl Task for TaskService {
     }
 
     async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
-        let span = span("exec", &req.id, &req.exec_id);
+        let span = self.span("exec", &req.id, &req.exec_id);
         async move {
             self.do_exec(req).await?;
             Ok(Empty::new())

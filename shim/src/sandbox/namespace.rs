@@ -89,6 +89,8 @@ impl NamespaceSandbox {
         let mut child = tokio::process::Command::new(exe)
             .arg(LAUNCH_ARG)
             .args(launch.to_args())
+            // The agent's log lines are relayed into the shim log: plain text, no colour codes.
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
