@@ -10,6 +10,7 @@ mod oom;
 mod reaper;
 mod runtime;
 mod sandbox;
+mod seccomp;
 mod service;
 mod stdio;
 mod transport;

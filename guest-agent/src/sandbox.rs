@@ -136,6 +136,15 @@ impl Sandbox {
 
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = prepare_spec(&mut spec, &req, &cgroup_path)?;
+        let seccomp = take_seccomp(&mut spec)?;
+        let seccomp_file = match seccomp {
+            Some(bytes) => {
+                let f = bundle.join("seccomp.bpf");
+                std::fs::write(&f, bytes).map_err(|e| AgentError::internal("write seccomp.bpf", e))?;
+                Some(f)
+            }
+            None => None,
+        };
         let mut mounted = Vec::new();
         let result = async {
             for m in &req.rootfs_mounts {
@@ -160,7 +169,7 @@ impl Sandbox {
             std::fs::write(bundle.join("config.json"), json)
                 .map_err(|e| AgentError::internal("write config.json", e))?;
             let (child_io, pending) = self.child_stdio(&req.stdio).await?;
-            let pid = self.runtime.create(&req.id, &bundle, child_io).await?;
+            let pid = self.runtime.create(&req.id, &bundle, child_io, seccomp_file.as_deref()).await?;
             let io = self.finish_stdio(pending, &format!("{}/init", req.id)).await?;
             Ok((pid, io))
         }
@@ -234,11 +243,17 @@ impl Sandbox {
             return Err(AgentError::InvalidArgument("process.args is empty".into()));
         }
         process.set_terminal(Some(stdio.terminal));
+        // The container's seccomp profile covers its execs too, and needs no_new_privs.
+        let seccomp_file = c.bundle.join("seccomp.bpf");
+        let seccomp_file = seccomp_file.exists().then_some(seccomp_file);
+        if seccomp_file.is_some() {
+            process.set_no_new_privileges(Some(true));
+        }
         let path = c.bundle.join(format!("exec-{exec_id}.json"));
         std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
             .map_err(|e| AgentError::internal("write process.json", e))?;
         let (child_io, pending) = self.child_stdio(&stdio).await?;
-        let pid = self.runtime.exec(id, &path, child_io).await?;
+        let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;
         let io = self.finish_stdio(pending, &format!("{id}/{exec_id}")).await?;
         c.add_exec(exec_id, pid, io, &self.reaper);
         tracing::info!(container = id, exec = exec_id, pid, "exec started");
@@ -486,15 +501,30 @@ fn parse_spec(bytes: &[u8]) -> Result<Spec> {
     serde_json::from_slice(bytes).map_err(|e| bad_json("OCI spec", e))
 }
 
+/// Compiles `linux.seccomp` (if any) and takes it out of the spec: libcontainer is built
+/// without libseccomp and would silently ignore it; our executor installs it instead.
+fn take_seccomp(spec: &mut Spec) -> Result<Option<Vec<u8>>> {
+    let Some(mut linux) = spec.linux().clone() else {
+        return Ok(None);
+    };
+    let Some(profile) = linux.seccomp().clone() else {
+        return Ok(None);
+    };
+    let nnp = spec.process().as_ref().and_then(|p| p.no_new_privileges()).unwrap_or(false);
+    let (filters, unknown) = crate::seccomp::compile(&profile, nnp).map_err(|e| match e {
+        crate::seccomp::SeccompError::Unsupported(m) => AgentError::Unsupported(format!("seccomp: {m}")),
+        crate::seccomp::SeccompError::Invalid(m) => AgentError::InvalidArgument(format!("seccomp: {m}")),
+    })?;
+    if unknown > 0 {
+        tracing::info!(unknown, "seccomp: syscall names unknown on x86_64 skipped");
+    }
+    linux.set_seccomp(None);
+    spec.set_linux(Some(linux));
+    Ok(Some(crate::seccomp::encode(&filters)))
+}
+
 /// Adjusts the spec to this sandbox and returns the rootfs path.
 fn prepare_spec(spec: &mut Spec, req: &CreateRequest, cgroup_path: &Path) -> Result<PathBuf> {
-    if spec.linux().as_ref().and_then(|l| l.seccomp().as_ref()).is_some() {
-        return Err(AgentError::Unsupported(
-            "linux.seccomp: this agent is built without libseccomp (no static libseccomp for \
-             musl), so it refuses seccomp profiles instead of silently ignoring them"
-                .into(),
-        ));
-    }
     let process =
         spec.process_mut().as_mut().ok_or_else(|| AgentError::InvalidArgument("spec has no process".into()))?;
     if process.args().as_ref().is_none_or(|a| a.is_empty()) {

@@ -288,10 +288,17 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     // Path-like id.
     let e = agent.create("../etc", &good, false).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
-    // Seccomp is refused, not silently ignored.
+    // Seccomp without no_new_privs cannot be enforced here: refused, not silently ignored.
     let mut sec = good.clone();
-    sec["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW"});
+    sec["process"]["noNewPrivileges"] = json!(false);
+    sec["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ERRNO"});
     let e = agent.create("sec", &sec, false).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::UNIMPLEMENTED, "{e}");
+    assert!(format!("{e}").contains("noNewPrivileges"), "{e}");
+    // SCMP_ACT_NOTIFY likewise.
+    let mut sec = good.clone();
+    sec["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_NOTIFY"});
+    let e = agent.create("sec2", &sec, false).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::UNIMPLEMENTED, "{e}");
     // Unknown container.
     let e = agent.wait_ms("ghost", "", 2000).await.unwrap_err();
@@ -381,4 +388,49 @@ async fn stdin_close_and_streams_never_block_each_other() {
     assert_eq!(agent.wait("box", "cat").await.exit_code, 0);
     agent.remove("flood").await;
     agent.remove("box").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seccomp_profile_from_the_spec_is_enforced_for_init_and_exec() {
+    if !can_run("seccomp_profile_from_the_spec_is_enforced_for_init_and_exec") {
+        return;
+    }
+    let agent = Agent::start("seccomp").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let script = "mkdir /denied 2>&1; echo mkdir-exit=$?; sleep 1000";
+    let mut s = spec(&rootfs, &["sh", "-c", script], vec![], json!({}));
+    s["linux"]["seccomp"] = json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64"],
+        "syscalls": [
+            {"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO"},
+            {"names": ["sethostname"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}
+        ]
+    });
+    agent.create("sc", &s, false).await.unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let mut out = agent.stream("sc", None, StreamKind::Stdout).await;
+    agent.start_ctr("sc").await;
+    let mut seen = String::new();
+    read_until(&mut out, &mut seen, "mkdir-exit=").await;
+    read_until(&mut out, &mut seen, "\n").await;
+    assert!(seen.contains("Operation not permitted"), "init not filtered: {seen:?}");
+    assert!(seen.contains("mkdir-exit=1"), "{seen:?}");
+
+    // Execs inherit the profile, including the custom errno.
+    agent
+        .exec_io(
+            "sc",
+            "host",
+            &["sh", "-c", "hostname x 2>&1; mkdir /d2 2>&1; touch /ok && echo touch-ok"],
+            false,
+            false,
+        )
+        .await
+        .unwrap();
+    let mut eo = agent.stream("sc", Some("host"), StreamKind::Stdout).await;
+    let text = read_all(&mut eo).await;
+    assert!(text.contains("Function not implemented"), "errnoRet 38 not applied: {text:?}");
+    assert!(text.contains("Operation not permitted"), "{text:?}");
+    assert!(text.contains("touch-ok"), "allowed syscalls must work: {text:?}");
+    agent.remove("sc").await;
 }

@@ -14,7 +14,12 @@ use std::{
 };
 
 use clap::{Args, Subcommand};
-use libcontainer::{container::builder::ContainerBuilder, syscall::syscall::SyscallType};
+use libcontainer::{
+    container::builder::ContainerBuilder,
+    oci_spec::runtime::Spec,
+    syscall::syscall::SyscallType,
+    workload::{default::DefaultExecutor, Executor, ExecutorError, ExecutorValidationError},
+};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Args)]
@@ -36,6 +41,9 @@ pub struct Common {
     /// Container stdio is on fds 3 (stdin), 4 (stdout), 5 (stderr).
     #[arg(long)]
     pub stdio_fds: bool,
+    /// Compiled seccomp filters (crate::seccomp::encode) to install right before execve.
+    #[arg(long)]
+    pub seccomp: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -102,7 +110,35 @@ fn builder(c: &Common) -> Result<ContainerBuilder, String> {
         let (i, o, e) = unsafe { (OwnedFd::from_raw_fd(3), OwnedFd::from_raw_fd(4), OwnedFd::from_raw_fd(5)) };
         b = b.with_stdin(i).with_stdout(o).with_stderr(e);
     }
+    if let Some(path) = &c.seccomp {
+        let bytes = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+        if bytes.len() > crate::seccomp::MAX_FILTERS * (4 + crate::seccomp::MAX_INSNS * 8) {
+            return Err("compiled seccomp file too large".into());
+        }
+        let filters = crate::seccomp::decode(&bytes).map_err(|e| e.to_string())?;
+        b = b.with_executor(SeccompExecutor { filters: std::sync::Arc::new(filters) });
+    }
     Ok(b)
+}
+
+/// Installs the container's seccomp filters, then runs the workload as libcontainer would.
+/// Runs in the container init after capabilities are dropped and no_new_privs is set.
+#[derive(Clone)]
+struct SeccompExecutor {
+    filters: std::sync::Arc<Vec<seccompiler::BpfProgram>>,
+}
+
+impl Executor for SeccompExecutor {
+    fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
+        for f in self.filters.iter() {
+            seccompiler::apply_filter(f).map_err(|e| ExecutorError::Other(format!("seccomp: {e}")))?;
+        }
+        DefaultExecutor {}.exec(spec)
+    }
+
+    fn validate(&self, spec: &Spec) -> Result<(), ExecutorValidationError> {
+        DefaultExecutor {}.validate(spec)
+    }
 }
 
 fn create(c: &Common, bundle: PathBuf) -> Result<i32, String> {

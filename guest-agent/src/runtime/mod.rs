@@ -48,17 +48,23 @@ impl Runtime {
         Ok(Self { root, exe, reaper })
     }
 
-    pub async fn create(&self, id: &str, bundle: &Path, io: ChildIo) -> Result<i32> {
+    pub async fn create(&self, id: &str, bundle: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
         let result = bundle.join("create-result.json");
         let mut args: Vec<String> = vec!["create".into()];
         args.extend(["--bundle".into(), bundle.display().to_string()]);
+        if let Some(s) = seccomp {
+            args.extend(["--seccomp".into(), s.display().to_string()]);
+        }
         self.run_helper(id, args, &result, io).await
     }
 
-    pub async fn exec(&self, id: &str, process_json: &Path, io: ChildIo) -> Result<i32> {
+    pub async fn exec(&self, id: &str, process_json: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
         let result = process_json.with_extension("result.json");
         let mut args: Vec<String> = vec!["exec".into()];
         args.extend(["--process".into(), process_json.display().to_string()]);
+        if let Some(s) = seccomp {
+            args.extend(["--seccomp".into(), s.display().to_string()]);
+        }
         self.run_helper(id, args, &result, io).await
     }
 
