@@ -128,13 +128,6 @@ impl BundleSpec {
         if self.value.pointer("/linux/intelRdt").is_some_and(|v| !v.is_null()) {
             return Err(unsupported("linux.intelRdt", "not supported by bulkhead"));
         }
-        if self.value.pointer("/linux/seccomp").is_some_and(|v| !v.is_null()) {
-            return Err(unsupported(
-                "linux.seccomp",
-                "seccomp profiles are not applied by the bulkhead agent yet; \
-                 run the pod with seccompProfile Unconfined",
-            ));
-        }
         for (typ, _) in self.namespaces() {
             if typ == "user" || typ == "time" || typ == "cgroup" {
                 return Err(unsupported(
@@ -272,14 +265,10 @@ mod tests {
     }
 
     #[test]
-    fn hooks_and_seccomp_are_refused() {
+    fn hooks_are_refused() {
         let mut v = sandbox_spec();
         v["hooks"] = json!({"prestart": [{"path": "/bin/true"}]});
         assert!(spec(v).validate_sandbox().unwrap_err().to_string().contains("hooks"));
-        let mut v = sandbox_spec();
-        v["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ERRNO"});
-        let err = spec(v).validate_sandbox().unwrap_err();
-        assert!(err.to_string().contains("linux.seccomp"), "{err}");
     }
 
     #[test]

@@ -36,6 +36,9 @@ use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::process::ExitInfo;
 
+/// `sun_path` of a Unix socket address, NUL included.
+const SUN_PATH_MAX: usize = 108;
+
 pub struct NamespaceSandbox {
     id: String,
     paths: PodPaths,
@@ -75,6 +78,14 @@ impl NamespaceSandbox {
             )));
         }
         let socket = paths.agent_socket();
+        if socket.as_os_str().len() >= SUN_PATH_MAX {
+            cleanup(&paths).await;
+            return Err(SandboxError::AgentStart(format!(
+                "state_dir {} is too long: the agent socket {} exceeds {SUN_PATH_MAX} bytes",
+                config.state_dir.display(),
+                socket.display()
+            )));
+        }
         let launch = LaunchArgs {
             netns: req.netns.as_ref().map(|p| p.display().to_string()),
             command: vec![
@@ -86,7 +97,8 @@ impl NamespaceSandbox {
             ],
         };
         let exe = std::env::current_exe().map_err(io("find own executable"))?;
-        let mut child = tokio::process::Command::new(exe)
+        let mut command = tokio::process::Command::new(exe);
+        command
             .arg(LAUNCH_ARG)
             .args(launch.to_args())
             // The agent's log lines are relayed into the shim log: plain text, no colour codes.
@@ -95,9 +107,18 @@ impl NamespaceSandbox {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Own process group: a Ctrl-C or group signal aimed at the shim is not the pod's.
-            .process_group(0)
-            .spawn()
-            .map_err(io("spawn namespace launcher"))?;
+            .process_group(0);
+        // SAFETY: the closure only calls prctl, which is async-signal-safe. The parent-death
+        // signal follows the spawning thread, a runtime worker that lives as long as the shim.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(io("spawn namespace launcher"))?;
         let pid = child.id().unwrap_or_default();
         std::fs::write(paths.pid_file(), pid.to_string()).map_err(io("write pid file"))?;
         info!(sandbox = %req.sandbox_id, pid, netns = ?req.netns, "agent launched");
