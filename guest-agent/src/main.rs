@@ -23,13 +23,21 @@ fn main() -> std::process::ExitCode {
         // The libcontainer helper must run single-threaded (it clones), so it is dispatched
         // before any runtime starts.
         Some(cli::Command::Libcontainer(op)) => runtime::helper::main(op),
-        None => match run(args.agent) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bulkhead-agent: {e:#}");
-                std::process::ExitCode::FAILURE
+        None => {
+            let mode = args.agent.mode;
+            match run(args.agent) {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("bulkhead-agent: {e:#}");
+                    if mode == cli::Mode::Guest {
+                        // PID 1 must not just exit (kernel panic); power the VM off instead.
+                        nix::unistd::sync();
+                        let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+                    }
+                    std::process::ExitCode::FAILURE
+                }
             }
-        },
+        }
     }
 }
 

@@ -270,7 +270,7 @@ impl Sandbox {
             let listener =
                 tokio::net::UnixListener::bind(&path).map_err(|e| AgentError::internal("console socket", e))?;
             let accept = tokio::spawn(recv_console_master(listener, path.clone()));
-            return Ok((ChildIo::Console(path), PendingIo::Tty(accept)));
+            return Ok((ChildIo::Console(path.clone()), PendingIo::Tty(ConsoleAccept { task: accept, path })));
         }
         let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::internal("pipe2", e));
         let (stdin_child, stdin_ours) = if req.stdin {
@@ -307,8 +307,8 @@ impl Sandbox {
                     stderr: OutputStream::spawn(rx(stderr)?, self.pump, format!("{label}/stderr")),
                 })
             }
-            PendingIo::Tty(accept) => {
-                let master = tokio::time::timeout(CONSOLE_TIMEOUT, accept)
+            PendingIo::Tty(mut accept) => {
+                let master = tokio::time::timeout(CONSOLE_TIMEOUT, &mut accept.task)
                     .await
                     .map_err(|_| AgentError::Timeout("pty master from libcontainer".into()))?
                     .map_err(|e| AgentError::internal("console task", e))??;
@@ -491,7 +491,21 @@ impl Sandbox {
 
 enum PendingIo {
     Pipes { stdin: Option<OwnedFd>, stdout: OwnedFd, stderr: OwnedFd },
-    Tty(tokio::task::JoinHandle<Result<OwnedFd>>),
+    Tty(ConsoleAccept),
+}
+
+/// The task waiting for libcontainer's pty master; aborted (and its socket removed) if the
+/// create or exec fails before it is used.
+struct ConsoleAccept {
+    task: tokio::task::JoinHandle<Result<OwnedFd>>,
+    path: PathBuf,
+}
+
+impl Drop for ConsoleAccept {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 fn parse_spec(bytes: &[u8]) -> Result<Spec> {
@@ -602,6 +616,7 @@ pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
         }
     });
     let (shutdown_tx, mut shutdown_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut server = crate::service::server(sandbox.clone(), ttrpc_rx, shutdown_tx)?;
     server.start().await?;
     let listener = match opts.listen.clone() {
@@ -620,6 +635,12 @@ pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
             tracing::info!("sandbox destroyed; shutting down");
             // Let the DestroySandbox response reach the shim.
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        _ = sigterm.recv() => {
+            // The namespace backend (or an operator) asks PID 1 to stop: same as DestroySandbox
+            // with a short grace period.
+            tracing::info!("SIGTERM: destroying the sandbox");
+            sandbox.destroy(Duration::from_secs(2)).await;
         }
     }
     if sandbox.mode == Mode::Guest {

@@ -231,6 +231,21 @@ async fn stats_pause_resume_and_list_pids() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     println!("paused at {b}, moving again after resume");
+
+    // UpdateContainer changes the cgroup limit that Stats reports.
+    let upd = UpdateContainerRequest {
+        container_id: "busy".into(),
+        resources_json: serde_json::to_vec(&json!({"memory": {"limit": 96 << 20}})).unwrap(),
+        ..Default::default()
+    };
+    agent.client.update_container(ctx(), &upd).await.unwrap_or_else(|e| panic!("update: {e}\n{}", agent.log()));
+    let sreq = StatsRequest { container_id: "busy".into(), ..Default::default() };
+    let stats = agent.client.stats(ctx(), &sreq).await.unwrap();
+    assert_eq!(stats.memory.limit_bytes, 96 << 20);
+    let bad =
+        UpdateContainerRequest { container_id: "busy".into(), resources_json: b"{".to_vec(), ..Default::default() };
+    let e = agent.client.update_container(ctx(), &bad).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
     agent.remove("busy").await;
 }
 
@@ -433,4 +448,19 @@ async fn seccomp_profile_from_the_spec_is_enforced_for_init_and_exec() {
     assert!(text.contains("Operation not permitted"), "{text:?}");
     assert!(text.contains("touch-ok"), "allowed syscalls must work: {text:?}");
     agent.remove("sc").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_to_the_agent_destroys_the_sandbox() {
+    if !can_run("sigterm_to_the_agent_destroys_the_sandbox") {
+        return;
+    }
+    let mut agent = Agent::start("term").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    agent.create("s", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.start_ctr("s").await;
+    let agent_pid = agent.agent_pid().expect("agent pid");
+    assert_eq!(unsafe { libc::kill(agent_pid, libc::SIGTERM) }, 0);
+    assert!(agent.wait_exit(Duration::from_secs(15)).is_some(), "agent ignored SIGTERM\n{}", agent.log());
+    assert!(agent.log().contains("SIGTERM: destroying the sandbox"), "{}", agent.log());
 }

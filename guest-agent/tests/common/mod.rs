@@ -96,6 +96,13 @@ impl Agent {
         Agent { dir, sock, cgroup_parent, child: Some(child), client }
     }
 
+    /// The agent's pid in the test's pid namespace (the child of `unshare`).
+    pub fn agent_pid(&self) -> Option<i32> {
+        let u = self.child.as_ref()?.id();
+        let text = std::fs::read_to_string(format!("/proc/{u}/task/{u}/children")).ok()?;
+        text.split_whitespace().next()?.parse().ok()
+    }
+
     pub fn log(&self) -> String {
         read_log(self.dir.path())
     }
