@@ -32,6 +32,10 @@ fn write_config(dir: &Path, name: &str, text: &str) -> Result<PathBuf> {
 
 /// Prints `SKIPPED` and returns `None` when the host or the build cannot run these tests.
 async fn setup(test: &str, extra: Vec<RuntimeHandler>) -> Result<Option<Env>> {
+    setup_with(test, extra, false).await
+}
+
+async fn setup_with(test: &str, extra: Vec<RuntimeHandler>, cni_bridge: bool) -> Result<Option<Env>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -56,7 +60,7 @@ async fn setup(test: &str, extra: Vec<RuntimeHandler>) -> Result<Option<Env>> {
     )?;
     let mut handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
     handlers.extend(extra);
-    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let containerd = Containerd::start(ContainerdConfig { handlers, cni_bridge, ..Default::default() }).await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
 }
@@ -180,6 +184,9 @@ async fn shim_pod_lifecycle_leaves_nothing_behind() -> Result<()> {
     let out = env.cri.exec_sync(&ctr, &["echo", "hi"], 10).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
     assert_eq!(out.exit_code, 0);
+    // The shim log (copied into containerd's) says the namespace backend does not isolate.
+    let log = std::fs::read_to_string(env.containerd.log_path())?;
+    assert!(log.contains("NO VM isolation") && log.contains(&pod_id), "no isolation warning for {pod_id}");
 
     let grace = 10;
     let stop_started = Instant::now();
@@ -209,6 +216,9 @@ async fn shim_exit_code_log_file_and_oom_killed() -> Result<()> {
     let status = env.cri.wait_container(&ctr, Duration::from_secs(15), |s| s.state == EXITED).await?;
     assert_eq!(status.exit_code, 3);
     assert_eq!(status.reason, "Error");
+    // finished_at is the measured exit time; CRI stamps started_at only after Start returns, so
+    // a process that exits within a millisecond may precede it (as with runc).
+    assert!(status.started_at > 0 && status.finished_at > status.created_at, "timestamps: {status:?}");
     let log = std::fs::read_to_string(&status.log_path).with_context(|| format!("read {}", status.log_path))?;
     assert!(log.lines().any(|l| l.contains(" stdout ") && l.ends_with("out-line")), "log: {log}");
     assert!(log.lines().any(|l| l.contains(" stderr ") && l.ends_with("err-line")), "log: {log}");
@@ -490,4 +500,28 @@ async fn shim_kill9_then_delete_leaves_no_orphans() -> Result<()> {
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await?;
     assert_pod_gone(&env, &pod_id, &[&ctr], &marker).await
+}
+
+#[tokio::test]
+async fn shim_pod_network_namespace_is_joined() -> Result<()> {
+    let Some(env) = setup_with("shim_pod_network_namespace_is_joined", vec![], true).await? else { return Ok(()) };
+    let mut pod = env.pod("net")?;
+    if let Some(ns) =
+        pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut())
+    {
+        ns.network = cri::NamespaceMode::Pod as i32;
+    }
+    pod.hostname = "bulkhead-net".into();
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("net"))).await.with_context(|| env.fail_context())?;
+    let ip = env.cri.pod_sandbox_status(&pod_id).await?.network.map(|n| n.ip).unwrap_or_default();
+    assert!(!ip.is_empty(), "CNI gave the pod an address");
+    // The container sees the pod's interface (CNI's veth), not the host's.
+    let out = env.cri.exec_sync(&ctr, &["ip", "-4", "addr"], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("inet {ip}/")), "pod ip {ip} not in: {text}");
+    // And the pod's own UTS namespace with the pod's hostname.
+    let out = env.cri.exec_sync(&ctr, &["hostname"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "bulkhead-net\n");
+    Ok(())
 }
