@@ -22,6 +22,7 @@ use crate::devices::legacy::serial::{SerialDevice, SERIAL_PORT, SERIAL_PORT_LEN}
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::layout;
@@ -193,7 +194,6 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
         subscribers.push(blk.clone());
         virtio.push((format!("blk{i}"), blk));
     }
-    #[cfg(any())]
     if let Some(v) = &cfg.vsock {
         let vsock = Arc::new(Mutex::new(
             Vsock::new(v.guest_cid, &v.uds_path).map_err(dev_err(format!("vsock {}", v.uds_path.display())))?,

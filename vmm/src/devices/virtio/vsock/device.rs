@@ -1,0 +1,330 @@
+//! virtio-vsock device semantics: features, config (guest CID), and moving packets between the
+//! virtqueues and the muxer.
+
+use std::path::Path;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::packet::{rx_capacity, write_rx, TxPacket, HDR_LEN};
+use super::persist::VsockSnapshot;
+use super::unix::VsockMuxer;
+use super::MAX_PKT_PAYLOAD;
+use crate::devices::virtio::chain;
+use crate::devices::virtio::persist::QueueSnapshot;
+use crate::devices::virtio::{
+    validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_VSOCK, VIRTIO_F_VERSION_1,
+    VIRTIO_MMIO_INT_VRING,
+};
+
+pub const RXQ: usize = 0;
+pub const TXQ: usize = 1;
+pub const EVQ: usize = 2;
+pub const QUEUE_SIZE: u16 = 256;
+const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
+/// Largest chain we look at: one maximal packet plus slack for the header.
+const MAX_CHAIN_BYTES: u64 = (HDR_LEN + MAX_PKT_PAYLOAD) as u64 + 4096;
+
+pub struct Active {
+    mem: GuestMemoryMmap,
+    queues: Vec<Queue>,
+    irq: IrqTrigger,
+}
+
+pub struct Vsock {
+    guest_cid: u64,
+    uds_path: String,
+    acked_features: u64,
+    queue_evts: [EventFd; 3],
+    pub(super) muxer: VsockMuxer,
+    pub(super) state: DeviceState<Active>,
+    pub(super) timer: Option<vmm_sys_util::timerfd::TimerFd>,
+}
+
+impl Vsock {
+    pub fn new(guest_cid: u64, uds_path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            guest_cid,
+            uds_path: uds_path.display().to_string(),
+            acked_features: 0,
+            queue_evts: [
+                EventFd::new(libc::EFD_NONBLOCK)?,
+                EventFd::new(libc::EFD_NONBLOCK)?,
+                EventFd::new(libc::EFD_NONBLOCK)?,
+            ],
+            muxer: VsockMuxer::new(guest_cid, uds_path)?,
+            state: DeviceState::Inactive,
+            timer: None,
+        })
+    }
+
+    pub fn queue_evt(&self, i: usize) -> &EventFd {
+        &self.queue_evts[i]
+    }
+
+    pub fn snapshot(&self) -> VsockSnapshot {
+        VsockSnapshot {
+            guest_cid: self.guest_cid,
+            uds_path: self.uds_path.clone(),
+            acked_features: self.acked_features,
+            queues: match &self.state {
+                DeviceState::Active(a) => a.queues.iter().map(QueueSnapshot::from).collect(),
+                _ => vec![],
+            },
+            broken: self.state.is_broken(),
+        }
+    }
+
+    fn fail(&mut self, e: DeviceError) {
+        tracing::error!(device = "vsock", error = %e, "guest sent a malformed packet; device stops serving until reset");
+        self.muxer.reset();
+        self.state = DeviceState::Broken(e);
+    }
+
+    /// Guest -> host packets.
+    pub fn process_tx(&mut self) {
+        let DeviceState::Active(a) = &mut self.state else { return };
+        match drain_tx(a, &mut self.muxer) {
+            Ok(true) => a.irq.trigger(VIRTIO_MMIO_INT_VRING),
+            Ok(false) => {}
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// Host -> guest packets, as long as the guest has RX buffers.
+    pub fn process_rx(&mut self) {
+        let DeviceState::Active(a) = &mut self.state else { return };
+        match fill_rx(a, &mut self.muxer) {
+            Ok(true) => a.irq.trigger(VIRTIO_MMIO_INT_VRING),
+            Ok(false) => {}
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+fn drain_tx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError> {
+    let mem = a.mem.clone();
+    let q = &mut a.queues[TXQ];
+    let mut used = false;
+    for _ in 0..=q.size() {
+        let chain = {
+            let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
+            match it.next() {
+                Some(c) => c,
+                None => break,
+            }
+        };
+        let head = chain.head_index();
+        let descs = chain::collect(chain, &mem, MAX_CHAIN_BYTES)?;
+        let pkt = TxPacket::parse(&descs, &mem).map_err(|e| DeviceError::Request(e.to_string()))?;
+        q.add_used(&mem, head, 0).map_err(|e| DeviceError::Memory(e.to_string()))?;
+        used = true;
+        muxer.send_from_guest(pkt);
+    }
+    Ok(used)
+}
+
+fn fill_rx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError> {
+    let mem = a.mem.clone();
+    let q = &mut a.queues[RXQ];
+    let mut used = false;
+    for _ in 0..=q.size() {
+        if !muxer.has_rx() {
+            break;
+        }
+        let chain = {
+            let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
+            match it.next() {
+                Some(c) => c,
+                None => break, // no buffers: wait for the guest's RX notify
+            }
+        };
+        let head = chain.head_index();
+        let descs = chain::collect(chain, &mem, MAX_CHAIN_BYTES)?;
+        let room = rx_capacity(&descs).map_err(|e| DeviceError::Request(e.to_string()))?;
+        match muxer.next_rx(room) {
+            Some((hdr, data)) => {
+                let n = write_rx(&descs, &mem, &hdr, &data).map_err(|e| DeviceError::Request(e.to_string()))?;
+                q.add_used(&mem, head, n).map_err(|e| DeviceError::Memory(e.to_string()))?;
+                used = true;
+            }
+            None => {
+                // Nothing after all: give the buffer back.
+                q.go_to_previous_position();
+                break;
+            }
+        }
+    }
+    Ok(used)
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        TYPE_VSOCK
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // Config space: guest_cid (le64).
+        let cid = self.guest_cid.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset.checked_add(i as u64).and_then(|o| cid.get(o as usize).copied()).unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::warn!(device = "vsock", offset, "write to read-only vsock config ignored");
+    }
+
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {
+        // The event queue is optional for us (we never send transport events).
+        validate_queues(&mem, &queues[..EVQ.min(queues.len())])?;
+        if queues.len() != QUEUE_SIZES.len() {
+            return Err(DeviceError::QueueNotReady(queues.len()));
+        }
+        self.state = DeviceState::Active(Active { mem, queues, irq });
+        tracing::debug!(device = "vsock", "activated");
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.muxer.reset();
+        self.state = DeviceState::Inactive;
+        self.acked_features = 0;
+    }
+
+    fn is_broken(&self) -> bool {
+        self.state.is_broken()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::packet::{VsockHeader, OP_REQUEST, OP_RESPONSE, OP_RW, TYPE_STREAM};
+    use super::*;
+    use crate::devices::virtio::chain::test_utils::{TestQueue, F_WRITE};
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use vm_memory::{Bytes, GuestAddress};
+
+    struct Rig {
+        dev: Vsock,
+        mem: GuestMemoryMmap,
+        rx: TestQueue,
+        tx: TestQueue,
+        dir: tempfile::TempDir,
+    }
+
+    fn rig() -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dev = Vsock::new(3, &dir.path().join("v.sock")).unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let rx = TestQueue::new(0x1000, 8);
+        let tx = TestQueue::new(0x2000, 8);
+        let ev = TestQueue::new(0x3000, 8);
+        let qs = [&rx, &tx, &ev]
+            .iter()
+            .map(|t| {
+                let mut q = t.queue();
+                q.set_size(8);
+                q
+            })
+            .collect();
+        dev.activate(mem.clone(), qs, IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap())).unwrap();
+        Rig { dev, mem, rx, tx, dir }
+    }
+
+    fn send(r: &mut Rig, slot: u16, hdr: VsockHeader, data: &[u8], claimed_extra: u32) {
+        let addr = 0x10000 + u64::from(slot) * 0x1000;
+        let mut bytes = hdr.to_bytes().to_vec();
+        bytes.extend_from_slice(data);
+        r.mem.write_slice(&bytes, GuestAddress(addr)).unwrap();
+        r.tx.set_desc(&r.mem, slot, addr, bytes.len() as u32 - claimed_extra, 0, 0);
+        r.tx.publish(&r.mem, slot);
+        r.dev.process_tx();
+    }
+
+    fn post_rx(r: &mut Rig, slot: u16) {
+        r.rx.set_desc(&r.mem, slot, 0x40000 + u64::from(slot) * 0x1000, 4096, F_WRITE, 0);
+        r.rx.publish(&r.mem, slot);
+    }
+
+    fn hdr(op: u16, src_port: u32, dst_port: u32, len: u32) -> VsockHeader {
+        VsockHeader { src_cid: 3, dst_cid: 2, src_port, dst_port, len, type_: TYPE_STREAM, op, buf_alloc: 4096, ..Default::default() }
+    }
+
+    fn rx_header(r: &Rig, slot: u16) -> VsockHeader {
+        let mut b = [0u8; 44];
+        r.mem.read_slice(&mut b, GuestAddress(0x40000 + u64::from(slot) * 0x1000)).unwrap();
+        VsockHeader::from_bytes(&b)
+    }
+
+    #[test]
+    fn config_reports_cid() {
+        let r = rig();
+        let mut b = [0u8; 8];
+        r.dev.read_config(0, &mut b);
+        assert_eq!(u64::from_le_bytes(b), 3);
+    }
+
+    #[test]
+    fn guest_connects_and_sends_data_through_queues() {
+        let mut r = rig();
+        let l = UnixListener::bind(r.dir.path().join("v.sock_700")).unwrap();
+        post_rx(&mut r, 0);
+        send(&mut r, 0, hdr(OP_REQUEST, 9, 700, 0), b"", 0);
+        r.dev.process_rx();
+        assert_eq!(r.rx.used_idx(&r.mem), 1);
+        assert_eq!(rx_header(&r, 0).op, OP_RESPONSE);
+        send(&mut r, 1, hdr(OP_RW, 9, 700, 3), b"abc", 0);
+        let (mut s, _) = l.accept().unwrap();
+        let mut got = [0u8; 3];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"abc");
+        s.write_all(b"xyz").unwrap();
+        post_rx(&mut r, 1);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        r.dev.process_rx();
+        assert_eq!(r.rx.used_idx(&r.mem), 2);
+        let h = rx_header(&r, 1);
+        assert_eq!((h.op, h.len), (OP_RW, 3));
+        assert!(!r.dev.is_broken());
+    }
+
+    #[test]
+    fn lying_length_breaks_the_device() {
+        let mut r = rig();
+        send(&mut r, 0, hdr(OP_RW, 9, 700, 60000), b"12345678", 0);
+        assert!(r.dev.is_broken());
+        r.dev.reset();
+        assert!(!r.dev.is_broken());
+    }
+
+    #[test]
+    fn short_rx_buffer_breaks_the_device() {
+        let mut r = rig();
+        let _c = UnixStream::connect(r.dir.path().join("v.sock")).map(|mut s| s.write_all(b"CONNECT 5\n"));
+        r.dev.muxer.accept();
+        r.rx.set_desc(&r.mem, 0, 0x40000, 16, F_WRITE, 0);
+        r.rx.publish(&r.mem, 0);
+        r.dev.process_rx();
+        assert!(r.dev.is_broken());
+        assert!(r.dev.snapshot().broken);
+    }
+}

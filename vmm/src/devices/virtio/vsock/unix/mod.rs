@@ -1,0 +1,5 @@
+//! The host side of hybrid vsock: Unix sockets.
+
+pub mod muxer;
+
+pub use muxer::{FdOp, VsockMuxer};

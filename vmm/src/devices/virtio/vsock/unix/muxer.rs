@@ -1,0 +1,539 @@
+//! Multiplexes guest vsock streams onto host Unix sockets.
+//!
+//! - Host-initiated: a client connects to `uds_path` and sends `CONNECT <port>\n` (bounded to
+//!   `MAX_HANDSHAKE_LINE` bytes and `HANDSHAKE_TIMEOUT`); we ask the guest (REQUEST) and answer
+//!   `OK <local port>\n` once it accepts.
+//! - Guest-initiated: a REQUEST to port P connects to `<uds_path>_<P>`.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::devices::virtio::vsock::csm::connection::HostRead;
+use crate::devices::virtio::vsock::csm::{ConnState, VsockConnection};
+use crate::devices::virtio::vsock::packet::{
+    TxPacket, VsockHeader, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW,
+    OP_SHUTDOWN, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM,
+};
+use crate::devices::virtio::vsock::HOST_CID;
+
+pub const MAX_HANDSHAKE_LINE: usize = 32;
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the guest has to answer a host-initiated REQUEST, or a SHUTDOWN with RST.
+pub const GUEST_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_HANDSHAKES: usize = 64;
+const MAX_CONNECTIONS: usize = 1024;
+const FIRST_LOCAL_PORT: u32 = 1 << 30;
+
+/// epoll changes the device must apply (the muxer has no access to the event loop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdOp {
+    Add(RawFd),
+    Remove(RawFd),
+}
+
+struct Handshake {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    deadline: Instant,
+}
+
+type ConnKey = (u32, u32);
+
+pub struct VsockMuxer {
+    guest_cid: u64,
+    uds_path: PathBuf,
+    listener: UnixListener,
+    handshakes: HashMap<RawFd, Handshake>,
+    conns: HashMap<ConnKey, VsockConnection>,
+    fd_conn: HashMap<RawFd, ConnKey>,
+    /// Header-only packets waiting for an RX buffer.
+    control: VecDeque<VsockHeader>,
+    next_local_port: u32,
+    fd_ops: Vec<FdOp>,
+    /// Sockets whose fd must leave epoll before they close.
+    graveyard: Vec<UnixStream>,
+}
+
+/// Parses `CONNECT <port>` (the newline already stripped).
+pub fn parse_connect(line: &[u8]) -> Option<u32> {
+    let s = std::str::from_utf8(line).ok()?.trim_end_matches('\r');
+    let port = s.strip_prefix("CONNECT ")?;
+    if port.is_empty() || port.len() > 10 || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    port.parse().ok()
+}
+
+impl VsockMuxer {
+    pub fn new(guest_cid: u64, uds_path: &Path) -> std::io::Result<Self> {
+        if uds_path.exists() {
+            std::fs::remove_file(uds_path)?;
+        }
+        let listener = UnixListener::bind(uds_path)?;
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            guest_cid,
+            uds_path: uds_path.to_owned(),
+            listener,
+            handshakes: HashMap::new(),
+            conns: HashMap::new(),
+            fd_conn: HashMap::new(),
+            control: VecDeque::new(),
+            next_local_port: FIRST_LOCAL_PORT,
+            fd_ops: Vec::new(),
+            graveyard: Vec::new(),
+        })
+    }
+
+    pub fn listener_fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
+    }
+
+    pub fn take_fd_ops(&mut self) -> Vec<FdOp> {
+        std::mem::take(&mut self.fd_ops)
+    }
+
+    /// Call after the fd ops were applied.
+    pub fn bury(&mut self) {
+        self.graveyard.clear();
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Drops everything (device reset).
+    pub fn reset(&mut self) {
+        for (fd, h) in self.handshakes.drain() {
+            self.fd_ops.push(FdOp::Remove(fd));
+            self.graveyard.push(h.stream);
+        }
+        for (_, c) in self.conns.drain() {
+            self.fd_ops.push(FdOp::Remove(c.stream.as_raw_fd()));
+            self.graveyard.push(c.stream);
+        }
+        self.fd_conn.clear();
+        self.control.clear();
+    }
+
+    pub fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if self.handshakes.len() >= MAX_HANDSHAKES || stream.set_nonblocking(true).is_err() {
+                        tracing::warn!("vsock: too many pending host connections; dropping one");
+                        continue;
+                    }
+                    let fd = stream.as_raw_fd();
+                    self.fd_ops.push(FdOp::Add(fd));
+                    self.handshakes.insert(
+                        fd,
+                        Handshake { stream, buf: Vec::new(), deadline: Instant::now() + HANDSHAKE_TIMEOUT },
+                    );
+                    // Data may already be waiting; edge-triggered epoll will not tell us again.
+                    self.read_handshake(fd);
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// A host fd became ready.
+    pub fn on_fd_event(&mut self, fd: RawFd, readable: bool, writable: bool) {
+        if self.handshakes.contains_key(&fd) {
+            self.read_handshake(fd);
+            return;
+        }
+        let Some(key) = self.fd_conn.get(&fd).copied() else { return };
+        let Some(conn) = self.conns.get_mut(&key) else { return };
+        if readable {
+            conn.host_readable = true;
+        }
+        if writable {
+            if let Err(e) = conn.flush_to_host() {
+                tracing::warn!(port = key.0, error = %e, "vsock: host write failed; resetting connection");
+                self.kill(key, true);
+            }
+        }
+    }
+
+    fn read_handshake(&mut self, fd: RawFd) {
+        let Some(h) = self.handshakes.get_mut(&fd) else { return };
+        let mut byte = [0u8; MAX_HANDSHAKE_LINE];
+        let line = loop {
+            // Read only up to the limit: never more than one line's worth.
+            let room = MAX_HANDSHAKE_LINE - h.buf.len();
+            match h.stream.read(&mut byte[..room.max(1)]) {
+                Ok(0) => break Err("closed before CONNECT".to_string()),
+                Ok(n) => {
+                    h.buf.extend_from_slice(&byte[..n]);
+                    if let Some(pos) = h.buf.iter().position(|&b| b == b'\n') {
+                        if pos + 1 != h.buf.len() {
+                            break Err("data after the CONNECT line before OK".into());
+                        }
+                        break Ok(h.buf[..pos].to_vec());
+                    }
+                    if h.buf.len() >= MAX_HANDSHAKE_LINE {
+                        break Err("CONNECT line too long".into());
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        let Some(h) = self.handshakes.remove(&fd) else { return };
+        let port = match line.map(|l| parse_connect(&l).ok_or("malformed CONNECT line".to_string())) {
+            Ok(Ok(port)) => port,
+            Ok(Err(e)) | Err(e) => {
+                tracing::warn!(error = %e, "vsock: rejecting host connection");
+                self.fd_ops.push(FdOp::Remove(fd));
+                self.graveyard.push(h.stream);
+                return;
+            }
+        };
+        if self.conns.len() >= MAX_CONNECTIONS {
+            tracing::warn!("vsock: connection limit reached");
+            self.fd_ops.push(FdOp::Remove(fd));
+            self.graveyard.push(h.stream);
+            return;
+        }
+        let local_port = self.allocate_local_port();
+        let mut conn = VsockConnection::new(
+            self.guest_cid,
+            local_port,
+            port,
+            h.stream,
+            ConnState::LocalInit { deadline: Instant::now() + GUEST_REPLY_TIMEOUT },
+        );
+        let req = conn.header(OP_REQUEST, 0, 0);
+        self.control.push_back(req);
+        self.fd_conn.insert(fd, (local_port, port));
+        self.conns.insert((local_port, port), conn);
+        tracing::debug!(local_port, port, "vsock: host connection requested");
+    }
+
+    fn allocate_local_port(&mut self) -> u32 {
+        loop {
+            let p = self.next_local_port;
+            self.next_local_port = self.next_local_port.checked_add(1).unwrap_or(FIRST_LOCAL_PORT);
+            if !self.conns.keys().any(|k| k.0 == p) {
+                return p;
+            }
+        }
+    }
+
+    /// Removes a connection; optionally tells the guest with RST.
+    fn kill(&mut self, key: ConnKey, tell_guest: bool) {
+        if let Some(mut c) = self.conns.remove(&key) {
+            if tell_guest {
+                let rst = c.header(OP_RST, 0, 0);
+                self.control.push_back(rst);
+            }
+            let fd = c.stream.as_raw_fd();
+            self.fd_conn.remove(&fd);
+            self.fd_ops.push(FdOp::Remove(fd));
+            self.graveyard.push(c.stream);
+        }
+    }
+
+    fn rst_for(&self, hdr: &VsockHeader) -> VsockHeader {
+        VsockHeader {
+            src_cid: HOST_CID,
+            dst_cid: self.guest_cid,
+            src_port: hdr.dst_port,
+            dst_port: hdr.src_port,
+            type_: TYPE_STREAM,
+            op: OP_RST,
+            ..Default::default()
+        }
+    }
+
+    /// Expires stuck handshakes and connections.
+    pub fn sweep(&mut self, now: Instant) {
+        let expired: Vec<RawFd> = self.handshakes.iter().filter(|(_, h)| h.deadline <= now).map(|(fd, _)| *fd).collect();
+        for fd in expired {
+            if let Some(h) = self.handshakes.remove(&fd) {
+                tracing::warn!("vsock: host connection sent no CONNECT line in time");
+                self.fd_ops.push(FdOp::Remove(fd));
+                self.graveyard.push(h.stream);
+            }
+        }
+        let stale: Vec<(ConnKey, bool)> = self
+            .conns
+            .iter()
+            .filter_map(|(k, c)| match c.state {
+                ConnState::LocalInit { deadline } if deadline <= now => Some((*k, true)),
+                ConnState::LocalClosed { deadline } if deadline <= now => Some((*k, false)),
+                _ => None,
+            })
+            .collect();
+        for (key, tell) in stale {
+            tracing::warn!(port = key.1, "vsock: guest did not answer in time; dropping connection");
+            self.kill(key, tell);
+        }
+    }
+
+    /// A packet from the guest.
+    pub fn send_from_guest(&mut self, pkt: TxPacket) {
+        let hdr = pkt.hdr;
+        if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
+            tracing::warn!(src = hdr.src_cid, dst = hdr.dst_cid, "vsock: dropping packet with wrong CIDs");
+            return;
+        }
+        if hdr.type_ != TYPE_STREAM {
+            let rst = self.rst_for(&hdr);
+            self.control.push_back(rst);
+            return;
+        }
+        let key = (hdr.dst_port, hdr.src_port);
+        if hdr.op == OP_REQUEST {
+            self.guest_connect(&hdr);
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(&key) else {
+            if hdr.op != OP_RST {
+                let rst = self.rst_for(&hdr);
+                self.control.push_back(rst);
+            }
+            return;
+        };
+        conn.update_peer_credit(&hdr);
+        match (hdr.op, conn.state) {
+            (OP_RESPONSE, ConnState::LocalInit { .. }) => {
+                let line = format!("OK {}\n", conn.local_port);
+                if conn.stream.write_all(line.as_bytes()).is_err() {
+                    self.kill(key, true);
+                    return;
+                }
+                conn.state = ConnState::Established;
+                conn.host_readable = true;
+            }
+            (OP_RW, ConnState::Established) | (OP_RW, ConnState::LocalClosed { .. }) => {
+                if let Err(e) = conn.send_to_host(&pkt.data) {
+                    tracing::warn!(port = key.0, error = %e, "vsock: resetting connection");
+                    self.kill(key, true);
+                    return;
+                }
+                if conn.needs_credit_update() {
+                    let cu = conn.credit_update();
+                    self.control.push_back(cu);
+                }
+            }
+            (OP_CREDIT_UPDATE, _) => {}
+            (OP_CREDIT_REQUEST, _) => {
+                let cu = conn.credit_update();
+                self.control.push_back(cu);
+            }
+            (OP_SHUTDOWN, _) => {
+                if hdr.flags & SHUTDOWN_SEND != 0 {
+                    let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+                }
+                if hdr.flags & (SHUTDOWN_SEND | SHUTDOWN_RCV) == (SHUTDOWN_SEND | SHUTDOWN_RCV) {
+                    self.kill(key, true);
+                }
+            }
+            (OP_RST, _) => self.kill(key, false),
+            (op, state) => {
+                tracing::warn!(op, ?state, "vsock: unexpected packet for connection state; resetting");
+                self.kill(key, true);
+            }
+        }
+    }
+
+    fn guest_connect(&mut self, hdr: &VsockHeader) {
+        let key = (hdr.dst_port, hdr.src_port);
+        if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
+            let rst = self.rst_for(hdr);
+            self.control.push_back(rst);
+            return;
+        }
+        let path = format!("{}_{}", self.uds_path.display(), hdr.dst_port);
+        let stream = match UnixStream::connect(&path).and_then(|s| s.set_nonblocking(true).map(|_| s)) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::info!(%path, error = %e, "vsock: guest connection refused (no host listener)");
+                let rst = self.rst_for(hdr);
+                self.control.push_back(rst);
+                return;
+            }
+        };
+        let fd = stream.as_raw_fd();
+        let mut conn = VsockConnection::new(self.guest_cid, hdr.dst_port, hdr.src_port, stream, ConnState::Established);
+        conn.update_peer_credit(hdr);
+        let resp = conn.response();
+        self.control.push_back(resp);
+        self.fd_ops.push(FdOp::Add(fd));
+        self.fd_conn.insert(fd, key);
+        self.conns.insert(key, conn);
+        tracing::debug!(port = hdr.dst_port, "vsock: guest connected to host listener");
+    }
+
+    pub fn has_rx(&self) -> bool {
+        !self.control.is_empty() || self.conns.values().any(|c| c.wants_rx())
+    }
+
+    /// The next packet for the guest, with at most `max_payload` bytes of data.
+    pub fn next_rx(&mut self, max_payload: usize) -> Option<(VsockHeader, Vec<u8>)> {
+        if let Some(h) = self.control.pop_front() {
+            return Some((h, Vec::new()));
+        }
+        let keys: Vec<ConnKey> = self.conns.iter().filter(|(_, c)| c.wants_rx()).map(|(k, _)| *k).collect();
+        for key in keys {
+            let Some(conn) = self.conns.get_mut(&key) else { continue };
+            match conn.read_from_host(max_payload) {
+                HostRead::Data(d) => {
+                    let h = conn.rw_header(d.len() as u32);
+                    return Some((h, d));
+                }
+                HostRead::Eof => {
+                    conn.state = ConnState::LocalClosed { deadline: Instant::now() + GUEST_REPLY_TIMEOUT };
+                    conn.host_readable = false;
+                    return Some((conn.shutdown(), Vec::new()));
+                }
+                HostRead::Nothing => {}
+            }
+        }
+        None
+    }
+}
+
+impl Drop for VsockMuxer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.uds_path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+
+    const CID: u64 = 3;
+
+    fn muxer() -> (VsockMuxer, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        (VsockMuxer::new(CID, &dir.path().join("v.sock")).unwrap(), dir)
+    }
+
+    fn guest(op: u16, src_port: u32, dst_port: u32, data: &[u8]) -> TxPacket {
+        TxPacket {
+            hdr: VsockHeader {
+                src_cid: CID,
+                dst_cid: HOST_CID,
+                src_port,
+                dst_port,
+                len: data.len() as u32,
+                type_: TYPE_STREAM,
+                op,
+                buf_alloc: 65536,
+                ..Default::default()
+            },
+            data: data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn parse_connect_lines() {
+        assert_eq!(parse_connect(b"CONNECT 1024"), Some(1024));
+        assert_eq!(parse_connect(b"CONNECT 1024\r"), Some(1024));
+        for bad in [&b"CONNECT"[..], b"CONNECT ", b"CONNECT -1", b"CONNECT 99999999999", b"HELLO 1", b"\xff"] {
+            assert_eq!(parse_connect(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn host_initiated_connection_round_trip() {
+        let (mut m, dir) = muxer();
+        let mut host = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        host.write_all(b"CONNECT 1024\n").unwrap();
+        m.accept();
+        let (req, _) = m.next_rx(4096).expect("REQUEST for the guest");
+        assert_eq!((req.op, req.dst_port, req.dst_cid), (OP_REQUEST, 1024, CID));
+        let local = req.src_port;
+        m.send_from_guest(guest(OP_RESPONSE, 1024, local, b""));
+        let mut line = String::new();
+        std::io::BufReader::new(host.try_clone().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, format!("OK {local}\n"));
+
+        host.write_all(b"ping").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let (rw, data) = m.next_rx(4096).expect("data for the guest");
+        assert_eq!((rw.op, data.as_slice()), (OP_RW, &b"ping"[..]));
+        m.send_from_guest(guest(OP_RW, 1024, local, b"pong"));
+        let mut got = [0u8; 4];
+        host.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"pong");
+
+        drop(host);
+        std::thread::sleep(Duration::from_millis(20));
+        let (sd, _) = m.next_rx(4096).expect("SHUTDOWN");
+        assert_eq!(sd.op, OP_SHUTDOWN);
+        m.send_from_guest(guest(OP_RST, 1024, local, b""));
+        assert_eq!(m.connection_count(), 0);
+        assert!(m.take_fd_ops().iter().any(|op| matches!(op, FdOp::Remove(_))));
+    }
+
+    #[test]
+    fn guest_initiated_connection_reaches_listener() {
+        let (mut m, dir) = muxer();
+        let listener = UnixListener::bind(dir.path().join("v.sock_5000")).unwrap();
+        m.send_from_guest(guest(OP_REQUEST, 77, 5000, b""));
+        let (resp, _) = m.next_rx(4096).unwrap();
+        assert_eq!((resp.op, resp.src_port, resp.dst_port), (OP_RESPONSE, 5000, 77));
+        let (mut s, _) = listener.accept().unwrap();
+        m.send_from_guest(guest(OP_RW, 77, 5000, b"hello"));
+        let mut got = [0u8; 5];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+    }
+
+    #[test]
+    fn refused_and_unknown_get_rst() {
+        let (mut m, _dir) = muxer();
+        m.send_from_guest(guest(OP_REQUEST, 77, 6000, b""));
+        assert_eq!(m.next_rx(4096).unwrap().0.op, OP_RST);
+        m.send_from_guest(guest(OP_RW, 77, 6000, b"x"));
+        assert_eq!(m.next_rx(4096).unwrap().0.op, OP_RST);
+        let mut wrong = guest(OP_REQUEST, 1, 2, b"");
+        wrong.hdr.src_cid = 99;
+        m.send_from_guest(wrong);
+        assert!(m.next_rx(4096).is_none(), "spoofed CID is dropped silently");
+    }
+
+    #[test]
+    fn bad_handshakes_are_dropped() {
+        let (mut m, dir) = muxer();
+        let mut long = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        long.write_all(&[b'A'; 64]).unwrap();
+        let mut junk = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        junk.write_all(b"HELLO\n").unwrap();
+        let _silent = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        m.accept();
+        assert!(m.next_rx(4096).is_none());
+        assert_eq!(m.handshakes.len(), 1, "only the silent one waits");
+        m.sweep(Instant::now() + HANDSHAKE_TIMEOUT + Duration::from_millis(1));
+        assert!(m.handshakes.is_empty());
+        m.bury();
+        long.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(long.read(&mut buf).unwrap_or(0), 0, "closed");
+    }
+
+    #[test]
+    fn unanswered_request_times_out_with_rst() {
+        let (mut m, dir) = muxer();
+        let mut host = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        host.write_all(b"CONNECT 9\n").unwrap();
+        m.accept();
+        assert_eq!(m.next_rx(4096).unwrap().0.op, OP_REQUEST);
+        m.sweep(Instant::now() + GUEST_REPLY_TIMEOUT + Duration::from_millis(1));
+        assert_eq!(m.next_rx(4096).unwrap().0.op, OP_RST);
+        assert_eq!(m.connection_count(), 0);
+    }
+}
