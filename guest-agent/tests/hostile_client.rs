@@ -75,3 +75,29 @@ async fn garbage_truncated_and_oversized_frames_are_cut_off() {
         .await
         .unwrap_or_else(|e| panic!("agent stopped serving: {e}\n{}", agent.log()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vsock_listener_serves_without_preamble() {
+    if !can_run("vsock_listener_serves_without_preamble") {
+        return;
+    }
+    if !vsock_loopback_works().await {
+        println!(
+            "SKIPPED: vsock_listener_serves_without_preamble: no vsock loopback transport (modprobe vsock_loopback)"
+        );
+        return;
+    }
+    let agent = Agent::start_vsock("vsock").await;
+    let r = agent
+        .client
+        .version(
+            ctx(),
+            &bulkhead_protocol::agent::VersionRequest {
+                protocol_version: bulkhead_protocol::PROTOCOL_VERSION,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.mode, "namespace");
+}

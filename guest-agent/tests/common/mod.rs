@@ -64,6 +64,15 @@ impl Agent {
 
     /// Starts `bin` (e.g. the static musl build) as the agent.
     pub async fn start_with(name: &str, bin: &Path) -> Agent {
+        Self::start_full(name, bin, None).await
+    }
+
+    /// Starts the agent listening on vsock; returns without a client (the caller dials).
+    pub async fn start_vsock(name: &str) -> Agent {
+        Self::start_full(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), Some("vsock")).await
+    }
+
+    async fn start_full(name: &str, bin: &Path, listen: Option<&str>) -> Agent {
         let dir = tempfile::Builder::new().prefix("bhagent").tempdir_in("/tmp").expect("tempdir");
         let sock = dir.path().join("agent.sock");
         let cgroup_parent = format!("/bulkhead-test-{}-{name}", std::process::id());
@@ -72,7 +81,7 @@ impl Agent {
             .args(["--fork", "--kill-child", "--pid", "--mount", "--uts", "--ipc"])
             .arg(bin)
             .arg("--listen")
-            .arg(format!("unix:{}", sock.display()))
+            .arg(listen.map(str::to_owned).unwrap_or_else(|| format!("unix:{}", sock.display())))
             .args(["--mode", "namespace", "--state-dir"])
             .arg(dir.path().join("state"))
             .args(["--cgroup-parent", &cgroup_parent])
@@ -85,6 +94,20 @@ impl Agent {
             .expect("spawn unshare + agent");
         let deadline = Instant::now() + T;
         let client = loop {
+            if listen.is_some() {
+                match vsock_client(ports::AGENT_TTRPC).await {
+                    Some(c) => break c,
+                    None => {
+                        assert!(
+                            Instant::now() < deadline,
+                            "vsock agent did not come up; log:\n{}",
+                            read_log(dir.path())
+                        );
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                }
+            }
             if sock.exists() {
                 if let Ok(c) = connect_agent(&sock, "e2e", Duration::from_secs(5)).await {
                     break c;
@@ -347,4 +370,33 @@ pub fn code_of(e: &ttrpc::Error) -> ttrpc::Code {
         ttrpc::Error::RpcStatus(s) => s.code(),
         _ => ttrpc::Code::UNKNOWN,
     }
+}
+
+/// Whether this kernel routes vsock to the local CID (vsock_loopback).
+pub async fn vsock_loopback_works() -> bool {
+    use tokio_vsock::{VsockAddr, VsockListener, VsockStream, VMADDR_CID_ANY, VMADDR_CID_LOCAL};
+    let Ok(l) = VsockListener::bind(VsockAddr::new(VMADDR_CID_ANY, 47011)) else {
+        return false;
+    };
+    let accept = tokio::spawn(async move { l.accept().await.is_ok() });
+    let ok = matches!(
+        tokio::time::timeout(Duration::from_secs(1), VsockStream::connect(VsockAddr::new(VMADDR_CID_LOCAL, 47011)))
+            .await,
+        Ok(Ok(_))
+    );
+    accept.abort();
+    ok
+}
+
+/// A ttrpc client over vsock to the local CID (no preamble: on vsock the VMM answers it).
+pub async fn vsock_client(port: u32) -> Option<AgentClient> {
+    use tokio_vsock::{VsockAddr, VsockStream, VMADDR_CID_LOCAL};
+    let s = tokio::time::timeout(Duration::from_secs(1), VsockStream::connect(VsockAddr::new(VMADDR_CID_LOCAL, port)))
+        .await
+        .ok()?
+        .ok()?;
+    let c = AgentClient::new(ttrpc::r#async::Client::new(ttrpc::r#async::transport::Socket::new(s)));
+    let req = VersionRequest { protocol_version: bulkhead_protocol::PROTOCOL_VERSION, ..Default::default() };
+    c.version(ctx(), &req).await.ok()?;
+    Some(c)
 }
