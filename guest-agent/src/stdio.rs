@@ -149,6 +149,13 @@ pub struct StdinSink {
     close: Arc<Notify>,
 }
 
+impl Drop for StdinSink {
+    fn drop(&mut self) {
+        // Ends an attached copy task: the process is gone.
+        self.close.notify_one();
+    }
+}
+
 impl StdinSink {
     pub fn new(w: BoxWrite) -> Self {
         Self { writer: Mutex::new(Some(w)), close: Arc::new(Notify::new()) }
@@ -158,9 +165,10 @@ impl StdinSink {
         self.writer.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
-    /// Copies `conn` into the process input until either ends or CloseStdin.
-    /// `close_on_eof`: pipes get EOF when the shim's stdin stream ends.
-    pub fn attach(&self, mut conn: BoxRead, close_on_eof: bool) -> Result<(), String> {
+    /// Copies `conn` into the process input until either ends, CloseStdin, or the process is
+    /// removed. For a pipe, dropping the writer is the process's EOF; for a pty the writer is a
+    /// duplicate of the master, so dropping it changes nothing (CloseStdin sends EOT instead).
+    pub fn attach(&self, mut conn: BoxRead) -> Result<(), String> {
         let Some(mut w) = self.take() else {
             return Err("stdin is closed or already attached".to_owned());
         };
@@ -171,12 +179,7 @@ impl StdinSink {
                 tokio::select! {
                     _ = close.notified() => break,
                     r = conn.read(&mut buf) => match r {
-                        Ok(0) | Err(_) => {
-                            if close_on_eof { break }
-                            // TTY: keep the terminal open; wait for CloseStdin.
-                            close.notified().await;
-                            break;
-                        }
+                        Ok(0) | Err(_) => break,
                         Ok(n) => if w.write_all(&buf[..n]).await.is_err() { break },
                     },
                 }
@@ -284,7 +287,7 @@ impl ProcessIo {
     pub fn attach(&self, kind: StreamKind, conn: Conn) -> Result<(), String> {
         match (self, kind) {
             (ProcessIo::Pipes { stdin, .. }, StreamKind::Stdin) => match stdin {
-                Some(s) => s.attach(Box::new(conn), true),
+                Some(s) => s.attach(Box::new(conn)),
                 None => Err("process was created without stdin".to_owned()),
             },
             (ProcessIo::Pipes { stdout, .. }, StreamKind::Stdout) => stdout.attach(Box::new(conn)),
@@ -296,7 +299,7 @@ impl ProcessIo {
                 let (r, w) = tokio::io::split(conn);
                 output.attach(Box::new(w))?;
                 // Input may already be attached from an earlier connection; output still works.
-                if let Err(e) = input.attach(Box::new(r), false) {
+                if let Err(e) = input.attach(Box::new(r)) {
                     tracing::debug!("tty input not re-attached: {e}");
                 }
                 Ok(())
@@ -374,7 +377,7 @@ mod tests {
         let (proc_stdin_w, mut proc_stdin_r) = tokio::io::duplex(64);
         let sink = StdinSink::new(Box::new(proc_stdin_w));
         let (mut shim, conn) = tokio::io::duplex(64);
-        sink.attach(Box::new(conn), true).unwrap();
+        sink.attach(Box::new(conn)).unwrap();
         shim.write_all(b"hi").await.unwrap();
         let mut got = [0u8; 2];
         proc_stdin_r.read_exact(&mut got).await.unwrap();
@@ -383,6 +386,6 @@ mod tests {
         let mut rest = Vec::new();
         tokio::time::timeout(Duration::from_secs(5), proc_stdin_r.read_to_end(&mut rest)).await.unwrap().unwrap();
         assert!(rest.is_empty());
-        assert!(sink.attach(Box::new(tokio::io::empty()), true).is_err());
+        assert!(sink.attach(Box::new(tokio::io::empty())).is_err());
     }
 }
