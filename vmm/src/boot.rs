@@ -13,8 +13,7 @@ use crate::arch::paging::setup_identity_paging;
 use crate::arch::regs::write_gdt_idt;
 use crate::config::{BootSource, RawFormat};
 use crate::layout::{
-    BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, RAW_STACK_TOP,
-    ZERO_PAGE_START,
+    BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, RAW_STACK_TOP, ZERO_PAGE_START,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -104,9 +103,9 @@ fn load_linux(
     };
 
     let cmdline = build_cmdline(cmdline, mmio_devices)?;
-    load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    let cmdline_size = cmdline.as_cstring().map_err(|e| BootError::Cmdline(e.to_string()))?.as_bytes_with_nul().len() as u32;
+    load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    let cmdline_size =
+        cmdline.as_cstring().map_err(|e| BootError::Cmdline(e.to_string()))?.as_bytes_with_nul().len() as u32;
 
     let initramfs = match initramfs {
         Some(path) => Some(load_initramfs(mem, path, mem_bytes, kernel_end)?),
@@ -138,10 +137,7 @@ fn load_initramfs(
     kernel_end: u64,
 ) -> Result<(u64, u32), BootError> {
     let mut file = open(path)?;
-    let size = file
-        .metadata()
-        .map_err(|source| BootError::Open { path: path.display().to_string(), source })?
-        .len();
+    let size = file.metadata().map_err(|source| BootError::Open { path: path.display().to_string(), source })?.len();
     let top = mem_bytes.min(MMIO_HOLE_START);
     let addr = top.checked_sub(size).map(|a| a & !0xfff);
     let addr = match addr {
@@ -163,16 +159,15 @@ fn load_raw(
     let mut file = open(image)?;
     let rip = match format {
         RawFormat::Elf => {
-            let r = Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
-                .map_err(|e| raw_err(e.to_string()))?;
+            let r =
+                Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(|e| raw_err(e.to_string()))?;
             r.kernel_load.raw_value()
         }
         RawFormat::Flat => {
             let size = file.metadata().map_err(|e| raw_err(e.to_string()))?.len() as usize;
             let mut f = &mut file;
-            let read = mem
-                .read_volatile_from(GuestAddress(load_addr), &mut f, size)
-                .map_err(|e| raw_err(e.to_string()))?;
+            let read =
+                mem.read_volatile_from(GuestAddress(load_addr), &mut f, size).map_err(|e| raw_err(e.to_string()))?;
             if read != size {
                 return Err(raw_err(format!("short load: {read} of {size} bytes")));
             }
@@ -189,13 +184,9 @@ mod tests {
 
     #[test]
     fn cmdline_announces_virtio_mmio_devices() {
-        let c = build_cmdline("console=ttyS0", &[(0xd000_0000, 0x1000, 5), (0xd000_1000, 0x1000, 6)])
-            .unwrap();
+        let c = build_cmdline("console=ttyS0", &[(0xd000_0000, 0x1000, 5), (0xd000_1000, 0x1000, 6)]).unwrap();
         let s = c.as_cstring().unwrap().into_string().unwrap();
-        assert_eq!(
-            s,
-            "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6"
-        );
+        assert_eq!(s, "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6");
     }
 
     #[test]
@@ -203,11 +194,8 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
         let mut f = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut f, &[0xf4, 0x90]).unwrap();
-        let raw = crate::config::RawGuestConfig {
-            image: f.path().to_owned(),
-            format: RawFormat::Flat,
-            load_addr: 0x20_0000,
-        };
+        let raw =
+            crate::config::RawGuestConfig { image: f.path().to_owned(), format: RawFormat::Flat, load_addr: 0x20_0000 };
         let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[]).unwrap();
         assert_eq!(entry.rip, 0x20_0000);
         assert_eq!(entry.rsp % 16, 8);
@@ -219,11 +207,7 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
         let mut f = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut f, &[0u8; 8192]).unwrap();
-        let boot = BootSource::Linux {
-            kernel: f.path().to_owned(),
-            initramfs: None,
-            cmdline: "x".into(),
-        };
+        let boot = BootSource::Linux { kernel: f.path().to_owned(), initramfs: None, cmdline: "x".into() };
         let err = load(&mem, &boot, 4 << 20, &[]).unwrap_err();
         assert!(err.to_string().contains("neither a loadable ELF"), "{err}");
     }

@@ -14,14 +14,17 @@ pub enum ExitReason {
     GuestTripleFault,
     ApiShutdown,
     Signal(i32),
-    VcpuError { vcpu: u8, message: String },
+    VcpuError {
+        vcpu: u8,
+        message: String,
+    },
 }
 
 impl ExitReason {
-    /// Process exit status: 0 for every orderly stop, 1 when a vCPU failed.
+    /// Process exit status: 0 for every orderly stop, 1 when the guest crashed or a vCPU failed.
     pub fn exit_code(&self) -> i32 {
         match self {
-            ExitReason::VcpuError { .. } => 1,
+            ExitReason::VcpuError { .. } | ExitReason::GuestTripleFault => 1,
             _ => 0,
         }
     }

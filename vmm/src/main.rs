@@ -36,9 +36,7 @@ fn main() {
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let cfg = VmConfig::from_file(&args.config)
-        .and_then(|c| c.validate())
-        .context("invalid VM config")?;
+    let cfg = VmConfig::from_file(&args.config).and_then(|c| c.validate()).context("invalid VM config")?;
     let reason = vmm::run(cfg, signal_fd, start).context("VM failed to start")?;
     let code = reason.exit_code();
     if code == 0 {

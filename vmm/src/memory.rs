@@ -29,17 +29,12 @@ pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryErro
     }
     // SAFETY: fd was just created and is owned by nobody else.
     let file = unsafe { File::from_raw_fd(fd) };
-    file.set_len(mem_bytes)
-        .map_err(|source| MemoryError::Truncate { size: mem_bytes, source })?;
+    file.set_len(mem_bytes).map_err(|source| MemoryError::Truncate { size: mem_bytes, source })?;
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut ranges = Vec::new();
     for (start, len) in layout::ram_ranges(mem_bytes) {
-        ranges.push((
-            GuestAddress(start),
-            len as usize,
-            Some(FileOffset::from_arc(file.clone(), offset)),
-        ));
+        ranges.push((GuestAddress(start), len as usize, Some(FileOffset::from_arc(file.clone(), offset))));
         offset += len;
     }
     Ok(GuestMemoryMmap::from_ranges_with_files(ranges)?)

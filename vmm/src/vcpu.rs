@@ -221,15 +221,19 @@ impl Vcpu {
 fn unknown_mmio(vcpu: u8, op: &str, addr: u64, len: usize) {
     let n = UNKNOWN_MMIO.fetch_add(1, Ordering::Relaxed);
     if n < UNKNOWN_MMIO_LOUD || n % 10_000 == 0 {
-        tracing::warn!(vcpu, op, addr = format_args!("{addr:#x}"), len, count = n + 1, "guest accessed unknown MMIO address");
+        tracing::warn!(
+            vcpu,
+            op,
+            addr = format_args!("{addr:#x}"),
+            len,
+            count = n + 1,
+            "guest accessed unknown MMIO address"
+        );
     }
 }
 
 pub fn unix_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
 /// LINT0 = ExtINT (the PIC), LINT1 = NMI, as a BIOS leaves them.

@@ -146,8 +146,7 @@ fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
 pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     let vm = kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?;
-    vm.set_tss_address(layout::TSS_ADDRESS)
-        .map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
+    vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
     let irqchip = match vm.create_irq_chip() {
         Ok(()) => {
             let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
@@ -174,7 +173,11 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     // Legacy devices.
     let serial_out: Box<dyn Write + Send> = match &cfg.serial_log {
         Some(p) => Box::new(
-            OpenOptions::new().create(true).append(true).open(p).map_err(dev_err(format!("serial log {}", p.display())))?,
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(dev_err(format!("serial log {}", p.display())))?,
         ),
         None => Box::new(std::io::sink()),
     };
@@ -220,12 +223,20 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     let mut vcpus = Vec::new();
     for id in 0..cfg.vcpus {
         vcpus.push(Vcpu::new(
-            &kvm, &vm, id, cfg.vcpus, &entry, irqchip, pio.clone(), mmio.clone(), exit.clone(), control.clone(),
+            &kvm,
+            &vm,
+            id,
+            cfg.vcpus,
+            &entry,
+            irqchip,
+            pio.clone(),
+            mmio.clone(),
+            exit.clone(),
+            control.clone(),
         )?);
     }
 
-    let mut em: EventManager<Subscriber> =
-        EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+    let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));
     for s in subscribers {

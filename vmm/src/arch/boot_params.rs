@@ -125,9 +125,6 @@ mod tests {
 
     #[test]
     fn tiny_memory_is_an_error() {
-        assert!(matches!(
-            build_boot_params(&input(0x8_0000)),
-            Err(BootParamsError::MemoryTooSmall(0x8_0000))
-        ));
+        assert!(matches!(build_boot_params(&input(0x8_0000)), Err(BootParamsError::MemoryTooSmall(0x8_0000))));
     }
 }

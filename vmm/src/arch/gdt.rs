@@ -3,12 +3,8 @@
 use kvm_bindings::kvm_segment;
 
 /// GDT entries: null, 64-bit code, data, TSS.
-pub const BOOT_GDT: [u64; 4] = [
-    gdt_entry(0, 0, 0),
-    gdt_entry(0xa09b, 0, 0xfffff),
-    gdt_entry(0xc093, 0, 0xfffff),
-    gdt_entry(0x808b, 0, 0xfffff),
-];
+pub const BOOT_GDT: [u64; 4] =
+    [gdt_entry(0, 0, 0), gdt_entry(0xa09b, 0, 0xfffff), gdt_entry(0xc093, 0, 0xfffff), gdt_entry(0x808b, 0, 0xfffff)];
 pub const CODE_SELECTOR_INDEX: u8 = 1;
 pub const DATA_SELECTOR_INDEX: u8 = 2;
 pub const TSS_SELECTOR_INDEX: u8 = 3;

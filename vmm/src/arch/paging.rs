@@ -34,8 +34,7 @@ mod tests {
         if pml4e & 1 == 0 {
             return None;
         }
-        let pdpte: u64 =
-            mem.read_obj(GuestAddress((pml4e & !0xfff) + ((va >> 30) & 0x1ff) * 8)).ok()?;
+        let pdpte: u64 = mem.read_obj(GuestAddress((pml4e & !0xfff) + ((va >> 30) & 0x1ff) * 8)).ok()?;
         if pdpte & 1 == 0 {
             return None;
         }

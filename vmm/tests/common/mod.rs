@@ -88,7 +88,7 @@ impl VmmProcess {
         let child = Command::new(VMM)
             .arg("--config")
             .arg(&cfg_path)
-            .env("BULKHEAD_VMM_LOG", "info")
+            .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -98,6 +98,17 @@ impl VmmProcess {
 
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
+    }
+
+    /// Kills the child (by PID) and returns what it logged, for failure messages.
+    pub fn kill_and_collect(mut self) -> Run {
+        let _ = self.child.kill();
+        let status = self.child.wait().expect("wait");
+        let mut stderr = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut stderr);
+        }
+        Run { status, stderr, serial: read_serial(&self.dir) }
     }
 
     /// Waits for exit; kills the child (by PID) and panics if the deadline passes.

@@ -69,9 +69,7 @@ impl DriverState {
             DriverState::Acknowledged => STATUS_ACKNOWLEDGE,
             DriverState::DriverLoaded => STATUS_ACKNOWLEDGE | STATUS_DRIVER,
             DriverState::FeaturesOk => STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
-            DriverState::Live => {
-                STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK
-            }
+            DriverState::Live => STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK,
             DriverState::Failed => STATUS_FAILED,
         }
     }
@@ -403,8 +401,8 @@ mod tests {
             broken: false,
             resets: 0,
         }));
-        let t = MmioTransport::new("fake".into(), mem, fake.clone(), IrqTrigger::new(EventFd::new(0).unwrap()))
-            .unwrap();
+        let t =
+            MmioTransport::new("fake".into(), mem, fake.clone(), IrqTrigger::new(EventFd::new(0).unwrap())).unwrap();
         (t, fake)
     }
 

@@ -111,9 +111,7 @@ fn serve(a: &mut Active, file: &File, read_only: bool, capacity: u64) -> Result<
         let req = Request::parse(&descs, &mem).map_err(|e| DeviceError::Request(e.to_string()))?;
         let (status, written) = execute(&req, &mem, file, read_only, capacity)?;
         mem.write_obj(status, req.status_addr).map_err(|e| DeviceError::Memory(e.to_string()))?;
-        a.queue
-            .add_used(&mem, head, written + 1)
-            .map_err(|e| DeviceError::Memory(e.to_string()))?;
+        a.queue.add_used(&mem, head, written + 1).map_err(|e| DeviceError::Memory(e.to_string()))?;
         done += 1;
     }
     Ok(done)
@@ -129,7 +127,11 @@ fn execute(
 ) -> Result<(u8, u32), DeviceError> {
     let in_disk = |len: u64| {
         len % SECTOR_SIZE == 0
-            && req.sector.checked_mul(SECTOR_SIZE).and_then(|o| o.checked_add(len)).is_some_and(|end| end <= capacity * SECTOR_SIZE)
+            && req
+                .sector
+                .checked_mul(SECTOR_SIZE)
+                .and_then(|o| o.checked_add(len))
+                .is_some_and(|end| end <= capacity * SECTOR_SIZE)
     };
     let mem_err = |e: vm_memory::GuestMemoryError| DeviceError::Memory(e.to_string());
     match req.kind {
@@ -219,10 +221,7 @@ impl VirtioDevice for Block {
         // Config space: capacity (le64) first; everything else reads as zero.
         let cap = self.capacity_sectors.to_le_bytes();
         for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| cap.get(o as usize).copied())
-                .unwrap_or(0);
+            *b = offset.checked_add(i as u64).and_then(|o| cap.get(o as usize).copied()).unwrap_or(0);
         }
     }
 

@@ -66,9 +66,7 @@ impl Request {
             return Err(RequestError::BadStatus);
         }
         let kind: u32 = mem.read_obj(header.addr).map_err(|_| RequestError::HeaderRead)?;
-        let sector: u64 = mem
-            .read_obj(header.addr.unchecked_add_u64(8))
-            .map_err(|_| RequestError::HeaderRead)?;
+        let sector: u64 = mem.read_obj(header.addr.unchecked_add_u64(8)).map_err(|_| RequestError::HeaderRead)?;
         let kind = match kind {
             REQ_IN => RequestType::In,
             REQ_OUT => RequestType::Out,
@@ -130,14 +128,8 @@ mod tests {
         let m = mem();
         m.write_obj(REQ_OUT, GuestAddress(0x1000)).unwrap();
         assert_eq!(Request::parse(&[d(0x1000, 16, false)], &m), Err(RequestError::TooShort));
-        assert_eq!(
-            Request::parse(&[d(0x1000, 8, false), d(0x3000, 1, true)], &m),
-            Err(RequestError::BadHeader)
-        );
-        assert_eq!(
-            Request::parse(&[d(0x1000, 16, false), d(0x3000, 1, false)], &m),
-            Err(RequestError::BadStatus)
-        );
+        assert_eq!(Request::parse(&[d(0x1000, 8, false), d(0x3000, 1, true)], &m), Err(RequestError::BadHeader));
+        assert_eq!(Request::parse(&[d(0x1000, 16, false), d(0x3000, 1, false)], &m), Err(RequestError::BadStatus));
         assert_eq!(
             Request::parse(&[d(0x1000, 16, false), d(0x2000, 512, true), d(0x3000, 1, true)], &m),
             Err(RequestError::BadDirection),

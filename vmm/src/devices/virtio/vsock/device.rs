@@ -204,7 +204,11 @@ impl VirtioDevice for Vsock {
     }
 
     fn reset(&mut self) {
-        self.muxer.reset();
+        // Host connections waiting for a guest that has not started its driver yet survive the
+        // driver's initial reset; after the device was live, every connection is gone.
+        if !matches!(self.state, DeviceState::Inactive) {
+            self.muxer.reset();
+        }
         self.state = DeviceState::Inactive;
         self.acked_features = 0;
     }
@@ -266,7 +270,17 @@ mod tests {
     }
 
     fn hdr(op: u16, src_port: u32, dst_port: u32, len: u32) -> VsockHeader {
-        VsockHeader { src_cid: 3, dst_cid: 2, src_port, dst_port, len, type_: TYPE_STREAM, op, buf_alloc: 4096, ..Default::default() }
+        VsockHeader {
+            src_cid: 3,
+            dst_cid: 2,
+            src_port,
+            dst_port,
+            len,
+            type_: TYPE_STREAM,
+            op,
+            buf_alloc: 4096,
+            ..Default::default()
+        }
     }
 
     fn rx_header(r: &Rig, slot: u16) -> VsockHeader {

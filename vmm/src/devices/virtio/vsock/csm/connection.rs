@@ -17,10 +17,14 @@ pub const CONN_BUF_ALLOC: u32 = 256 * 1024;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConnState {
     /// Host connected and sent CONNECT; we sent REQUEST and wait for the guest's RESPONSE.
-    LocalInit { deadline: Instant },
+    LocalInit {
+        deadline: Instant,
+    },
     Established,
     /// The host side hung up; we sent SHUTDOWN and wait for the guest's RST.
-    LocalClosed { deadline: Instant },
+    LocalClosed {
+        deadline: Instant,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use crate::devices::virtio::vsock::csm::connection::HostRead;
 use crate::devices::virtio::vsock::csm::{ConnState, VsockConnection};
 use crate::devices::virtio::vsock::packet::{
-    TxPacket, VsockHeader, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW,
-    OP_SHUTDOWN, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM,
+    TxPacket, VsockHeader, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN,
+    SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM,
 };
 use crate::devices::virtio::vsock::HOST_CID;
 
@@ -256,7 +256,8 @@ impl VsockMuxer {
 
     /// Expires stuck handshakes and connections.
     pub fn sweep(&mut self, now: Instant) {
-        let expired: Vec<RawFd> = self.handshakes.iter().filter(|(_, h)| h.deadline <= now).map(|(fd, _)| *fd).collect();
+        let expired: Vec<RawFd> =
+            self.handshakes.iter().filter(|(_, h)| h.deadline <= now).map(|(fd, _)| *fd).collect();
         for fd in expired {
             if let Some(h) = self.handshakes.remove(&fd) {
                 tracing::warn!("vsock: host connection sent no CONNECT line in time");
