@@ -220,7 +220,7 @@ impl Vcpu {
 
 fn unknown_mmio(vcpu: u8, op: &str, addr: u64, len: usize) {
     let n = UNKNOWN_MMIO.fetch_add(1, Ordering::Relaxed);
-    if n < UNKNOWN_MMIO_LOUD || n % 10_000 == 0 {
+    if n < UNKNOWN_MMIO_LOUD || n.is_multiple_of(10_000) {
         tracing::warn!(
             vcpu,
             op,

@@ -126,7 +126,7 @@ fn execute(
     capacity: u64,
 ) -> Result<(u8, u32), DeviceError> {
     let in_disk = |len: u64| {
-        len % SECTOR_SIZE == 0
+        len.is_multiple_of(SECTOR_SIZE)
             && req
                 .sector
                 .checked_mul(SECTOR_SIZE)
