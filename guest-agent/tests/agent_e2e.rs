@@ -31,6 +31,15 @@ async fn lifecycle_echo_exit_codes_and_destroy() {
     assert_eq!((w.exit_code, w.signal, w.oom_killed), (0, 0, false));
     assert!(w.exited_at_unix_nanos > 0);
 
+    // A figure for the report (not asserted): create -> start -> exit of a trivial container.
+    let t0 = Instant::now();
+    agent.create("timed", &spec(&rootfs, &["true"], vec![], json!({})), false).await.unwrap();
+    let created = t0.elapsed();
+    agent.start_ctr("timed").await;
+    agent.wait("timed", "").await;
+    println!("create {created:?}, create+start+exit {:?}", t0.elapsed());
+    agent.remove("timed").await;
+
     agent.create("seven", &spec(&rootfs, &["sh", "-c", "exit 7"], vec![], json!({})), false).await.unwrap();
     agent.start_ctr("seven").await;
     assert_eq!(agent.wait("seven", "").await.exit_code, 7);

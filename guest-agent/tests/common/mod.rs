@@ -224,10 +224,17 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // unshare --kill-child takes the agent (PID 1 of its namespace) and all below.
-            let _ = c.kill();
-            let _ = c.wait();
+        // Kill the agent (PID 1 of its namespace: everything below dies with it) and let
+        // unshare reap it, so no zombie is left to the host's init; bounded, then force.
+        if let Some(pid) = self.agent_pid() {
+            // SAFETY: plain kill(2) on the agent we started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        if self.wait_exit(Duration::from_secs(5)).is_none() {
+            if let Some(mut c) = self.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
         // Best effort: the per-test cgroup parent in every v1 controller (or v2). Killed
         // processes leave their cgroups asynchronously, so retry briefly (bounded).
