@@ -158,8 +158,18 @@ impl ProcessCore {
     /// Refuses signals to a process that is not running, as runc's shim does
     /// (containerd maps NotFound to "process already finished").
     pub fn ensure_alive(&self) -> Result<(), TaskError> {
+        self.ensure_signallable(false)
+    }
+
+    /// Like [`ProcessCore::ensure_alive`], but a created, not yet started process may be
+    /// signalled too when something already exists to receive it (a created container's init
+    /// waits in the agent; runc allows killing it likewise).
+    pub fn ensure_signallable(&self, created_exists: bool) -> Result<(), TaskError> {
         match self.state() {
             ProcessState::Running { .. } | ProcessState::Paused { .. } => Ok(()),
+            ProcessState::Created if created_exists => Ok(()),
+            // FailedPrecondition, not NotFound: containerd's WithProcessKill then deletes at
+            // once instead of waiting for an exit that never comes (an exec whose start failed).
             ProcessState::Created => Err(TaskError::FailedPrecondition("process is not started".into())),
             ProcessState::Exited { .. } => Err(TaskError::NotFound("process already finished".into())),
         }
@@ -212,7 +222,7 @@ impl Process for ContainerInit {
     }
 
     async fn kill(&self, signal: u32, all: bool) -> Result<(), TaskError> {
-        self.core.ensure_alive()?;
+        self.core.ensure_signallable(true)?;
         self.agent.signal_process(&self.core.container_id, None, signal, all).await?;
         Ok(())
     }
@@ -307,7 +317,7 @@ impl Process for SandboxInit {
     }
 
     async fn kill(&self, signal: u32, _all: bool) -> Result<(), TaskError> {
-        self.core.ensure_alive()?;
+        self.core.ensure_signallable(true)?;
         self.sandbox.signal(signal).await?;
         Ok(())
     }
@@ -374,5 +384,9 @@ mod tests {
         core.transition(ProcessEvent::Started { pid: 5 }).unwrap();
         core.transition(ProcessEvent::Exited(exit(0))).unwrap();
         assert!(matches!(core.ensure_alive(), Err(TaskError::NotFound(_))));
+        assert!(matches!(core.ensure_signallable(true), Err(TaskError::NotFound(_))));
+        let created = ProcessCore::new("c2", None, StdioPaths::default());
+        assert!(created.ensure_signallable(true).is_ok());
+        assert!(matches!(created.ensure_alive(), Err(TaskError::FailedPrecondition(_))));
     }
 }

@@ -100,6 +100,8 @@ const TASK_SERVICE_V3: &str = "containerd.task.v3.Task";
 async fn serve(flags: &Flags) -> anyhow::Result<()> {
     anyhow::ensure!(!flags.socket.is_empty(), "-socket is required in serve mode");
     crate::logging::init(flags.debug, &flags.namespace, &flags.id);
+    // stderr is /dev/null once serving: a panic must reach the shim log.
+    std::panic::set_hook(Box::new(|info| tracing::error!("panic: {info}")));
     let socket_path = flags.socket.strip_prefix("unix://").unwrap_or(&flags.socket).to_string();
     let listener = match bind(&socket_path) {
         Ok(listener) => listener,

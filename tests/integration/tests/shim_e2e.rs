@@ -444,7 +444,7 @@ async fn shim_error_paths_are_fast_and_clear() -> Result<()> {
     let started = Instant::now();
     let result = env.cri.exec_sync(&ctr, &["/no/such/binary"], 30).await;
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(10), "missing-binary exec took {took:?}");
+    assert!(took < Duration::from_secs(10), "missing-binary exec took {took:?}; {}", env.fail_context());
     match result {
         Err(e) => assert!(format!("{e:#}").contains("/no/such/binary"), "{e:#}"),
         Ok(out) => {
