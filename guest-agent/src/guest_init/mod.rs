@@ -152,6 +152,10 @@ pub fn prepare(mode: Mode, sys: &dyn Syscall) -> anyhow::Result<()> {
         let (res, optional) = run_step(&step, sys);
         match res {
             Ok(()) => {}
+            // EBUSY on a mount: the kernel (or a host, when testing) already mounted it.
+            Err(e) if matches!(step, Step::Mount { .. }) && e.raw_os_error() == Some(libc::EBUSY) => {
+                tracing::info!(?step, "already mounted")
+            }
             Err(e) if optional => tracing::warn!(?step, error = %e, "optional boot step failed"),
             Err(e) => anyhow::bail!("boot step {step:?} failed: {e}"),
         }
@@ -225,9 +229,11 @@ mod tests {
 
     #[test]
     fn optional_failures_are_tolerated_fatal_ones_are_not() {
-        let sys = RecordingSyscall::failing_mount("/dev");
+        let sys = RecordingSyscall::failing_mount("/dev", libc::EINVAL);
         prepare(Mode::Guest, &sys).unwrap();
-        let sys = RecordingSyscall::failing_mount("/proc");
+        let sys = RecordingSyscall::failing_mount("/sys", libc::EBUSY);
+        prepare(Mode::Guest, &sys).unwrap();
+        let sys = RecordingSyscall::failing_mount("/proc", libc::EINVAL);
         let err = prepare(Mode::Guest, &sys).unwrap_err().to_string();
         assert!(err.contains("/proc"), "{err}");
     }

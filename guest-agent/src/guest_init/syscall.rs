@@ -46,12 +46,12 @@ pub mod test {
     #[derive(Default)]
     pub struct RecordingSyscall {
         calls: Mutex<Vec<Call>>,
-        fail_mount_target: Option<PathBuf>,
+        fail_mount_target: Option<(PathBuf, i32)>,
     }
 
     impl RecordingSyscall {
-        pub fn failing_mount(target: &str) -> Self {
-            Self { fail_mount_target: Some(target.into()), ..Default::default() }
+        pub fn failing_mount(target: &str, errno: i32) -> Self {
+            Self { fail_mount_target: Some((target.into(), errno)), ..Default::default() }
         }
         pub fn calls(&self) -> Vec<Call> {
             self.calls.lock().unwrap().clone()
@@ -77,8 +77,10 @@ pub mod test {
                 flags,
                 data: data.map(Into::into),
             });
-            if self.fail_mount_target.as_deref() == Some(target) {
-                return Err(io::Error::from_raw_os_error(libc::EBUSY));
+            if let Some((t, errno)) = &self.fail_mount_target {
+                if t == target {
+                    return Err(io::Error::from_raw_os_error(*errno));
+                }
             }
             Ok(())
         }

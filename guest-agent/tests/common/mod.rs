@@ -72,8 +72,26 @@ impl Agent {
         Self::start_full(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), Some("vsock")).await
     }
 
+    /// Starts the agent in `--mode guest` (its boot mounts land in the private mount
+    /// namespace). Its state and socket live under the target dir, since the agent mounts
+    /// fresh tmpfs on /tmp and /run.
+    pub async fn start_guest_mode(name: &str) -> Agent {
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest").await
+    }
+
     async fn start_full(name: &str, bin: &Path, listen: Option<&str>) -> Agent {
-        let dir = tempfile::Builder::new().prefix("bhagent").tempdir_in("/tmp").expect("tempdir");
+        Self::start_inner(name, bin, listen, "namespace").await
+    }
+
+    async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str) -> Agent {
+        let parent = if mode == "guest" {
+            let p = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
+            std::fs::create_dir_all(&p).expect("target tmpdir");
+            p
+        } else {
+            PathBuf::from("/tmp")
+        };
+        let dir = tempfile::Builder::new().prefix("bhagent").tempdir_in(parent).expect("tempdir");
         let sock = dir.path().join("agent.sock");
         let cgroup_parent = format!("/bulkhead-test-{}-{name}", std::process::id());
         let log = std::fs::File::create(dir.path().join("agent.log")).expect("log file");
@@ -82,7 +100,7 @@ impl Agent {
             .arg(bin)
             .arg("--listen")
             .arg(listen.map(str::to_owned).unwrap_or_else(|| format!("unix:{}", sock.display())))
-            .args(["--mode", "namespace", "--state-dir"])
+            .args(["--mode", mode, "--state-dir"])
             .arg(dir.path().join("state"))
             .args(["--cgroup-parent", &cgroup_parent])
             .env("BULKHEAD_AGENT_LOG", "info")
