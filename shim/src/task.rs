@@ -317,7 +317,16 @@ impl TaskService {
         if req.exec_id.is_empty() {
             self.oom_reported.lock().unwrap_or_else(|p| p.into_inner()).remove(&req.id);
         }
-        let pid = process.start().await?;
+        let pid = match process.start().await {
+            Ok(pid) => pid,
+            Err(e) => {
+                // As runc: a process that failed to start has ended; its waiters are released
+                // and its stdio closed, so containerd's kill-then-delete cleanup does not hang.
+                let _ = core.transition(ProcessEvent::Exited(ExitInfo::from_agent(255, 0, false)));
+                core.io.lock().await.finish(Duration::ZERO).await;
+                return Err(e);
+            }
+        };
         let mut attach_error = None;
         if let Some(exec_id) = &core.exec_id {
             // The agent holds the process's output until its streams attach.

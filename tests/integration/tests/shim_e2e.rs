@@ -454,6 +454,14 @@ async fn shim_error_paths_are_fast_and_clear() -> Result<()> {
         }
     }
 
+    // A container whose entrypoint is missing fails StartContainer fast, naming it.
+    let broken = env.cri.create_container(&pod_id, &container_config("broken", &["/no/such/entrypoint"]), &pod).await?;
+    let started = Instant::now();
+    let err = env.cri.start_container(&broken).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10), "failed start took {:?}", started.elapsed());
+    assert!(format!("{err:#}").contains("/no/such/entrypoint"), "{err:#}");
+    env.cri.remove_container(&broken).await?;
+
     // Kill (StopContainer) on a task that already exited is handled.
     let done = env.cri.create_container(&pod_id, &container_config("done", &["true"]), &pod).await?;
     env.cri.start_container(&done).await?;
