@@ -533,3 +533,56 @@ async fn shim_pod_network_namespace_is_joined() -> Result<()> {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "bulkhead-net\n");
     Ok(())
 }
+
+/// `ctr` against the test's containerd, in CRI's namespace.
+async fn ctr(env: &Env, args: &[&str]) -> Result<String> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new("ctr")
+            .arg("--address")
+            .arg(env.containerd.address())
+            .args(["-n", "k8s.io"])
+            .args(args)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .map_err(|_| anyhow!("ctr {args:?} timed out"))??;
+    if !out.status.success() {
+        bail!("ctr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn task_status(list: &str, id: &str) -> Option<String> {
+    list.lines().find(|l| l.starts_with(id)).and_then(|l| l.split_whitespace().nth(2)).map(str::to_string)
+}
+
+#[tokio::test]
+async fn shim_task_api_pause_resume_pids_metrics() -> Result<()> {
+    let Some(env) = setup("shim_task_api_pause_resume_pids_metrics", vec![]).await? else { return Ok(()) };
+    let pod = env.pod("taskapi")?;
+    let (_pod_id, ctr_id) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("taskapi"))).await.with_context(|| env.fail_context())?;
+
+    // Pids: the container's processes, as the agent lists them.
+    let ps = ctr(&env, &["task", "ps", &ctr_id]).await?;
+    assert!(ps.lines().count() >= 2, "task ps: {ps}");
+
+    // Pause and Resume go through the agent's freezer and show in the task state.
+    ctr(&env, &["task", "pause", &ctr_id]).await?;
+    let list = ctr(&env, &["task", "ls"]).await?;
+    assert_eq!(task_status(&list, &ctr_id).as_deref(), Some("PAUSED"), "{list}");
+    ctr(&env, &["task", "resume", &ctr_id]).await?;
+    let list = ctr(&env, &["task", "ls"]).await?;
+    assert_eq!(task_status(&list, &ctr_id).as_deref(), Some("RUNNING"), "{list}");
+    let out = env.cri.exec_sync(&ctr_id, &["echo", "resumed"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "resumed\n");
+
+    // Stats: cgroup metrics of the container, as containerd decodes them.
+    let metrics = ctr(&env, &["task", "metrics", "--format", "json", &ctr_id]).await?;
+    let value: serde_json::Value = serde_json::from_str(&metrics).with_context(|| format!("metrics: {metrics}"))?;
+    let usage = value.pointer("/memory/usage/usage").and_then(serde_json::Value::as_u64).unwrap_or_default();
+    assert!(usage > 0, "memory usage in metrics: {metrics}");
+    Ok(())
+}
