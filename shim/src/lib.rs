@@ -9,7 +9,9 @@
 //! Map (follow one RPC from [`task`] into [`sandbox`] and [`agent`]):
 //! - [`service`]: the shim's own lifecycle: `start` (spawn or reuse by pod), `delete`
 //!   (cleanup after a crash), serve mode.
-//! - [`task`]: the Task RPCs, on top of [`container`] and [`process`].
+//! - [`task`]: the Task RPCs, on top of [`container`] and [`process`]; [`watch`] follows
+//!   exits and OOM events in the background.
+//! - [`options`]: the runtime options (`ConfigPath`) containerd passes.
 //! - [`spec`]: OCI spec validation and translation for the agent.
 //! - [`io`]: containerd FIFOs / log files <-> agent stream connections.
 //! - [`events`]: publishing task events to containerd.
@@ -22,11 +24,13 @@ pub mod container;
 pub mod events;
 pub mod io;
 pub mod logging;
+pub mod options;
 pub mod process;
 pub mod sandbox;
 pub mod service;
 pub mod spec;
 pub mod task;
+pub mod watch;
 
 /// The runtime id containerd knows this shim by.
 pub const RUNTIME_ID: &str = "io.containerd.bulkhead.v2";

@@ -18,7 +18,6 @@ use containerd_shim::api::{
 use containerd_shim::protos::cgroups::metrics::{
     CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat, Throttle,
 };
-use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::well_known_types::empty::Empty;
 use containerd_shim::protos::types::task::{ProcessInfo, Status};
 use containerd_shim::{DeleteResponse, ExitSignal, Task, TtrpcContext, TtrpcResult};
@@ -30,14 +29,12 @@ use crate::container::{stdio_config, Container, ContainerKind};
 use crate::events::{timestamp, EventSink};
 use crate::io::{IoError, IoSession, StdioPaths};
 use crate::process::{
-    ContainerInit, ExecProcess, ExitInfo, ExitSource, Process, ProcessCore, ProcessEvent, ProcessState, SandboxInit,
+    ContainerInit, ExecProcess, ExitInfo, Process, ProcessCore, ProcessEvent, ProcessState, SandboxInit,
 };
 use crate::sandbox::paths::BundleRecord;
 use crate::sandbox::{self, Sandbox, SandboxError, SandboxRequest};
 use crate::spec::{self, BundleSpec, Role, SpecError};
 
-/// How long the exit path waits for stdout/stderr to drain before publishing TaskExit.
-const IO_DRAIN: Duration = Duration::from_secs(2);
 /// Longest Update resources / exec process JSON accepted from containerd.
 const MAX_JSON: usize = 1 << 20;
 
@@ -103,51 +100,6 @@ pub struct TaskService {
     pod_span: tracing::Span,
 }
 
-/// The runtime options containerd passes for non-runc runtimes (`runtimeoptions.v1.Options`,
-/// Kata's convention): `type_url` = 1, `config_path` = 2.
-pub fn config_path_from_options(any: Option<&Any>) -> Result<Option<String>, TaskError> {
-    let Some(any) = any else { return Ok(None) };
-    if !any.type_url.ends_with("runtimeoptions.v1.Options") {
-        return Ok(None);
-    }
-    let mut buf = any.value.as_slice();
-    let mut config_path = None;
-    while !buf.is_empty() {
-        let (key, rest) = read_varint(buf)?;
-        buf = rest;
-        let (field, wire) = (key >> 3, key & 7);
-        match wire {
-            2 => {
-                let (len, rest) = read_varint(buf)?;
-                let len = usize::try_from(len)
-                    .ok()
-                    .filter(|l| *l <= rest.len())
-                    .ok_or_else(|| TaskError::InvalidArgument("runtime options: truncated".into()))?;
-                if field == 2 {
-                    let s = std::str::from_utf8(&rest[..len])
-                        .map_err(|_| TaskError::InvalidArgument("runtime options: ConfigPath is not UTF-8".into()))?;
-                    config_path = Some(s.to_string()).filter(|s| !s.is_empty());
-                }
-                buf = &rest[len..];
-            }
-            0 => buf = read_varint(buf)?.1,
-            _ => return Err(TaskError::InvalidArgument(format!("runtime options: unexpected wire type {wire}"))),
-        }
-    }
-    Ok(config_path)
-}
-
-fn read_varint(buf: &[u8]) -> Result<(u64, &[u8]), TaskError> {
-    let mut value = 0u64;
-    for (i, byte) in buf.iter().enumerate().take(10) {
-        value |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Ok((value, &buf[i + 1..]));
-        }
-    }
-    Err(TaskError::InvalidArgument("runtime options: bad varint".into()))
-}
-
 fn status_of(state: ProcessState) -> Status {
     match state {
         ProcessState::Created => Status::CREATED,
@@ -191,8 +143,8 @@ impl TaskService {
     }
 
     async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, TaskError> {
-        let config_path =
-            config_path_from_options(req.options.as_ref())?.unwrap_or_else(|| DEFAULT_CONFIG_PATH.to_string());
+        let config_path = crate::options::config_path_from_options(req.options.as_ref())?
+            .unwrap_or_else(|| DEFAULT_CONFIG_PATH.to_string());
         let config = Config::load(Path::new(&config_path))?;
         let bundle = PathBuf::from(&req.bundle);
         let spec = BundleSpec::load(&bundle)?;
@@ -247,8 +199,14 @@ impl TaskService {
         *slot = PodSandbox::Running(sandbox.clone());
         drop(slot);
         tokio::spawn(
-            oom_watch(agent, self.events.clone(), self.oom_reported.clone(), self.containers.clone(), sandbox.clone())
-                .in_current_span(),
+            crate::watch::oom_watch(
+                agent,
+                self.events.clone(),
+                self.oom_reported.clone(),
+                self.containers.clone(),
+                sandbox.clone(),
+            )
+            .in_current_span(),
         );
         let init = SandboxInit { core: ProcessCore::new(&req.id, None, stdio), sandbox };
         // The sandbox runs from Create on; Start only reports it.
@@ -345,7 +303,9 @@ impl TaskService {
             None => self.events.start(&req.id, pid).await,
             Some(exec_id) => self.events.exec_started(&req.id, exec_id, pid).await,
         }
-        tokio::spawn(watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span());
+        tokio::spawn(
+            crate::watch::watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span(),
+        );
         if let Some(e) = attach_error {
             return Err(e);
         }
@@ -518,80 +478,6 @@ fn delete_response(state: ProcessState) -> DeleteResponse {
         exit_status: exit.map(|e| e.status).unwrap_or_default(),
         exited_at: exit.map(|e| timestamp(e.at)).into(),
         ..Default::default()
-    }
-}
-
-/// Waits for one process to end, drains its output, records the exit and tells containerd.
-async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_reported: Arc<Mutex<HashSet<String>>>) {
-    let core = process.core();
-    let exit = match process.exit_source() {
-        ExitSource::Agent(agent) => {
-            match agent.wait_process(&core.container_id, core.exec_id.as_deref()).await {
-                Ok(e) => ExitInfo::from_agent(e.code, e.at_unix_nanos, e.oom_killed),
-                Err(e) => {
-                    // The agent is gone, and with it every process of the pod (SIGKILL).
-                    warn!("wait: {e}; reporting the process as killed");
-                    ExitInfo::from_agent(128 + 9, 0, false)
-                }
-            }
-        }
-        ExitSource::Sandbox(sandbox) => sandbox.wait().await,
-    };
-    core.io.lock().await.finish(IO_DRAIN).await;
-    if exit.oom_killed && core.exec_id.is_none() {
-        let first = oom_reported.lock().unwrap_or_else(|p| p.into_inner()).insert(core.container_id.clone());
-        if first {
-            events.oom(&core.container_id).await;
-        }
-    }
-    let pid = core.state().pid();
-    if let Err(e) = core.transition(ProcessEvent::Exited(exit)) {
-        warn!("record exit: {e}");
-    }
-    info!(status = exit.status, oom = exit.oom_killed, "process exited");
-    events.exit(&core.container_id, core.event_id(), pid, exit.status, exit.at).await;
-}
-
-/// Relays the agent's OOM events as TaskOOM until the sandbox ends.
-async fn oom_watch(
-    agent: Arc<AgentClient>,
-    events: Arc<EventSink>,
-    oom_reported: Arc<Mutex<HashSet<String>>>,
-    containers: Arc<tokio::sync::Mutex<HashMap<String, Container>>>,
-    sandbox: Arc<dyn Sandbox>,
-) {
-    let mut after = 0;
-    let ended = sandbox.wait();
-    tokio::pin!(ended);
-    loop {
-        tokio::select! {
-            _ = &mut ended => return,
-            next = agent.next_oom_event(after, Duration::from_secs(30)) => match next {
-                Ok(Some(event)) => {
-                    after = event.seq;
-                    // The agent may only speak for containers of its own pod.
-                    let known = containers
-                        .lock()
-                        .await
-                        .get(&event.container_id)
-                        .is_some_and(|c| c.kind == ContainerKind::Workload);
-                    if !known {
-                        warn!(container = %event.container_id, "OOM event for a container not in this pod; ignored");
-                        continue;
-                    }
-                    oom_reported
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(event.container_id.clone());
-                    events.oom(&event.container_id).await;
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    warn!("OOM events: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
-        }
     }
 }
 
@@ -774,37 +660,6 @@ impl Task for TaskService {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn any(type_url: &str, value: Vec<u8>) -> Any {
-        Any { type_url: type_url.into(), value, ..Default::default() }
-    }
-
-    fn encode_options(type_url: &str, config_path: &str) -> Vec<u8> {
-        let mut out = Vec::new();
-        for (field, s) in [(1u8, type_url), (2u8, config_path)] {
-            out.push(field << 3 | 2);
-            out.push(s.len() as u8);
-            out.extend_from_slice(s.as_bytes());
-        }
-        out
-    }
-
-    #[test]
-    fn config_path_comes_from_runtime_options() {
-        let a = any("runtimeoptions.v1.Options", encode_options("", "/etc/bulkhead/test.toml"));
-        assert_eq!(config_path_from_options(Some(&a)).unwrap().as_deref(), Some("/etc/bulkhead/test.toml"));
-        assert_eq!(config_path_from_options(None).unwrap(), None);
-        let runc = any("containerd.runc.v1.Options", vec![1, 2, 3]);
-        assert_eq!(config_path_from_options(Some(&runc)).unwrap(), None);
-    }
-
-    #[test]
-    fn malformed_runtime_options_are_an_error() {
-        let truncated = any("runtimeoptions.v1.Options", vec![0x12, 50, b'a']);
-        assert!(config_path_from_options(Some(&truncated)).is_err());
-        let bad_varint = any("runtimeoptions.v1.Options", vec![0xff; 12]);
-        assert!(config_path_from_options(Some(&bad_varint)).is_err());
-    }
 
     #[test]
     fn errors_map_to_ttrpc_codes() {
