@@ -189,10 +189,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
 [plugins."io.containerd.grpc.v1.cri".containerd]
   snapshotter = "overlayfs"
-  default_runtime_name = "runc"
+  default_runtime_name = "{default_runtime}"
 "#,
             pause = images::PAUSE,
             port = self.stream_port,
+            // containerd refuses a default that names no configured runtime.
+            default_runtime = config.handlers.first().map_or("runc", |h| h.name.as_str()),
         );
         for h in &config.handlers {
             let base = format!(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}]"#, toml_key(&h.name));

@@ -186,6 +186,9 @@ async fn shim_pod_lifecycle_leaves_nothing_behind() -> Result<()> {
     assert_eq!(out.exit_code, 0);
     // The shim log (copied into containerd's) says the namespace backend does not isolate.
     let log = std::fs::read_to_string(env.containerd.log_path())?;
+    if std::env::var_os("BULKHEAD_SHOW_LOG").is_some() {
+        println!("{log}");
+    }
     assert!(log.contains("NO VM isolation") && log.contains(&pod_id), "no isolation warning for {pod_id}");
 
     let grace = 10;

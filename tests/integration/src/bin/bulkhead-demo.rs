@@ -20,7 +20,14 @@ impl Steps {
 }
 
 #[tokio::main]
-async fn main() -> Result<()> {
+async fn main() {
+    if let Err(e) = demo().await {
+        eprintln!("bulkhead demo failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn demo() -> Result<()> {
     if let Some(reason) = skip_reason() {
         bail!("the demo cannot run here: {reason}");
     }
