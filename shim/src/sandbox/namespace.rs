@@ -120,6 +120,8 @@ impl NamespaceSandbox {
         }
         let mut child = command.spawn().map_err(io("spawn namespace launcher"))?;
         let pid = child.id().unwrap_or_default();
+        // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
+        let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
         std::fs::write(paths.pid_file(), pid.to_string()).map_err(io("write pid file"))?;
         info!(sandbox = %req.sandbox_id, pid, netns = ?req.netns, "agent launched");
 
@@ -128,7 +130,7 @@ impl NamespaceSandbox {
             (child.stderr.take().map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), "stderr"),
         ] {
             if let Some(pipe) = pipe {
-                tokio::spawn(forward_agent_log(pipe, name).in_current_span());
+                tokio::spawn(forward_agent_log(pipe, name).instrument(life_span.clone()));
             }
         }
 
@@ -153,7 +155,7 @@ impl NamespaceSandbox {
                 info!(status = exit.status, "sandbox exited");
                 exit_tx.send_replace(Some(exit));
             }
-            .in_current_span(),
+            .instrument(life_span),
         );
 
         let timeouts = Timeouts {
