@@ -6,6 +6,7 @@ mod container;
 mod error;
 mod frame_guard;
 mod guest_init;
+mod network;
 mod oom;
 mod reaper;
 mod runtime;

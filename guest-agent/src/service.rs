@@ -87,7 +87,22 @@ impl Agent for AgentService {
             entropy_seed: req.entropy_seed,
             mounts: mounts(&req.guest_mounts),
         };
+        let interfaces = crate::network::parse_interfaces(
+            &req.interfaces
+                .iter()
+                .map(|i| (i.name.clone(), i.mac.clone(), i.mtu, i.addresses.clone()))
+                .collect::<Vec<_>>(),
+        )?;
+        let routes = crate::network::parse_routes(
+            &req.routes
+                .iter()
+                .map(|r| (r.destination.clone(), r.gateway.clone(), r.device.clone()))
+                .collect::<Vec<_>>(),
+        )?;
         self.sandbox.setup(&s)?;
+        if !interfaces.is_empty() || !routes.is_empty() || self.sandbox.mode == crate::cli::Mode::Guest {
+            crate::network::apply(&interfaces, &routes).await?;
+        }
         Ok(pb::Empty::default())
     }
 

@@ -76,14 +76,19 @@ impl Agent {
     /// namespace). Its state and socket live under the target dir, since the agent mounts
     /// fresh tmpfs on /tmp and /run.
     pub async fn start_guest_mode(name: &str) -> Agent {
-        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest").await
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest", true).await
     }
 
     async fn start_full(name: &str, bin: &Path, listen: Option<&str>) -> Agent {
-        Self::start_inner(name, bin, listen, "namespace").await
+        Self::start_inner(name, bin, listen, "namespace", false).await
     }
 
-    async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str) -> Agent {
+    /// Namespace mode in a fresh network namespace too (for the network setup test).
+    pub async fn start_netns(name: &str) -> Agent {
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "namespace", true).await
+    }
+
+    async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str, net: bool) -> Agent {
         let parent = if mode == "guest" {
             let p = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
             std::fs::create_dir_all(&p).expect("target tmpdir");
@@ -97,6 +102,7 @@ impl Agent {
         let log = std::fs::File::create(dir.path().join("agent.log")).expect("log file");
         let child = Command::new("unshare")
             .args(["--fork", "--kill-child", "--pid", "--mount", "--uts", "--ipc"])
+            .args(if net { &["--net"][..] } else { &[][..] })
             .arg(bin)
             .arg("--listen")
             .arg(listen.map(str::to_owned).unwrap_or_else(|| format!("unix:{}", sock.display())))

@@ -1,0 +1,83 @@
+//! SetupSandbox's interfaces and routes, applied by the agent in its own network namespace.
+
+mod common;
+
+use std::process::Command;
+
+use bulkhead_protocol::agent::*;
+use common::*;
+
+fn in_netns(pid: i32, args: &[&str]) -> String {
+    let out =
+        Command::new("nsenter").args(["--target", &pid.to_string(), "--net"]).args(args).output().expect("nsenter");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_sandbox_configures_interfaces_and_routes() {
+    if !can_run("setup_sandbox_configures_interfaces_and_routes") {
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        println!("SKIPPED: setup_sandbox_configures_interfaces_and_routes: ip(8) not installed");
+        return;
+    }
+    let agent = Agent::start_netns("net").await;
+    let pid = agent.agent_pid().expect("agent pid");
+    // Stand-in for the guest's virtio-net device.
+    in_netns(pid, &["ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0"]);
+
+    let req = SetupSandboxRequest {
+        interfaces: vec![Interface {
+            name: "eth0".into(),
+            mac: "02:42:0a:58:00:07".into(),
+            mtu: 1400,
+            addresses: vec!["10.88.0.7/16".into(), "fd00::7/64".into()],
+            ..Default::default()
+        }],
+        routes: vec![
+            Route {
+                destination: "default".into(),
+                gateway: "10.88.0.1".into(),
+                device: "eth0".into(),
+                ..Default::default()
+            },
+            Route { destination: "192.168.50.0/24".into(), device: "eth0".into(), ..Default::default() },
+        ],
+        ..Default::default()
+    };
+    agent.client.setup_sandbox(ctx(), &req).await.unwrap_or_else(|e| panic!("setup: {e}\n{}", agent.log()));
+
+    let link = in_netns(pid, &["ip", "-o", "link", "show", "eth0"]);
+    assert!(link.contains("02:42:0a:58:00:07") && link.contains("mtu 1400"), "{link}");
+    assert!(link.contains(",UP") || link.contains("<UP") || link.contains(" UP"), "{link}");
+    let addrs = in_netns(pid, &["ip", "-o", "addr", "show", "dev", "eth0"]);
+    assert!(addrs.contains("10.88.0.7/16") && addrs.contains("fd00::7/64"), "{addrs}");
+    let routes = in_netns(pid, &["ip", "route"]);
+    assert!(routes.contains("default via 10.88.0.1 dev eth0"), "{routes}");
+    assert!(routes.contains("192.168.50.0/24 dev eth0"), "{routes}");
+    let lo = in_netns(pid, &["ip", "-o", "link", "show", "lo"]);
+    assert!(lo.contains("UP"), "lo not up: {lo}");
+
+    // Applying the same config again is fine (replace semantics).
+    agent.client.setup_sandbox(ctx(), &req).await.unwrap();
+
+    // Precise errors: unknown device, malformed address.
+    let bad = SetupSandboxRequest {
+        interfaces: vec![Interface { name: "nope0".into(), ..Default::default() }],
+        ..Default::default()
+    };
+    let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
+    let bad = SetupSandboxRequest {
+        interfaces: vec![Interface {
+            name: "eth0".into(),
+            addresses: vec!["10.0.0.300/8".into()],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+}
