@@ -180,10 +180,14 @@ async fn delete_after_crash(namespace: &str, id: &str, containerd_address: &str)
     let bundle = Path::new(".");
     let Ok(record) = BundleRecord::read(bundle) else {
         // Create never got far enough to record anything; only a rootfs may be mounted.
-        unmount_all(&bundle.join("rootfs").canonicalize().unwrap_or_default());
+        if let Ok(rootfs) = bundle.join("rootfs").canonicalize() {
+            unmount_all(&rootfs);
+        }
         return;
     };
-    let paths = PodPaths::new(&record.state_dir, &record.sandbox_id);
+    let Some(paths) = PodPaths::new(&record.state_dir, &record.sandbox_id) else {
+        return;
+    };
     if let Ok(rootfs) = bundle.join("rootfs").canonicalize() {
         unmount_all(&paths.rootfs(id));
         unmount_all(&rootfs);

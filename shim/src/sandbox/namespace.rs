@@ -64,7 +64,8 @@ impl NamespaceSandbox {
             "namespace backend: this pod runs with NO VM isolation (host kernel shared); \
              use backend = \"vm\" for isolation"
         );
-        let paths = PodPaths::new(&config.state_dir, &req.sandbox_id);
+        let paths = PodPaths::new(&config.state_dir, &req.sandbox_id)
+            .ok_or_else(|| SandboxError::AgentStart(format!("sandbox id {:?} is not a plain id", req.sandbox_id)))?;
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
         std::fs::create_dir_all(paths.rootfs_dir()).map_err(io(format!("create {}", paths.rootfs_dir().display())))?;
@@ -270,6 +271,10 @@ fn agent_rootfs_mounts(bundle_rootfs: &Path, mounts: &[Mount]) -> Vec<pb::Mount>
 
 /// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
 fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    // Never "everything": only a real, absolute directory below the root qualifies.
+    if !dir.is_absolute() || dir.parent().is_none() {
+        return Vec::new();
+    }
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return Vec::new();
     };
@@ -423,6 +428,13 @@ mod tests {
     }
 
     #[test]
+    fn unmount_scope_is_never_the_whole_host() {
+        assert!(mounts_below(Path::new("")).is_empty());
+        assert!(mounts_below(Path::new("/")).is_empty());
+        assert!(mounts_below(Path::new("relative/dir")).is_empty());
+    }
+
+    #[test]
     fn mountinfo_escapes_are_undone() {
         assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
@@ -438,7 +450,7 @@ mod tests {
     #[tokio::test]
     async fn cleanup_of_missing_state_is_a_no_op() {
         let dir = tempfile::tempdir().unwrap();
-        let paths = PodPaths::new(dir.path(), "nothing-here");
+        let paths = PodPaths::new(dir.path(), "nothing-here").unwrap();
         cleanup(&paths).await;
         assert!(!paths.dir.exists());
     }

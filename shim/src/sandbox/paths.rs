@@ -9,8 +9,11 @@ pub struct PodPaths {
 }
 
 impl PodPaths {
-    pub fn new(state_dir: &Path, sandbox_id: &str) -> Self {
-        Self { dir: state_dir.join(sandbox_id) }
+    /// `None` unless `sandbox_id` is a plain id (containerd's rule: `[A-Za-z0-9_.-]`, starting
+    /// alphanumeric), so a pod directory can never be the state dir itself or outside it.
+    pub fn new(state_dir: &Path, sandbox_id: &str) -> Option<Self> {
+        bulkhead_protocol::stream::validate_id(sandbox_id).ok()?;
+        Some(Self { dir: state_dir.join(sandbox_id) })
     }
 
     /// The agent's hybrid-vsock Unix socket (short name: sun_path has 108 bytes).
@@ -73,9 +76,18 @@ mod tests {
     }
 
     #[test]
+    fn pod_dirs_stay_inside_the_state_dir() {
+        let state = Path::new("/run/bulkhead");
+        for bad in ["", ".", "..", "../x", "a/b", "/abs"] {
+            assert!(PodPaths::new(state, bad).is_none(), "{bad:?}");
+        }
+        assert_eq!(PodPaths::new(state, "abc").unwrap().dir, state.join("abc"));
+    }
+
+    #[test]
     fn socket_path_fits_sun_path_for_default_state_dir() {
         let id = "a".repeat(64);
-        let paths = PodPaths::new(Path::new("/run/bulkhead"), &id);
+        let paths = PodPaths::new(Path::new("/run/bulkhead"), &id).unwrap();
         assert!(paths.agent_socket().as_os_str().len() < 108);
     }
 }
