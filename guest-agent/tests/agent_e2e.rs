@@ -324,6 +324,16 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     sec["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_NOTIFY"});
     let e = agent.create("sec2", &sec, false).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::UNIMPLEMENTED, "{e}");
+    // A missing executable fails at create with a message naming it.
+    let e = agent.create("nobin", &spec(&rootfs, &["/no/such/binary"], vec![], json!({})), false).await.unwrap_err();
+    println!("missing executable -> {e}");
+    assert!(format!("{e}").contains("/no/such/binary"), "{e}");
+    // ...and leaves nothing behind: the id is usable again.
+    agent
+        .create("nobin", &spec(&rootfs, &["true"], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("re-create after failure: {e}\n{}", agent.log()));
+    agent.remove("nobin").await;
     // Unknown container.
     let e = agent.wait_ms("ghost", "", 2000).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
