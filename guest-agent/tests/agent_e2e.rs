@@ -483,3 +483,55 @@ async fn sigterm_to_the_agent_destroys_the_sandbox() {
     assert!(agent.wait_exit(Duration::from_secs(15)).is_some(), "agent ignored SIGTERM\n{}", agent.log());
     assert!(agent.log().contains("SIGTERM: destroying the sandbox"), "{}", agent.log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_security_settings_are_applied() {
+    if !can_run("spec_security_settings_are_applied") {
+        return;
+    }
+    let agent = Agent::start("secure").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let probe = "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; echo nofile=$(ulimit -n); \
+                 echo keys=$(ls -l /proc/keys | cut -c1) fw=$(ls /sys/firmware | wc -l); \
+                 (echo 1 > /proc/sys/kernel/domainname) 2>/dev/null && echo sys=rw || echo sys=ro; \
+                 hostname";
+    agent
+        .create("sec", &spec(&rootfs, &["sh", "-c", probe], vec![], json!({})), false)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let mut out = agent.stream("sec", None, StreamKind::Stdout).await;
+    agent.start_ctr("sec").await;
+    let text = read_all(&mut out).await;
+    println!("{text}");
+    // CAP_CHOWN|DAC_OVERRIDE|FOWNER|FSETID|KILL|SETGID|SETUID|SETPCAP|NET_BIND_SERVICE|SYS_CHROOT
+    assert!(text.contains("CapEff:\t00000000000405fb"), "{text}");
+    assert!(text.contains("NoNewPrivs:\t1"), "{text}");
+    assert!(text.contains("nofile=1024"), "{text}");
+    // Masked: /dev/null (a char device) over a file, an empty read-only tmpfs over a dir.
+    assert!(text.contains("keys=c"), "masked file not masked: {text}");
+    assert!(text.contains("fw=0"), "masked dir not masked: {text}");
+    assert!(text.contains("sys=ro"), "readonly path writable: {text}");
+    assert!(text.contains("ctr"), "hostname from spec: {text}");
+    assert_eq!(agent.wait("sec", "").await.exit_code, 0);
+
+    // user/group (and supplementary groups) from the spec, on an exec.
+    agent.create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.start_ctr("box").await;
+    let process = json!({
+        "user": {"uid": 1000, "gid": 1000, "additionalGids": [5]},
+        "args": ["id"], "env": ["PATH=/bin"], "cwd": "/", "noNewPrivileges": true
+    });
+    let req = ExecProcessRequest {
+        container_id: "box".into(),
+        exec_id: "who".into(),
+        process_json: serde_json::to_vec(&process).unwrap(),
+        ..Default::default()
+    };
+    agent.client.exec_process(ctx(), &req).await.unwrap_or_else(|e| panic!("exec: {e}\n{}", agent.log()));
+    let mut out = agent.stream("box", Some("who"), StreamKind::Stdout).await;
+    let id = read_all(&mut out).await;
+    assert!(id.starts_with("uid=1000 gid=1000"), "{id}");
+    assert!(id.contains("groups=") && id.contains('5'), "{id}");
+    agent.remove("sec").await;
+    agent.remove("box").await;
+}
