@@ -494,7 +494,7 @@ async fn spec_security_settings_are_applied() {
     let probe = "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; echo nofile=$(ulimit -n); \
                  echo keys=$(ls -l /proc/keys | cut -c1) fw=$(ls /sys/firmware | wc -l); \
                  (echo 1 > /proc/sys/kernel/domainname) 2>/dev/null && echo sys=rw || echo sys=ro; \
-                 hostname";
+                 hostname; echo pid=$$";
     agent
         .create("sec", &spec(&rootfs, &["sh", "-c", probe], vec![], json!({})), false)
         .await
@@ -512,6 +512,7 @@ async fn spec_security_settings_are_applied() {
     assert!(text.contains("fw=0"), "masked dir not masked: {text}");
     assert!(text.contains("sys=ro"), "readonly path writable: {text}");
     assert!(text.contains("ctr"), "hostname from spec: {text}");
+    assert!(text.contains("pid=1"), "not PID 1 of its own pid namespace: {text}");
     assert_eq!(agent.wait("sec", "").await.exit_code, 0);
 
     // user/group (and supplementary groups) from the spec, on an exec.
