@@ -303,10 +303,15 @@ pub fn unmount_all(dir: &Path) {
     }
 }
 
-/// Whether `pid` is one of our launchers (guards against pid reuse after a crash).
-fn is_launcher(pid: i32) -> bool {
+/// Whether `pid` is the launcher of the pod whose agent listens on `socket` (guards against
+/// pid reuse after a crash, by anyone, another pod's launcher included).
+fn is_launcher(pid: i32, socket: &Path) -> bool {
+    let listen = format!("unix:{}", socket.display());
     std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|cmdline| cmdline.split(|b| *b == 0).any(|arg| arg == LAUNCH_ARG.as_bytes()))
+        .map(|cmdline| {
+            let mut args = cmdline.split(|b| *b == 0);
+            args.clone().any(|arg| arg == LAUNCH_ARG.as_bytes()) && args.any(|arg| arg == listen.as_bytes())
+        })
         .unwrap_or(false)
 }
 
@@ -316,11 +321,12 @@ fn is_launcher(pid: i32) -> bool {
 pub async fn cleanup(paths: &PodPaths) {
     if let Ok(text) = std::fs::read_to_string(paths.pid_file()) {
         if let Ok(pid) = text.trim().parse::<i32>() {
-            if pid > 1 && is_launcher(pid) {
+            let socket = paths.agent_socket();
+            if pid > 1 && is_launcher(pid, &socket) {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
                 // Bounded wait for it to go (it may be someone else's zombie to reap).
                 for _ in 0..200 {
-                    if !is_launcher(pid) {
+                    if !is_launcher(pid, &socket) {
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -443,8 +449,9 @@ mod tests {
     #[test]
     fn non_launcher_pids_are_left_alone() {
         // Our own process is not a launcher, so cleanup would never signal it.
-        assert!(!is_launcher(std::process::id() as i32));
-        assert!(!is_launcher(i32::MAX));
+        let socket = Path::new("/run/bulkhead/x/a.sock");
+        assert!(!is_launcher(std::process::id() as i32, socket));
+        assert!(!is_launcher(i32::MAX, socket));
     }
 
     #[tokio::test]
