@@ -209,7 +209,8 @@ impl Vcpu {
                 err(format!("KVM_EXIT_FAIL_ENTRY: hardware reason {reason:#x} on cpu {cpu}"))
             }
             Ok(VcpuExit::InternalError) => {
-                err("KVM_EXIT_INTERNAL_ERROR (emulation failure or unsupported instruction)".into())
+                let rip = self.fd.get_regs().map(|r| format!("{:#x}", r.rip)).unwrap_or_else(|_| "unknown".into());
+                err(format!("KVM_EXIT_INTERNAL_ERROR at rip {rip} (emulation failure or unsupported instruction)"))
             }
             Ok(other) => err(format!("unexpected vCPU exit: {other:?}")),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,

@@ -145,7 +145,7 @@ fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
 /// Builds and runs the VM. Returns why it stopped.
 pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
-    let vm = kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?;
+    let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
     vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
     let irqchip = match vm.create_irq_chip() {
         Ok(()) => {
@@ -161,8 +161,16 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
         }
     };
 
+    tracing::debug!(irqchip, "vm created");
     let mem = create_guest_memory(cfg.mem_bytes)?;
-    register_memory(&vm, &mem)?;
+    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
+    let registration = {
+        let (vm, mem) = (vm.clone(), mem.clone());
+        std::thread::Builder::new()
+            .name("memslots".into())
+            .spawn(move || register_memory(&vm, &mem))
+            .map_err(dev_err("memslot thread"))?
+    };
 
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
@@ -236,6 +244,8 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
         )?);
     }
 
+    registration.join().map_err(|_| VmmError::EventLoop("memslot registration thread panicked".into()))??;
+    tracing::debug!("vcpus configured, guest memory registered");
     let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));

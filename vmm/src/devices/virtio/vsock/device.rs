@@ -322,6 +322,22 @@ mod tests {
     }
 
     #[test]
+    fn driver_reset_before_activation_keeps_waiting_host_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dev = Vsock::new(3, &dir.path().join("v.sock")).unwrap();
+        let mut host = UnixStream::connect(dir.path().join("v.sock")).unwrap();
+        host.write_all(b"CONNECT 1024\n").unwrap();
+        dev.muxer.accept();
+        dev.reset();
+        assert!(dev.muxer.has_rx(), "the REQUEST still waits for the guest");
+        let mut r = rig();
+        let _h = UnixStream::connect(r.dir.path().join("v.sock")).map(|mut s| s.write_all(b"CONNECT 5\n"));
+        r.dev.muxer.accept();
+        r.dev.reset();
+        assert!(!r.dev.muxer.has_rx(), "a reset of a live device drops everything");
+    }
+
+    #[test]
     fn lying_length_breaks_the_device() {
         let mut r = rig();
         send(&mut r, 0, hdr(OP_RW, 9, 700, 60000), b"12345678", 0);
