@@ -4,7 +4,6 @@ mod cgroups;
 mod cli;
 mod container;
 mod error;
-mod frame_guard;
 mod guest_init;
 mod network;
 mod oom;

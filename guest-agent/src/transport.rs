@@ -18,7 +18,7 @@ use tokio::{
 };
 use tokio_vsock::{VsockAddr, VsockListener, VsockStream, VMADDR_CID_ANY};
 
-use crate::frame_guard::FrameGuard;
+use bulkhead_protocol::frame_guard::FrameGuard;
 
 /// One accepted connection, whatever the transport.
 pub enum Conn {

@@ -3,7 +3,13 @@
 
 use std::{path::Path, time::Duration};
 
-use crate::{agent::VersionRequest, agent_ttrpc::AgentClient, handshake, ports, PROTOCOL_VERSION};
+use crate::{
+    agent::VersionRequest, agent_ttrpc::AgentClient, frame_guard::FrameGuard, handshake, ports, PROTOCOL_VERSION,
+};
+
+/// A reply frame from the guest that stalls this long mid-way fails the connection. Generous,
+/// because an emulated guest can be slow; idle time between frames is not limited.
+pub const HOST_FRAME_STALL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -23,6 +29,8 @@ pub async fn connect_agent(
     timeout: Duration,
 ) -> Result<AgentClient, ConnectError> {
     let stream = handshake::dial_unix(path, ports::AGENT_TTRPC, timeout).await?;
+    // The guest's replies are bounded like the shim's requests are in the agent.
+    let stream = FrameGuard::new(stream, HOST_FRAME_STALL);
     let client = AgentClient::new(ttrpc::r#async::Client::new(ttrpc::r#async::transport::Socket::new(stream)));
     let req =
         VersionRequest { protocol_version: PROTOCOL_VERSION, client: client_name.to_owned(), ..Default::default() };

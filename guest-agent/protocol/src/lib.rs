@@ -5,6 +5,7 @@
 //! - [`handshake`]: the hybrid-vsock preamble (`CONNECT <port>\n` -> `OK <port>\n`).
 //! - [`stream`]: the header that opens each stdio stream connection.
 //! - [`ports`] and [`PROTOCOL_VERSION`]: the well-known numbers both sides agree on.
+//! - [`frame_guard`]: size and stall limits on incoming ttrpc frames, used by both sides.
 //!
 //! This crate does no I/O policy of its own beyond bounded, timed reads of the
 //! preambles; it is the contract, not the runtime.
@@ -20,6 +21,7 @@ pub mod agent_ttrpc {
 }
 
 pub mod client;
+pub mod frame_guard;
 pub mod handshake;
 pub mod ports;
 pub mod stream;

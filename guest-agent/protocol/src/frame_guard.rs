@@ -1,6 +1,8 @@
-//! A read-side guard in front of ttrpc. ttrpc itself answers a frame over 4 MiB with a
-//! precise INVALID_ARGUMENT, but only after reading (discarding) the whole declared body,
-//! and it waits forever for a truncated frame. The guard closes the connection instead when
+//! A read-side guard in front of ttrpc, for both ends: the agent wraps what the shim sends,
+//! and [`crate::client::connect_agent`] wraps what the (hostile) guest sends back. ttrpc
+//! itself answers a frame over 4 MiB with a precise INVALID_ARGUMENT, but only after reading
+//! (discarding) the whole declared body, and it waits forever for a truncated frame. The
+//! guard fails the read (ttrpc then drops the connection) instead when
 //! - a frame header declares more than [`HARD_MAX_FRAME`] bytes (e.g. a 64 MiB prefix or
 //!   garbage read as a length), or
 //! - a frame that has started makes no progress for the stall timeout.
