@@ -61,3 +61,34 @@ async fn version_mismatch_is_refused() {
     let err = connect_agent(&path, "test", Duration::from_secs(5)).await.err().unwrap();
     assert!(matches!(err, ConnectError::VersionMismatch { .. }), "{err}");
 }
+
+/// A hostile "agent" answers the preamble, then replies with `reply` to the Version call.
+async fn hostile_agent(reply: Vec<u8>) -> tempfile::TempDir {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let listener = tokio::net::UnixListener::bind(dir.path().join("agent.sock")).unwrap();
+    tokio::spawn(async move {
+        if let Ok((mut s, _)) = listener.accept().await {
+            let _ = handshake::accept(&mut s, &[ports::AGENT_TTRPC], handshake::DEFAULT_TIMEOUT).await;
+            let mut buf = [0u8; 512];
+            let _ = s.read(&mut buf).await;
+            let _ = s.write_all(&reply).await;
+            // Keep the connection open: only the guard can end the wait early.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+    });
+    dir
+}
+
+#[tokio::test]
+async fn oversized_or_garbage_replies_fail_fast_on_the_host() {
+    let mut huge = (64u32 << 20).to_be_bytes().to_vec();
+    huge.extend_from_slice(&[0, 0, 0, 1, 2, 0]);
+    for (what, reply) in [("64 MiB reply", huge), ("garbage reply", b"\xde\xad\xbe\xef garbage garbage".to_vec())] {
+        let dir = hostile_agent(reply).await;
+        let t0 = std::time::Instant::now();
+        let r = connect_agent(dir.path().join("agent.sock"), "test", Duration::from_secs(20)).await;
+        assert!(r.is_err(), "{what}: accepted");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{what}: took {:?}", t0.elapsed());
+    }
+}
