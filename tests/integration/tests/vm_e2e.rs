@@ -27,7 +27,7 @@ fn guest_artifacts() -> Result<(PathBuf, PathBuf)> {
     if !status.success() {
         bail!("make -C guest-kernel initramfs failed");
     }
-    let initramfs = root.join("guest-kernel/out/initramfs.cpio.gz");
+    let initramfs = root.join("guest-kernel/build/initramfs.cpio.gz");
     if !initramfs.exists() {
         bail!("{} was not produced", initramfs.display());
     }
