@@ -144,9 +144,20 @@ fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
 
 /// Builds and runs the VM. Returns why it stopped.
 pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
+    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
     vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
+    let mem = create_guest_memory(cfg.mem_bytes)?;
+    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
+    let registration = {
+        let (vm, mem) = (vm.clone(), mem.clone());
+        std::thread::Builder::new()
+            .name("memslots".into())
+            .spawn(move || register_memory(&vm, &mem))
+            .map_err(dev_err("memslot thread"))?
+    };
+
     let irqchip = match vm.create_irq_chip() {
         Ok(()) => {
             let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
@@ -162,16 +173,6 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     };
 
     tracing::debug!(irqchip, "vm created");
-    let mem = create_guest_memory(cfg.mem_bytes)?;
-    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
-    let registration = {
-        let (vm, mem) = (vm.clone(), mem.clone());
-        std::thread::Builder::new()
-            .name("memslots".into())
-            .spawn(move || register_memory(&vm, &mem))
-            .map_err(dev_err("memslot thread"))?
-    };
-
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
     let mut pio = Bus::new();

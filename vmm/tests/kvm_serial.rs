@@ -20,6 +20,17 @@ fn serial_line_lands_in_log_and_i8042_reset_exits_zero() {
 }
 
 #[test]
+fn two_vcpus_boot_and_reset() {
+    let Some(guest) = guest_or_skip("hello") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = raw_config(dir.path(), &guest);
+    cfg["vcpus"] = serde_json::json!(2);
+    let run = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT).wait();
+    assert!(run.status.success(), "exit {:?}\nstderr:\n{}", run.status, run.stderr);
+    assert!(run.serial.contains("hello from the bulkhead test guest\n"), "serial: {:?}", run.serial);
+}
+
+#[test]
 fn bad_config_fails_with_a_clear_message() {
     if skip_without_kvm() {
         return;
@@ -111,6 +122,8 @@ fn api_pause_resume_info_and_shutdown() {
     let api = dir.path().join("api.sock");
     let mut cfg = raw_config(dir.path(), &guest);
     cfg["api_socket"] = serde_json::json!(api);
+    // The second vCPU sits in KVM_RUN waiting for a SIPI: pause must still park it.
+    cfg["vcpus"] = serde_json::json!(2);
     let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
     wait_for_path(&api, Duration::from_secs(10));
     wait_for_serial(dir.path(), "idle guest up", GUEST_TIMEOUT);

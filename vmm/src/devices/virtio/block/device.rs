@@ -357,6 +357,65 @@ mod tests {
         }
     }
 
+    /// The whole register state machine: a driver talks to the transport, the transport to blk.
+    #[test]
+    fn driver_sequence_through_mmio_transport() {
+        use crate::devices::bus::BusDevice;
+        use crate::devices::virtio::mmio::MmioTransport;
+        use std::sync::{Arc, Mutex};
+
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[7u8; 1024]).unwrap();
+        let blk =
+            Arc::new(Mutex::new(Block::new(&BlockConfig { path: f.path().to_owned(), read_only: false }, 0).unwrap()));
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let irq = IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        let mut t = MmioTransport::new("blk0".into(), mem.clone(), blk.clone(), irq.clone()).unwrap();
+        let w = |t: &mut MmioTransport, off: u64, v: u32| t.write(off, &v.to_le_bytes());
+        let r = |t: &mut MmioTransport, off: u64| {
+            let mut b = [0u8; 4];
+            t.read(off, &mut b);
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(r(&mut t, 0x008), TYPE_BLOCK);
+        w(&mut t, 0x070, 1);
+        w(&mut t, 0x070, 3);
+        w(&mut t, 0x024, 1);
+        w(&mut t, 0x020, 1);
+        w(&mut t, 0x070, 0xb);
+        assert_eq!(r(&mut t, 0x070), 0xb);
+        let mut tq = TestQueue::new(0x1000, 8);
+        w(&mut t, 0x030, 0);
+        assert_eq!(r(&mut t, 0x034), u32::from(QUEUE_SIZE));
+        w(&mut t, 0x038, 8);
+        w(&mut t, 0x080, tq.desc as u32);
+        w(&mut t, 0x090, tq.avail as u32);
+        w(&mut t, 0x0a0, tq.used as u32);
+        w(&mut t, 0x044, 1);
+        w(&mut t, 0x070, 0xf);
+        assert_eq!(r(&mut t, 0x070), 0xf);
+
+        mem.write_obj(0u32, GuestAddress(0x8000)).unwrap();
+        mem.write_obj(1u64, GuestAddress(0x8008)).unwrap();
+        tq.set_desc(&mem, 0, 0x8000, 16, F_NEXT, 1);
+        tq.set_desc(&mem, 1, 0x9000, 512, F_WRITE | F_NEXT, 2);
+        tq.set_desc(&mem, 2, 0xa000, 1, F_WRITE, 0);
+        tq.publish(&mem, 0);
+        w(&mut t, 0x050, 0);
+        // What the event loop does on the queue eventfd.
+        assert_eq!(blk.lock().unwrap().queue_evt().read().unwrap(), 1);
+        blk.lock().unwrap().process_queue();
+        assert_eq!(tq.used_idx(&mem), 1);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(0x9000)).unwrap(), 7);
+        assert_eq!(r(&mut t, 0x060), VIRTIO_MMIO_INT_VRING);
+        w(&mut t, 0x064, VIRTIO_MMIO_INT_VRING);
+        assert_eq!(r(&mut t, 0x060), 0);
+        let snap = blk.lock().unwrap().snapshot();
+        assert_eq!((snap.queues.len(), snap.queues[0].next_avail, snap.queues[0].next_used), (1, 1, 1));
+        w(&mut t, 0x070, 0);
+        assert!(blk.lock().unwrap().snapshot().queues.is_empty(), "reset drops the queues");
+    }
+
     #[test]
     fn corrupt_avail_index_breaks_the_device() {
         let mut r = rig(false);
