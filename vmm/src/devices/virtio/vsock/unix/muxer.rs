@@ -26,6 +26,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const GUEST_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HANDSHAKES: usize = 64;
 const MAX_CONNECTIONS: usize = 1024;
+/// Header-only packets queued for a guest that is not reading its RX queue.
+pub const MAX_CONTROL_BACKLOG: usize = 1024;
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
 
 /// epoll changes the device must apply (the muxer has no access to the event loop).
@@ -56,6 +58,7 @@ pub struct VsockMuxer {
     fd_ops: Vec<FdOp>,
     /// Sockets whose fd must leave epoll before they close.
     graveyard: Vec<UnixStream>,
+    dropped_control: u64,
 }
 
 /// Parses `CONNECT <port>` (the newline already stripped).
@@ -86,6 +89,7 @@ impl VsockMuxer {
             next_local_port: FIRST_LOCAL_PORT,
             fd_ops: Vec::new(),
             graveyard: Vec::new(),
+            dropped_control: 0,
         })
     }
 
@@ -212,10 +216,26 @@ impl VsockMuxer {
             ConnState::LocalInit { deadline: Instant::now() + GUEST_REPLY_TIMEOUT },
         );
         let req = conn.header(OP_REQUEST, 0, 0);
-        self.control.push_back(req);
+        self.push_control(req);
         self.fd_conn.insert(fd, (local_port, port));
         self.conns.insert((local_port, port), conn);
         tracing::debug!(local_port, port, "vsock: host connection requested");
+    }
+
+    /// Queues a packet for the guest; a guest that never reads cannot grow the backlog forever.
+    fn push_control(&mut self, hdr: VsockHeader) {
+        if self.control.len() >= MAX_CONTROL_BACKLOG {
+            self.dropped_control += 1;
+            // Rate-limited: log at 1, 2, 4, 8, ... drops.
+            if self.dropped_control.is_power_of_two() {
+                tracing::warn!(
+                    dropped = self.dropped_control,
+                    "vsock: guest is not draining its RX queue; dropping control packets"
+                );
+            }
+            return;
+        }
+        self.control.push_back(hdr);
     }
 
     fn allocate_local_port(&mut self) -> u32 {
@@ -233,7 +253,7 @@ impl VsockMuxer {
         if let Some(mut c) = self.conns.remove(&key) {
             if tell_guest {
                 let rst = c.header(OP_RST, 0, 0);
-                self.control.push_back(rst);
+                self.push_control(rst);
             }
             let fd = c.stream.as_raw_fd();
             self.fd_conn.remove(&fd);
@@ -289,7 +309,7 @@ impl VsockMuxer {
         }
         if hdr.type_ != TYPE_STREAM {
             let rst = self.rst_for(&hdr);
-            self.control.push_back(rst);
+            self.push_control(rst);
             return;
         }
         let key = (hdr.dst_port, hdr.src_port);
@@ -300,7 +320,7 @@ impl VsockMuxer {
         let Some(conn) = self.conns.get_mut(&key) else {
             if hdr.op != OP_RST {
                 let rst = self.rst_for(&hdr);
-                self.control.push_back(rst);
+                self.push_control(rst);
             }
             return;
         };
@@ -323,13 +343,13 @@ impl VsockMuxer {
                 }
                 if conn.needs_credit_update() {
                     let cu = conn.credit_update();
-                    self.control.push_back(cu);
+                    self.push_control(cu);
                 }
             }
             (OP_CREDIT_UPDATE, _) => {}
             (OP_CREDIT_REQUEST, _) => {
                 let cu = conn.credit_update();
-                self.control.push_back(cu);
+                self.push_control(cu);
             }
             (OP_SHUTDOWN, _) => {
                 if hdr.flags & SHUTDOWN_SEND != 0 {
@@ -351,7 +371,7 @@ impl VsockMuxer {
         let key = (hdr.dst_port, hdr.src_port);
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
             let rst = self.rst_for(hdr);
-            self.control.push_back(rst);
+            self.push_control(rst);
             return;
         }
         let path = format!("{}_{}", self.uds_path.display(), hdr.dst_port);
@@ -360,7 +380,7 @@ impl VsockMuxer {
             Err(e) => {
                 tracing::info!(%path, error = %e, "vsock: guest connection refused (no host listener)");
                 let rst = self.rst_for(hdr);
-                self.control.push_back(rst);
+                self.push_control(rst);
                 return;
             }
         };
@@ -368,7 +388,7 @@ impl VsockMuxer {
         let mut conn = VsockConnection::new(self.guest_cid, hdr.dst_port, hdr.src_port, stream, ConnState::Established);
         conn.update_peer_credit(hdr);
         let resp = conn.response();
-        self.control.push_back(resp);
+        self.push_control(resp);
         self.fd_ops.push(FdOp::Add(fd));
         self.fd_conn.insert(fd, key);
         self.conns.insert(key, conn);
@@ -524,6 +544,15 @@ mod tests {
         long.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut buf = [0u8; 1];
         assert_eq!(long.read(&mut buf).unwrap_or(0), 0, "closed");
+    }
+
+    #[test]
+    fn control_backlog_is_bounded() {
+        let (mut m, _dir) = muxer();
+        for port in 0..(MAX_CONTROL_BACKLOG as u32 + 100) {
+            m.send_from_guest(guest(OP_RW, port, 6000, b"x"));
+        }
+        assert_eq!(m.control.len(), MAX_CONTROL_BACKLOG);
     }
 
     #[test]
