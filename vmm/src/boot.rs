@@ -203,6 +203,48 @@ mod tests {
     }
 
     #[test]
+    fn bzimage_gets_64bit_entry_and_zero_page() {
+        use linux_loader::loader::bootparam::boot_params;
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
+        let mut img = vec![0u8; 1024];
+        img[0x1f1] = 1;
+        img[0x202..0x206].copy_from_slice(b"HdrS");
+        img[0x206..0x208].copy_from_slice(&0x020cu16.to_le_bytes());
+        img[0x211] = 0x01;
+        img[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes());
+        img.extend_from_slice(&[0x90; 0x400]);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, &img).unwrap();
+        let mut initrd = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut initrd, &[0xab; 5000]).unwrap();
+        let boot = BootSource::Linux {
+            kernel: f.path().to_owned(),
+            initramfs: Some(initrd.path().to_owned()),
+            cmdline: "console=ttyS0".into(),
+        };
+        let entry = load(&mem, &boot, 16 << 20, &[(0xd000_0000, 0x1000, 5)]).unwrap();
+        assert_eq!(entry.rip, 0x10_0200);
+        assert_eq!(entry.rsi, ZERO_PAGE_START);
+        let zp: BootParamsBytes = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
+        let p: boot_params = zp.0;
+        let hdr = p.hdr;
+        assert_eq!({ hdr.version }, 0x020c, "the kernel's own header is kept");
+        assert_eq!({ hdr.loadflags } & 1, 1);
+        assert_eq!({ hdr.cmd_line_ptr } as u64, CMDLINE_START);
+        let want = "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5";
+        assert_eq!({ hdr.cmdline_size } as usize, want.len() + 1);
+        let mut cl = vec![0u8; want.len()];
+        mem.read_slice(&mut cl, GuestAddress(CMDLINE_START)).unwrap();
+        assert_eq!(cl, want.as_bytes());
+        let (rd_addr, rd_size) = ({ hdr.ramdisk_image } as u64, { hdr.ramdisk_size });
+        assert_eq!(rd_size, 5000);
+        assert_eq!(rd_addr % 4096, 0);
+        assert!(rd_addr + 5000 <= 16 << 20);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(rd_addr + 4999)).unwrap(), 0xab);
+        assert_eq!(p.e820_entries, 3);
+    }
+
+    #[test]
     fn garbage_kernel_is_a_clear_error() {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
         let mut f = tempfile::NamedTempFile::new().unwrap();

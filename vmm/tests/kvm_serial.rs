@@ -31,6 +31,28 @@ fn two_vcpus_boot_and_reset() {
 }
 
 #[test]
+fn bzimage_boot_protocol_passes_cmdline_through_boot_params() {
+    if skip_without_kvm() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("bzImage");
+    std::fs::write(&kernel, fake_bzimage()).unwrap();
+    let disk = dir.path().join("disk.img");
+    std::fs::write(&disk, vec![0u8; 4096]).unwrap();
+    let cfg = serde_json::json!({
+        "kernel": kernel,
+        "cmdline": "console=ttyS0 bzimage-test",
+        "mem_mib": 32,
+        "serial_log": dir.path().join("serial.log"),
+        "block": [{ "path": disk }],
+    });
+    let run = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT).wait();
+    assert!(run.status.success(), "exit {:?}\nstderr:\n{}", run.status, run.stderr);
+    assert_eq!(run.serial, "console=ttyS0 bzimage-test virtio_mmio.device=4K@0xd0000000:5\n", "{}", run.stderr);
+}
+
+#[test]
 fn bad_config_fails_with_a_clear_message() {
     if skip_without_kvm() {
         return;

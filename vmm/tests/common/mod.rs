@@ -165,3 +165,32 @@ pub fn raw_config(dir: &Path, guest: &Path) -> serde_json::Value {
 
 /// Generous: guest code runs through the PVM instruction emulator here.
 pub const GUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A minimal bzImage: a real setup header (boot protocol 2.12, loaded high) whose 64-bit entry
+/// (payload + 0x200) prints the kernel cmdline it finds through boot_params (rsi) and resets.
+pub fn fake_bzimage() -> Vec<u8> {
+    let mut img = vec![0u8; 1024]; // boot sector + 1 setup sector
+    img[0x1f1] = 1; // setup_sects
+    img[0x1fe] = 0x55;
+    img[0x1ff] = 0xaa;
+    img[0x202..0x206].copy_from_slice(b"HdrS");
+    img[0x206..0x208].copy_from_slice(&0x020cu16.to_le_bytes());
+    img[0x211] = 0x01; // LOADED_HIGH
+    img[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes());
+    let mut payload = vec![0u8; 0x200];
+    payload.extend_from_slice(&[
+        0x8b, 0xbe, 0x28, 0x02, 0x00, 0x00, // mov edi, [rsi+0x228]  (hdr.cmd_line_ptr)
+        0x66, 0xba, 0xf8, 0x03, // mov dx, 0x3f8
+        0x8a, 0x07, // loop: mov al, [rdi]
+        0x84, 0xc0, // test al, al
+        0x74, 0x06, // jz done
+        0xee, // out dx, al
+        0x48, 0xff, 0xc7, // inc rdi
+        0xeb, 0xf4, // jmp loop
+        0xb0, 0x0a, 0xee, // done: newline
+        0xb0, 0xfe, 0xe6, 0x64, // i8042 reset
+        0xf4, // hlt
+    ]);
+    img.extend_from_slice(&payload);
+    img
+}
