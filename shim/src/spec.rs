@@ -87,6 +87,11 @@ impl BundleSpec {
         }
     }
 
+    /// `linux.cgroupsPath`, if set.
+    pub fn cgroups_path(&self) -> Option<&str> {
+        self.value.pointer("/linux/cgroupsPath")?.as_str()
+    }
+
     pub fn hostname(&self) -> Option<&str> {
         self.value.get("hostname")?.as_str()
     }

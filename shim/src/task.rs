@@ -185,7 +185,15 @@ impl TaskService {
         BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: req.id.clone(), is_sandbox: true }
             .write(Path::new(&req.bundle))
             .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
-        let sandbox = sandbox::start(config, SandboxRequest { sandbox_id: req.id.clone(), netns }).await?;
+        let sandbox = sandbox::start(
+            config,
+            SandboxRequest {
+                sandbox_id: req.id.clone(),
+                netns,
+                cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, spec.cgroups_path()),
+            },
+        )
+        .await?;
         let agent = sandbox.agent();
         let setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),

@@ -2,6 +2,7 @@
 //! namespaces, no VM isolation) and [`vm`] (one microVM per pod; shape only for now).
 //! Everything above this trait is the same code on both backends.
 
+pub mod cgroups;
 pub mod launcher;
 pub mod namespace;
 pub mod paths;
@@ -39,6 +40,8 @@ pub struct SandboxRequest {
     pub sandbox_id: String,
     /// The pod network namespace from the sandbox spec; `None` for host-network pods.
     pub netns: Option<PathBuf>,
+    /// Where the pod's containers' cgroups go.
+    pub cgroup: cgroups::PodCgroup,
 }
 
 /// Where the agent finds a container's rootfs: `path` in its own mount namespace, after

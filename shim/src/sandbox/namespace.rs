@@ -29,6 +29,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 
+use super::cgroups::PodCgroup;
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
 use super::paths::PodPaths;
 use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
@@ -78,6 +79,9 @@ impl NamespaceSandbox {
                 agent_path.display()
             )));
         }
+        let cgroup =
+            serde_json::to_vec(&req.cgroup).map_err(|e| io("encode cgroup record")(std::io::Error::other(e)))?;
+        std::fs::write(paths.cgroup_file(), cgroup).map_err(io("write cgroup record"))?;
         let socket = paths.agent_socket();
         if socket.as_os_str().len() >= SUN_PATH_MAX {
             cleanup(&paths).await;
@@ -95,6 +99,11 @@ impl NamespaceSandbox {
                 format!("unix:{}", socket.display()),
                 "--mode".into(),
                 "namespace".into(),
+                // Per pod, so a killed pod's leftovers are found and removed with it.
+                "--state-dir".into(),
+                paths.agent_state_dir().display().to_string(),
+                "--cgroup-parent".into(),
+                req.cgroup.parent.display().to_string(),
             ],
         };
         let exe = std::env::current_exe().map_err(io("find own executable"))?;
@@ -333,6 +342,12 @@ pub async fn cleanup(paths: &PodPaths) {
                 }
             }
         }
+    }
+    // With the agent gone, nobody else removes its containers' cgroups.
+    let cgroup =
+        std::fs::read(paths.cgroup_file()).ok().and_then(|bytes| serde_json::from_slice::<PodCgroup>(&bytes).ok());
+    if let Some(cgroup) = cgroup {
+        cgroup.remove().await;
     }
     unmount_all(&paths.dir);
     if let Err(e) = std::fs::remove_dir_all(&paths.dir) {

@@ -26,6 +26,16 @@ impl PodPaths {
         self.dir.join("sandbox.pid")
     }
 
+    /// The agent's own state (bundles, libcontainer state), per pod.
+    pub fn agent_state_dir(&self) -> PathBuf {
+        self.dir.join("agent")
+    }
+
+    /// The pod's cgroup parent, recorded for cleanup after a crash.
+    pub fn cgroup_file(&self) -> PathBuf {
+        self.dir.join("cgroup.json")
+    }
+
     /// Parent of the containers' rootfs mount points.
     pub fn rootfs_dir(&self) -> PathBuf {
         self.dir.join("rootfs")

@@ -66,7 +66,11 @@ mod tests {
     async fn vm_backend_is_a_clear_error() {
         let err = VmSandbox::start(
             &Config::parse(Path::new("/c"), "").unwrap(),
-            SandboxRequest { sandbox_id: "sb".into(), netns: None },
+            SandboxRequest {
+                sandbox_id: "sb".into(),
+                netns: None,
+                cgroup: crate::sandbox::cgroups::PodCgroup::for_pod("sb", None),
+            },
         )
         .await
         .err()

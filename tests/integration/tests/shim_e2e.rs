@@ -161,6 +161,15 @@ async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str
     let mut ids = vec![pod_id];
     ids.extend_from_slice(ctr_ids);
     eventually_nothing("mounts", within, || ids.iter().flat_map(|id| mounts_with(id)).collect()).await?;
+    // No cgroup of the pod's containers is left in any hierarchy.
+    let cgroups: Vec<PathBuf> = ["memory", "pids", "cpu", "freezer"]
+        .iter()
+        .map(|h| Path::new("/sys/fs/cgroup").join(h).join("bulkhead").join(pod_id))
+        .collect();
+    eventually_nothing("cgroups", within, || {
+        cgroups.iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
+    })
+    .await?;
     let pod_state = env.state_dir.path().join(pod_id);
     let socket = shim_socket(&env.containerd, pod_id);
     eventually_nothing("sockets and state", within, || {
