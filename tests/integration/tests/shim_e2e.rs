@@ -636,3 +636,34 @@ async fn shim_update_container_resources_reaches_the_cgroup() -> Result<()> {
     assert_eq!(seen, Some(limit), "metrics: {metrics}");
     Ok(())
 }
+
+#[tokio::test]
+async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
+    let Some(env) = setup("shim_containers_go_into_the_pod_cgroup", vec![]).await? else { return Ok(()) };
+    // What kubelet does with the cgroupfs driver: a per-pod parent for every container.
+    let parent = format!("/bhtest-pod-{}", std::process::id());
+    let mut pod = env.pod("cgroup")?;
+    if let Some(linux) = pod.linux.as_mut() {
+        linux.cgroup_parent = parent.clone();
+    }
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("cgroup"))).await.with_context(|| env.fail_context())?;
+    let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let memory = text.lines().find(|l| l.contains(":memory:")).unwrap_or_default().to_string();
+    assert_eq!(memory.rsplit(':').next(), Some(format!("{parent}/{ctr}").as_str()), "{text}");
+
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    // The containers' cgroups go with the pod; the pod cgroup itself is kubelet's to remove.
+    let hierarchies = ["memory", "pids", "cpu", "freezer"];
+    let leftover = |h: &&str| Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/')).join(&ctr);
+    eventually_nothing("container cgroups", Duration::from_secs(15), || {
+        hierarchies.iter().map(leftover).filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
+    })
+    .await?;
+    for h in hierarchies {
+        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/')));
+    }
+    Ok(())
+}
