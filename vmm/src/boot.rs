@@ -30,6 +30,8 @@ pub enum BootError {
     Memory(#[from] vm_memory::GuestMemoryError),
     #[error("boot params: {0}")]
     BootParams(#[from] crate::arch::boot_params::BootParamsError),
+    #[error(transparent)]
+    MpTable(#[from] crate::arch::mptable::MpTableError),
     #[error("raw guest image {path} could not be loaded: {reason}")]
     RawImage { path: String, reason: String },
 }
@@ -44,18 +46,23 @@ pub struct EntryPoint {
     pub cr3: u64,
 }
 
-/// Loads `boot` into `mem`. `mmio_devices` are (base, size, irq) entries added to the cmdline.
+/// Loads `boot` into `mem`. `mmio_devices` are (base, size, irq) entries added to the cmdline;
+/// `vcpus` goes into the MP table.
 pub fn load(
     mem: &GuestMemoryMmap,
     boot: &BootSource,
     mem_bytes: u64,
     mmio_devices: &[(u64, u64, u32)],
+    vcpus: u8,
 ) -> Result<EntryPoint, BootError> {
     write_gdt_idt(mem)?;
     let cr3 = setup_identity_paging(mem)?;
     match boot {
         BootSource::Linux { kernel, initramfs, cmdline } => {
-            load_linux(mem, kernel, initramfs.as_deref(), cmdline, mem_bytes, mmio_devices, cr3)
+            let entry = load_linux(mem, kernel, initramfs.as_deref(), cmdline, mem_bytes, mmio_devices, cr3)?;
+            // Linux without ACPI finds the vCPUs and the IOAPIC here.
+            crate::arch::mptable::setup_mptable(mem, vcpus)?;
+            Ok(entry)
         }
         BootSource::Raw(raw) => load_raw(mem, &raw.image, raw.format, raw.load_addr, cr3),
     }
@@ -196,7 +203,7 @@ mod tests {
         std::io::Write::write_all(&mut f, &[0xf4, 0x90]).unwrap();
         let raw =
             crate::config::RawGuestConfig { image: f.path().to_owned(), format: RawFormat::Flat, load_addr: 0x20_0000 };
-        let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[]).unwrap();
+        let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[], 1).unwrap();
         assert_eq!(entry.rip, 0x20_0000);
         assert_eq!(entry.rsp % 16, 8);
         assert_eq!(mem.read_obj::<u16>(GuestAddress(0x20_0000)).unwrap(), 0x90f4);
@@ -222,7 +229,7 @@ mod tests {
             initramfs: Some(initrd.path().to_owned()),
             cmdline: "console=ttyS0".into(),
         };
-        let entry = load(&mem, &boot, 16 << 20, &[(0xd000_0000, 0x1000, 5)]).unwrap();
+        let entry = load(&mem, &boot, 16 << 20, &[(0xd000_0000, 0x1000, 5)], 2).unwrap();
         assert_eq!(entry.rip, 0x10_0200);
         assert_eq!(entry.rsi, ZERO_PAGE_START);
         let zp: BootParamsBytes = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
@@ -242,6 +249,9 @@ mod tests {
         assert!(rd_addr + 5000 <= 16 << 20);
         assert_eq!(mem.read_obj::<u8>(GuestAddress(rd_addr + 4999)).unwrap(), 0xab);
         assert_eq!(p.e820_entries, 3);
+        let mut sig = [0u8; 4];
+        mem.read_slice(&mut sig, GuestAddress(crate::arch::mptable::MPTABLE_START)).unwrap();
+        assert_eq!(&sig, b"_MP_", "Linux boots get an MP table");
     }
 
     #[test]
@@ -250,7 +260,7 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut f, &[0u8; 8192]).unwrap();
         let boot = BootSource::Linux { kernel: f.path().to_owned(), initramfs: None, cmdline: "x".into() };
-        let err = load(&mem, &boot, 4 << 20, &[]).unwrap_err();
+        let err = load(&mem, &boot, 4 << 20, &[], 1).unwrap_err();
         assert!(err.to_string().contains("neither a loadable ELF"), "{err}");
     }
 }

@@ -224,7 +224,7 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
         cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
     }
 
-    let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices)?;
+    let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
     tracing::debug!(?entry, irqchip, "guest loaded");
 
     let pio = Arc::new(pio);

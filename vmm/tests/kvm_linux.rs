@@ -1,5 +1,6 @@
 //! KVM smoke test with a real Linux kernel: the kernel's own early serial lines must echo the
-//! cmdline (with our `virtio_mmio.device=` entries) and the e820 map the VMM wrote.
+//! cmdline (with our `virtio_mmio.device=` entries), the e820 map and the MP table (2 vCPUs, one
+//! IOAPIC) the VMM wrote.
 //! Uses $BULKHEAD_KERNEL, guest-kernel/build/vmlinux or the kernel cache; SKIPPED without one.
 
 mod common;
@@ -37,6 +38,7 @@ fn linux_kernel_echoes_cmdline_and_e820() {
         "kernel": kernel,
         "cmdline": "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nomodule",
         "mem_mib": 128,
+        "vcpus": 2,
         "serial_log": dir.path().join("serial.log"),
         "block": [{ "path": disk }],
         "vsock": { "uds_path": dir.path().join("v.sock"), "guest_cid": 3 },
@@ -44,7 +46,12 @@ fn linux_kernel_echoes_cmdline_and_e820() {
     let vmm = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(300));
     // Under the PVM instruction emulator the banner takes seconds to a minute.
     let deadline = Instant::now() + Duration::from_secs(180);
-    let wanted = ["Command line: ", "BIOS-e820: [mem 0x0000000000100000-0x0000000007ffffff] usable"];
+    let wanted = [
+        "Command line: ",
+        "BIOS-e820: [mem 0x0000000000100000-0x0000000007ffffff] usable",
+        "MPTABLE: OEM ID: BULKHEAD",
+        "Processors: 2",
+    ];
     loop {
         let serial = read_serial(dir.path());
         if wanted.iter().all(|w| serial.contains(w)) && serial.contains("] reserved") {
@@ -64,4 +71,5 @@ fn linux_kernel_echoes_cmdline_and_e820() {
     assert!(run.serial.contains("BIOS-e820: [mem 0x0000000000000000-0x000000000009fbff] usable"), "{}", run.serial);
     assert!(run.serial.contains("BIOS-e820: [mem 0x00000000c0000000-0x00000000ffffffff] reserved"), "{}", run.serial);
     assert!(run.serial.contains("Linux version"), "{}", run.serial);
+    assert!(run.serial.contains("IOAPIC[0]: apic_id 3, version 17, address 0xfec00000, GSI 0-23"), "{}", run.serial);
 }

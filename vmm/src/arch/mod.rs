@@ -4,6 +4,7 @@
 pub mod boot_params;
 pub mod cpuid;
 pub mod gdt;
+pub mod mptable;
 pub mod msr;
 pub mod paging;
 pub mod regs;
