@@ -287,9 +287,10 @@ impl BusDevice for MmioTransport {
             },
             reg::QUEUE_SEL => self.queue_sel = v,
             reg::QUEUE_NUM if configuring => {
+                let size = u16::try_from(v).ok();
                 if let Some(q) = self.selected_queue() {
-                    if q.try_set_size(v as u16).is_err() || v > u32::from(u16::MAX) {
-                        tracing::warn!(size = v, "invalid queue size");
+                    if size.is_none_or(|size| q.try_set_size(size).is_err()) {
+                        tracing::warn!(size = v, "invalid queue size ignored");
                     }
                 }
             }
@@ -484,6 +485,20 @@ mod tests {
         assert_eq!(t.driver_state(), DriverState::Reset);
         w(&mut t, reg::QUEUE_NUM, 4);
         w(&mut t, reg::QUEUE_NOTIFY, 0);
+    }
+
+    #[test]
+    fn invalid_queue_sizes_are_ignored() {
+        let (mut t, _) = setup();
+        negotiate(&mut t);
+        w(&mut t, reg::QUEUE_SEL, 0);
+        for bad in [0x1_0008, 3, 32, 0] {
+            w(&mut t, reg::QUEUE_NUM, bad);
+        }
+        assert_eq!(t.snapshot().queues[0].size, 16, "max size stays");
+        w(&mut t, reg::QUEUE_SEL, 9);
+        w(&mut t, reg::QUEUE_NUM, 4);
+        assert_eq!(r(&mut t, reg::QUEUE_NUM_MAX), 0, "no such queue");
     }
 
     #[test]
