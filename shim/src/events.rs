@@ -3,12 +3,14 @@
 
 use std::time::SystemTime;
 
+use async_trait::async_trait;
 use containerd_shim::event::Event;
 use containerd_shim::protos::events::task::{
     TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskOOM, TaskPaused, TaskResumed,
     TaskStart,
 };
 use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::MessageDyn;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::Context;
 use tracing::{debug, warn};
@@ -20,20 +22,43 @@ pub fn timestamp(at: SystemTime) -> Timestamp {
     Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32, ..Default::default() }
 }
 
-pub struct EventSink {
+/// Where events go: containerd, or a recorder in tests.
+#[async_trait]
+pub trait Publish: Send + Sync {
+    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) -> Result<(), String>;
+}
+
+/// containerd's event service, through the library's retrying queue.
+struct Remote {
     publisher: RemotePublisher,
     namespace: String,
 }
 
+#[async_trait]
+impl Publish for Remote {
+    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) -> Result<(), String> {
+        self.publisher.publish(Context::default(), topic, &self.namespace, event).await.map_err(|e| e.to_string())
+    }
+}
+
+pub struct EventSink {
+    out: Box<dyn Publish>,
+}
+
 impl EventSink {
+    /// Events to containerd in `namespace`.
     pub fn new(publisher: RemotePublisher, namespace: &str) -> Self {
-        Self { publisher, namespace: namespace.into() }
+        Self::to(Box::new(Remote { publisher, namespace: namespace.into() }))
     }
 
-    async fn publish<E: Event + 'static>(&self, event: E) {
+    pub fn to(out: Box<dyn Publish>) -> Self {
+        Self { out }
+    }
+
+    async fn publish<E: Event + MessageDyn + 'static>(&self, event: E) {
         let topic = event.topic();
         debug!(%topic, "publish");
-        if let Err(e) = self.publisher.publish(Context::default(), &topic, &self.namespace, Box::new(event)).await {
+        if let Err(e) = self.out.publish(&topic, Box::new(event)).await {
             warn!(%topic, "publish event: {e}");
         }
     }

@@ -39,10 +39,20 @@ impl ExitInfo {
 /// Lifecycle of one process, as containerd sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProcessState {
-    Created,
-    Running { pid: u32 },
-    Paused { pid: u32 },
-    Exited { pid: u32, exit: ExitInfo },
+    /// Exists but has not started; `pid` is 0 until something exists (an exec before Start).
+    Created {
+        pid: u32,
+    },
+    Running {
+        pid: u32,
+    },
+    Paused {
+        pid: u32,
+    },
+    Exited {
+        pid: u32,
+        exit: ExitInfo,
+    },
 }
 
 /// What can happen to a process.
@@ -60,12 +70,12 @@ impl ProcessState {
         use ProcessEvent as E;
         use ProcessState as S;
         match (self, event) {
-            (S::Created, E::Started { pid }) => Ok(S::Running { pid }),
+            (S::Created { .. }, E::Started { pid }) => Ok(S::Running { pid }),
             (S::Running { pid }, E::Paused) => Ok(S::Paused { pid }),
             (S::Paused { pid }, E::Resumed) => Ok(S::Running { pid }),
             (S::Running { pid } | S::Paused { pid }, E::Exited(exit)) => Ok(S::Exited { pid, exit }),
             // A process that never started can still be declared dead (sandbox gone).
-            (S::Created, E::Exited(exit)) => Ok(S::Exited { pid: 0, exit }),
+            (S::Created { pid }, E::Exited(exit)) => Ok(S::Exited { pid, exit }),
             (S::Exited { .. }, E::Exited(_)) => Ok(self),
             (state, event) => {
                 Err(TaskError::FailedPrecondition(format!("process is {}, cannot apply {event:?}", state.name())))
@@ -75,7 +85,7 @@ impl ProcessState {
 
     pub fn name(&self) -> &'static str {
         match self {
-            ProcessState::Created => "created",
+            ProcessState::Created { .. } => "created",
             ProcessState::Running { .. } => "running",
             ProcessState::Paused { .. } => "paused",
             ProcessState::Exited { .. } => "stopped",
@@ -84,8 +94,10 @@ impl ProcessState {
 
     pub fn pid(&self) -> u32 {
         match *self {
-            ProcessState::Created => 0,
-            ProcessState::Running { pid } | ProcessState::Paused { pid } | ProcessState::Exited { pid, .. } => pid,
+            ProcessState::Created { pid }
+            | ProcessState::Running { pid }
+            | ProcessState::Paused { pid }
+            | ProcessState::Exited { pid, .. } => pid,
         }
     }
 
@@ -109,13 +121,19 @@ pub struct ProcessCore {
 }
 
 impl ProcessCore {
+    /// A process not yet created anywhere (an exec before Start).
     pub fn new(container_id: &str, exec_id: Option<&str>, stdio: StdioPaths) -> Self {
+        Self::created(container_id, exec_id, stdio, 0)
+    }
+
+    /// A process that exists as `pid` but has not started (runc's created init).
+    pub fn created(container_id: &str, exec_id: Option<&str>, stdio: StdioPaths, pid: u32) -> Self {
         let (exited, _) = watch::channel(None);
         Self {
             container_id: container_id.into(),
             exec_id: exec_id.map(Into::into),
             stdio,
-            state: Mutex::new(ProcessState::Created),
+            state: Mutex::new(ProcessState::Created { pid }),
             exited,
             io: tokio::sync::Mutex::new(IoSession::empty()),
         }
@@ -167,10 +185,10 @@ impl ProcessCore {
     pub fn ensure_signallable(&self, created_exists: bool) -> Result<(), TaskError> {
         match self.state() {
             ProcessState::Running { .. } | ProcessState::Paused { .. } => Ok(()),
-            ProcessState::Created if created_exists => Ok(()),
+            ProcessState::Created { .. } if created_exists => Ok(()),
             // FailedPrecondition, not NotFound: containerd's WithProcessKill then deletes at
             // once instead of waiting for an exit that never comes (an exec whose start failed).
-            ProcessState::Created => Err(TaskError::FailedPrecondition("process is not started".into())),
+            ProcessState::Created { .. } => Err(TaskError::FailedPrecondition("process is not started".into())),
             ProcessState::Exited { .. } => Err(TaskError::NotFound("process already finished".into())),
         }
     }
@@ -341,7 +359,8 @@ mod tests {
 
     #[test]
     fn lifecycle_transitions() {
-        let s = ProcessState::Created;
+        let s = ProcessState::Created { pid: 7 };
+        assert_eq!(s.pid(), 7);
         let s = s.apply(ProcessEvent::Started { pid: 7 }).unwrap();
         assert_eq!(s, ProcessState::Running { pid: 7 });
         let s = s.apply(ProcessEvent::Paused).unwrap();
@@ -354,7 +373,7 @@ mod tests {
 
     #[test]
     fn invalid_transitions_are_refused() {
-        assert!(ProcessState::Created.apply(ProcessEvent::Paused).is_err());
+        assert!(ProcessState::Created { pid: 0 }.apply(ProcessEvent::Paused).is_err());
         let running = ProcessState::Running { pid: 1 };
         assert!(running.apply(ProcessEvent::Started { pid: 2 }).is_err());
         assert!(running.apply(ProcessEvent::Resumed).is_err());

@@ -98,11 +98,12 @@ pub struct TaskService {
     exit: Arc<ExitSignal>,
     /// Parent of every RPC's span: the pod this shim serves.
     pod_span: tracing::Span,
+    backends: Arc<dyn sandbox::Backends>,
 }
 
 fn status_of(state: ProcessState) -> Status {
     match state {
-        ProcessState::Created => Status::CREATED,
+        ProcessState::Created { .. } => Status::CREATED,
         ProcessState::Running { .. } => Status::RUNNING,
         ProcessState::Paused { .. } => Status::PAUSED,
         ProcessState::Exited { .. } => Status::STOPPED,
@@ -111,7 +112,18 @@ fn status_of(state: ProcessState) -> Status {
 
 impl TaskService {
     pub fn new(namespace: &str, pod_id: &str, events: EventSink, exit: Arc<ExitSignal>) -> Self {
+        Self::with_backends(namespace, pod_id, events, exit, Arc::new(sandbox::ConfiguredBackends))
+    }
+
+    pub fn with_backends(
+        namespace: &str,
+        pod_id: &str,
+        events: EventSink,
+        exit: Arc<ExitSignal>,
+        backends: Arc<dyn sandbox::Backends>,
+    ) -> Self {
         Self {
+            backends,
             pod_span: info_span!("pod", id = %pod_id),
             namespace: namespace.into(),
             events: Arc::new(events),
@@ -185,15 +197,17 @@ impl TaskService {
         BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: req.id.clone(), is_sandbox: true }
             .write(Path::new(&req.bundle))
             .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
-        let sandbox = sandbox::start(
-            config,
-            SandboxRequest {
-                sandbox_id: req.id.clone(),
-                netns,
-                cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, spec.cgroups_path()),
-            },
-        )
-        .await?;
+        let sandbox = self
+            .backends
+            .start(
+                config,
+                SandboxRequest {
+                    sandbox_id: req.id.clone(),
+                    netns,
+                    cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, spec.cgroups_path()),
+                },
+            )
+            .await?;
         let agent = sandbox.agent();
         let setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),
@@ -216,7 +230,7 @@ impl TaskService {
             )
             .in_current_span(),
         );
-        let init = SandboxInit { core: ProcessCore::new(&req.id, None, stdio), sandbox };
+        let init = SandboxInit { core: ProcessCore::created(&req.id, None, stdio, sandbox.pid()), sandbox };
         // The sandbox runs from Create on; Start only reports it.
         Ok(Container {
             id: req.id.clone(),
@@ -255,18 +269,19 @@ impl TaskService {
             ..Default::default()
         };
         let attach = async {
-            agent.create_container(create).await?;
-            IoSession::attach(&agent, &req.id, None, &stdio).await.map_err(TaskError::from)
+            let pid = agent.create_container(create).await?;
+            let session = IoSession::attach(&agent, &req.id, None, &stdio).await.map_err(TaskError::from)?;
+            Ok::<_, TaskError>((pid, session))
         };
-        let session = match attach.await {
-            Ok(session) => session,
+        let (pid, session) = match attach.await {
+            Ok(created) => created,
             Err(e) => {
                 let _ = agent.remove_container(&req.id, true).await;
                 let _ = sandbox.release_rootfs(&req.id).await;
                 return Err(e);
             }
         };
-        let core = ProcessCore::new(&req.id, None, stdio);
+        let core = ProcessCore::created(&req.id, None, stdio, pid);
         *core.io.lock().await = session;
         Ok(Container {
             id: req.id.clone(),

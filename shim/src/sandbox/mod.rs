@@ -92,6 +92,22 @@ pub trait Sandbox: Send + Sync {
     async fn destroy(&self) -> Result<(), SandboxError>;
 }
 
+/// What starts sandboxes; the Task service holds one (tests give it a fake).
+#[async_trait]
+pub trait Backends: Send + Sync {
+    async fn start(&self, config: &Config, req: SandboxRequest) -> Result<Arc<dyn Sandbox>, SandboxError>;
+}
+
+/// The real backends, chosen by `config.backend`.
+pub struct ConfiguredBackends;
+
+#[async_trait]
+impl Backends for ConfiguredBackends {
+    async fn start(&self, config: &Config, req: SandboxRequest) -> Result<Arc<dyn Sandbox>, SandboxError> {
+        start(config, req).await
+    }
+}
+
 /// Starts the sandbox of a pod with the configured backend.
 pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<dyn Sandbox>, SandboxError> {
     match config.backend {
