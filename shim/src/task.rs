@@ -249,9 +249,13 @@ impl TaskService {
         sandbox_id: &str,
         stdio: StdioPaths,
     ) -> Result<Container, TaskError> {
-        let sandbox = self.running_sandbox().await.ok_or_else(|| {
-            TaskError::FailedPrecondition(format!("pod sandbox {sandbox_id} is not running in this shim"))
-        })?;
+        let not_here =
+            || TaskError::FailedPrecondition(format!("pod sandbox {sandbox_id} is not running in this shim"));
+        let ours = self.containers.lock().await.get(sandbox_id).is_some_and(|c| c.kind == ContainerKind::Sandbox);
+        if !ours {
+            return Err(not_here());
+        }
+        let sandbox = self.running_sandbox().await.ok_or_else(not_here)?;
         let spec_json = spec.translate_container(sandbox.pid())?;
         let bundle = Path::new(&req.bundle);
         BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: sandbox_id.into(), is_sandbox: false }

@@ -297,10 +297,14 @@ impl Harness {
     }
 
     async fn create(&self, id: &str, sandbox: bool) -> ttrpc::Result<u32> {
+        self.create_in(id, sandbox, "sb1").await
+    }
+
+    async fn create_in(&self, id: &str, sandbox: bool, sandbox_id: &str) -> ttrpc::Result<u32> {
         let annotations = if sandbox {
             serde_json::json!({"io.kubernetes.cri.container-type": "sandbox"})
         } else {
-            serde_json::json!({"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "sb1"})
+            serde_json::json!({"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": sandbox_id})
         };
         let stdout = if sandbox { String::new() } else { self.fifo(&format!("{id}-out")) };
         let req = CreateTaskRequest {
@@ -452,6 +456,9 @@ async fn create_errors_and_oom_events() {
     assert_eq!(h.wait("oom1", "").await, 137);
     h.events.wait_for("/tasks/exit").await;
     assert_eq!(h.events.topics().iter().filter(|t| *t == "/tasks/oom").count(), 1);
+
+    // A container of another pod is not run here.
+    assert_eq!(code(h.create_in("c9", false, "sb2").await.unwrap_err()), ttrpc::Code::FAILED_PRECONDITION);
 
     // The agent's create error reaches containerd with its code and words.
     let err = h.create("bad1", false).await.unwrap_err();
