@@ -1,0 +1,585 @@
+//! Fuzz bodies for bulkhead's decoders of guest- and peer-supplied bytes.
+//!
+//! Each `fuzz_targets/<name>.rs` is a one-line libFuzzer wrapper around the function of the same
+//! name here, so the bodies also run as ordinary `cargo test` seeds (see `tests/seeds.rs`) on a
+//! toolchain without sanitizer support. A body returns normally for any input; a panic (or a
+//! sanitizer report) is a bug in the decoder under test, never in the input.
+//!
+//! Boundaries: only PUBLIC APIs of `bulkhead-vmm` and `bulkhead-protocol` are used; this crate
+//! never patches them. Guest memory is a small in-memory `GuestMemoryMmap` so that fuzzed
+//! addresses land inside it often enough to reach the interesting paths.
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::{Arc, Mutex, Once};
+use std::task::{Context, Poll, Waker};
+
+use arbitrary::{Result, Unstructured};
+use bulkhead_protocol::{handshake, stream};
+use bulkhead_vmm::config::BlockConfig;
+use bulkhead_vmm::devices::bus::BusDevice;
+use bulkhead_vmm::devices::virtio::block::packet::Request;
+use bulkhead_vmm::devices::virtio::block::Block;
+use bulkhead_vmm::devices::virtio::chain::{self, Desc, MAX_CHAIN_DESCRIPTORS};
+use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
+use bulkhead_vmm::devices::virtio::vsock::packet::{self, TxPacket, VsockHeader, HDR_LEN};
+use bulkhead_vmm::devices::virtio::vsock::unix::muxer::{self, VsockMuxer};
+use bulkhead_vmm::devices::virtio::vsock::{Vsock, HOST_CID, MAX_PKT_PAYLOAD};
+use bulkhead_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+/// Guest memory size for every target: small, so fuzzed addresses hit it.
+pub const MEM_SIZE: usize = 64 * 1024;
+const GUEST_CID: u64 = 3;
+
+/// Runs `f` to completion on the current thread. The readers used here (`&[u8]`) never return
+/// `Pending`, so a no-op waker suffices; a body that does pend is reported as a bug.
+fn block_on<F: Future>(f: F) -> F::Output {
+    let mut f = pin!(f);
+    let mut cx = Context::from_waker(Waker::noop());
+    for _ in 0..1_000_000 {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+    }
+    panic!("future over an in-memory reader did not finish");
+}
+
+thread_local! {
+    static RT: tokio::runtime::Runtime =
+        tokio::runtime::Builder::new_current_thread().enable_time().build().expect("tokio runtime");
+}
+
+/// libFuzzer's `main` is C's, so Rust's usual SIGPIPE=ignore is missing; the VMM binary has it.
+pub fn ignore_sigpipe() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: setting a signal disposition to SIG_IGN has no preconditions.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+    });
+}
+
+fn guest_mem() -> GuestMemoryMmap {
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).expect("guest memory")
+}
+
+/// Copies `image` to guest address 0 (truncated to memory) and zeroes the rest.
+fn load_image(mem: &GuestMemoryMmap, image: &[u8]) {
+    let n = image.len().min(MEM_SIZE);
+    mem.write_slice(&image[..n], GuestAddress(0)).expect("image fits");
+    let zeros = vec![0u8; MEM_SIZE - n];
+    mem.write_slice(&zeros, GuestAddress(n as u64)).expect("zero fill fits");
+}
+
+/// A guest address biased towards guest memory but able to point anywhere.
+fn addr(u: &mut Unstructured<'_>) -> Result<u64> {
+    Ok(match u.int_in_range(0u8..=7)? {
+        0 => u.arbitrary()?,
+        1 => (MEM_SIZE as u64).wrapping_sub(u.int_in_range(0u64..=64)?),
+        _ => u.int_in_range(0..=MEM_SIZE as u64 - 1)?,
+    })
+}
+
+fn len32(u: &mut Unstructured<'_>) -> Result<u32> {
+    Ok(match u.int_in_range(0u8..=7)? {
+        0 => u.arbitrary()?,
+        1 => u.int_in_range(0..=MEM_SIZE as u32 * 2)?,
+        _ => u.int_in_range(0..=4096)?,
+    })
+}
+
+fn descs(u: &mut Unstructured<'_>, max: usize) -> Result<Vec<Desc>> {
+    let n = u.int_in_range(0..=max)?;
+    (0..n).map(|_| Ok(Desc { addr: GuestAddress(addr(u)?), len: len32(u)?, writable: u.arbitrary()? })).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protocol crate: handshake lines and stdio stream header / ack.
+
+/// `CONNECT <port>\n` / `OK <port>\n` lines: the agent's and the VMM muxer's parsers, and the
+/// bounded line reader.
+pub fn handshake(data: &[u8]) {
+    for (parsed, encode) in [
+        (handshake::parse_connect(data), handshake::encode_connect as fn(u32) -> String),
+        (handshake::parse_ok(data), handshake::encode_ok),
+    ] {
+        if let Ok(port) = parsed {
+            assert!(data.len() <= handshake::MAX_LINE, "accepted an over-long line");
+            let canon = encode(port);
+            // Leading zeros are accepted, so compare through a second parse.
+            let again = if canon.starts_with('C') {
+                handshake::parse_connect(canon.as_bytes())
+            } else {
+                handshake::parse_ok(canon.as_bytes())
+            };
+            assert_eq!(again.ok(), Some(port));
+        }
+    }
+
+    // The VMM's host-side parser gets the line without its newline; it must accept at least
+    // what the protocol crate accepts, with the same port.
+    let vmm_port = muxer::parse_connect(data.strip_suffix(b"\n").unwrap_or(data));
+    if let Ok(p) = handshake::parse_connect(data) {
+        assert_eq!(vmm_port, Some(p), "VMM and agent disagree on {data:?}");
+    }
+
+    let mut reader = data;
+    match block_on(handshake::read_line(&mut reader, handshake::MAX_LINE)) {
+        Ok(line) => {
+            assert!(line.len() <= handshake::MAX_LINE);
+            assert_eq!(line.last(), Some(&b'\n'));
+            assert_eq!(&data[..line.len()], &line[..], "read_line returned bytes it was not given");
+            assert_eq!(reader.len(), data.len() - line.len(), "read past the newline");
+        }
+        Err(handshake::HandshakeError::TooLong) => {
+            assert!(!data[..handshake::MAX_LINE].contains(&b'\n'));
+        }
+        Err(handshake::HandshakeError::Closed) => {
+            assert!(data.len() < handshake::MAX_LINE && !data.contains(&b'\n'));
+        }
+        Err(e) => panic!("unexpected read_line error {e}"),
+    }
+}
+
+/// The stdio stream header (agent side: decodes what the shim sends) and the stream ack (host
+/// side: decodes what the agent in the guest sends).
+pub fn stream_header(data: &[u8]) {
+    match stream::StreamHeader::decode(data) {
+        Ok((h, used)) => {
+            assert!(used <= data.len() && used <= stream::MAX_HEADER_LEN);
+            assert_eq!(h.encode().as_deref(), Ok(&data[..used]), "decode/encode not inverse");
+            let mut reader = data;
+            let via_reader =
+                RT.with(|rt| rt.block_on(stream::StreamHeader::read_from(&mut reader, handshake::DEFAULT_TIMEOUT)));
+            assert_eq!(via_reader, Ok(h), "read_from disagrees with decode");
+            assert_eq!(reader.len(), data.len() - used, "read_from read past the header");
+        }
+        Err(stream::HeaderError::Truncated { needed, have }) => {
+            assert_eq!(have, data.len());
+            assert!(needed > have && needed <= stream::MAX_HEADER_LEN);
+        }
+        Err(_) => {}
+    }
+
+    let mut reader = data;
+    match block_on(stream::StreamAck::read_from(&mut reader)) {
+        Ok(stream::StreamAck::Attached) => assert_eq!(&data[..3], &[0, 0, 0]),
+        // Lossy UTF-8 turns each bad byte into a 3-byte U+FFFD at most.
+        Ok(stream::StreamAck::Rejected(r)) => assert!(r.len() <= 3 * stream::MAX_ACK_REASON),
+        Err(_) => {}
+    }
+    let consumed = data.len() - reader.len();
+    assert!(consumed <= 3 + stream::MAX_ACK_REASON, "ack reader consumed {consumed} bytes");
+
+    // Structured side: anything encode() accepts must decode to itself.
+    let mut u = Unstructured::new(data);
+    if let Ok((cid, exec, kind)) =
+        (|| -> Result<(String, Option<String>, u8)> { Ok((u.arbitrary()?, u.arbitrary()?, u.int_in_range(1..=4)?)) })()
+    {
+        let kind = stream::StreamKind::from_wire(kind).expect("1..=4 are kinds");
+        let h = stream::StreamHeader::new(&cid, exec.as_deref().filter(|e| !e.is_empty()), kind);
+        if let Ok(bytes) = h.encode() {
+            assert_eq!(stream::StreamHeader::decode(&bytes), Ok((h, bytes.len())));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// VMM: packet parsers over pre-collected descriptor lists.
+
+/// `TxPacket::parse`, `rx_capacity` and `write_rx` on arbitrary descriptors over arbitrary
+/// guest memory.
+pub fn vsock_packet(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(ds) = descs(&mut u, 6) else { return };
+    let mem = guest_mem();
+    load_image(&mem, u.take_rest());
+
+    let total: u64 = ds.iter().map(|d| u64::from(d.len)).sum();
+    match TxPacket::parse(&ds, &mem) {
+        Ok(p) => {
+            assert!(ds.iter().all(|d| !d.writable));
+            assert_eq!(p.data.len(), p.hdr.len as usize, "payload length differs from the header's");
+            assert!(p.data.len() <= MAX_PKT_PAYLOAD);
+            assert!(HDR_LEN as u64 + p.data.len() as u64 <= total);
+        }
+        Err(packet::PacketError::LyingLength { claimed, carried }) => assert!(u64::from(claimed) > carried),
+        Err(_) => {}
+    }
+    match packet::rx_capacity(&ds) {
+        Ok(room) => {
+            assert!(room <= MAX_PKT_PAYLOAD && room as u64 + HDR_LEN as u64 <= total);
+            let hdr = VsockHeader { len: room as u32, ..Default::default() };
+            let payload = vec![0xa5u8; room];
+            if let Ok(n) = packet::write_rx(&ds, &mem, &hdr, &payload) {
+                assert!(n as usize <= HDR_LEN + room);
+            }
+        }
+        Err(_) => assert!(ds.iter().any(|d| !d.writable) || total < HDR_LEN as u64),
+    }
+
+    let mut raw = [0u8; HDR_LEN];
+    let n = data.len().min(HDR_LEN);
+    raw[..n].copy_from_slice(&data[..n]);
+    assert_eq!(VsockHeader::from_bytes(&raw).to_bytes(), raw);
+}
+
+/// `block::packet::Request::parse` on arbitrary descriptors over arbitrary guest memory.
+pub fn block_request(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(ds) = descs(&mut u, 8) else { return };
+    let mem = guest_mem();
+    load_image(&mem, u.take_rest());
+    if let Ok(r) = Request::parse(&ds, &mem) {
+        assert!(ds.len() >= 2 && !ds[0].writable && ds[ds.len() - 1].writable);
+        assert_eq!(r.data.as_slice(), &ds[1..ds.len() - 1]);
+        assert_eq!(r.data_len, r.data.iter().map(|d| u64::from(d.len)).sum::<u64>());
+        assert_eq!(r.status_addr, ds[ds.len() - 1].addr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// VMM: descriptor chain walking on a real split virtqueue in guest memory.
+
+struct Layout {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+}
+
+/// Queue size and ring addresses, mostly valid (aligned, inside the first 16 KiB) so the
+/// memory image decides what the rings contain; sometimes anything at all.
+fn layout(u: &mut Unstructured<'_>) -> Result<Layout> {
+    let size = 1u16 << u.int_in_range(0..=8)?;
+    if u.ratio(1, 16)? {
+        return Ok(Layout { size: u.arbitrary()?, desc: addr(u)?, avail: addr(u)?, used: addr(u)? });
+    }
+    let desc = u.int_in_range(0..=0x3ffu64)? * 16;
+    let avail = u.int_in_range(0..=0x1fffu64)? * 2;
+    let used = u.int_in_range(0..=0xfffu64)? * 4;
+    Ok(Layout { size, desc, avail, used })
+}
+
+/// Walks every available chain with `chain::collect`, returning each used head, like a device
+/// does, and checks what `collect` promises.
+pub fn desc_chain(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let (Ok(l), Ok(max_bytes)) = (layout(&mut u), u.int_in_range(0..=(1u64 << 21))) else { return };
+    let mem = guest_mem();
+    load_image(&mem, u.take_rest());
+
+    let Ok(mut q) = Queue::new(256) else { return };
+    if q.try_set_size(l.size).is_err() {
+        return;
+    }
+    q.set_desc_table_address(Some(l.desc as u32), Some((l.desc >> 32) as u32));
+    q.set_avail_ring_address(Some(l.avail as u32), Some((l.avail >> 32) as u32));
+    q.set_used_ring_address(Some(l.used as u32), Some((l.used >> 32) as u32));
+    q.set_ready(true);
+    if !q.is_valid(&mem) {
+        return;
+    }
+    for _ in 0..=q.size() {
+        let chain = {
+            let Ok(mut it) = q.iter(&mem) else { return };
+            match it.next() {
+                Some(c) => c,
+                None => return,
+            }
+        };
+        let head = chain.head_index();
+        match chain::collect(chain, &mem, max_bytes) {
+            Ok(ds) => {
+                assert!(!ds.is_empty() && ds.len() <= MAX_CHAIN_DESCRIPTORS);
+                assert!(ds.iter().map(|d| u64::from(d.len)).sum::<u64>() <= max_bytes);
+                for d in &ds {
+                    assert!(GuestMemoryBackend::check_range(&mem, d.addr, d.len as usize), "{d:?} escapes memory");
+                }
+            }
+            Err(_) => return, // devices stop serving on the first bad chain
+        }
+        if q.add_used(&mem, head, 0).is_err() {
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// VMM: whole devices behind the virtio-mmio transport, driven like a hostile driver would.
+
+mod reg {
+    pub const DRIVER_FEATURES: u64 = 0x020;
+    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
+    pub const QUEUE_SEL: u64 = 0x030;
+    pub const QUEUE_NUM: u64 = 0x038;
+    pub const QUEUE_READY: u64 = 0x044;
+    pub const STATUS: u64 = 0x070;
+    pub const QUEUE_DESC_LOW: u64 = 0x080;
+    pub const QUEUE_DESC_HIGH: u64 = 0x084;
+    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
+    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
+    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
+    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+}
+
+fn w(t: &mut MmioTransport, off: u64, v: u32) {
+    t.write(off, &v.to_le_bytes());
+}
+
+/// Resets the transport, then runs the virtio init sequence with fuzzed feature bits and queue
+/// layouts (the driver may lie about both).
+fn init_device(t: &mut MmioTransport, u: &mut Unstructured<'_>, queues: u32) -> Result<()> {
+    w(t, reg::STATUS, 0);
+    w(t, reg::STATUS, 1);
+    w(t, reg::STATUS, 3);
+    w(t, reg::DRIVER_FEATURES_SEL, 1);
+    w(t, reg::DRIVER_FEATURES, if u.ratio(1, 8)? { u.arbitrary()? } else { 1 });
+    w(t, reg::DRIVER_FEATURES_SEL, 0);
+    w(t, reg::DRIVER_FEATURES, if u.ratio(1, 8)? { u.arbitrary()? } else { 0 });
+    w(t, reg::STATUS, 0xb);
+    for i in 0..queues {
+        let l = layout(u)?;
+        w(t, reg::QUEUE_SEL, i);
+        w(t, reg::QUEUE_NUM, u32::from(l.size));
+        w(t, reg::QUEUE_DESC_LOW, l.desc as u32);
+        w(t, reg::QUEUE_DESC_HIGH, (l.desc >> 32) as u32);
+        w(t, reg::QUEUE_DRIVER_LOW, l.avail as u32);
+        w(t, reg::QUEUE_DRIVER_HIGH, (l.avail >> 32) as u32);
+        w(t, reg::QUEUE_DEVICE_LOW, l.used as u32);
+        w(t, reg::QUEUE_DEVICE_HIGH, (l.used >> 32) as u32);
+        w(t, reg::QUEUE_READY, 1);
+    }
+    w(t, reg::STATUS, 0xf);
+    Ok(())
+}
+
+#[derive(arbitrary::Arbitrary, Debug)]
+enum Op {
+    /// The guest kicked the queue(s): the device serves them.
+    Process,
+    /// A 32-bit register write anywhere in the device's 4 KiB window.
+    Write {
+        offset: u16,
+        value: u32,
+    },
+    /// An odd-sized access.
+    WriteBytes {
+        offset: u16,
+        bytes: Vec<u8>,
+    },
+    Read {
+        offset: u16,
+        len: u8,
+    },
+    /// The guest rewrites part of its memory between kicks.
+    Poke {
+        at: u16,
+        bytes: Vec<u8>,
+    },
+}
+
+fn run_ops(t: &mut MmioTransport, mem: &GuestMemoryMmap, u: &mut Unstructured<'_>, mut process: impl FnMut()) {
+    for _ in 0..32 {
+        let Ok(op) = u.arbitrary::<Op>() else { return };
+        match op {
+            Op::Process => process(),
+            Op::Write { offset, value } => w(t, u64::from(offset) & 0xfff, value),
+            Op::WriteBytes { offset, bytes } => t.write(u64::from(offset) & 0xfff, &bytes[..bytes.len().min(16)]),
+            Op::Read { offset, len } => {
+                let mut buf = vec![0u8; usize::from(len % 17)];
+                t.read(u64::from(offset) & 0xfff, &mut buf);
+            }
+            Op::Poke { at, bytes } => {
+                let at = usize::from(at).min(MEM_SIZE);
+                let n = bytes.len().min(MEM_SIZE - at);
+                let _ = mem.write_slice(&bytes[..n], GuestAddress(at as u64));
+            }
+        }
+    }
+}
+
+struct BlockRig {
+    _dir: tempfile::TempDir,
+    mem: GuestMemoryMmap,
+    dev: Arc<Mutex<Block>>,
+    t: MmioTransport,
+}
+
+fn irq() -> IrqTrigger {
+    IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"))
+}
+
+impl BlockRig {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("disk.img");
+        std::fs::write(&path, vec![0u8; 64 * 1024]).expect("disk image");
+        let dev = Arc::new(Mutex::new(Block::new(&BlockConfig { path, read_only: false }, 0).expect("block device")));
+        let mem = guest_mem();
+        let as_dyn: Arc<Mutex<dyn VirtioDevice>> = dev.clone();
+        let t = MmioTransport::new("fuzz-blk".into(), mem.clone(), as_dyn, irq()).expect("transport");
+        Self { _dir: dir, mem, dev, t }
+    }
+}
+
+thread_local! {
+    static BLOCK: RefCell<Option<BlockRig>> = const { RefCell::new(None) };
+    static VSOCK: RefCell<Option<VsockRig>> = const { RefCell::new(None) };
+}
+
+/// virtio-blk end to end: mmio init with fuzzed queue layout, fuzzed guest memory (rings,
+/// descriptors, request headers), then a fuzzed mix of kicks, register writes and memory pokes.
+pub fn virtio_blk(data: &[u8]) {
+    BLOCK.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let rig = slot.get_or_insert_with(BlockRig::new);
+        let mut u = Unstructured::new(data);
+        if init_device(&mut rig.t, &mut u, 1).is_err() {
+            return;
+        }
+        let image_len = u.arbitrary_len::<u8>().unwrap_or(0).min(MEM_SIZE);
+        let image = u.bytes(image_len).unwrap_or(&[]);
+        load_image(&rig.mem, image);
+        let dev = rig.dev.clone();
+        run_ops(&mut rig.t, &rig.mem, &mut u, || lock(&dev).process_queue());
+        lock(&dev).process_queue();
+    });
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct VsockRig {
+    dir: tempfile::TempDir,
+    mem: GuestMemoryMmap,
+    dev: Arc<Mutex<Vsock>>,
+    t: MmioTransport,
+    /// A host listener at `<uds>_1024`, so guest REQUESTs to port 1024 connect.
+    host: std::os::unix::net::UnixListener,
+}
+
+impl VsockRig {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let uds = dir.path().join("v.sock");
+        let host = std::os::unix::net::UnixListener::bind(dir.path().join("v.sock_1024")).expect("host listener");
+        host.set_nonblocking(true).expect("nonblocking");
+        let dev = Arc::new(Mutex::new(Vsock::new(GUEST_CID, &uds).expect("vsock device")));
+        let mem = guest_mem();
+        let as_dyn: Arc<Mutex<dyn VirtioDevice>> = dev.clone();
+        let t = MmioTransport::new("fuzz-vsock".into(), mem.clone(), as_dyn, irq()).expect("transport");
+        Self { dir, mem, dev, t, host }
+    }
+}
+
+/// virtio-vsock end to end, like [`virtio_blk`]; kicks serve TX then RX. Host connections the
+/// guest opens are accepted and kept for the iteration, then dropped.
+pub fn virtio_vsock(data: &[u8]) {
+    ignore_sigpipe();
+    VSOCK.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let rig = slot.get_or_insert_with(VsockRig::new);
+        let _ = &rig.dir;
+        let mut u = Unstructured::new(data);
+        if init_device(&mut rig.t, &mut u, 3).is_err() {
+            return;
+        }
+        let image_len = u.arbitrary_len::<u8>().unwrap_or(0).min(MEM_SIZE);
+        let image = u.bytes(image_len).unwrap_or(&[]);
+        load_image(&rig.mem, image);
+        let dev = rig.dev.clone();
+        let host = &rig.host;
+        let mut accepted = Vec::new();
+        run_ops(&mut rig.t, &rig.mem, &mut u, || {
+            let mut d = lock(&dev);
+            d.process_tx();
+            while let Ok((s, _)) = host.accept() {
+                accepted.push(s);
+            }
+            d.process_rx();
+        });
+        lock(&dev).process_tx();
+        lock(&dev).process_rx();
+        while let Ok((s, _)) = host.accept() {
+            accepted.push(s);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// VMM: the vsock connection state machine fed with parsed guest packets.
+
+#[derive(arbitrary::Arbitrary, Debug)]
+struct GuestPkt {
+    src_cid_ok: bool,
+    port_sel: u8,
+    src_port: u32,
+    op: u8,
+    type_: u16,
+    flags: u32,
+    buf_alloc: u32,
+    fwd_cnt: u32,
+    data: Vec<u8>,
+    /// RX room the guest offers after this packet (0 = none).
+    rx_room: u16,
+}
+
+/// Feeds `VsockMuxer::send_from_guest` a sequence of guest packets and drains `next_rx`.
+/// Checks that every packet for the guest is addressed to it and fits the offered room.
+pub fn vsock_muxer(data: &[u8]) {
+    ignore_sigpipe();
+    let dir = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(_) => return,
+    };
+    let uds = dir.path().join("m.sock");
+    let Ok(host) = std::os::unix::net::UnixListener::bind(dir.path().join("m.sock_1024")) else { return };
+    let _ = host.set_nonblocking(true);
+    let Ok(mut mx) = VsockMuxer::new(GUEST_CID, &uds) else { return };
+    let mut u = Unstructured::new(data);
+    let mut accepted = Vec::new();
+    for _ in 0..64 {
+        let Ok(p) = u.arbitrary::<GuestPkt>() else { break };
+        let hdr = VsockHeader {
+            src_cid: if p.src_cid_ok { GUEST_CID } else { u64::from(p.op) },
+            dst_cid: HOST_CID,
+            src_port: p.src_port % 4,
+            dst_port: if p.port_sel % 2 == 0 { 1024 } else { u32::from(p.port_sel) },
+            len: p.data.len() as u32,
+            type_: if p.type_ < 0xf000 { 1 } else { p.type_ },
+            op: u16::from(p.op % 9),
+            flags: p.flags,
+            buf_alloc: p.buf_alloc,
+            fwd_cnt: p.fwd_cnt,
+        };
+        mx.send_from_guest(TxPacket { hdr, data: p.data });
+        while let Ok((s, _)) = host.accept() {
+            let _ = s.set_nonblocking(true);
+            accepted.push(s);
+        }
+        for s in &mut accepted {
+            use std::io::Write;
+            let _ = s.write(b"host says hi");
+        }
+        let _ = mx.take_fd_ops();
+        mx.bury();
+        let room = usize::from(p.rx_room);
+        if room == 0 {
+            continue;
+        }
+        for _ in 0..8 {
+            let Some((h, payload)) = mx.next_rx(room) else { break };
+            assert_eq!((h.src_cid, h.dst_cid), (HOST_CID, GUEST_CID), "RX packet misaddressed");
+            assert!(payload.len() <= room, "RX payload larger than the guest's buffer");
+            assert_eq!(h.len as usize, payload.len());
+        }
+    }
+    assert!(mx.connection_count() <= 64 * 4);
+}
