@@ -18,7 +18,7 @@ use crate::layout::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
-    #[error("cannot open {path}: {source}")]
+    #[error("cannot open {path}")]
     Open { path: String, source: std::io::Error },
     #[error("kernel {path} is neither a loadable ELF vmlinux nor a bzImage (elf: {elf}; bzImage: {bz})")]
     KernelFormat { path: String, elf: String, bz: String },
@@ -26,9 +26,9 @@ pub enum BootError {
     Cmdline(String),
     #[error("initramfs of {size} bytes does not fit in guest memory")]
     InitramfsTooBig { size: u64 },
-    #[error("writing boot data to guest memory: {0}")]
+    #[error("writing boot data to guest memory")]
     Memory(#[from] vm_memory::GuestMemoryError),
-    #[error("boot params: {0}")]
+    #[error("boot params")]
     BootParams(#[from] crate::arch::boot_params::BootParamsError),
     #[error(transparent)]
     MpTable(#[from] crate::arch::mptable::MpTableError),

@@ -19,11 +19,11 @@ pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
+    #[error("cannot read config {path}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("config is larger than {MAX_CONFIG_BYTES} bytes")]
     TooLarge,
-    #[error("config is not valid JSON for a VM: {0}")]
+    #[error("config is not valid JSON for a VM")]
     Parse(#[from] serde_json::Error),
     #[error("config names neither `kernel` nor `raw_guest`; exactly one is required")]
     NoBootSource,
@@ -266,7 +266,8 @@ mod tests {
     #[test]
     fn unknown_field_is_rejected() {
         let err = VmConfig::from_json(r#"{"kernal": "/x"}"#).unwrap_err();
-        assert!(err.to_string().contains("unknown field"), "{err}");
+        let cause = std::error::Error::source(&err).map(|s| s.to_string()).unwrap_or_default();
+        assert!(cause.contains("unknown field `kernal`"), "{err}: {cause}");
     }
 
     #[test]

@@ -13,9 +13,9 @@ use crate::layout;
 pub enum MemoryError {
     #[error("memfd_create failed: {0}")]
     Memfd(std::io::Error),
-    #[error("sizing the memfd to {size} bytes failed: {source}")]
+    #[error("sizing the memfd to {size} bytes failed")]
     Truncate { size: u64, source: std::io::Error },
-    #[error("mapping guest memory failed: {0}")]
+    #[error("mapping guest memory failed")]
     Map(#[from] vm_memory::mmap::FromRangesError),
 }
 

@@ -16,7 +16,7 @@ use crate::exit::{ExitReason, ExitSignal};
 pub enum VcpuError {
     #[error("creating vCPU {0}: {1}")]
     Create(u8, kvm_ioctls::Error),
-    #[error("configuring vCPU {id} ({what}): {source}")]
+    #[error("configuring vCPU {id} ({what})")]
     Configure { id: u8, what: &'static str, source: kvm_ioctls::Error },
 }
 

@@ -33,7 +33,7 @@ use crate::vcpu::{install_kick_handler, unix_ns, Vcpu, VcpuControl};
 pub enum VmmError {
     #[error("cannot open /dev/kvm: {0}")]
     Kvm(kvm_ioctls::Error),
-    #[error("KVM setup ({what}): {source}")]
+    #[error("KVM setup failed ({what})")]
     KvmSetup { what: &'static str, source: kvm_ioctls::Error },
     #[error(transparent)]
     Memory(#[from] crate::memory::MemoryError),
@@ -41,9 +41,9 @@ pub enum VmmError {
     Boot(#[from] crate::boot::BootError),
     #[error(transparent)]
     Vcpu(#[from] crate::vcpu::VcpuError),
-    #[error("device {what}: {source}")]
+    #[error("device {what}")]
     Device { what: String, source: std::io::Error },
-    #[error("bus: {0}")]
+    #[error("bus")]
     Bus(#[from] crate::devices::bus::BusError),
     #[error("event loop: {0}")]
     EventLoop(String),
