@@ -1,6 +1,7 @@
 //! Legacy PC devices on port I/O.
 
 pub mod i8042;
+pub mod persist;
 pub mod serial;
 
 use vmm_sys_util::eventfd::EventFd;

@@ -18,6 +18,10 @@ impl SerialDevice {
     pub fn new(irq: EventFdTrigger, out: Box<dyn Write + Send>) -> Self {
         Self { serial: Serial::new(irq, out) }
     }
+
+    pub fn snapshot(&self) -> super::persist::SerialSnapshot {
+        super::persist::SerialSnapshot::from(&self.serial.state())
+    }
 }
 
 impl BusDevice for SerialDevice {
@@ -74,5 +78,7 @@ mod tests {
         let mut wide = [0u8; 2];
         dev.read(0, &mut wide);
         assert_eq!(wide, [0xff, 0xff], "only byte access is defined");
+        dev.write(7, &[0x42]);
+        assert_eq!(dev.snapshot().scratch, 0x42);
     }
 }
