@@ -35,12 +35,16 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
     let out = out_dir.join(format!("{name}.elf"));
+    // Tests build the same guest concurrently: compile privately, then rename into place.
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let tmp = out_dir.join(format!("{name}.{}.{seq}.tmp", std::process::id()));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let output = Command::new(rustc)
         .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
         .args(["-C", "panic=abort", "-C", "opt-level=s", "-C", "relocation-model=static"])
         .arg("-o")
-        .arg(&out)
+        .arg(&tmp)
         .arg(guests_dir().join(format!("{name}.rs")))
         .output()
         .map_err(|e| format!("cannot run rustc: {e}"))?;
@@ -51,6 +55,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         }
         panic!("test guest {name} failed to compile:\n{err}");
     }
+    std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
     Ok(out)
 }
 
