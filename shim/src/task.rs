@@ -35,6 +35,8 @@ use crate::sandbox::paths::BundleRecord;
 use crate::sandbox::{self, Sandbox, SandboxError, SandboxRequest};
 use crate::spec::{self, BundleSpec, Role, SpecError};
 
+/// Workload ids remembered per pod for OOM attribution (pods restart containers; bounded).
+const MAX_POD_WORKLOADS: usize = 4096;
 /// Longest Update resources / exec process JSON accepted from containerd.
 const MAX_JSON: usize = 1 << 20;
 
@@ -96,6 +98,8 @@ pub struct TaskService {
     /// Containers for which TaskOOM was published since they last started.
     oom_reported: Arc<Mutex<HashSet<String>>>,
     exit: Arc<ExitSignal>,
+    /// Every workload container this pod has had (bounded), for attributing late OOM events.
+    pod_workloads: Arc<Mutex<HashSet<String>>>,
     /// Parent of every RPC's span: the pod this shim serves.
     pod_span: tracing::Span,
     backends: Arc<dyn sandbox::Backends>,
@@ -130,6 +134,7 @@ impl TaskService {
             containers: Default::default(),
             sandbox: tokio::sync::Mutex::new(PodSandbox::None),
             oom_reported: Default::default(),
+            pod_workloads: Default::default(),
             exit,
         }
     }
@@ -225,7 +230,7 @@ impl TaskService {
                 agent,
                 self.events.clone(),
                 self.oom_reported.clone(),
-                self.containers.clone(),
+                self.pod_workloads.clone(),
                 sandbox.clone(),
             )
             .in_current_span(),
@@ -287,6 +292,12 @@ impl TaskService {
         };
         let core = ProcessCore::created(&req.id, None, stdio, pid);
         *core.io.lock().await = session;
+        {
+            let mut known = self.pod_workloads.lock().unwrap_or_else(|p| p.into_inner());
+            if known.len() < MAX_POD_WORKLOADS {
+                known.insert(req.id.clone());
+            }
+        }
         Ok(Container {
             id: req.id.clone(),
             bundle: req.bundle.clone(),

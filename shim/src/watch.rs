@@ -1,14 +1,13 @@
 //! Background watchers of a pod: one per started process (exit → drained stdio → state →
 //! TaskExit) and one per sandbox (the agent's OOM events → TaskOOM).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tracing::{info, warn};
 
 use crate::agent::AgentClient;
-use crate::container::{Container, ContainerKind};
 use crate::events::EventSink;
 use crate::process::{ExitInfo, ExitSource, Process, ProcessEvent};
 use crate::sandbox::Sandbox;
@@ -52,7 +51,7 @@ pub async fn oom_watch(
     agent: Arc<AgentClient>,
     events: Arc<EventSink>,
     oom_reported: Arc<Mutex<HashSet<String>>>,
-    containers: Arc<tokio::sync::Mutex<HashMap<String, Container>>>,
+    pod_workloads: Arc<Mutex<HashSet<String>>>,
     sandbox: Arc<dyn Sandbox>,
 ) {
     let mut after = 0;
@@ -64,12 +63,10 @@ pub async fn oom_watch(
             next = agent.next_oom_event(after, Duration::from_secs(30)) => match next {
                 Ok(Some(event)) => {
                     after = event.seq;
-                    // The agent may only speak for containers of its own pod.
-                    let known = containers
-                        .lock()
-                        .await
-                        .get(&event.container_id)
-                        .is_some_and(|c| c.kind == ContainerKind::Workload);
+                    // The agent may only speak for containers of its own pod, including one whose
+                    // task containerd already deleted (the event may trail the exit).
+                    let known =
+                        pod_workloads.lock().unwrap_or_else(|p| p.into_inner()).contains(&event.container_id);
                     if !known {
                         warn!(container = %event.container_id, "OOM event for a container not in this pod; ignored");
                         continue;

@@ -132,6 +132,18 @@ fn shim_socket(containerd: &Containerd, group: &str) -> PathBuf {
     PathBuf::from(format!("/run/containerd/s/{hash}"))
 }
 
+/// Waits until a process with `marker` in its command line runs: CRI reports Running when
+/// Start returns, a moment before the container's init has exec'd its command.
+async fn wait_for_process(marker: &str) -> Result<()> {
+    for _ in 0..100 {
+        if !processes_with(marker).is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("no process with {marker} in its command line")
+}
+
 /// Polls `check` (which returns what is still left over) until it is empty or `within` passes.
 async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -> Vec<String>) -> Result<()> {
     let deadline = Instant::now() + within;
@@ -188,7 +200,7 @@ async fn shim_pod_lifecycle_leaves_nothing_behind() -> Result<()> {
 
     let status = env.cri.wait_container(&ctr, Duration::from_secs(10), |s| s.state == RUNNING).await?;
     assert_eq!(status.state, RUNNING);
-    assert!(!processes_with(&marker).is_empty(), "the workload runs on this host");
+    wait_for_process(&marker).await?;
 
     let out = env.cri.exec_sync(&ctr, &["echo", "hi"], 10).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
@@ -497,7 +509,7 @@ async fn shim_kill9_then_delete_leaves_no_orphans() -> Result<()> {
     let pod = env.pod("crash")?;
     let (pod_id, ctr) = env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
     env.cri.wait_container(&ctr, Duration::from_secs(10), |s| s.state == RUNNING).await?;
-    assert!(!processes_with(&marker).is_empty());
+    wait_for_process(&marker).await?;
 
     let shims: Vec<u32> = processes_with("containerd-shim-bulkhead-v2")
         .into_iter()
