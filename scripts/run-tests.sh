@@ -9,7 +9,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
 # libtest hides a passing test's stdout; --show-output prints it, so SKIPPED lines show.
-cargo test --workspace "$@" -- --show-output 2>&1 | tee "$log"
+cargo test --workspace --no-fail-fast "$@" -- --show-output 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 
 passed=$(awk '/^test result:/ { for (i = 1; i <= NF; i++) if ($(i+1) ~ /^passed/) s += $i } END { print s + 0 }' "$log")

@@ -90,8 +90,10 @@ impl Agent {
 
     async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str, net: bool) -> Agent {
         let parent = if mode == "guest" {
-            let p = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
-            std::fs::create_dir_all(&p).expect("target tmpdir");
+            // Guest mode mounts fresh /tmp, /run, /dev, /sys and /proc over the host's, so the
+            // socket must live elsewhere; the checkout itself may be under /tmp (CI clones).
+            let p = PathBuf::from("/var/lib/bulkhead-test");
+            std::fs::create_dir_all(&p).expect("guest-mode test dir");
             p
         } else {
             PathBuf::from("/tmp")
