@@ -142,23 +142,9 @@ fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
     Ok(evt)
 }
 
-/// Builds and runs the VM. Returns why it stopped.
-pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
-    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
-    let kvm = Kvm::new().map_err(VmmError::Kvm)?;
-    let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
-    vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
-    let mem = create_guest_memory(cfg.mem_bytes)?;
-    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
-    let registration = {
-        let (vm, mem) = (vm.clone(), mem.clone());
-        std::thread::Builder::new()
-            .name("memslots".into())
-            .spawn(move || register_memory(&vm, &mem))
-            .map_err(dev_err("memslot thread"))?
-    };
-
-    let irqchip = match vm.create_irq_chip() {
+/// In-kernel PIC/IOAPIC/LAPIC and PIT where the host offers them.
+fn create_irqchip(vm: &VmFd) -> bool {
+    match vm.create_irq_chip() {
         Ok(()) => {
             let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
             if let Err(e) = vm.create_pit2(pit) {
@@ -170,11 +156,25 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
             tracing::warn!(error = %e, "no in-kernel irqchip; devices will not raise interrupts");
             false
         }
-    };
+    }
+}
 
-    tracing::debug!(irqchip, "vm created");
-    let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
-    let control = Arc::new(VcpuControl::new());
+/// Everything the guest can reach: port I/O and MMIO buses, plus the event-loop side of devices.
+struct Devices {
+    pio: Bus,
+    mmio: Bus,
+    subscribers: Vec<Subscriber>,
+    /// (base, size, gsi) of each virtio-mmio device, for the kernel cmdline.
+    cmdline_devices: Vec<(u64, u64, u32)>,
+}
+
+fn build_devices(
+    cfg: &ValidConfig,
+    vm: &VmFd,
+    irqchip: bool,
+    mem: &GuestMemoryMmap,
+    exit: &Arc<ExitSignal>,
+) -> Result<Devices, VmmError> {
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
     let mut subscribers: Vec<Subscriber> = Vec::new();
@@ -190,7 +190,7 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
         ),
         None => Box::new(std::io::sink()),
     };
-    let serial_irq = EventFdTrigger(irq_line(&vm, irqchip, layout::SERIAL_IRQ)?);
+    let serial_irq = EventFdTrigger(irq_line(vm, irqchip, layout::SERIAL_IRQ)?);
     pio.insert(Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out))), SERIAL_PORT, SERIAL_PORT_LEN)?;
     let reset_exit = exit.clone();
     let i8042 = I8042::new(ResetTrigger(Box::new(move || {
@@ -217,12 +217,38 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     for (i, (name, dev)) in virtio.into_iter().enumerate() {
         let base = layout::virtio_mmio_addr(i);
         let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
-        let irq = IrqTrigger::new(irq_line(&vm, irqchip, gsi)?);
+        let irq = IrqTrigger::new(irq_line(vm, irqchip, gsi)?);
         let transport = MmioTransport::new(name.clone(), mem.clone(), dev, irq).map_err(dev_err(name))?;
         let transport: Arc<Mutex<dyn BusDevice>> = Arc::new(Mutex::new(transport));
         mmio.insert(transport, base, layout::VIRTIO_MMIO_SIZE)?;
         cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
     }
+
+    Ok(Devices { pio, mmio, subscribers, cmdline_devices })
+}
+
+/// Builds and runs the VM. Returns why it stopped.
+pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
+    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
+    let kvm = Kvm::new().map_err(VmmError::Kvm)?;
+    let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
+    vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
+    let mem = create_guest_memory(cfg.mem_bytes)?;
+    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
+    let registration = {
+        let (vm, mem) = (vm.clone(), mem.clone());
+        std::thread::Builder::new()
+            .name("memslots".into())
+            .spawn(move || register_memory(&vm, &mem))
+            .map_err(dev_err("memslot thread"))?
+    };
+
+    let irqchip = create_irqchip(&vm);
+
+    tracing::debug!(irqchip, "vm created");
+    let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
+    let control = Arc::new(VcpuControl::new());
+    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit)?;
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
     tracing::debug!(?entry, irqchip, "guest loaded");
