@@ -41,7 +41,7 @@ pub struct Config {
     /// `vm` or `namespace`. Defaults to `vm`: the namespace backend must be chosen explicitly.
     #[serde(default = "default_backend")]
     pub backend: Backend,
-    /// Directory for per-pod state (agent socket, pid file, rootfs bind mounts).
+    /// Directory for per-pod state (agent socket, launcher pid file, agent state, rootfs mount points).
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
     /// Log level of the shim (`error`, `warn`, `info`, `debug`, `trace`).

@@ -6,13 +6,14 @@
 //! shim/agent stack runs on hosts that cannot run guests, and is chosen only by
 //! `backend = "namespace"`; every sandbox start logs a warning saying so.
 //!
-//! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, and `rootfs/<id>`, an
-//! empty directory per container. The agent's mount namespace is private (the agent makes `/`
+//! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, the pod's cgroup record,
+//! the agent's own state dir, and `rootfs/<id>`, an empty directory per container. The agent's mount namespace is private (the agent makes `/`
 //! rprivate at boot), so host mounts made after it started never appear inside it; instead
 //! the agent performs containerd's rootfs mounts (overlay over snapshot directories, which
 //! are plain directories both sides see) at `rootfs/<id>` itself, or bind-mounts the bundle's
 //! `rootfs` directory when containerd prepared it. The shim mounts nothing on the host.
-//! The pause container is not run: the agent is the pod's PID 1 and the sandbox task's process.
+//! The pause container is not run: the agent is the pod's PID 1, and its launcher (already in
+//! the pod's net/ipc/uts namespaces) is the sandbox task's process.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
