@@ -18,7 +18,7 @@ use crate::boot;
 use crate::config::ValidConfig;
 use crate::devices::bus::{Bus, BusDevice};
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_LEN};
-use crate::devices::legacy::serial::{SerialDevice, SERIAL_PORT, SERIAL_PORT_LEN};
+use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::MmioTransport;
@@ -181,13 +181,14 @@ fn build_devices(
 
     // Legacy devices.
     let serial_out: Box<dyn Write + Send> = match &cfg.serial_log {
-        Some(p) => Box::new(
+        Some(p) => Box::new(CappedWriter::new(
             OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(p)
                 .map_err(dev_err(format!("serial log {}", p.display())))?,
-        ),
+            SERIAL_LOG_LIMIT,
+        )),
         None => Box::new(std::io::sink()),
     };
     let serial_irq = EventFdTrigger(irq_line(vm, irqchip, layout::SERIAL_IRQ)?);

@@ -9,6 +9,40 @@ use crate::devices::bus::BusDevice;
 
 pub const SERIAL_PORT: u64 = 0x3f8;
 pub const SERIAL_PORT_LEN: u64 = 8;
+/// A guest must not be able to fill the host disk through its console.
+pub const SERIAL_LOG_LIMIT: u64 = 64 << 20;
+
+/// Stops writing after `limit` bytes (with one warning); the guest never notices.
+pub struct CappedWriter<W> {
+    inner: W,
+    written: u64,
+    limit: u64,
+}
+
+impl<W: Write> CappedWriter<W> {
+    pub fn new(inner: W, limit: u64) -> Self {
+        Self { inner, written: 0, limit }
+    }
+}
+
+impl<W: Write> Write for CappedWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.written >= self.limit {
+            return Ok(buf.len());
+        }
+        let room = (self.limit - self.written).min(buf.len() as u64) as usize;
+        let n = self.inner.write(&buf[..room])?;
+        self.written += n as u64;
+        if self.written >= self.limit {
+            tracing::warn!(limit = self.limit, "serial log limit reached; dropping further guest output");
+        }
+        Ok(if n == room { buf.len() } else { n })
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
 
 pub struct SerialDevice {
     serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
@@ -62,6 +96,17 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn serial_output_is_capped() {
+        let out = Shared::default();
+        let mut dev =
+            SerialDevice::new(EventFdTrigger(EventFd::new(0).unwrap()), Box::new(CappedWriter::new(out.clone(), 4)));
+        for b in b"0123456789\n" {
+            dev.write(0, &[*b]);
+        }
+        assert_eq!(&*out.0.lock().unwrap(), b"0123");
     }
 
     #[test]
