@@ -162,6 +162,11 @@ impl VsockMuxer {
             if let Err(e) = conn.flush_to_host() {
                 tracing::warn!(port = key.0, error = %e, "vsock: host write failed; resetting connection");
                 self.kill(key, true);
+                return;
+            }
+            if conn.needs_credit_update() {
+                let cu = conn.credit_update();
+                self.push_control(cu);
             }
         }
     }
@@ -544,6 +549,47 @@ mod tests {
         long.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut buf = [0u8; 1];
         assert_eq!(long.read(&mut buf).unwrap_or(0), 0, "closed");
+    }
+
+    #[test]
+    fn forwarded_bytes_trigger_a_credit_update() {
+        let (mut m, dir) = muxer();
+        let listener = UnixListener::bind(dir.path().join("v.sock_5001")).unwrap();
+        m.send_from_guest(guest(OP_REQUEST, 80, 5001, b""));
+        assert_eq!(m.next_rx(4096).unwrap().0.op, OP_RESPONSE);
+        let (mut peer, _) = listener.accept().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut total = 0usize;
+            let mut buf = vec![0u8; 65536];
+            peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            while total < 3 * 60000 {
+                match peer.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => total += n,
+                }
+            }
+            total
+        });
+        let chunk = vec![7u8; 60000];
+        let mut updates = 0;
+        for _ in 0..3 {
+            m.send_from_guest(guest(OP_RW, 80, 5001, &chunk));
+            // Give the reader a moment so our non-blocking writes drain.
+            std::thread::sleep(Duration::from_millis(20));
+            if let Some(key) = m.fd_conn.values().next().copied() {
+                if let Some(c) = m.conns.get_mut(&key) {
+                    c.flush_to_host().unwrap();
+                }
+            }
+            while let Some((h, _)) = m.next_rx(4096) {
+                if h.op == OP_CREDIT_UPDATE {
+                    updates += 1;
+                    assert!(h.fwd_cnt >= 120_000, "fwd_cnt {}", h.fwd_cnt);
+                }
+            }
+        }
+        assert_eq!(reader.join().unwrap(), 180_000);
+        assert!(updates >= 1, "the guest hears about freed buffer space");
     }
 
     #[test]
