@@ -1,7 +1,7 @@
 //! KVM smoke test with a real Linux kernel: the kernel's own early serial lines must echo the
 //! cmdline (with our `virtio_mmio.device=` entries), the e820 map and the MP table (2 vCPUs, one
 //! IOAPIC) the VMM wrote.
-//! Uses $BULKHEAD_KERNEL, guest-kernel/build/vmlinux or the kernel cache; SKIPPED without one.
+//! Uses $BULKHEAD_KERNEL or the kernel guest-kernel/build-kernel.sh builds (cached by content hash).
 
 mod common;
 
@@ -10,16 +10,20 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn find_kernel() -> Option<PathBuf> {
+/// The guest kernel: $BULKHEAD_KERNEL, else guest-kernel/build-kernel.sh's cached build (built on
+/// first use; `make test` builds it before the tests). A missing kernel fails the test: it must
+/// not pass by doing nothing.
+fn guest_kernel() -> PathBuf {
     if let Ok(p) = std::env::var("BULKHEAD_KERNEL") {
-        return Some(PathBuf::from(p));
+        return PathBuf::from(p);
     }
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-kernel/build/vmlinux");
-    if repo.is_file() {
-        return Some(repo);
-    }
-    let cache = std::fs::read_dir("/var/cache/bulkhead").ok()?;
-    cache.filter_map(|e| e.ok()).map(|e| e.path().join("vmlinux")).find(|p| p.is_file())
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-kernel/build-kernel.sh");
+    let out = std::process::Command::new(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed: {}", script.display(), out.status);
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 #[test]
@@ -27,10 +31,7 @@ fn linux_kernel_echoes_cmdline_and_e820() {
     if skip_without_kvm() {
         return;
     }
-    let Some(kernel) = find_kernel() else {
-        println!("SKIPPED: no guest kernel (set BULKHEAD_KERNEL or build guest-kernel/)");
-        return;
-    };
+    let kernel = guest_kernel();
     let dir = tempfile::tempdir().unwrap();
     let disk = dir.path().join("disk.img");
     std::fs::write(&disk, vec![0u8; 4096]).unwrap();
