@@ -69,6 +69,37 @@ impl PodCgroup {
     }
 }
 
+impl PodCgroup {
+    /// The sandbox's own cgroup, where the launcher and agent live: `<parent>/<sandbox id>`
+    /// (for kubelet pods exactly the sandbox spec's `linux.cgroupsPath`).
+    pub fn sandbox(&self, sandbox_id: &str) -> PathBuf {
+        self.parent.join(sandbox_id)
+    }
+}
+
+/// Moves `pid` into the cgroup `path` of every hierarchy that accepts it, creating it as
+/// needed; returns what failed. cpuset is skipped: a new cpuset cgroup has no CPUs until
+/// configured, and the launcher needs none of its own.
+pub fn join(path: &Path, pid: u32) -> Vec<String> {
+    if !plain_absolute(path) {
+        return vec![format!("cgroup {} is not a plain absolute path", path.display())];
+    }
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    let mut problems = Vec::new();
+    for mount in cgroup_mounts() {
+        if mount.file_name().is_some_and(|n| n.to_string_lossy().contains("cpuset")) {
+            continue;
+        }
+        let dir = mount.join(relative);
+        let joined =
+            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(dir.join("cgroup.procs"), pid.to_string()));
+        if let Err(e) = joined {
+            problems.push(format!("join cgroup {}: {e}", dir.display()));
+        }
+    }
+    problems
+}
+
 fn rmdir(dir: &Path) -> std::io::Result<()> {
     match std::fs::remove_dir(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

@@ -3,7 +3,8 @@
 //! The shim is multi-threaded (tokio), and `unshare(CLONE_NEWNS)`/`setns` want a single
 //! thread, while a new PID namespace only applies to children. So the shim re-executes
 //! itself as this small launcher, which, still single-threaded:
-//! 1. joins the pod network namespace (if the spec names one);
+//! 1. joins the sandbox's cgroup (best effort: the agent is then accounted to the pod) and the
+//!    pod network namespace (if the spec names one);
 //! 2. unshares mount, UTS, IPC and PID namespaces;
 //! 3. forks: the child (PID 1 of the new PID namespace) makes `/` recursively private (the
 //!    pod's mounts stay out of the host and the host's out of the pod), mounts a fresh
@@ -30,6 +31,8 @@ pub const LAUNCH_ARG: &str = "__bulkhead-ns-launch";
 pub struct LaunchArgs {
     /// Network namespace to join; `None` keeps the current one (host network pods).
     pub netns: Option<String>,
+    /// The sandbox's cgroup (path inside each hierarchy) to join before forking the agent.
+    pub cgroup: Option<String>,
     /// The agent binary and its arguments.
     pub command: Vec<String>,
 }
@@ -37,8 +40,14 @@ pub struct LaunchArgs {
 impl LaunchArgs {
     /// Renders the arguments the shim passes after [`LAUNCH_ARG`].
     pub fn to_args(&self) -> Vec<String> {
-        let mut args =
-            vec!["--netns".to_string(), self.netns.clone().unwrap_or_else(|| "-".to_string()), "--".to_string()];
+        let dash = || "-".to_string();
+        let mut args = vec![
+            "--netns".to_string(),
+            self.netns.clone().unwrap_or_else(dash),
+            "--cgroup".to_string(),
+            self.cgroup.clone().unwrap_or_else(dash),
+            "--".to_string(),
+        ];
         args.extend(self.command.iter().cloned());
         args
     }
@@ -46,14 +55,17 @@ impl LaunchArgs {
     /// Parses what [`LaunchArgs::to_args`] produced.
     pub fn parse(args: &[String]) -> Result<Self, String> {
         match args {
-            [flag, netns, sep, command @ ..] if flag == "--netns" && sep == "--" => {
+            [flag, netns, cg_flag, cgroup, sep, command @ ..]
+                if flag == "--netns" && cg_flag == "--cgroup" && sep == "--" =>
+            {
                 if command.is_empty() {
                     return Err("launcher: no command after --".into());
                 }
                 let netns = (netns != "-").then(|| netns.clone());
-                Ok(Self { netns, command: command.to_vec() })
+                let cgroup = (cgroup != "-").then(|| cgroup.clone());
+                Ok(Self { netns, cgroup, command: command.to_vec() })
             }
-            _ => Err("launcher: usage: --netns <path|-> -- <agent> [args...]".into()),
+            _ => Err("launcher: usage: --netns <path|-> --cgroup <path|-> -- <agent> [args...]".into()),
         }
     }
 }
@@ -81,6 +93,12 @@ pub fn maybe_run_launcher() -> Option<i32> {
 }
 
 fn launch_and_wait(launch: &LaunchArgs) -> Result<i32, String> {
+    if let Some(cgroup) = &launch.cgroup {
+        // Best effort: a pod whose accounting misses the agent still runs.
+        for problem in super::cgroups::join(std::path::Path::new(cgroup), std::process::id()) {
+            eprintln!("bulkhead namespace launcher: {problem}");
+        }
+    }
     if let Some(netns) = &launch.netns {
         let file = std::fs::File::open(netns).map_err(|e| format!("open netns {netns}: {e}"))?;
         setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| format!("join netns {netns}: {e}"))?;
@@ -146,17 +164,20 @@ mod tests {
     fn args_round_trip() {
         let launch = LaunchArgs {
             netns: Some("/var/run/netns/cni-1".into()),
+            cgroup: Some("/kubepods/pod1/sb1".into()),
             command: vec!["/bin/agent".into(), "--mode".into(), "namespace".into()],
         };
         assert_eq!(LaunchArgs::parse(&launch.to_args()).unwrap(), launch);
-        let host = LaunchArgs { netns: None, command: vec!["/bin/agent".into()] };
+        let host = LaunchArgs { netns: None, cgroup: None, command: vec!["/bin/agent".into()] };
         assert_eq!(LaunchArgs::parse(&host.to_args()).unwrap(), host);
     }
 
     #[test]
     fn malformed_args_are_refused() {
         assert!(LaunchArgs::parse(&[]).is_err());
-        assert!(LaunchArgs::parse(&["--netns".into(), "-".into(), "--".into()]).is_err());
+        let no_command: Vec<String> = ["--netns", "-", "--cgroup", "-", "--"].map(String::from).to_vec();
+        assert!(LaunchArgs::parse(&no_command).is_err());
+        assert!(LaunchArgs::parse(&["--netns".into(), "-".into(), "--".into(), "a".into()]).is_err());
         assert!(LaunchArgs::parse(&["--x".into(), "-".into(), "--".into(), "a".into()]).is_err());
     }
 }

@@ -94,6 +94,7 @@ impl NamespaceSandbox {
         }
         let launch = LaunchArgs {
             netns: req.netns.as_ref().map(|p| p.display().to_string()),
+            cgroup: Some(req.cgroup.sandbox(&req.sandbox_id).display().to_string()),
             command: vec![
                 agent_path.display().to_string(),
                 "--listen".into(),

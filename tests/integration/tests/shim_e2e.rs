@@ -665,13 +665,29 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
     let memory = text.lines().find(|l| l.contains(":memory:")).unwrap_or_default().to_string();
     assert_eq!(memory.rsplit(':').next(), Some(format!("{parent}/{ctr}").as_str()), "{text}");
 
+    // The agent (the pod's PID 1) is accounted to the sandbox's own cgroup in the pod cgroup.
+    let agents: Vec<u32> = processes_with(&pod_id)
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
+    let agent_cgroups = std::fs::read_to_string(format!("/proc/{}/cgroup", agents[0]))?;
+    let agent_memory = agent_cgroups.lines().find(|l| l.contains(":memory:")).unwrap_or_default();
+    assert_eq!(agent_memory.rsplit(':').next(), Some(format!("{parent}/{pod_id}").as_str()), "{agent_cgroups}");
+
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await?;
     // The containers' cgroups go with the pod; the pod cgroup itself is kubelet's to remove.
     let hierarchies = ["memory", "pids", "cpu", "freezer"];
-    let leftover = |h: &&str| Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/')).join(&ctr);
-    eventually_nothing("container cgroups", Duration::from_secs(15), || {
-        hierarchies.iter().map(leftover).filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
+    let pod_cgroup = |h: &str| Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/'));
+    eventually_nothing("container and sandbox cgroups", Duration::from_secs(15), || {
+        hierarchies
+            .iter()
+            .flat_map(|h| [pod_cgroup(h).join(&ctr), pod_cgroup(h).join(&pod_id)])
+            .filter(|p| p.exists())
+            .map(|p| p.display().to_string())
+            .collect()
     })
     .await?;
     for h in hierarchies {
