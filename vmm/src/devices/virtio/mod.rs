@@ -105,6 +105,14 @@ impl<A> DeviceState<A> {
     }
 }
 
+/// Copies `data.len()` bytes of a read-only config space starting at `offset`. Bytes past the end
+/// (or an offset that overflows) read as zero, so a guest probing any offset never faults the VMM.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = offset.checked_add(i as u64).and_then(|o| config.get(o as usize).copied()).unwrap_or(0);
+    }
+}
+
 /// Checks queue readiness and validity against guest memory before a device goes live.
 pub fn validate_queues(mem: &GuestMemoryMmap, queues: &[Queue]) -> Result<(), DeviceError> {
     use virtio_queue::QueueT;

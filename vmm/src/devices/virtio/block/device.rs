@@ -15,8 +15,8 @@ use crate::config::BlockConfig;
 use crate::devices::virtio::chain::{self, Desc};
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_BLOCK, VIRTIO_F_VERSION_1,
-    VIRTIO_MMIO_INT_VRING,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_BLOCK,
+    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
 
 pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
@@ -219,10 +219,7 @@ impl VirtioDevice for Block {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // Config space: capacity (le64) first; everything else reads as zero.
-        let cap = self.capacity_sectors.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset.checked_add(i as u64).and_then(|o| cap.get(o as usize).copied()).unwrap_or(0);
-        }
+        read_config_bytes(&self.capacity_sectors.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {

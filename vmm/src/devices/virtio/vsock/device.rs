@@ -14,8 +14,8 @@ use super::MAX_PKT_PAYLOAD;
 use crate::devices::virtio::chain;
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_VSOCK, VIRTIO_F_VERSION_1,
-    VIRTIO_MMIO_INT_VRING,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_VSOCK,
+    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
 
 pub const RXQ: usize = 0;
@@ -182,10 +182,7 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // Config space: guest_cid (le64).
-        let cid = self.guest_cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset.checked_add(i as u64).and_then(|o| cid.get(o as usize).copied()).unwrap_or(0);
-        }
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
