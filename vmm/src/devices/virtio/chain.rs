@@ -5,7 +5,7 @@
 use std::ops::Deref;
 
 use virtio_queue::DescriptorChain;
-use vm_memory::{GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap};
 
 /// Longest chain any device here accepts.
 pub const MAX_CHAIN_DESCRIPTORS: usize = 64;
@@ -29,6 +29,33 @@ pub struct Desc {
     pub addr: GuestAddress,
     pub len: u32,
     pub writable: bool,
+}
+
+impl Desc {
+    /// The address `off` bytes into this descriptor. Only for `off` < `len`: `collect` range-checked
+    /// the whole descriptor, so the sum stays inside guest memory.
+    pub(crate) fn addr_at(&self, off: u64) -> GuestAddress {
+        GuestAddress(self.addr.0.wrapping_add(off))
+    }
+}
+
+/// Total bytes a collected chain carries (at most 64 descriptors of u32 length, so no overflow).
+pub(crate) fn total_len(descs: &[Desc]) -> u64 {
+    descs.iter().map(|d| u64::from(d.len)).sum()
+}
+
+/// Writes `buf` across `descs` in order, stopping when either runs out; returns the bytes written.
+pub(crate) fn scatter(buf: &[u8], descs: &[Desc], mem: &GuestMemoryMmap) -> Result<usize, GuestMemoryError> {
+    let mut off = 0;
+    for d in descs {
+        if off == buf.len() {
+            break;
+        }
+        let n = (d.len as usize).min(buf.len() - off);
+        mem.write_slice(&buf[off..off + n], d.addr)?;
+        off += n;
+    }
+    Ok(off)
 }
 
 /// Walks `chain`, checking every descriptor. `max_bytes` caps the chain's total length.

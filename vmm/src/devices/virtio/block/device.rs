@@ -143,7 +143,7 @@ fn execute(
             if file.read_exact_at(&mut buf, req.sector * SECTOR_SIZE).is_err() {
                 return Ok((STATUS_IOERR, 0));
             }
-            scatter(&buf, &req.data, mem).map_err(mem_err)?;
+            chain::scatter(&buf, &req.data, mem).map_err(mem_err)?;
             Ok((STATUS_OK, req.data_len as u32))
         }
         RequestType::Out => {
@@ -162,24 +162,11 @@ fn execute(
             let tag = b"bulkhead-blk";
             id[..tag.len()].copy_from_slice(tag);
             let n = (req.data_len as usize).min(ID_BYTES);
-            scatter(&id[..n], &req.data, mem).map_err(mem_err)?;
+            chain::scatter(&id[..n], &req.data, mem).map_err(mem_err)?;
             Ok((STATUS_OK, n as u32))
         }
         RequestType::Unsupported(_) => Ok((STATUS_UNSUPP, 0)),
     }
-}
-
-fn scatter(buf: &[u8], descs: &[Desc], mem: &GuestMemoryMmap) -> Result<(), vm_memory::GuestMemoryError> {
-    let mut off = 0;
-    for d in descs {
-        if off >= buf.len() {
-            break;
-        }
-        let n = (d.len as usize).min(buf.len() - off);
-        mem.write_slice(&buf[off..off + n], d.addr)?;
-        off += n;
-    }
-    Ok(())
 }
 
 fn gather(descs: &[Desc], mem: &GuestMemoryMmap) -> Result<Vec<u8>, vm_memory::GuestMemoryError> {

@@ -4,7 +4,7 @@
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::devices::virtio::chain::Desc;
+use crate::devices::virtio::chain::{self, Desc};
 
 pub const SECTOR_SIZE: u64 = 512;
 pub const REQ_IN: u32 = 0;
@@ -66,7 +66,8 @@ impl Request {
             return Err(RequestError::BadStatus);
         }
         let kind: u32 = mem.read_obj(header.addr).map_err(|_| RequestError::HeaderRead)?;
-        let sector: u64 = mem.read_obj(header.addr.unchecked_add_u64(8)).map_err(|_| RequestError::HeaderRead)?;
+        // The header is at least 16 bytes long, so +8 is inside it.
+        let sector: u64 = mem.read_obj(header.addr_at(8)).map_err(|_| RequestError::HeaderRead)?;
         let kind = match kind {
             REQ_IN => RequestType::In,
             REQ_OUT => RequestType::Out,
@@ -85,18 +86,8 @@ impl Request {
                 return Err(RequestError::BadDirection);
             }
         }
-        let data_len = data.iter().map(|d| u64::from(d.len)).sum();
+        let data_len = chain::total_len(&data);
         Ok(Self { kind, sector, data, data_len, status_addr: status.addr })
-    }
-}
-
-trait UncheckedAdd {
-    fn unchecked_add_u64(self, v: u64) -> GuestAddress;
-}
-impl UncheckedAdd for GuestAddress {
-    fn unchecked_add_u64(self, v: u64) -> GuestAddress {
-        // The descriptor was range-checked for its full length (>= 16 bytes), so +8 is inside.
-        GuestAddress(self.0.wrapping_add(v))
     }
 }
 

@@ -3,7 +3,7 @@
 use vm_memory::{Bytes, GuestMemoryMmap};
 
 use super::MAX_PKT_PAYLOAD;
-use crate::devices::virtio::chain::Desc;
+use crate::devices::virtio::chain::{self, Desc};
 
 pub const HDR_LEN: usize = 44;
 pub const TYPE_STREAM: u16 = 1;
@@ -106,33 +106,31 @@ fn read_chain(descs: &[Desc], mem: &GuestMemoryMmap, mut skip: usize, len: usize
         let n = (dlen - skip).min(len - out.len());
         let start = out.len();
         out.resize(start + n, 0);
-        let addr = d.addr.checked_add_offset(skip);
+        // `skip` < the descriptor's length here.
+        let addr = d.addr_at(skip as u64);
         mem.read_slice(&mut out[start..], addr).map_err(|e| PacketError::Memory(e.to_string()))?;
         skip = 0;
     }
     Ok(out)
 }
 
-trait AddOffset {
-    fn checked_add_offset(self, off: usize) -> vm_memory::GuestAddress;
-}
-impl AddOffset for vm_memory::GuestAddress {
-    fn checked_add_offset(self, off: usize) -> vm_memory::GuestAddress {
-        // `off` < descriptor length and the descriptor was range-checked, so this stays inside.
-        vm_memory::GuestAddress(self.0.wrapping_add(off as u64))
+/// Total length of a chain whose descriptors all have the direction `writable`, checked to hold
+/// at least a header.
+fn header_chain_len(descs: &[Desc], writable: bool) -> Result<u64, PacketError> {
+    if descs.iter().any(|d| d.writable != writable) {
+        return Err(if writable { PacketError::ReadableRx } else { PacketError::WritableTx });
     }
+    let total = chain::total_len(descs);
+    if total < HDR_LEN as u64 {
+        return Err(PacketError::ShortHeader(total));
+    }
+    Ok(total)
 }
 
 impl TxPacket {
     /// Parses a guest TX chain. The header's `len` must match what the chain really carries.
     pub fn parse(descs: &[Desc], mem: &GuestMemoryMmap) -> Result<Self, PacketError> {
-        if descs.iter().any(|d| d.writable) {
-            return Err(PacketError::WritableTx);
-        }
-        let total: u64 = descs.iter().map(|d| u64::from(d.len)).sum();
-        if total < HDR_LEN as u64 {
-            return Err(PacketError::ShortHeader(total));
-        }
+        let total = header_chain_len(descs, false)?;
         let raw = read_chain(descs, mem, 0, HDR_LEN)?;
         let mut hb = [0u8; HDR_LEN];
         hb.copy_from_slice(&raw);
@@ -151,13 +149,7 @@ impl TxPacket {
 
 /// Payload room of an RX chain (after the header), validating its shape.
 pub fn rx_capacity(descs: &[Desc]) -> Result<usize, PacketError> {
-    if descs.iter().any(|d| !d.writable) {
-        return Err(PacketError::ReadableRx);
-    }
-    let total: u64 = descs.iter().map(|d| u64::from(d.len)).sum();
-    if total < HDR_LEN as u64 {
-        return Err(PacketError::ShortHeader(total));
-    }
+    let total = header_chain_len(descs, true)?;
     Ok(((total - HDR_LEN as u64) as usize).min(MAX_PKT_PAYLOAD))
 }
 
@@ -166,16 +158,8 @@ pub fn write_rx(descs: &[Desc], mem: &GuestMemoryMmap, hdr: &VsockHeader, data: 
     let mut bytes = Vec::with_capacity(HDR_LEN + data.len());
     bytes.extend_from_slice(&hdr.to_bytes());
     bytes.extend_from_slice(data);
-    let mut off = 0;
-    for d in descs {
-        if off == bytes.len() {
-            break;
-        }
-        let n = (d.len as usize).min(bytes.len() - off);
-        mem.write_slice(&bytes[off..off + n], d.addr).map_err(|e| PacketError::Memory(e.to_string()))?;
-        off += n;
-    }
-    Ok(off as u32)
+    let written = chain::scatter(&bytes, descs, mem).map_err(|e| PacketError::Memory(e.to_string()))?;
+    Ok(written as u32)
 }
 
 #[cfg(test)]
