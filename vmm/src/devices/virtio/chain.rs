@@ -97,8 +97,19 @@ pub(crate) mod test_utils {
     use virtio_queue::{Queue, QueueT};
     use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+    use super::Desc;
+
     pub const F_NEXT: u16 = 1;
     pub const F_WRITE: u16 = 2;
+
+    /// 1 MiB of guest memory at address 0.
+    pub fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    }
+
+    pub fn desc(addr: u64, len: u32, writable: bool) -> Desc {
+        Desc { addr: GuestAddress(addr), len, writable }
+    }
 
     pub struct TestQueue {
         pub size: u16,
@@ -155,10 +166,6 @@ mod tests {
     use super::test_utils::*;
     use super::*;
     use virtio_queue::QueueOwnedT;
-
-    fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
-    }
 
     fn first_chain(mem: &GuestMemoryMmap, tq: &TestQueue) -> Result<Vec<Desc>, ChainError> {
         let mut q = tq.queue();

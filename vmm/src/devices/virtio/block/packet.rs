@@ -94,13 +94,7 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
-    }
-    fn d(addr: u64, len: u32, writable: bool) -> Desc {
-        Desc { addr: GuestAddress(addr), len, writable }
-    }
+    use crate::devices::virtio::chain::test_utils::{desc as d, mem};
 
     #[test]
     fn parses_a_read() {

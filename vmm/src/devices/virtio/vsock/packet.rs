@@ -165,14 +165,9 @@ pub fn write_rx(descs: &[Desc], mem: &GuestMemoryMmap, hdr: &VsockHeader, data: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::chain::test_utils::{desc as d, mem};
     use vm_memory::GuestAddress;
 
-    fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
-    }
-    fn d(addr: u64, len: u32, writable: bool) -> Desc {
-        Desc { addr: GuestAddress(addr), len, writable }
-    }
     fn hdr(len: u32) -> VsockHeader {
         VsockHeader { src_cid: 3, dst_cid: 2, src_port: 5, dst_port: 6, len, type_: 1, op: OP_RW, ..Default::default() }
     }
