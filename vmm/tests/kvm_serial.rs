@@ -101,14 +101,6 @@ fn vcpu_failure_exits_nonzero() {
     assert!(run.stderr.contains("VM failed"), "{}", run.stderr);
 }
 
-fn wait_for_path(p: &Path, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !p.exists() {
-        assert!(Instant::now() < deadline, "{} did not appear", p.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 fn wait_for_serial(dir: &Path, needle: &str, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     while !read_serial(dir).contains(needle) {

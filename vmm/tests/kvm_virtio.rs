@@ -55,14 +55,6 @@ fn guest_reads_a_sector_and_host_sees_the_write() {
     assert_eq!(s1[5..], s0[5..], "rest of sector 1 is the sector 0 the guest read");
 }
 
-fn wait_for_path(p: &Path, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !p.exists() {
-        assert!(Instant::now() < deadline, "{} did not appear", p.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[test]
 fn vsock_host_to_guest_echo_and_guest_to_host_connection() {
     let Some(guest) = guest_or_skip("vsock") else { return };

@@ -158,6 +158,15 @@ pub fn read_serial(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("serial.log")).unwrap_or_default()
 }
 
+/// Polls until `p` exists; panics after `timeout`.
+pub fn wait_for_path(p: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !p.exists() {
+        assert!(Instant::now() < deadline, "{} did not appear", p.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Base config for a raw test guest; the serial log lands in `dir/serial.log`.
 pub fn raw_config(dir: &Path, guest: &Path) -> serde_json::Value {
     serde_json::json!({
