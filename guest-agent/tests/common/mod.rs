@@ -118,6 +118,9 @@ impl Agent {
             .stderr(log)
             .spawn()
             .expect("spawn unshare + agent");
+        // Until `Agent` owns it, a failed start (a panic below) must still kill unshare, whose
+        // --kill-child takes the agent with it.
+        let mut child = KillOnDrop(Some(child));
         let deadline = Instant::now() + T;
         let client = loop {
             if listen.is_some() {
@@ -142,7 +145,7 @@ impl Agent {
             assert!(Instant::now() < deadline, "agent did not come up; log:\n{}", read_log(dir.path()));
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        Agent { dir, sock, cgroup_parent, child: Some(child), client }
+        Agent { dir, sock, cgroup_parent, child: child.0.take(), client }
     }
 
     /// The agent's pid in the test's pid namespace (the child of `unshare`).
@@ -185,6 +188,11 @@ impl Agent {
             ..Default::default()
         };
         self.client.create_container(ctx(), &req).await.map(|r| r.pid)
+    }
+
+    /// Creates a container without a terminal; panics with the agent's log on failure.
+    pub async fn create_ok(&self, id: &str, spec: &Value) -> u32 {
+        self.create(id, spec, false).await.unwrap_or_else(|e| panic!("create: {e}\n{}", self.log()))
     }
 
     pub async fn start_ctr(&self, id: &str) {
@@ -245,6 +253,17 @@ impl Agent {
     pub async fn remove(&self, id: &str) {
         let req = RemoveContainerRequest { container_id: id.into(), force: true, ..Default::default() };
         self.client.remove_container(ctx(), &req).await.unwrap_or_else(|e| panic!("remove {id}: {e}\n{}", self.log()));
+    }
+}
+
+struct KillOnDrop(Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
