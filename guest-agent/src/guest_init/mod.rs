@@ -41,44 +41,32 @@ pub enum Step {
     Subreaper,
 }
 
+/// A required mount of a filesystem whose type is known.
+fn mount(
+    source: &'static str,
+    target: &'static str,
+    fstype: &'static str,
+    flags: nix::mount::MsFlags,
+    data: Option<&'static str>,
+) -> Step {
+    Step::Mount { source, target, fstype: Some(fstype), flags, data, optional: false }
+}
+
 /// What PID 1 must set up before serving, per mode.
 pub fn boot_plan(mode: Mode) -> Vec<Step> {
     use nix::mount::MsFlags as F;
     let nosuid_nodev_noexec = F::MS_NOSUID | F::MS_NODEV | F::MS_NOEXEC;
+    let nosuid_nodev = F::MS_NOSUID | F::MS_NODEV;
+    let proc = mount("proc", "/proc", "proc", nosuid_nodev_noexec, None);
     match mode {
         // The host provides /dev, /sys, cgroups, /tmp; we only need a private mount table
         // and a /proc that shows our own pid namespace (libcontainer reads /proc/<pid>).
-        Mode::Namespace => vec![
-            Step::MakeRprivate,
-            Step::Mount {
-                source: "proc",
-                target: "/proc",
-                fstype: Some("proc"),
-                flags: nosuid_nodev_noexec,
-                data: None,
-                optional: false,
-            },
-            Step::Subreaper,
-        ],
+        Mode::Namespace => vec![Step::MakeRprivate, proc, Step::Subreaper],
         Mode::Guest => vec![
             Step::Mkdir("/proc"),
-            Step::Mount {
-                source: "proc",
-                target: "/proc",
-                fstype: Some("proc"),
-                flags: nosuid_nodev_noexec,
-                data: None,
-                optional: false,
-            },
+            proc,
             Step::Mkdir("/sys"),
-            Step::Mount {
-                source: "sysfs",
-                target: "/sys",
-                fstype: Some("sysfs"),
-                flags: nosuid_nodev_noexec,
-                data: None,
-                optional: false,
-            },
+            mount("sysfs", "/sys", "sysfs", nosuid_nodev_noexec, None),
             Step::Mkdir("/dev"),
             Step::Mount {
                 source: "devtmpfs",
@@ -90,50 +78,21 @@ pub fn boot_plan(mode: Mode) -> Vec<Step> {
                 optional: true,
             },
             Step::Mkdir("/dev/pts"),
-            Step::Mount {
-                source: "devpts",
-                target: "/dev/pts",
-                fstype: Some("devpts"),
-                flags: F::MS_NOSUID | F::MS_NOEXEC,
-                data: Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
-                optional: false,
-            },
+            mount(
+                "devpts",
+                "/dev/pts",
+                "devpts",
+                F::MS_NOSUID | F::MS_NOEXEC,
+                Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+            ),
             Step::Symlink { target: "pts/ptmx", link: "/dev/ptmx" },
             Step::Mkdir("/dev/shm"),
-            Step::Mount {
-                source: "shm",
-                target: "/dev/shm",
-                fstype: Some("tmpfs"),
-                flags: F::MS_NOSUID | F::MS_NODEV,
-                data: Some("mode=1777"),
-                optional: false,
-            },
+            mount("shm", "/dev/shm", "tmpfs", nosuid_nodev, Some("mode=1777")),
             Step::Mkdir("/tmp"),
-            Step::Mount {
-                source: "tmpfs",
-                target: "/tmp",
-                fstype: Some("tmpfs"),
-                flags: F::MS_NOSUID | F::MS_NODEV,
-                data: Some("mode=1777"),
-                optional: false,
-            },
+            mount("tmpfs", "/tmp", "tmpfs", nosuid_nodev, Some("mode=1777")),
             Step::Mkdir("/run"),
-            Step::Mount {
-                source: "tmpfs",
-                target: "/run",
-                fstype: Some("tmpfs"),
-                flags: F::MS_NOSUID | F::MS_NODEV,
-                data: Some("mode=0755"),
-                optional: false,
-            },
-            Step::Mount {
-                source: "cgroup2",
-                target: "/sys/fs/cgroup",
-                fstype: Some("cgroup2"),
-                flags: nosuid_nodev_noexec,
-                data: None,
-                optional: false,
-            },
+            mount("tmpfs", "/run", "tmpfs", nosuid_nodev, Some("mode=0755")),
+            mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid_nodev_noexec, None),
             // Delegate the controllers containers need; the root cgroup is exempt from the
             // no-internal-processes rule, so this works with the agent still in it.
             Step::Write {
