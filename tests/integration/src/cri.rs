@@ -182,6 +182,23 @@ impl Cri {
         Ok(call("Exec", Duration::ZERO, self.runtime.clone().exec(req)).await?.url)
     }
 
+    /// UpdateContainerResources with new Linux resources (what `kubectl` in-place resize sends).
+    pub async fn update_container_resources(&self, id: &str, linux: cri::LinuxContainerResources) -> Result<()> {
+        let req =
+            cri::UpdateContainerResourcesRequest { container_id: id.into(), linux: Some(linux), ..Default::default() };
+        call("UpdateContainerResources", Duration::ZERO, self.runtime.clone().update_container_resources(req)).await?;
+        Ok(())
+    }
+
+    /// ContainerStats: CPU, memory and writable-layer usage as the runtime reports them.
+    pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {
+        let req = cri::ContainerStatsRequest { container_id: id.into() };
+        call("ContainerStats", Duration::ZERO, self.runtime.clone().container_stats(req))
+            .await?
+            .stats
+            .ok_or_else(|| anyhow!("ContainerStats for {id}: empty stats"))
+    }
+
     /// Stops and removes every pod: the cleanup a test runs even after a failure.
     pub async fn remove_all_pods(&self) -> Result<()> {
         let mut first_err = None;

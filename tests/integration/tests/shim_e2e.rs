@@ -611,22 +611,6 @@ async fn shim_task_api_pause_resume_pids_metrics() -> Result<()> {
     Ok(())
 }
 
-/// A raw CRI runtime client, for calls the harness has no helper for.
-async fn raw_runtime(
-    env: &Env,
-) -> Result<cri::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>> {
-    let path = env.containerd.address().to_path_buf();
-    let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")?
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-            }
-        }))
-        .await?;
-    Ok(cri::runtime_service_client::RuntimeServiceClient::new(channel))
-}
-
 #[tokio::test]
 async fn shim_update_container_resources_reaches_the_cgroup() -> Result<()> {
     let Some(env) = setup("shim_update_container_resources_reaches_the_cgroup", vec![]).await? else { return Ok(()) };
@@ -634,18 +618,20 @@ async fn shim_update_container_resources_reaches_the_cgroup() -> Result<()> {
     let (_pod_id, ctr_id) =
         env.pod_with(&pod, &sleeper("sleeper", &unique("update"))).await.with_context(|| env.fail_context())?;
     let limit: i64 = 96 << 20;
-    let req = cri::UpdateContainerResourcesRequest {
-        container_id: ctr_id.clone(),
-        linux: Some(cri::LinuxContainerResources { memory_limit_in_bytes: limit, ..Default::default() }),
-        ..Default::default()
-    };
-    tokio::time::timeout(Duration::from_secs(30), raw_runtime(&env).await?.update_container_resources(req))
-        .await
-        .map_err(|_| anyhow!("UpdateContainerResources timed out"))??;
+    env.cri
+        .update_container_resources(
+            &ctr_id,
+            cri::LinuxContainerResources { memory_limit_in_bytes: limit, ..Default::default() },
+        )
+        .await?;
     let metrics = ctr(&env, &["task", "metrics", "--format", "json", &ctr_id]).await?;
     let value: serde_json::Value = serde_json::from_str(&metrics)?;
     let seen = value.pointer("/memory/usage/limit").and_then(serde_json::Value::as_i64);
     assert_eq!(seen, Some(limit), "metrics: {metrics}");
+    // The same numbers reach kubelet through CRI ContainerStats.
+    let stats = env.cri.container_stats(&ctr_id).await?;
+    let working_set = stats.memory.and_then(|m| m.working_set_bytes).map_or(0, |v| v.value);
+    assert!(working_set > 0, "CRI ContainerStats memory: {working_set}");
     Ok(())
 }
 
