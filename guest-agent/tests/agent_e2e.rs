@@ -18,10 +18,7 @@ async fn lifecycle_echo_exit_codes_and_destroy() {
     let mut agent = Agent::start("life").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
 
-    agent
-        .create("echo", &spec(&rootfs, &["echo", "hello from bulkhead"], vec![], json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("echo", &spec(&rootfs, &["echo", "hello from bulkhead"], vec![], json!({}))).await;
     let mut out = agent.stream("echo", None, StreamKind::Stdout).await;
     let mut err = agent.stream("echo", None, StreamKind::Stderr).await;
     agent.start_ctr("echo").await;
@@ -65,10 +62,7 @@ async fn exec_with_tty_sees_a_terminal_and_resize_changes_stty_size() {
     }
     let agent = Agent::start("tty").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
-    agent
-        .create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({}))).await;
     agent.start_ctr("box").await;
 
     agent
@@ -109,10 +103,7 @@ async fn sigterm_reports_15_and_sigkill_stops_a_term_trapper() {
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
     // The init traps TERM itself (prints, keeps running).
     let trapper = "trap 'echo got-term' TERM; echo armed; while :; do sleep 0.2; done";
-    agent
-        .create("sig", &spec(&rootfs, &["sh", "-c", trapper], vec![], json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("sig", &spec(&rootfs, &["sh", "-c", trapper], vec![], json!({}))).await;
     let mut out = agent.stream("sig", None, StreamKind::Stdout).await;
     agent.start_ctr("sig").await;
     let mut seen = String::new();
@@ -151,10 +142,7 @@ async fn oom_kill_is_reported_in_wait_and_on_the_oom_stream() {
     let hog = "a=xxxxxxxxxxxxxxxx; while :; do a=\"$a$a\"; done";
     let limit = 32 << 20;
     let res = json!({"memory": {"limit": limit, "swap": limit}});
-    agent
-        .create("hog", &spec(&rootfs, &["sh", "-c", hog], vec![], res), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("hog", &spec(&rootfs, &["sh", "-c", hog], vec![], res)).await;
     agent.start_ctr("hog").await;
     let w = agent.wait("hog", "").await;
     assert!(w.oom_killed, "not reported as OOM-killed: {w:?}\n{}", agent.log());
@@ -194,10 +182,7 @@ async fn stats_pause_resume_and_list_pids() {
     let busy =
         "i=0; while :; do i=$((i+1)); echo $i > /shared/counter.tmp; mv /shared/counter.tmp /shared/counter; done";
     let mounts = vec![json!({"destination": "/shared", "type": "bind", "source": vol, "options": ["rbind", "rw"]})];
-    let pid = agent
-        .create("busy", &spec(&rootfs, &["sh", "-c", busy], mounts, json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    let pid = agent.create_ok("busy", &spec(&rootfs, &["sh", "-c", busy], mounts, json!({}))).await;
     agent.start_ctr("busy").await;
 
     let deadline = Instant::now() + T;
@@ -398,10 +383,7 @@ async fn stdin_close_and_streams_never_block_each_other() {
     // 8 MiB on stdout that nobody reads, then a line on stderr: the process must not stall
     // on the absent stdout reader, and stderr must arrive regardless.
     let flood = "head -c 8388608 /dev/zero; echo flood-done >&2";
-    agent
-        .create("flood", &spec(&rootfs, &["sh", "-c", flood], vec![], json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("flood", &spec(&rootfs, &["sh", "-c", flood], vec![], json!({}))).await;
     let mut err = agent.stream("flood", None, StreamKind::Stderr).await;
     agent.start_ctr("flood").await;
     assert_eq!(read_all(&mut err).await, "flood-done\n");
@@ -441,7 +423,7 @@ async fn seccomp_profile_from_the_spec_is_enforced_for_init_and_exec() {
             {"names": ["sethostname"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}
         ]
     });
-    agent.create("sc", &s, false).await.unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("sc", &s).await;
     let mut out = agent.stream("sc", None, StreamKind::Stdout).await;
     agent.start_ctr("sc").await;
     let mut seen = String::new();
@@ -495,10 +477,7 @@ async fn spec_security_settings_are_applied() {
                  echo keys=$(ls -l /proc/keys | cut -c1) fw=$(ls /sys/firmware | wc -l); \
                  (echo 1 > /proc/sys/kernel/domainname) 2>/dev/null && echo sys=rw || echo sys=ro; \
                  hostname; echo pid=$$";
-    agent
-        .create("sec", &spec(&rootfs, &["sh", "-c", probe], vec![], json!({})), false)
-        .await
-        .unwrap_or_else(|e| panic!("create: {e}\n{}", agent.log()));
+    agent.create_ok("sec", &spec(&rootfs, &["sh", "-c", probe], vec![], json!({}))).await;
     let mut out = agent.stream("sec", None, StreamKind::Stdout).await;
     agent.start_ctr("sec").await;
     let text = read_all(&mut out).await;
