@@ -43,7 +43,9 @@ test: setup lint build kernel
 demo: setup build
 	$(CARGO) run -q -p bulkhead-integration --bin bulkhead-demo
 
-bench: setup build
+# Release shim/agent/VMM, so the comparison with runc (a release Go binary) is fair.
+bench: setup
+	$(CARGO) build --release -p bulkhead-shim -p bulkhead-agent -p bulkhead-vmm
 	$(CARGO) bench -p bulkhead-benches
 
 fmt:
