@@ -9,8 +9,7 @@ use common::*;
 fn hostile_guest_is_contained() {
     let Some(guest) = guest_or_skip("hostile") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::write(&disk, vec![0u8; 8192]).unwrap();
+    let disk = zero_disk(dir.path(), 8192);
     let mut cfg = raw_config(dir.path(), &guest);
     cfg["block"] = serde_json::json!([{ "path": disk }]);
     cfg["vsock"] = serde_json::json!({ "uds_path": dir.path().join("v.sock"), "guest_cid": 3 });

@@ -33,8 +33,7 @@ fn linux_kernel_echoes_cmdline_and_e820() {
     }
     let kernel = guest_kernel();
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::write(&disk, vec![0u8; 4096]).unwrap();
+    let disk = zero_disk(dir.path(), 4096);
     let cfg = serde_json::json!({
         "kernel": kernel,
         "cmdline": "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nomodule",

@@ -38,8 +38,7 @@ fn bzimage_boot_protocol_passes_cmdline_through_boot_params() {
     let dir = tempfile::tempdir().unwrap();
     let kernel = dir.path().join("bzImage");
     std::fs::write(&kernel, fake_bzimage()).unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::write(&disk, vec![0u8; 4096]).unwrap();
+    let disk = zero_disk(dir.path(), 4096);
     let cfg = serde_json::json!({
         "kernel": kernel,
         "cmdline": "console=ttyS0 bzimage-test",
@@ -59,14 +58,12 @@ fn bad_config_fails_with_a_clear_message() {
     }
     let dir = tempfile::tempdir().unwrap();
     let cfg = serde_json::json!({ "kernel": "/nonexistent/vmlinux", "vcpus": 1 });
-    let run = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(10)).wait();
-    assert_eq!(run.status.code(), Some(1));
-    assert!(run.stderr.contains("invalid VM config") && run.stderr.contains("/nonexistent/vmlinux"), "{}", run.stderr);
+    let stderr = startup_failure(dir.path(), &cfg);
+    assert!(stderr.contains("invalid VM config") && stderr.contains("/nonexistent/vmlinux"), "{stderr}");
 
     let cfg = serde_json::json!({ "kernel": "/bin/true", "vcpus": 1, "typo": true });
-    let run = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(10)).wait();
-    assert_eq!(run.status.code(), Some(1));
-    assert!(run.stderr.contains("unknown field `typo`"), "{}", run.stderr);
+    let stderr = startup_failure(dir.path(), &cfg);
+    assert!(stderr.contains("unknown field `typo`"), "{stderr}");
 }
 
 #[test]
@@ -78,9 +75,8 @@ fn unloadable_kernel_fails_with_a_clear_message() {
     let kernel = dir.path().join("not-a-kernel");
     std::fs::write(&kernel, vec![0x5au8; 16384]).unwrap();
     let cfg = serde_json::json!({ "kernel": kernel, "mem_mib": 32 });
-    let run = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(10)).wait();
-    assert_eq!(run.status.code(), Some(1));
-    assert!(run.stderr.contains("neither a loadable ELF vmlinux nor a bzImage"), "{}", run.stderr);
+    let stderr = startup_failure(dir.path(), &cfg);
+    assert!(stderr.contains("neither a loadable ELF vmlinux nor a bzImage"), "{stderr}");
 }
 
 #[test]
@@ -99,6 +95,13 @@ fn vcpu_failure_exits_nonzero() {
     let run = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT).wait();
     assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
     assert!(run.stderr.contains("VM failed"), "{}", run.stderr);
+}
+
+/// Runs a VMM that must refuse to start (exit code 1); returns its stderr.
+fn startup_failure(dir: &Path, cfg: &serde_json::Value) -> String {
+    let run = VmmProcess::spawn(dir, cfg, Duration::from_secs(10)).wait();
+    assert_eq!(run.status.code(), Some(1));
+    run.stderr
 }
 
 fn wait_for_serial(dir: &Path, needle: &str, timeout: Duration) {

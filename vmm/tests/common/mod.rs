@@ -158,6 +158,13 @@ pub fn read_serial(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("serial.log")).unwrap_or_default()
 }
 
+/// A zero-filled disk image `dir/disk.img` of `len` bytes.
+pub fn zero_disk(dir: &Path, len: usize) -> PathBuf {
+    let disk = dir.join("disk.img");
+    std::fs::write(&disk, vec![0u8; len]).unwrap();
+    disk
+}
+
 /// Polls until `p` exists; panics after `timeout`.
 pub fn wait_for_path(p: &Path, timeout: Duration) {
     let deadline = Instant::now() + timeout;
