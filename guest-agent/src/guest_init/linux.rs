@@ -12,6 +12,15 @@ fn nix_io(e: nix::Error) -> io::Error {
     io::Error::from_raw_os_error(e as i32)
 }
 
+/// A raw libc return code as a Result: 0 is success, anything else leaves its cause in errno.
+fn zero_or_errno(rc: libc::c_int) -> io::Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 impl Syscall for LinuxSyscall {
     fn mount(
         &self,
@@ -45,12 +54,7 @@ impl Syscall for LinuxSyscall {
 
     fn set_child_subreaper(&self) -> io::Result<()> {
         // SAFETY: prctl with integer arguments only.
-        let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        zero_or_errno(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) })
     }
 
     fn sethostname(&self, name: &str) -> io::Result<()> {
@@ -75,11 +79,6 @@ impl Syscall for LinuxSyscall {
         let f = std::fs::OpenOptions::new().write(true).open("/dev/random")?;
         const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
         // SAFETY: buf is a valid rand_pool_info of the advertised size and outlives the call.
-        let rc = unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        zero_or_errno(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })
     }
 }
