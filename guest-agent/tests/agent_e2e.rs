@@ -18,7 +18,7 @@ async fn lifecycle_echo_exit_codes_and_destroy() {
     let mut agent = Agent::start("life").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
 
-    agent.create_ok("echo", &spec(&rootfs, &["echo", "hello from bulkhead"], vec![], json!({}))).await;
+    agent.create_ok("echo", &plain_spec(&rootfs, &["echo", "hello from bulkhead"])).await;
     let mut out = agent.stream("echo", None, StreamKind::Stdout).await;
     let mut err = agent.stream("echo", None, StreamKind::Stderr).await;
     agent.start_ctr("echo").await;
@@ -30,14 +30,14 @@ async fn lifecycle_echo_exit_codes_and_destroy() {
 
     // A figure for the report (not asserted): create -> start -> exit of a trivial container.
     let t0 = Instant::now();
-    agent.create("timed", &spec(&rootfs, &["true"], vec![], json!({})), false).await.unwrap();
+    agent.create("timed", &plain_spec(&rootfs, &["true"]), false).await.unwrap();
     let created = t0.elapsed();
     agent.start_ctr("timed").await;
     agent.wait("timed", "").await;
     println!("create {created:?}, create+start+exit {:?}", t0.elapsed());
     agent.remove("timed").await;
 
-    agent.create("seven", &spec(&rootfs, &["sh", "-c", "exit 7"], vec![], json!({})), false).await.unwrap();
+    agent.create("seven", &plain_spec(&rootfs, &["sh", "-c", "exit 7"]), false).await.unwrap();
     agent.start_ctr("seven").await;
     assert_eq!(agent.wait("seven", "").await.exit_code, 7);
 
@@ -62,7 +62,7 @@ async fn exec_with_tty_sees_a_terminal_and_resize_changes_stty_size() {
     }
     let agent = Agent::start("tty").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
-    agent.create_ok("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({}))).await;
+    agent.create_ok("box", &plain_spec(&rootfs, &["sleep", "1000"])).await;
     agent.start_ctr("box").await;
 
     agent
@@ -103,7 +103,7 @@ async fn sigterm_reports_15_and_sigkill_stops_a_term_trapper() {
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
     // The init traps TERM itself (prints, keeps running).
     let trapper = "trap 'echo got-term' TERM; echo armed; while :; do sleep 0.2; done";
-    agent.create_ok("sig", &spec(&rootfs, &["sh", "-c", trapper], vec![], json!({}))).await;
+    agent.create_ok("sig", &plain_spec(&rootfs, &["sh", "-c", trapper])).await;
     let mut out = agent.stream("sig", None, StreamKind::Stdout).await;
     agent.start_ctr("sig").await;
     let mut seen = String::new();
@@ -278,7 +278,7 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     }
     let agent = Agent::start("bad").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
-    let good = spec(&rootfs, &["sleep", "1000"], vec![], json!({}));
+    let good = plain_spec(&rootfs, &["sleep", "1000"]);
     agent.create("ok", &good, false).await.unwrap();
     agent.start_ctr("ok").await;
 
@@ -310,12 +310,12 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     let e = agent.create("sec2", &sec, false).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::UNIMPLEMENTED, "{e}");
     // A missing executable fails at create with a message naming it.
-    let e = agent.create("nobin", &spec(&rootfs, &["/no/such/binary"], vec![], json!({})), false).await.unwrap_err();
+    let e = agent.create("nobin", &plain_spec(&rootfs, &["/no/such/binary"]), false).await.unwrap_err();
     println!("missing executable -> {e}");
     assert!(format!("{e}").contains("/no/such/binary"), "{e}");
     // ...and leaves nothing behind: the id is usable again.
     agent
-        .create("nobin", &spec(&rootfs, &["true"], vec![], json!({})), false)
+        .create("nobin", &plain_spec(&rootfs, &["true"]), false)
         .await
         .unwrap_or_else(|e| panic!("re-create after failure: {e}\n{}", agent.log()));
     agent.remove("nobin").await;
@@ -346,7 +346,7 @@ async fn bad_input_gets_precise_errors_and_the_agent_keeps_serving() {
     let e = agent.client.create_container(ctx(), &req).await.unwrap_err();
     println!("over-long message -> {e}");
     // A stopped container refuses exec.
-    agent.create("done", &spec(&rootfs, &["true"], vec![], json!({})), false).await.unwrap();
+    agent.create("done", &plain_spec(&rootfs, &["true"]), false).await.unwrap();
     agent.start_ctr("done").await;
     assert_eq!(agent.wait("done", "").await.exit_code, 0);
     let e = agent.exec("done", "late", &["true"], false).await.unwrap_err();
@@ -383,14 +383,14 @@ async fn stdin_close_and_streams_never_block_each_other() {
     // 8 MiB on stdout that nobody reads, then a line on stderr: the process must not stall
     // on the absent stdout reader, and stderr must arrive regardless.
     let flood = "head -c 8388608 /dev/zero; echo flood-done >&2";
-    agent.create_ok("flood", &spec(&rootfs, &["sh", "-c", flood], vec![], json!({}))).await;
+    agent.create_ok("flood", &plain_spec(&rootfs, &["sh", "-c", flood])).await;
     let mut err = agent.stream("flood", None, StreamKind::Stderr).await;
     agent.start_ctr("flood").await;
     assert_eq!(read_all(&mut err).await, "flood-done\n");
     assert_eq!(agent.wait("flood", "").await.exit_code, 0);
 
     // stdin: bytes flow in, CloseStdin gives EOF.
-    agent.create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.create("box", &plain_spec(&rootfs, &["sleep", "1000"]), false).await.unwrap();
     agent.start_ctr("box").await;
     agent.exec_io("box", "cat", &["sh", "-c", "cat; echo eof-seen"], false, true).await.unwrap();
     let mut input = agent.stream("box", Some("cat"), StreamKind::Stdin).await;
@@ -414,7 +414,7 @@ async fn seccomp_profile_from_the_spec_is_enforced_for_init_and_exec() {
     let agent = Agent::start("seccomp").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
     let script = "mkdir /denied 2>&1; echo mkdir-exit=$?; sleep 1000";
-    let mut s = spec(&rootfs, &["sh", "-c", script], vec![], json!({}));
+    let mut s = plain_spec(&rootfs, &["sh", "-c", script]);
     s["linux"]["seccomp"] = json!({
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64"],
@@ -458,7 +458,7 @@ async fn sigterm_to_the_agent_destroys_the_sandbox() {
     }
     let mut agent = Agent::start("term").await;
     let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
-    agent.create("s", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.create("s", &plain_spec(&rootfs, &["sleep", "1000"]), false).await.unwrap();
     agent.start_ctr("s").await;
     let agent_pid = agent.agent_pid().expect("agent pid");
     assert_eq!(unsafe { libc::kill(agent_pid, libc::SIGTERM) }, 0);
@@ -477,7 +477,7 @@ async fn spec_security_settings_are_applied() {
                  echo keys=$(ls -l /proc/keys | cut -c1) fw=$(ls /sys/firmware | wc -l); \
                  (echo 1 > /proc/sys/kernel/domainname) 2>/dev/null && echo sys=rw || echo sys=ro; \
                  hostname; echo pid=$$";
-    agent.create_ok("sec", &spec(&rootfs, &["sh", "-c", probe], vec![], json!({}))).await;
+    agent.create_ok("sec", &plain_spec(&rootfs, &["sh", "-c", probe])).await;
     let mut out = agent.stream("sec", None, StreamKind::Stdout).await;
     agent.start_ctr("sec").await;
     let text = read_all(&mut out).await;
@@ -495,7 +495,7 @@ async fn spec_security_settings_are_applied() {
     assert_eq!(agent.wait("sec", "").await.exit_code, 0);
 
     // user/group (and supplementary groups) from the spec, on an exec.
-    agent.create("box", &spec(&rootfs, &["sleep", "1000"], vec![], json!({})), false).await.unwrap();
+    agent.create("box", &plain_spec(&rootfs, &["sleep", "1000"]), false).await.unwrap();
     agent.start_ctr("box").await;
     let process = json!({
         "user": {"uid": 1000, "gid": 1000, "additionalGids": [5]},

@@ -354,6 +354,11 @@ const CAPS: &[&str] = &[
     "CAP_SYS_CHROOT",
 ];
 
+/// [`spec`] with no extra mounts and no resource limits.
+pub fn plain_spec(rootfs: &Path, args: &[&str]) -> Value {
+    spec(rootfs, args, vec![], json!({}))
+}
+
 /// A runc-like default spec for `args` on `rootfs`, with extra mounts and resources.
 pub fn spec(rootfs: &Path, args: &[&str], extra_mounts: Vec<Value>, resources: Value) -> Value {
     let mut mounts = vec![
