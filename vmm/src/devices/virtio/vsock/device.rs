@@ -84,18 +84,19 @@ impl Vsock {
 
     /// Guest -> host packets.
     pub fn process_tx(&mut self) {
-        let DeviceState::Active(a) = &mut self.state else { return };
-        match drain_tx(a, &mut self.muxer) {
-            Ok(true) => a.irq.trigger(VIRTIO_MMIO_INT_VRING),
-            Ok(false) => {}
-            Err(e) => self.fail(e),
-        }
+        self.process(drain_tx);
     }
 
     /// Host -> guest packets, as long as the guest has RX buffers.
     pub fn process_rx(&mut self) {
+        self.process(fill_rx);
+    }
+
+    /// Runs one queue's work if the device is live: interrupts the guest when a buffer was
+    /// used, stops serving on a malformed chain.
+    fn process(&mut self, work: fn(&mut Active, &mut VsockMuxer) -> Result<bool, DeviceError>) {
         let DeviceState::Active(a) = &mut self.state else { return };
-        match fill_rx(a, &mut self.muxer) {
+        match work(a, &mut self.muxer) {
             Ok(true) => a.irq.trigger(VIRTIO_MMIO_INT_VRING),
             Ok(false) => {}
             Err(e) => self.fail(e),
