@@ -50,26 +50,28 @@ impl Runtime {
 
     pub async fn create(&self, id: &str, bundle: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
         let result = bundle.join("create-result.json");
-        let mut args: Vec<String> = vec!["create".into()];
-        args.extend(["--bundle".into(), bundle.display().to_string()]);
-        if let Some(s) = seccomp {
-            args.extend(["--seccomp".into(), s.display().to_string()]);
-        }
-        self.run_helper(id, args, &result, io).await
+        let args = vec!["create".into(), "--bundle".into(), bundle.display().to_string()];
+        self.run_helper(id, args, seccomp, &result, io).await
     }
 
     pub async fn exec(&self, id: &str, process_json: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
         let result = process_json.with_extension("result.json");
-        let mut args: Vec<String> = vec!["exec".into()];
-        args.extend(["--process".into(), process_json.display().to_string()]);
+        let args = vec!["exec".into(), "--process".into(), process_json.display().to_string()];
+        self.run_helper(id, args, seccomp, &result, io).await
+    }
+
+    async fn run_helper(
+        &self,
+        id: &str,
+        mut args: Vec<String>,
+        seccomp: Option<&Path>,
+        result: &Path,
+        io: ChildIo,
+    ) -> Result<i32> {
+        let _ = std::fs::remove_file(result);
         if let Some(s) = seccomp {
             args.extend(["--seccomp".into(), s.display().to_string()]);
         }
-        self.run_helper(id, args, &result, io).await
-    }
-
-    async fn run_helper(&self, id: &str, mut args: Vec<String>, result: &Path, io: ChildIo) -> Result<i32> {
-        let _ = std::fs::remove_file(result);
         args.extend([
             "--root".into(),
             self.root.display().to_string(),
