@@ -25,8 +25,9 @@ use bulkhead_vmm::devices::virtio::chain::{self, Desc, MAX_CHAIN_DESCRIPTORS};
 use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
 use bulkhead_vmm::devices::virtio::vsock::packet::{self, TxPacket, VsockHeader, HDR_LEN};
 use bulkhead_vmm::devices::virtio::vsock::unix::muxer::{self, VsockMuxer};
-use bulkhead_vmm::devices::virtio::vsock::{Vsock, HOST_CID, MAX_PKT_PAYLOAD};
+use bulkhead_vmm::devices::virtio::vsock::{self, Vsock, HOST_CID, MAX_PKT_PAYLOAD};
 use bulkhead_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
@@ -456,11 +457,16 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+
 struct VsockRig {
     dir: tempfile::TempDir,
     mem: GuestMemoryMmap,
     dev: Arc<Mutex<Vsock>>,
     t: MmioTransport,
+    /// The device's own event handler (queue kicks, host sockets, fd bookkeeping), as the VMM
+    /// runs it.
+    em: EventManager<Subscriber>,
     /// A host listener at `<uds>_1024`, so guest REQUESTs to port 1024 connect.
     host: std::os::unix::net::UnixListener,
 }
@@ -475,12 +481,15 @@ impl VsockRig {
         let mem = guest_mem();
         let as_dyn: Arc<Mutex<dyn VirtioDevice>> = dev.clone();
         let t = MmioTransport::new("fuzz-vsock".into(), mem.clone(), as_dyn, irq()).expect("transport");
-        Self { dir, mem, dev, t, host }
+        let mut em: EventManager<Subscriber> = EventManager::new().expect("event manager");
+        em.add_subscriber(dev.clone());
+        Self { dir, mem, dev, t, em, host }
     }
 }
 
-/// virtio-vsock end to end, like [`virtio_blk`]; kicks serve TX then RX. Host connections the
-/// guest opens are accepted and kept for the iteration, then dropped.
+/// virtio-vsock end to end, like [`virtio_blk`]: a kick signals the TX and RX queue eventfds
+/// and runs the device's event loop without blocking. Host connections the guest opens are
+/// accepted, sent a few bytes, and dropped at the end of the iteration.
 pub fn virtio_vsock(data: &[u8]) {
     ignore_sigpipe();
     VSOCK.with(|cell| {
@@ -495,21 +504,28 @@ pub fn virtio_vsock(data: &[u8]) {
         let image = u.bytes(image_len).unwrap_or(&[]);
         load_image(&rig.mem, image);
         let dev = rig.dev.clone();
-        let host = &rig.host;
+        let (host, em) = (&rig.host, &mut rig.em);
         let mut accepted = Vec::new();
-        run_ops(&mut rig.t, &rig.mem, &mut u, || {
-            let mut d = lock(&dev);
-            d.process_tx();
-            while let Ok((s, _)) = host.accept() {
-                accepted.push(s);
+        let mut kick = || {
+            {
+                let d = lock(&dev);
+                let _ = d.queue_evt(vsock::device::TXQ).write(1);
+                let _ = d.queue_evt(vsock::device::RXQ).write(1);
             }
-            d.process_rx();
-        });
-        lock(&dev).process_tx();
-        lock(&dev).process_rx();
-        while let Ok((s, _)) = host.accept() {
-            accepted.push(s);
-        }
+            for _ in 0..4 {
+                if !matches!(em.run_with_timeout(0), Ok(n) if n > 0) {
+                    break;
+                }
+                while let Ok((mut s, _)) = host.accept() {
+                    use std::io::Write;
+                    let _ = s.set_nonblocking(true);
+                    let _ = s.write(b"host says hi");
+                    accepted.push(s);
+                }
+            }
+        };
+        run_ops(&mut rig.t, &rig.mem, &mut u, &mut kick);
+        kick();
     });
 }
 
