@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt initramfs kernel clean help
+.PHONY: all setup build test demo bench lint fmt fuzz initramfs kernel clean help
 
 all: build
 
@@ -34,6 +34,7 @@ initramfs:
 
 lint:
 	$(CARGO) fmt --all -- --check
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Binaries first: end-to-end tests start the freshly built shim, agent and VMM.
@@ -50,6 +51,20 @@ bench: setup
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml
+
+# Fuzz every cargo-fuzz target in fuzz/ for FUZZ_TIME s each (libFuzzer + ASan, own target dir;
+# RUSTC_BOOTSTRAP lets stable rustc take the -Z flags). A crash stops the run; input in fuzz/artifacts/.
+FUZZ_TIME ?= 60
+fuzz:
+	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	cd fuzz && for t in $$($(CARGO) fuzz list); do \
+		echo "== fuzz $$t ($(FUZZ_TIME) s)"; \
+		CARGO_TARGET_DIR=$(CURDIR)/fuzz/target RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run $$t -- \
+			-max_total_time=$(FUZZ_TIME) -timeout=10 -rss_limit_mb=2048 2>&1 \
+			| grep -E '^(Done|==[0-9]+==|SUMMARY|thread|Failing input|Reproduce with)|artifacts/'; \
+		test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	done
 
 clean:
 	$(CARGO) clean

@@ -11,6 +11,11 @@ trap 'rm -f "$log"' EXIT
 # libtest hides a passing test's stdout; --show-output prints it, so SKIPPED lines show.
 cargo test --workspace --no-fail-fast "$@" -- --show-output 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+# The fuzz crate is its own workspace: run its seed and regression tests so it keeps
+# compiling against the decoders it fuzzes.
+cargo test --manifest-path fuzz/Cargo.toml --no-fail-fast -- --show-output 2>&1 | tee -a "$log"
+fuzz_status=${PIPESTATUS[0]}
+((status == 0)) && status=$fuzz_status
 
 passed=$(awk '/^test result:/ { for (i = 1; i <= NF; i++) if ($(i+1) ~ /^passed/) s += $i } END { print s + 0 }' "$log")
 failed=$(awk '/^test result:/ { for (i = 1; i <= NF; i++) if ($(i+1) ~ /^failed/) s += $i } END { print s + 0 }' "$log")
