@@ -80,7 +80,7 @@ async fn demo() -> Result<()> {
     steps.time("StopPodSandbox", cri.stop_pod_sandbox(&pod_id)).await?;
     steps.time("RemovePodSandbox", cri.remove_pod_sandbox(&pod_id)).await?;
 
-    println!("\ncontainer log ({}):", log_dir.join("hello.log").display());
+    println!("\ncontainer log (CRI log file hello.log):");
     let log = std::fs::read_to_string(log_dir.join("hello.log")).unwrap_or_default();
     for line in log.lines() {
         // CRI log lines: "<time> <stream> <P|F> <text>".
