@@ -5,6 +5,10 @@
 //! `EXECS_PER_POD` ExecSync `echo hi` calls (one timing each). Handlers alternate pod by pod
 //! so that drift on the host hits both alike. Prints p50/p95 and the bulkhead/runc ratio.
 //! Goals: pod start ratio <= 1.3, ExecSync ratio <= 1.5.
+//!
+//! It also samples, once per running pod, the RSS of the runtime's own host processes (not the
+//! workload's): runc's shim and pause; bulkhead's shim, its launcher and the agent. That figure
+//! feeds `overhead.podFixed` (runtimeclass/README.md).
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +26,38 @@ const EXECS_PER_POD: usize = 5;
 struct Samples {
     pod_start: Vec<Duration>,
     exec_sync: Vec<Duration>,
+    /// Runtime processes' RSS per running pod, KiB.
+    rss_kib: Vec<u64>,
+}
+
+/// Executable names of each handler's per-pod host processes.
+fn runtime_processes(handler: &str) -> &'static [&'static str] {
+    match handler {
+        "runc" => &["containerd-shim-runc-v2", "pause"],
+        _ => &["containerd-shim-bulkhead-v2", "bulkhead-agent"],
+    }
+}
+
+/// Sums VmRSS over processes whose executable's file name is in `names` (shared pages are
+/// counted in each process, so this errs high). Only one pod runs at a time in this bench.
+fn rss_of(names: &[&str]) -> u64 {
+    let Ok(procs) = std::fs::read_dir("/proc") else { return 0 };
+    let mut total = 0;
+    for entry in procs.flatten() {
+        let path = entry.path();
+        let Ok(exe) = std::fs::read_link(path.join("exe")) else { continue };
+        let name = exe.file_name().map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
+        if !name.is_some_and(|n| names.contains(&n.as_str())) {
+            continue;
+        }
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+        total += kib.unwrap_or(0);
+    }
+    total
 }
 
 fn percentile(samples: &[Duration], p: f64) -> Duration {
@@ -50,6 +86,7 @@ async fn one_pod(containerd: &Containerd, handler: &str, n: usize, samples: Opti
     cri.start_container(&ctr_id).await?;
     let pod_start = started.elapsed();
 
+    let rss_kib = rss_of(runtime_processes(handler));
     let mut execs = Vec::new();
     for _ in 0..EXECS_PER_POD {
         let started = Instant::now();
@@ -64,6 +101,7 @@ async fn one_pod(containerd: &Containerd, handler: &str, n: usize, samples: Opti
     if let Some(samples) = samples {
         samples.pod_start.push(pod_start);
         samples.exec_sync.extend(execs);
+        samples.rss_kib.push(rss_kib);
     }
     Ok(())
 }
@@ -158,6 +196,16 @@ fn report(runc: &Samples, bulkhead: &Samples) {
             ms(b95) / ms(r95).max(f64::EPSILON)
         );
     }
+    let median_mib = |v: &[u64]| {
+        let mut v = v.to_vec();
+        v.sort_unstable();
+        v.get(v.len() / 2).map_or(0.0, |k| *k as f64 / 1024.0)
+    };
+    println!(
+        "host RSS of runtime processes per pod (MiB, median): runc {:.1} (shim + pause), bulkhead {:.1} (shim + launcher + agent)",
+        median_mib(&runc.rss_kib),
+        median_mib(&bulkhead.rss_kib)
+    );
 }
 
 fn main() -> Result<()> {
