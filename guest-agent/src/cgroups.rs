@@ -84,15 +84,7 @@ impl Cgroup {
         }
         let rss = s.memory.stats.get("rss").or_else(|| s.memory.stats.get("anon")).copied().unwrap_or(0);
         Ok(StatsResponse {
-            cpu: Some(CpuStats {
-                usage_total_nanos: s.cpu.usage.usage_total,
-                usage_user_nanos: s.cpu.usage.usage_user,
-                usage_kernel_nanos: s.cpu.usage.usage_kernel,
-                throttled_periods: s.cpu.throttling.throttled_periods,
-                throttled_nanos: s.cpu.throttling.throttled_time,
-                ..Default::default()
-            })
-            .into(),
+            cpu: Some(cpu_stats_in_nanos(self.hierarchy, &s.cpu, clock_ticks_per_sec())).into(),
             memory: Some(MemoryStats {
                 usage_bytes: s.memory.memory.usage,
                 max_usage_bytes: s.memory.memory.max_usage,
@@ -151,9 +143,62 @@ pub fn parse_oom_kill(text: &str) -> Option<u64> {
     })
 }
 
+/// USER_HZ, the unit of v1's cpuacct.stat.
+fn clock_ticks_per_sec() -> u64 {
+    // SAFETY: sysconf has no memory effects; a failure (-1) falls back to Linux's fixed 100.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    u64::try_from(hz).ok().filter(|hz| *hz > 0).unwrap_or(100)
+}
+
+/// libcgroups passes the kernel's units through: v2's cpu.stat is all microseconds; v1's
+/// cpuacct.usage and throttled_time are nanoseconds but cpuacct.stat's user/system are
+/// USER_HZ ticks. The protocol speaks nanoseconds.
+fn cpu_stats_in_nanos(hierarchy: Hierarchy, cpu: &libcgroups::stats::CpuStats, ticks_per_sec: u64) -> CpuStats {
+    let (usage, throttling) = (&cpu.usage, &cpu.throttling);
+    let (total, user, kernel, throttled) = match hierarchy {
+        Hierarchy::V2 => {
+            let us = |v: u64| v.saturating_mul(1_000);
+            (us(usage.usage_total), us(usage.usage_user), us(usage.usage_kernel), us(throttling.throttled_time))
+        }
+        Hierarchy::V1 => {
+            let ticks = |v: u64| v.saturating_mul(1_000_000_000 / ticks_per_sec.max(1));
+            (usage.usage_total, ticks(usage.usage_user), ticks(usage.usage_kernel), throttling.throttled_time)
+        }
+    };
+    CpuStats {
+        usage_total_nanos: total,
+        usage_user_nanos: user,
+        usage_kernel_nanos: kernel,
+        throttled_periods: throttling.throttled_periods,
+        throttled_nanos: throttled,
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_stats_are_converted_to_nanoseconds_per_hierarchy() {
+        let mut raw = libcgroups::stats::CpuStats::default();
+        raw.usage.usage_total = 7;
+        raw.usage.usage_user = 3;
+        raw.usage.usage_kernel = 2;
+        raw.throttling.throttled_periods = 4;
+        raw.throttling.throttled_time = 5;
+        let v2 = cpu_stats_in_nanos(Hierarchy::V2, &raw, 100);
+        assert_eq!(
+            (v2.usage_total_nanos, v2.usage_user_nanos, v2.usage_kernel_nanos, v2.throttled_nanos),
+            (7_000, 3_000, 2_000, 5_000)
+        );
+        let v1 = cpu_stats_in_nanos(Hierarchy::V1, &raw, 100);
+        assert_eq!(
+            (v1.usage_total_nanos, v1.usage_user_nanos, v1.usage_kernel_nanos, v1.throttled_nanos),
+            (7, 30_000_000, 20_000_000, 5)
+        );
+        assert_eq!(v1.throttled_periods, 4);
+    }
 
     #[test]
     fn parses_oom_kill_in_v1_and_v2_files() {
