@@ -122,35 +122,32 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() {
+fn main() -> std::io::Result<()> {
     // `cargo bench` passes --bench; a filter that is not ours means "not this bench".
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     if !args.is_empty() && !args.iter().any(|a| "vmm_start".contains(a.as_str())) {
-        return;
+        return Ok(());
     }
-    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-        println!("SKIPPED: vmm_start needs /dev/kvm: {e}");
-        return;
+    if let Err(why) = bulkhead_vmm_api::probe::kvm_device_usable() {
+        println!("SKIPPED: vmm_start: {why}");
+        return Ok(());
     }
     let vmm = match vmm_binary() {
         Ok(p) => p,
         Err(e) => {
             println!("SKIPPED: vmm_start: {e}");
-            return;
+            return Ok(());
         }
     };
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tempfile::tempdir()?;
     // hlt; jmp back to the hlt.
-    std::fs::write(dir.path().join("idle.bin"), [0xf4, 0xeb, 0xfd]).expect("write guest");
+    std::fs::write(dir.path().join("idle.bin"), [0xf4, 0xeb, 0xfd])?;
 
     let mut samples = Vec::new();
     for i in 0..RUNS {
         match one_run(&vmm, dir.path(), i) {
             Ok(s) => samples.push(s),
-            Err(e) => {
-                println!("vmm_start: run {i} failed: {e}");
-                return;
-            }
+            Err(e) => return Err(std::io::Error::other(format!("vmm_start: run {i} failed: {e}"))),
         }
     }
     let start = median(samples.iter().map(|s| s.start_to_run_ms).collect());
@@ -168,4 +165,5 @@ fn main() {
         "  idle VMM RSS: median {rss_mib:.2} MiB; goal <= {GOAL_RSS_MIB} MiB: {}",
         if rss_mib <= GOAL_RSS_MIB { "met" } else { "MISSED" }
     );
+    Ok(())
 }

@@ -121,13 +121,13 @@ impl Installer<'_> {
                     Step::Probe
                 }
                 Step::Probe => match probe::verdict(&s.layout.host_root, s.allow_pvm) {
-                    Verdict::Capable { virt, reason } => {
-                        tracing::info!(?virt, reason = %reason, "host can run the vm backend");
+                    Verdict::Capable { kvm, reason } => {
+                        tracing::info!(kvm = kvm.name(), reason = %reason, "host can run the vm backend");
                         ready_reason = reason;
                         Step::CopyArtifacts
                     }
-                    Verdict::Refused { virt, reason } => {
-                        tracing::warn!(?virt, reason = %reason, "host probe refused");
+                    Verdict::Refused { kvm, reason } => {
+                        tracing::warn!(kvm = kvm.name(), reason = %reason, "host probe refused");
                         return self.refuse(reason).await;
                     }
                 },

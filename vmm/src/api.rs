@@ -1,5 +1,5 @@
-//! The API socket: JSON lines over a Unix socket. Requests are `{"cmd": "pause" | "resume" |
-//! "shutdown" | "info"}`; every request gets one JSON line back.
+//! The API socket's server: JSON lines over a Unix socket, on the event loop. The messages are
+//! `bulkhead_vmm_api::api`'s; every request gets one line back.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -9,48 +9,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bulkhead_vmm_api::api::{encode_line, parse_request, Request, Response, VmInfo, MAX_REQUEST_LINE};
 use event_manager::{EventOps, Events, MutEventSubscriber};
-use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::EventSet;
 
 use crate::exit::{ExitReason, ExitSignal};
-use crate::vcpu::{RunState, VcpuControl};
+use crate::vcpu::VcpuControl;
 
-/// Longest request line; longer input closes the connection.
-pub const MAX_REQUEST_LINE: usize = 4096;
 const MAX_CLIENTS: usize = 16;
 const IO_TIMEOUT: Duration = Duration::from_secs(1);
-
-#[derive(Debug, Deserialize, PartialEq, Eq)]
-#[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
-pub enum Request {
-    Pause,
-    Resume,
-    Shutdown,
-    Info,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
-pub struct VmInfo {
-    pub state: String,
-    pub pid: u32,
-    pub vcpus: u8,
-    pub mem_mib: u64,
-    pub irqchip: bool,
-    /// Wall-clock ns when the VMM process started its `main`.
-    pub start_unix_ns: u64,
-    /// Wall-clock ns of the first KVM_RUN, once it happened.
-    pub first_kvm_run_unix_ns: Option<u64>,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Response {
-    pub ok: bool,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub error: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub info: Option<VmInfo>,
-}
 
 /// What the API may do to the VM.
 pub struct VmController {
@@ -64,13 +31,13 @@ pub struct VmController {
 
 impl VmController {
     pub fn handle(&self, req: Request) -> Response {
-        let ok = Response { ok: true, error: None, info: None };
+        let ok = Response::ok();
         match req {
             Request::Pause => {
                 if self.control.pause(usize::from(self.vcpus), Duration::from_secs(2)) {
                     ok
                 } else {
-                    Response { ok: false, error: Some("vCPUs did not pause in time".into()), info: None }
+                    Response::error("vCPUs did not pause in time")
                 }
             }
             Request::Resume => {
@@ -85,11 +52,7 @@ impl VmController {
                 ok: true,
                 error: None,
                 info: Some(VmInfo {
-                    state: match self.control.state() {
-                        RunState::Running => "running",
-                        RunState::Paused => "paused",
-                    }
-                    .into(),
+                    state: self.control.state(),
                     pid: std::process::id(),
                     vcpus: self.vcpus,
                     mem_mib: self.mem_mib,
@@ -100,11 +63,6 @@ impl VmController {
             },
         }
     }
-}
-
-/// Parses one request line.
-pub fn parse_request(line: &[u8]) -> Result<Request, String> {
-    serde_json::from_slice(line).map_err(|e| format!("bad request: {e}"))
 }
 
 struct Client {
@@ -158,11 +116,9 @@ impl ApiServer {
             let line: Vec<u8> = client.buf.drain(..=pos).collect();
             let resp = match parse_request(&line[..line.len() - 1]) {
                 Ok(req) => self.controller.handle(req),
-                Err(e) => Response { ok: false, error: Some(e), info: None },
+                Err(e) => Response::error(e.to_string()),
             };
-            let mut out = serde_json::to_vec(&resp).unwrap_or_default();
-            out.push(b'\n');
-            if client.stream.write_all(&out).is_err() {
+            if client.stream.write_all(&encode_line(&resp)).is_err() {
                 return false;
             }
         }
@@ -201,14 +157,7 @@ impl MutEventSubscriber for ApiServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_requests_and_rejects_junk() {
-        assert_eq!(parse_request(br#"{"cmd":"pause"}"#), Ok(Request::Pause));
-        assert_eq!(parse_request(br#"{"cmd":"info"}"#), Ok(Request::Info));
-        assert!(parse_request(br#"{"cmd":"reboot"}"#).is_err());
-        assert!(parse_request(b"\xff\xfe").is_err());
-    }
+    use bulkhead_vmm_api::api::RunState;
 
     #[test]
     fn controller_shutdown_and_info() {
@@ -221,7 +170,7 @@ mod tests {
             start_unix_ns: 5,
         };
         let info = c.handle(Request::Info).info.unwrap();
-        assert_eq!((info.state.as_str(), info.vcpus, info.first_kvm_run_unix_ns), ("running", 2, None));
+        assert_eq!((info.state, info.vcpus, info.first_kvm_run_unix_ns), (RunState::Running, 2, None));
         assert!(c.handle(Request::Shutdown).ok);
         assert_eq!(c.exit.reason(), Some(ExitReason::ApiShutdown));
         // No vCPU threads exist, so a pause cannot be acknowledged.

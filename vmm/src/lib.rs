@@ -15,10 +15,13 @@
 pub mod api;
 pub mod arch;
 pub mod boot;
-pub mod config;
 pub mod devices;
 pub mod exit;
 pub mod layout;
 pub mod memory;
+pub mod persist;
 pub mod vcpu;
 pub mod vmm;
+
+/// The VM config document lives in the KVM-free contract crate, shared with the shim.
+pub use bulkhead_vmm_api::config;

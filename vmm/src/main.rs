@@ -1,4 +1,5 @@
 //! `bulkhead-vmm --config <file.json>`: boots one microVM and serves it until it stops.
+//! `bulkhead-vmm --probe`: says whether this host runs ordinary guests, and exits.
 
 use std::path::PathBuf;
 
@@ -12,8 +13,12 @@ use bulkhead_vmm::vmm;
 #[command(name = "bulkhead-vmm", about = "bulkhead's microVM monitor")]
 struct Args {
     /// VM configuration (JSON).
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required_unless_present = "probe")]
+    config: Option<PathBuf>,
+    /// Print the host probe (vmx, svm, pvm, unknown or absent) as JSON and exit: 0 when ordinary
+    /// guests run here, 3 when they do not.
+    #[arg(long, conflicts_with = "config")]
+    probe: bool,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -22,6 +27,9 @@ struct Args {
 fn main() {
     let start = vmm::now_unix_ns();
     let args = Args::parse();
+    if args.probe {
+        std::process::exit(probe());
+    }
     init_logging(args.log_json);
     match run(args, start) {
         Ok(code) => std::process::exit(code),
@@ -33,10 +41,31 @@ fn main() {
     }
 }
 
+/// The shared host probe, plus whether this process can open /dev/kvm at all.
+fn probe() -> i32 {
+    let kind = bulkhead_vmm_api::probe::KvmKind::probe();
+    let ordinary = kind.ordinary_guests();
+    let device = bulkhead_vmm_api::probe::kvm_device_usable();
+    let report = serde_json::json!({
+        "kvm": kind.name(),
+        "ordinary_guests": ordinary.is_ok(),
+        "reason": ordinary.as_ref().err(),
+        "kvm_device_usable": device.is_ok(),
+        "kvm_device_error": device.as_ref().err(),
+    });
+    println!("{report}");
+    if ordinary.is_ok() && device.is_ok() {
+        0
+    } else {
+        3
+    }
+}
+
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let cfg = VmConfig::from_file(&args.config).and_then(|c| c.validate()).context("invalid VM config")?;
+    let path = args.config.context("--config is required")?;
+    let cfg = VmConfig::from_file(&path).and_then(|c| c.validate()).context("invalid VM config")?;
     let reason = vmm::run(cfg, signal_fd, start).context("VM failed to start")?;
     let code = reason.exit_code();
     if code == 0 {

@@ -20,12 +20,8 @@ pub enum VcpuError {
     Configure { id: u8, what: &'static str, source: kvm_ioctls::Error },
 }
 
-/// The run state every vCPU thread follows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
-    Running,
-    Paused,
-}
+/// The run state every vCPU thread follows (the API reports it as is).
+pub use bulkhead_vmm_api::api::RunState;
 
 /// Shared between the vCPU threads and the controller (API).
 pub struct VcpuControl {

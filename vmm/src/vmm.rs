@@ -95,8 +95,9 @@ impl MutEventSubscriber for SignalWatcher {
         let _ = ops.add(Events::new_raw(self.fd.as_raw_fd(), EventSet::IN));
     }
     fn process(&mut self, _: Events, _: &mut EventOps) {
-        // SAFETY: signalfd_siginfo is plain data; we read at most its size from our own fd.
+        // SAFETY: signalfd_siginfo is plain data, valid when zeroed.
         let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        // SAFETY: we read at most the struct's size into it, from our own signalfd.
         let n = unsafe {
             libc::read(
                 self.fd.as_raw_fd(),

@@ -1,5 +1,6 @@
 //! KVM integration: a hostile guest (unknown MMIO, bad descriptor chains, a lying vsock length)
 //! cannot panic or hang the VMM; each fault is logged and the device stops serving until reset.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! cmdline (with our `virtio_mmio.device=` entries), the e820 map and the MP table (2 vCPUs, one
 //! IOAPIC) the VMM wrote.
 //! Uses $BULKHEAD_KERNEL or the kernel guest-kernel/build-kernel.sh builds (cached by content hash).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! KVM integration: boot, serial, i8042 reset, errors, signals and the API, with the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! KVM integration: virtio-mmio discovery, virtio-blk I/O and hybrid vsock in both directions,
 //! driven by test guests inside the real `bulkhead-vmm`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

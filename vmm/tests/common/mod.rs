@@ -9,12 +9,9 @@ use std::time::{Duration, Instant};
 
 pub const VMM: &str = env!("CARGO_BIN_EXE_bulkhead-vmm");
 
-/// Why a KVM test cannot run here, if it cannot.
+/// Why a KVM test cannot run here, if it cannot (the shared host probe).
 pub fn kvm_unavailable() -> Option<String> {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-        Ok(_) => None,
-        Err(e) => Some(format!("/dev/kvm is not usable: {e}")),
-    }
+    bulkhead_vmm_api::probe::kvm_device_usable().err()
 }
 
 /// Prints the SKIPPED line and returns true if KVM tests cannot run.

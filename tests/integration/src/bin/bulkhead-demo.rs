@@ -2,8 +2,8 @@
 //! private containerd, and prints its output, an ExecSync result and each step's time.
 
 use anyhow::{bail, Context, Result};
-use bulkhead_integration::host::KvmKind;
 use bulkhead_integration::{container_config, pod_config, skip_reason, Containerd, ContainerdConfig, RuntimeHandler};
+use bulkhead_vmm_api::probe::KvmKind;
 use std::time::{Duration, Instant};
 
 struct Steps(Vec<(&'static str, Duration)>);
@@ -31,7 +31,7 @@ async fn demo() -> Result<()> {
     if let Some(reason) = skip_reason() {
         bail!("the demo cannot run here: {reason}");
     }
-    let backend = match KvmKind::probe().vm_backend() {
+    let backend = match KvmKind::probe().ordinary_guests() {
         // The shim's vm backend is only a shape so far (see the shim's sandbox/vm.rs).
         Ok(()) => {
             println!("bulkhead demo: this host can run VMs, but the shim's `vm` backend is not built yet;");

@@ -14,6 +14,12 @@ pub const MIN_MEM_MIB: u64 = 8;
 pub const MAX_MEM_MIB: u64 = 64 * 1024;
 pub const MAX_BLOCK_DEVICES: usize = 8;
 pub const MAX_CMDLINE_LEN: usize = 2048;
+pub const MAX_FS_DEVICES: usize = 4;
+pub const MAX_NET_DEVICES: usize = 4;
+/// virtio-fs tags are at most 36 bytes (virtio spec 5.11.4).
+pub const MAX_FS_TAG_LEN: usize = 36;
+/// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
+pub const MAX_IFNAME_LEN: usize = 15;
 /// Largest config document we accept (bytes).
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
 
@@ -45,6 +51,10 @@ pub enum ConfigError {
     CmdlineTooLong,
     #[error("raw_guest load_addr {0:#x} is outside 1 MiB..guest memory")]
     RawLoadAddr(u64),
+    #[error("fs device: {0}")]
+    Fs(String),
+    #[error("net device: {0}")]
+    Net(String),
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -71,6 +81,12 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     #[serde(default)]
     pub block: Vec<BlockConfig>,
+    /// vhost-user-fs devices (virtio-fs), each backed by a vhost-user backend such as virtiofsd.
+    #[serde(default)]
+    pub fs: Vec<FsConfig>,
+    /// virtio-net devices, each on a host tap device.
+    #[serde(default)]
+    pub net: Vec<NetConfig>,
     #[serde(default)]
     pub api_socket: Option<PathBuf>,
 }
@@ -109,6 +125,48 @@ pub struct BlockConfig {
     pub read_only: bool,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FsConfig {
+    /// The tag the guest mounts (`mount -t virtiofs <tag> /dir`), 1..=36 bytes.
+    pub tag: String,
+    /// The vhost-user backend's Unix socket (virtiofsd `--socket-path`).
+    pub socket: PathBuf,
+    /// Size of each request queue.
+    #[serde(default = "default_fs_queue_size")]
+    pub queue_size: u16,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// Name of an existing tap device (in the VMM's network namespace).
+    pub tap: String,
+    /// The guest NIC's MAC address, `aa:bb:cc:dd:ee:ff`.
+    pub mac: String,
+    /// MTU offered to the guest in the config space.
+    #[serde(default)]
+    pub mtu: Option<u16>,
+}
+
+fn default_fs_queue_size() -> u16 {
+    1024
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next()?;
+        if part.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
 fn default_vcpus() -> u8 {
     1
 }
@@ -137,6 +195,8 @@ pub struct ValidConfig {
     pub serial_log: Option<PathBuf>,
     pub vsock: Option<VsockConfig>,
     pub block: Vec<BlockConfig>,
+    pub fs: Vec<FsConfig>,
+    pub net: Vec<NetConfig>,
     pub api_socket: Option<PathBuf>,
 }
 
@@ -203,6 +263,35 @@ impl VmConfig {
         for b in &self.block {
             readable_file("block device", &b.path)?;
         }
+        if self.fs.len() > MAX_FS_DEVICES {
+            return Err(ConfigError::Fs(format!("at most {MAX_FS_DEVICES} devices, got {}", self.fs.len())));
+        }
+        for f in &self.fs {
+            if f.tag.is_empty() || f.tag.len() > MAX_FS_TAG_LEN {
+                return Err(ConfigError::Fs(format!("tag {:?} must be 1..={MAX_FS_TAG_LEN} bytes", f.tag)));
+            }
+            if !f.queue_size.is_power_of_two() || f.queue_size > 32768 {
+                return Err(ConfigError::Fs(format!("queue_size {} must be a power of two up to 32768", f.queue_size)));
+            }
+            parent_dir_exists("fs socket", &f.socket)?;
+        }
+        if self.net.len() > MAX_NET_DEVICES {
+            return Err(ConfigError::Net(format!("at most {MAX_NET_DEVICES} devices, got {}", self.net.len())));
+        }
+        for n in &self.net {
+            if n.tap.is_empty() || n.tap.len() > MAX_IFNAME_LEN || n.tap.contains(['/', '\0', ' ']) {
+                return Err(ConfigError::Net(format!("tap name {:?} is not a valid interface name", n.tap)));
+            }
+            match parse_mac(&n.mac) {
+                Some(mac) if mac[0] & 1 == 0 => {}
+                _ => {
+                    return Err(ConfigError::Net(format!("mac {:?} is not a unicast aa:bb:cc:dd:ee:ff address", n.mac)))
+                }
+            }
+            if n.mtu.is_some_and(|m| !(68..=65535).contains(&m)) {
+                return Err(ConfigError::Net(format!("mtu {:?} must be 68..=65535", n.mtu)));
+            }
+        }
         if let Some(p) = &self.serial_log {
             parent_dir_exists("serial_log", p)?;
         }
@@ -216,6 +305,8 @@ impl VmConfig {
             serial_log: self.serial_log,
             vsock: self.vsock,
             block: self.block,
+            fs: self.fs,
+            net: self.net,
             api_socket: self.api_socket,
         })
     }
@@ -287,6 +378,31 @@ mod tests {
             let err = VmConfig::from_json(&json).and_then(|c| c.validate()).unwrap_err();
             assert!(err.to_string().contains(needle), "{json}: {err}");
         }
+    }
+
+    #[test]
+    fn fs_and_net_devices_are_checked() {
+        let k = kernel_file();
+        let p = k.path().display();
+        let ok = format!(
+            r#"{{"kernel":"{p}","fs":[{{"tag":"rootfs","socket":"/tmp/fs.sock"}}],"net":[{{"tap":"tap0","mac":"02:00:00:00:00:01","mtu":1500}}]}}"#
+        );
+        let cfg = VmConfig::from_json(&ok).unwrap().validate().unwrap();
+        assert_eq!(cfg.fs[0].queue_size, 1024);
+        assert_eq!(cfg.net[0].tap, "tap0");
+        let cases = [
+            (format!(r#"{{"kernel":"{p}","fs":[{{"tag":"","socket":"/tmp/s"}}]}}"#), "tag"),
+            (format!(r#"{{"kernel":"{p}","fs":[{{"tag":"t","socket":"/tmp/s","queue_size":3}}]}}"#), "queue_size"),
+            (format!(r#"{{"kernel":"{p}","net":[{{"tap":"a/b","mac":"02:00:00:00:00:01"}}]}}"#), "tap"),
+            (format!(r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"01:00:00:00:00:01"}}]}}"#), "unicast"),
+            (format!(r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"02:00:00:00:00"}}]}}"#), "mac"),
+        ];
+        for (json, needle) in cases {
+            let err = VmConfig::from_json(&json).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.to_string().contains(needle), "{json}: {err}");
+        }
+        assert_eq!(parse_mac("aa:BB:0c:dd:ee:ff"), Some([0xaa, 0xbb, 0x0c, 0xdd, 0xee, 0xff]));
+        assert_eq!(parse_mac("aa:bb:cc:dd:ee:ff:00"), None);
     }
 
     #[test]
