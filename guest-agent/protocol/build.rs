@@ -3,10 +3,10 @@ use std::{env, fs, path::PathBuf};
 
 use ttrpc_codegen::{Codegen, Customize, ProtobufCustomize};
 
-fn main() {
-    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let out = PathBuf::from(env::var("OUT_DIR")?);
     let gen_dir = out.join("gen");
-    fs::create_dir_all(&gen_dir).expect("create OUT_DIR/gen");
+    fs::create_dir_all(&gen_dir)?;
     println!("cargo:rerun-if-changed=proto/agent.proto");
 
     Codegen::new()
@@ -16,13 +16,12 @@ fn main() {
         .rust_protobuf()
         .customize(Customize { async_all: true, ..Default::default() })
         .rust_protobuf_customize(ProtobufCustomize::default().gen_mod_rs(false))
-        .run()
-        .expect("ttrpc codegen for proto/agent.proto");
+        .run()?;
 
     // `include!` cannot take inner attributes or inner doc comments, so strip them; lib.rs
     // puts the equivalent `#[allow]`s on the wrapping modules.
     for name in ["agent.rs", "agent_ttrpc.rs"] {
-        let src = fs::read_to_string(gen_dir.join(name)).expect("read generated file");
+        let src = fs::read_to_string(gen_dir.join(name))?;
         let cleaned: String = src
             .lines()
             .filter(|l| !l.trim_start().starts_with("#!["))
@@ -31,6 +30,7 @@ fn main() {
                 None => format!("{l}\n"),
             })
             .collect();
-        fs::write(out.join(name), cleaned).expect("write cleaned generated file");
+        fs::write(out.join(name), cleaned)?;
     }
+    Ok(())
 }

@@ -1,5 +1,6 @@
 //! End-to-end: the real agent as PID 1 of fresh namespaces, spoken to only over its Unix
 //! socket with the CONNECT preamble. Each test proves one "Done when" item of issue 3.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 
@@ -461,6 +462,7 @@ async fn sigterm_to_the_agent_destroys_the_sandbox() {
     agent.create("s", &plain_spec(&rootfs, &["sleep", "1000"]), false).await.unwrap();
     agent.start_ctr("s").await;
     let agent_pid = agent.agent_pid().expect("agent pid");
+    // SAFETY: kill(2) on the agent this test started, by pid.
     assert_eq!(unsafe { libc::kill(agent_pid, libc::SIGTERM) }, 0);
     assert!(agent.wait_exit(Duration::from_secs(15)).is_some(), "agent ignored SIGTERM\n{}", agent.log());
     assert!(agent.log().contains("SIGTERM: destroying the sandbox"), "{}", agent.log());

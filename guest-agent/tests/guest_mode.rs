@@ -1,6 +1,7 @@
 //! `--mode guest` for real, inside a private mount/pid/uts namespace: the boot plan's mounts
 //! exist, SetupSandbox applies the hostname, and DestroySandbox powers "the VM" off (in a pid
 //! namespace, reboot(2) ends its init).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

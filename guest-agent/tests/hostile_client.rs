@@ -1,5 +1,6 @@
 //! Hostile clients on the agent's Unix socket: each must be cut off (error or closed
 //! connection) within a second, and the agent must still answer a well-formed request.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

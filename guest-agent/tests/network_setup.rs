@@ -1,4 +1,5 @@
 //! SetupSandbox's interfaces and routes, applied by the agent in its own network namespace.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! `make -C guest-kernel initramfs` yields a static musl agent packed as /init, and that
 //! binary really serves (Version handshake as PID 1 of fresh namespaces).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! The installer binary as the DaemonSet runs it: killed midway (abort at a fail point, like `kill -9`), rerun to
 //! convergence, then `run` mode uninstalling on SIGTERM. containerd is restarted through the injectable
 //! `--restart-command`, here a script that restarts the test's own containerd by PID file.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod support;
 

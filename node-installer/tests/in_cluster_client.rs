@@ -1,5 +1,6 @@
 //! The real in-cluster client against a local HTTPS stand-in for the API server (Python's http.server + ssl, with a
 //! throwaway CA from openssl): TLS with only the given CA trusted, bearer token, merge-patch content type, 409.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

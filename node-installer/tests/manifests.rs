@@ -1,5 +1,6 @@
 //! Every manifest in runtimeclass/ and node-installer/ (and the rendered kustomization) validates offline against a
 //! recent Kubernetes schema. The work is in runtimeclass/validate.sh; this runs it under `cargo test`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::Path;
 use std::process::Command;

@@ -1,5 +1,6 @@
 //! The installer against a scratch root laid out like a node, with a real containerd 1.6 started from that root's
 //! config. The shim is a script that records its invocation: reaching it is what these tests prove.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod support;
 

@@ -10,12 +10,12 @@
 //! This crate does no I/O policy of its own beyond bounded, timed reads of the
 //! preambles; it is the contract, not the runtime.
 
-#[allow(warnings, clippy::all, clippy::pedantic)]
+#[allow(warnings, clippy::all, clippy::pedantic, clippy::restriction)]
 pub mod agent {
     include!(concat!(env!("OUT_DIR"), "/agent.rs"));
 }
 
-#[allow(warnings, clippy::all, clippy::pedantic)]
+#[allow(warnings, clippy::all, clippy::pedantic, clippy::restriction)]
 pub mod agent_ttrpc {
     include!(concat!(env!("OUT_DIR"), "/agent_ttrpc.rs"));
 }

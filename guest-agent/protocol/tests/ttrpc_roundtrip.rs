@@ -1,5 +1,6 @@
 //! The generated service and client talk over a Unix socket after the CONNECT preamble,
 //! exactly as shim and agent do (a toy agent that only answers Version).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::{sync::Arc, time::Duration};
 

@@ -1,5 +1,6 @@
 //! Proves the harness end to end with the `runc` handler: a busybox container through
 //! CRI on a private containerd, and ExecSync inside it.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use bulkhead_integration::{
     container_config, pod_config, skip_if_unready, Containerd, ContainerdConfig, RuntimeHandler,
