@@ -4,20 +4,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bulkhead_protocol::agent as pb;
-
-use crate::io::{StdioPaths, Target};
+use crate::error::TaskError;
 use crate::process::Process;
-use crate::task::TaskError;
-
-/// The agent's stdio request for containerd's paths.
-pub fn stdio_config(paths: &StdioPaths) -> pb::StdioConfig {
-    pb::StdioConfig {
-        terminal: paths.terminal,
-        stdin: !matches!(Target::parse(&paths.stdin), Ok(Target::None)),
-        ..Default::default()
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ContainerKind {
@@ -42,23 +30,5 @@ impl Container {
             return Ok(self.init.clone());
         }
         self.execs.get(exec_id).cloned().ok_or_else(|| TaskError::NotFound(format!("exec {exec_id} of {}", self.id)))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stdio_config_reflects_stdin_and_tty() {
-        let cfg = stdio_config(&StdioPaths {
-            stdin: "/f/in".into(),
-            stdout: "/f/out".into(),
-            stderr: String::new(),
-            terminal: true,
-        });
-        assert!(cfg.terminal && cfg.stdin);
-        let cfg = stdio_config(&StdioPaths::default());
-        assert!(!cfg.terminal && !cfg.stdin);
     }
 }

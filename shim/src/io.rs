@@ -38,8 +38,9 @@ pub struct StdioPaths {
 }
 
 /// One stdio target named by containerd.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Target {
+    #[default]
     None,
     Fifo(PathBuf),
     /// `file://` (ctr --log-uri): append to a file.
@@ -68,25 +69,42 @@ impl Target {
     }
 }
 
-/// The agent-side streams a process needs, from containerd's request.
-pub fn stream_kinds(paths: &StdioPaths) -> Result<Vec<StreamKind>, IoError> {
-    let stdin = Target::parse(&paths.stdin)?;
-    let stdout = Target::parse(&paths.stdout)?;
-    let stderr = Target::parse(&paths.stderr)?;
-    if paths.terminal {
-        return Ok(vec![StreamKind::Tty]);
+/// containerd's stdio request for one process, parsed once at Create or Exec.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stdio {
+    /// What containerd sent, verbatim (State reports it back).
+    pub paths: StdioPaths,
+    pub stdin: Target,
+    pub stdout: Target,
+    pub stderr: Target,
+    pub terminal: bool,
+}
+
+impl Stdio {
+    /// Parses containerd's targets; an unsupported scheme or a file as stdin is refused here,
+    /// before anything is created.
+    pub fn parse(paths: StdioPaths) -> Result<Self, IoError> {
+        let stdin = Target::parse(&paths.stdin)?;
+        if let Target::File(path) = &stdin {
+            return Err(IoError::Unsupported { uri: format!("file://{} as stdin", path.display()) });
+        }
+        let stdout = Target::parse(&paths.stdout)?;
+        let stderr = Target::parse(&paths.stderr)?;
+        let terminal = paths.terminal;
+        Ok(Self { paths, stdin, stdout, stderr, terminal })
     }
-    let mut kinds = Vec::new();
-    if !stdin.is_none() {
-        kinds.push(StreamKind::Stdin);
+
+    /// The agent-side streams the process needs.
+    pub fn stream_kinds(&self) -> Vec<StreamKind> {
+        if self.terminal {
+            return vec![StreamKind::Tty];
+        }
+        [(&self.stdin, StreamKind::Stdin), (&self.stdout, StreamKind::Stdout), (&self.stderr, StreamKind::Stderr)]
+            .into_iter()
+            .filter(|(target, _)| !target.is_none())
+            .map(|(_, kind)| kind)
+            .collect()
     }
-    if !stdout.is_none() {
-        kinds.push(StreamKind::Stdout);
-    }
-    if !stderr.is_none() {
-        kinds.push(StreamKind::Stderr);
-    }
-    Ok(kinds)
 }
 
 async fn open_writer(target: &Target) -> Result<Option<Box<dyn AsyncWrite + Send + Unpin>>, IoError> {
@@ -121,6 +139,7 @@ fn open_reader(target: &Target) -> Result<Option<Box<dyn AsyncRead + Send + Unpi
                 .map_err(|source| IoError::Open { path: path.clone(), source })?;
             Ok(Some(Box::new(receiver)))
         }
+        // Refused by Stdio::parse already.
         Target::File(path) => Err(IoError::Unsupported { uri: format!("file://{} as stdin", path.display()) }),
     }
 }
@@ -144,30 +163,28 @@ impl IoSession {
         agent: &AgentClient,
         container_id: &str,
         exec_id: Option<&str>,
-        paths: &StdioPaths,
+        stdio: &Stdio,
     ) -> Result<Self, IoError> {
-        let stdin = Target::parse(&paths.stdin)?;
-        let stdout = Target::parse(&paths.stdout)?;
-        let stderr = Target::parse(&paths.stderr)?;
+        let (stdin, stdout, stderr) = (&stdio.stdin, &stdio.stdout, &stdio.stderr);
         let (close_tx, close_rx) = watch::channel(false);
         let mut session = Self { outputs: Vec::new(), close_stdin: close_tx, stdin: None };
         let span = tracing::Span::current();
-        if paths.terminal {
+        if stdio.terminal {
             let stream = agent.open_stream(container_id, exec_id, StreamKind::Tty).await?;
             let (read, write) = stream.into_split();
-            if let Some(out) = open_writer(&stdout).await? {
+            if let Some(out) = open_writer(stdout).await? {
                 session.outputs.push(tokio::spawn(copy_out(read, out, "tty").instrument(span.clone())));
             }
-            if let Some(input) = open_reader(&stdin)? {
+            if let Some(input) = open_reader(stdin)? {
                 session.stdin = Some(tokio::spawn(copy_in(input, write, close_rx).instrument(span.clone())));
             }
             return Ok(session);
         }
-        if let Some(input) = open_reader(&stdin)? {
+        if let Some(input) = open_reader(stdin)? {
             let stream = agent.open_stream(container_id, exec_id, StreamKind::Stdin).await?;
             session.stdin = Some(tokio::spawn(copy_in(input, stream, close_rx).instrument(span.clone())));
         }
-        for (target, kind, name) in [(&stdout, StreamKind::Stdout, "stdout"), (&stderr, StreamKind::Stderr, "stderr")] {
+        for (target, kind, name) in [(stdout, StreamKind::Stdout, "stdout"), (stderr, StreamKind::Stderr, "stderr")] {
             if let Some(out) = open_writer(target).await? {
                 let stream = agent.open_stream(container_id, exec_id, kind).await?;
                 session.outputs.push(tokio::spawn(copy_out(stream, out, name).instrument(span.clone())));
@@ -257,9 +274,17 @@ mod tests {
     fn stream_kinds_follow_the_request() {
         let paths =
             StdioPaths { stdin: String::new(), stdout: "/f/out".into(), stderr: "/f/err".into(), terminal: false };
-        assert_eq!(stream_kinds(&paths).unwrap(), vec![StreamKind::Stdout, StreamKind::Stderr]);
+        assert_eq!(Stdio::parse(paths).unwrap().stream_kinds(), vec![StreamKind::Stdout, StreamKind::Stderr]);
         let tty = StdioPaths { stdin: "/f/in".into(), stdout: "/f/out".into(), stderr: String::new(), terminal: true };
-        assert_eq!(stream_kinds(&tty).unwrap(), vec![StreamKind::Tty]);
+        assert_eq!(Stdio::parse(tty).unwrap().stream_kinds(), vec![StreamKind::Tty]);
+    }
+
+    #[test]
+    fn bad_targets_are_refused_at_parse() {
+        let file_stdin = StdioPaths { stdin: "file:///x".into(), ..Default::default() };
+        assert!(Stdio::parse(file_stdin).is_err());
+        let scheme = StdioPaths { stdout: "binary:///logger".into(), ..Default::default() };
+        assert!(Stdio::parse(scheme).is_err());
     }
 
     #[tokio::test]

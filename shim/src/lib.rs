@@ -16,12 +16,16 @@
 //! - [`io`]: containerd FIFOs / log files <-> agent stream connections.
 //! - [`events`]: publishing task events to containerd.
 //! - [`config`]: the TOML config.
+//! - Shared vocabulary, below all of the above: [`error`] (the Task error), [`exit`] (how a
+//!   process ended) and [`trans`] (every protobuf <-> domain conversion).
 //! - [`sandbox`]: the backend trait, `namespace` and `vm`.
 
 pub mod agent;
 pub mod config;
 pub mod container;
+pub mod error;
 pub mod events;
+pub mod exit;
 pub mod io;
 pub mod logging;
 pub mod options;
@@ -30,6 +34,7 @@ pub mod sandbox;
 pub mod service;
 pub mod spec;
 pub mod task;
+pub mod trans;
 pub mod watch;
 
 /// The runtime id containerd knows this shim by.

@@ -4,7 +4,7 @@
 
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 
-use crate::task::TaskError;
+use crate::error::TaskError;
 
 /// The runtime options containerd passes for non-runc runtimes (`runtimeoptions.v1.Options`,
 /// Kata's convention): `type_url` = 1, `config_path` = 2.

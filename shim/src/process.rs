@@ -8,33 +8,16 @@
 //! transitions all live in [`ProcessState::apply`].
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use tokio::sync::watch;
 
 use crate::agent::AgentClient;
-use crate::io::{IoSession, StdioPaths};
+use crate::error::TaskError;
+pub use crate::exit::ExitInfo;
+use crate::io::{IoSession, Stdio};
 use crate::sandbox::Sandbox;
-use crate::task::TaskError;
-
-/// How a process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExitInfo {
-    /// runc's convention: the exit status, or 128+signal when signalled.
-    pub status: u32,
-    pub at: SystemTime,
-    pub oom_killed: bool,
-}
-
-impl ExitInfo {
-    pub fn from_agent(code: u32, at_unix_nanos: i64, oom_killed: bool) -> Self {
-        let at =
-            if at_unix_nanos > 0 { UNIX_EPOCH + Duration::from_nanos(at_unix_nanos as u64) } else { SystemTime::now() };
-        Self { status: code, at, oom_killed }
-    }
-}
 
 /// Lifecycle of one process, as containerd sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +97,7 @@ pub struct ProcessCore {
     pub container_id: String,
     /// `None` for a container's init process.
     pub exec_id: Option<String>,
-    pub stdio: StdioPaths,
+    pub stdio: Stdio,
     state: Mutex<ProcessState>,
     exited: watch::Sender<Option<ExitInfo>>,
     pub io: tokio::sync::Mutex<IoSession>,
@@ -122,12 +105,12 @@ pub struct ProcessCore {
 
 impl ProcessCore {
     /// A process not yet created anywhere (an exec before Start).
-    pub fn new(container_id: &str, exec_id: Option<&str>, stdio: StdioPaths) -> Self {
+    pub fn new(container_id: &str, exec_id: Option<&str>, stdio: Stdio) -> Self {
         Self::created(container_id, exec_id, stdio, 0)
     }
 
     /// A process that exists as `pid` but has not started (runc's created init).
-    pub fn created(container_id: &str, exec_id: Option<&str>, stdio: StdioPaths, pid: u32) -> Self {
+    pub fn created(container_id: &str, exec_id: Option<&str>, stdio: Stdio, pid: u32) -> Self {
         let (exited, _) = watch::channel(None);
         Self {
             container_id: container_id.into(),
@@ -286,7 +269,7 @@ impl Process for ExecProcess {
             container_id: self.core.container_id.clone(),
             exec_id: self.exec_id().into(),
             process_json: self.process_json.clone(),
-            stdio: Some(crate::container::stdio_config(&self.core.stdio)).into(),
+            stdio: Some(crate::trans::stdio_config(&self.core.stdio)).into(),
             ..Default::default()
         };
         let pid = self.agent.exec_process(req).await?;
@@ -352,6 +335,7 @@ impl Process for SandboxInit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     fn exit(status: u32) -> ExitInfo {
         ExitInfo { status, at: UNIX_EPOCH, oom_killed: false }
@@ -385,7 +369,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiters_wake_on_exit_and_late_waiters_see_it() {
-        let core = Arc::new(ProcessCore::new("c1", None, StdioPaths::default()));
+        let core = Arc::new(ProcessCore::new("c1", None, Stdio::default()));
         core.transition(ProcessEvent::Started { pid: 5 }).unwrap();
         let waiter = {
             let core = core.clone();
@@ -399,12 +383,12 @@ mod tests {
 
     #[test]
     fn signalling_an_exited_process_is_not_found() {
-        let core = ProcessCore::new("c1", None, StdioPaths::default());
+        let core = ProcessCore::new("c1", None, Stdio::default());
         core.transition(ProcessEvent::Started { pid: 5 }).unwrap();
         core.transition(ProcessEvent::Exited(exit(0))).unwrap();
         assert!(matches!(core.ensure_alive(), Err(TaskError::NotFound(_))));
         assert!(matches!(core.ensure_signallable(true), Err(TaskError::NotFound(_))));
-        let created = ProcessCore::new("c2", None, StdioPaths::default());
+        let created = ProcessCore::new("c2", None, Stdio::default());
         assert!(created.ensure_signallable(true).is_ok());
         assert!(matches!(created.ensure_alive(), Err(TaskError::FailedPrecondition(_))));
     }

@@ -15,73 +15,29 @@ use containerd_shim::api::{
     ShutdownRequest, StartRequest, StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse,
     UpdateTaskRequest, WaitRequest, WaitResponse,
 };
-use containerd_shim::protos::cgroups::metrics::{
-    CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat, Throttle,
-};
+use containerd_shim::protos::cgroups::metrics::Metrics;
 use containerd_shim::protos::protobuf::well_known_types::empty::Empty;
 use containerd_shim::protos::types::task::{ProcessInfo, Status};
 use containerd_shim::{DeleteResponse, ExitSignal, Task, TtrpcContext, TtrpcResult};
 use tracing::{info, info_span, warn, Instrument};
 
-use crate::agent::{AgentClient, AgentError};
-use crate::config::{Config, ConfigError, DEFAULT_CONFIG_PATH};
-use crate::container::{stdio_config, Container, ContainerKind};
+use crate::agent::AgentClient;
+use crate::config::{Config, DEFAULT_CONFIG_PATH};
+use crate::container::{Container, ContainerKind};
+use crate::error::TaskError;
 use crate::events::{timestamp, EventSink};
-use crate::io::{IoError, IoSession, StdioPaths};
+use crate::io::{IoSession, Stdio, StdioPaths};
 use crate::process::{
     ContainerInit, ExecProcess, ExitInfo, Process, ProcessCore, ProcessEvent, ProcessState, SandboxInit,
 };
 use crate::sandbox::paths::BundleRecord;
-use crate::sandbox::{self, Sandbox, SandboxError, SandboxRequest};
-use crate::spec::{self, BundleSpec, Role, SpecError};
+use crate::sandbox::{self, Sandbox, SandboxRequest};
+use crate::spec::{self, BundleSpec, Role};
 
 /// Workload ids remembered per pod for OOM attribution (pods restart containers; bounded).
 const MAX_POD_WORKLOADS: usize = 4096;
 /// Longest Update resources / exec process JSON accepted from containerd.
 const MAX_JSON: usize = 1 << 20;
-
-#[derive(Debug, thiserror::Error)]
-pub enum TaskError {
-    #[error("{0}: not found")]
-    NotFound(String),
-    #[error("{0}: already exists")]
-    AlreadyExists(String),
-    #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Spec(#[from] SpecError),
-    #[error(transparent)]
-    Sandbox(#[from] SandboxError),
-    #[error(transparent)]
-    Agent(#[from] AgentError),
-    #[error(transparent)]
-    Io(#[from] IoError),
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl From<TaskError> for ttrpc::Error {
-    fn from(e: TaskError) -> Self {
-        use ttrpc::Code;
-        let code = match &e {
-            TaskError::NotFound(_) => Code::NOT_FOUND,
-            TaskError::AlreadyExists(_) => Code::ALREADY_EXISTS,
-            TaskError::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
-            TaskError::InvalidArgument(_) | TaskError::Config(_) | TaskError::Spec(_) => Code::INVALID_ARGUMENT,
-            TaskError::Agent(a) => a.code().unwrap_or(Code::UNKNOWN),
-            _ => Code::UNKNOWN,
-        };
-        let message = match &e {
-            TaskError::Agent(a) => a.message(),
-            other => other.to_string(),
-        };
-        ttrpc::Error::RpcStatus(ttrpc::get_status(code, message))
-    }
-}
 
 /// The pod's sandbox, as seen by the task service.
 enum PodSandbox {
@@ -165,13 +121,12 @@ impl TaskService {
         let config = Config::load(Path::new(&config_path))?;
         let bundle = PathBuf::from(&req.bundle);
         let spec = BundleSpec::load(&bundle)?;
-        let stdio = StdioPaths {
+        let stdio = Stdio::parse(StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
             stderr: req.stderr.clone(),
             terminal: req.terminal,
-        };
-        crate::io::stream_kinds(&stdio)?;
+        })?;
         if self.containers.lock().await.contains_key(&req.id) {
             return Err(TaskError::AlreadyExists(format!("container {}", req.id)));
         }
@@ -183,7 +138,7 @@ impl TaskService {
         };
         let pid = container.init.core().state().pid();
         self.containers.lock().await.insert(req.id.clone(), container);
-        self.events.create(&req.id, &req.bundle, req.rootfs.clone(), &stdio, pid).await;
+        self.events.create(&req.id, &req.bundle, req.rootfs.clone(), &stdio.paths, pid).await;
         Ok(CreateTaskResponse { pid, ..Default::default() })
     }
 
@@ -192,7 +147,7 @@ impl TaskService {
         req: &CreateTaskRequest,
         config: &Config,
         spec: &BundleSpec,
-        stdio: StdioPaths,
+        stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox()?;
         let mut slot = self.sandbox.lock().await;
@@ -209,7 +164,7 @@ impl TaskService {
                 SandboxRequest {
                     sandbox_id: req.id.clone(),
                     netns,
-                    cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, spec.cgroups_path()),
+                    cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, &self.namespace, spec.cgroups_path()),
                 },
             )
             .await?;
@@ -252,7 +207,7 @@ impl TaskService {
         config: &Config,
         spec: &BundleSpec,
         sandbox_id: &str,
-        stdio: StdioPaths,
+        stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let not_here =
             || TaskError::FailedPrecondition(format!("pod sandbox {sandbox_id} is not running in this shim"));
@@ -267,14 +222,14 @@ impl TaskService {
             .write(bundle)
             .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
-        let plan = sandbox.prepare_rootfs(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
+        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
         let agent = sandbox.agent();
         let create = pb::CreateContainerRequest {
             container_id: req.id.clone(),
             oci_spec_json: spec_json,
             rootfs_path: plan.path.display().to_string(),
             rootfs_mounts: plan.mounts,
-            stdio: Some(stdio_config(&stdio)).into(),
+            stdio: Some(crate::trans::stdio_config(&stdio)).into(),
             ..Default::default()
         };
         let attach = async {
@@ -286,7 +241,7 @@ impl TaskService {
             Ok(created) => created,
             Err(e) => {
                 let _ = agent.remove_container(&req.id, true).await;
-                let _ = sandbox.release_rootfs(&req.id).await;
+                let _ = sandbox.release_container(&req.id).await;
                 return Err(e);
             }
         };
@@ -380,7 +335,7 @@ impl TaskService {
                             warn!(container = %req.id, "agent remove: {e}");
                         }
                     }
-                    sandbox.release_rootfs(&req.id).await?;
+                    sandbox.release_container(&req.id).await?;
                 }
             }
             ContainerKind::Sandbox => {
@@ -408,13 +363,12 @@ impl TaskService {
             return Err(TaskError::InvalidArgument("exec process spec too large".into()));
         }
         let process_json = spec::exec_process_json(value)?;
-        let stdio = StdioPaths {
+        let stdio = Stdio::parse(StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
             stderr: req.stderr.clone(),
             terminal: req.terminal,
-        };
-        crate::io::stream_kinds(&stdio)?;
+        })?;
         let agent = self.agent().await?;
         let mut containers = self.containers.lock().await;
         let c = containers.get_mut(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
@@ -464,48 +418,8 @@ impl TaskService {
         let Some(agent) = self.workload_agent(id).await? else {
             return Ok(Metrics::default());
         };
-        let s = agent.stats(id).await?;
-        let mut m = Metrics::default();
-        if let Some(cpu) = s.cpu.as_ref() {
-            m.cpu = Some(CPUStat {
-                usage: Some(CPUUsage {
-                    total: cpu.usage_total_nanos,
-                    user: cpu.usage_user_nanos,
-                    kernel: cpu.usage_kernel_nanos,
-                    ..Default::default()
-                })
-                .into(),
-                throttling: Some(Throttle {
-                    throttled_periods: cpu.throttled_periods,
-                    throttled_time: cpu.throttled_nanos,
-                    ..Default::default()
-                })
-                .into(),
-                ..Default::default()
-            })
-            .into();
-        }
-        if let Some(mem) = s.memory.as_ref() {
-            m.memory = Some(MemoryStat {
-                cache: mem.cache_bytes,
-                rss: mem.rss_bytes,
-                total_cache: mem.cache_bytes,
-                total_rss: mem.rss_bytes,
-                usage: Some(MemoryEntry {
-                    usage: mem.usage_bytes,
-                    max: mem.max_usage_bytes,
-                    limit: mem.limit_bytes,
-                    ..Default::default()
-                })
-                .into(),
-                ..Default::default()
-            })
-            .into();
-        }
-        if let Some(pids) = s.pids.as_ref() {
-            m.pids = Some(PidsStat { current: pids.current, limit: pids.limit, ..Default::default() }).into();
-        }
-        Ok(m)
+        let stats = agent.stats(id).await?;
+        Ok(crate::trans::metrics(&stats))
     }
 }
 
@@ -570,9 +484,9 @@ impl Task for TaskService {
             bundle,
             pid: state.pid(),
             status: status_of(state).into(),
-            stdin: core.stdio.stdin.clone(),
-            stdout: core.stdio.stdout.clone(),
-            stderr: core.stdio.stderr.clone(),
+            stdin: core.stdio.paths.stdin.clone(),
+            stdout: core.stdio.paths.stdout.clone(),
+            stderr: core.stdio.paths.stderr.clone(),
             terminal: core.stdio.terminal,
             exit_status: exit.map(|e| e.status).unwrap_or_default(),
             exited_at: exit.map(|e| timestamp(e.at)).into(),
@@ -692,19 +606,5 @@ impl Task for TaskService {
         info!(namespace = %self.namespace, "no containers left; shim exits");
         self.exit.signal();
         Ok(Empty::new())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn errors_map_to_ttrpc_codes() {
-        let e: ttrpc::Error = TaskError::NotFound("process already finished".into()).into();
-        match e {
-            ttrpc::Error::RpcStatus(s) => assert_eq!(s.code(), ttrpc::Code::NOT_FOUND),
-            other => panic!("{other:?}"),
-        }
     }
 }

@@ -9,7 +9,8 @@ use tracing::{info, warn};
 
 use crate::agent::AgentClient;
 use crate::events::EventSink;
-use crate::process::{ExitInfo, ExitSource, Process, ProcessEvent};
+use crate::exit::ExitInfo;
+use crate::process::{ExitSource, Process, ProcessEvent};
 use crate::sandbox::Sandbox;
 
 /// How long the exit path waits for stdout/stderr to drain before publishing TaskExit.

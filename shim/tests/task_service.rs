@@ -1,6 +1,7 @@
 //! The Task service against a fake agent on a real Unix socket (CONNECT handshake, ttrpc,
 //! stream headers) and a fake sandbox: the RPC semantics containerd relies on, without root
 //! or containerd. The boundary is mocked (the agent peer), the logic under test is real.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -175,13 +176,13 @@ impl Sandbox for FakeSandbox {
     fn agent(&self) -> Arc<AgentClient> {
         self.agent.clone()
     }
-    async fn prepare_rootfs(&self, id: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
+    async fn prepare_container(&self, id: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
         Ok(RootfsPlan {
             path: self.rootfs_dir.join(id),
             mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
         })
     }
-    async fn release_rootfs(&self, _: &str) -> Result<(), SandboxError> {
+    async fn release_container(&self, _: &str) -> Result<(), SandboxError> {
         Ok(())
     }
     async fn signal(&self, signal: u32) -> Result<(), SandboxError> {

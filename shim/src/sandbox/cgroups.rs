@@ -1,26 +1,51 @@
-//! The pod's cgroup parent on the host. The agent puts every container at
-//! `<parent>/<container id>` in each hierarchy. The parent is the kubelet's pod cgroup when the
-//! sandbox spec names one (`linux.cgroupsPath` = `<pod cgroup>/<sandbox id>`, cgroupfs style),
-//! else `/bulkhead/<sandbox id>`, which the shim owns.
+//! The pod's cgroups on the host, and which of them the pod owns.
 //!
-//! When the agent dies abruptly (pod killed, shim crashed) nobody removes the containers'
-//! cgroups, so the sandbox's teardown does: it removes every empty cgroup below the parent, and
-//! the parent itself when the shim owns it. rmdir only ever removes empty cgroups.
+//! The agent puts every container at `<parent>/<container id>` in each hierarchy, and the
+//! sandbox (launcher and agent) lives at `<parent>/<sandbox id>`. Who owns `parent` is decided
+//! once, from the sandbox spec's `linux.cgroupsPath` (see [`PodCgroup::for_pod`]):
+//! - **Caller's**: kubelet's per-pod cgroup (cgroupfs driver: `<pod cgroup>/<sandbox id>`), or a
+//!   parent an operator named. The caller removes it; the pod may share it with nothing of ours
+//!   to delete, so teardown removes only the sandbox's cgroup and the containers' cgroups this
+//!   pod created, by name, and never walks the parent.
+//! - **The shim's**: `/bulkhead/<sandbox id>` when the pod has no parent of its own (containerd's
+//!   default `/<namespace>/<sandbox id>`, which crictl pods get and which every such pod shares),
+//!   a systemd-style path, an empty one, or one that is not a plain absolute path. The whole
+//!   subtree is this pod's, so teardown removes all of it.
+//!
+//! When the agent dies abruptly nobody else removes the containers' cgroups, so the sandbox's
+//! teardown does, within a fixed time budget: a cgroup that stays busy is reported, never
+//! waited for, because containerd's Delete must not time out.
 
+use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-/// Where the shim puts pods whose spec names no cgroup.
+/// Where the shim puts pods that have no cgroup of their own.
 const OWN_ROOT: &str = "/bulkhead";
+/// Most containers recorded per pod (pods restart containers; the record stays small).
+const MAX_RECORDED: usize = 4096;
+
+/// Who removes the pod's cgroup parent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParentOwner {
+    /// kubelet (or the operator) made it and removes it.
+    Caller,
+    /// The shim made it for this pod alone and removes it with everything below.
+    Shim,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PodCgroup {
     /// Absolute path inside each hierarchy.
     pub parent: PathBuf,
-    /// Whether the shim created `parent` (and so removes it).
-    pub owned: bool,
+    pub owner: ParentOwner,
+    pub sandbox_id: String,
+    /// Containers whose cgroups this pod created below a caller's parent.
+    #[serde(default)]
+    pub containers: BTreeSet<String>,
 }
 
 /// A cgroupfs path the shim may use: absolute, plain components, not the root.
@@ -30,50 +55,103 @@ fn plain_absolute(path: &Path) -> bool {
         && path.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
 }
 
-impl PodCgroup {
-    /// The parent for a pod, from the sandbox spec's `linux.cgroupsPath` if it is cgroupfs style.
-    pub fn for_pod(sandbox_id: &str, spec_cgroups_path: Option<&str>) -> Self {
-        if let Some(path) = spec_cgroups_path.map(Path::new) {
-            if let Some(parent) = path.parent().filter(|p| plain_absolute(p) && plain_absolute(path)) {
-                return Self { parent: parent.to_path_buf(), owned: false };
-            }
-            if !path.as_os_str().is_empty() {
-                warn!(cgroups_path = %path.display(), "sandbox cgroupsPath is not cgroupfs style; using the shim's own");
-            }
-        }
-        Self { parent: Path::new(OWN_ROOT).join(sandbox_id), owned: true }
-    }
-
-    /// Removes the containers' cgroups (and the parent when owned), retrying briefly while the
-    /// last processes of a killed pod exit.
-    pub async fn remove(&self) {
-        if !plain_absolute(&self.parent) {
-            return;
-        }
-        for mount in cgroup_mounts() {
-            let dir = mount.join(self.parent.strip_prefix("/").unwrap_or(&self.parent));
-            if !dir.is_dir() {
-                continue;
-            }
-            for attempt in 0..50 {
-                let left = remove_below(&dir) + usize::from(self.owned && rmdir(&dir).is_err());
-                if left == 0 {
-                    break;
-                }
-                if attempt == 49 {
-                    warn!(cgroup = %dir.display(), "cgroups still busy after teardown");
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
+/// A single plain path component (an id), so `<parent>/<id>` stays a child of `parent`.
+fn plain_name(id: &str) -> bool {
+    let mut components = Path::new(id).components();
+    matches!(components.next(), Some(Component::Normal(_))) && components.next().is_none()
 }
 
 impl PodCgroup {
+    /// Decides the pod's parent from the sandbox spec's `linux.cgroupsPath`. `namespace` is the
+    /// containerd namespace: `/<namespace>/<sandbox id>` is what containerd uses when the pod
+    /// names no parent, a parent shared by all such pods, so the shim makes its own instead.
+    pub fn for_pod(sandbox_id: &str, namespace: &str, spec_cgroups_path: Option<&str>) -> Self {
+        let own = || Self {
+            parent: Path::new(OWN_ROOT).join(sandbox_id),
+            owner: ParentOwner::Shim,
+            sandbox_id: sandbox_id.to_string(),
+            containers: BTreeSet::new(),
+        };
+        let Some(path) = spec_cgroups_path.filter(|p| !p.is_empty()).map(Path::new) else {
+            return own();
+        };
+        let shared_default = Path::new("/").join(namespace).join(sandbox_id);
+        let given = path
+            .parent()
+            .filter(|parent| plain_absolute(parent) && plain_absolute(path) && plain_name(sandbox_id))
+            .filter(|_| path.file_name() == Some(sandbox_id.as_ref()))
+            .filter(|_| path != shared_default);
+        match given {
+            Some(parent) => Self {
+                parent: parent.to_path_buf(),
+                owner: ParentOwner::Caller,
+                sandbox_id: sandbox_id.to_string(),
+                containers: BTreeSet::new(),
+            },
+            None => {
+                if path != shared_default {
+                    warn!(cgroups_path = %path.display(), "sandbox cgroupsPath is not cgroupfs style; using the shim's own");
+                }
+                own()
+            }
+        }
+    }
+
     /// The sandbox's own cgroup, where the launcher and agent live: `<parent>/<sandbox id>`
     /// (for kubelet pods exactly the sandbox spec's `linux.cgroupsPath`).
-    pub fn sandbox(&self, sandbox_id: &str) -> PathBuf {
-        self.parent.join(sandbox_id)
+    pub fn sandbox(&self) -> PathBuf {
+        self.parent.join(&self.sandbox_id)
+    }
+
+    /// Records that a container's cgroup `<parent>/<id>` is this pod's. Returns false (and
+    /// records nothing) for an id that is not a plain name.
+    pub fn add_container(&mut self, id: &str) -> bool {
+        if !plain_name(id) {
+            return false;
+        }
+        if self.containers.len() < MAX_RECORDED {
+            self.containers.insert(id.to_string());
+        }
+        true
+    }
+
+    /// The cgroups this pod owns, each removed with everything below it.
+    fn owned(&self) -> Vec<PathBuf> {
+        if !plain_absolute(&self.parent) || !plain_name(&self.sandbox_id) {
+            return Vec::new();
+        }
+        match self.owner {
+            ParentOwner::Shim => vec![self.parent.clone()],
+            ParentOwner::Caller => std::iter::once(self.sandbox())
+                .chain(self.containers.iter().filter(|id| plain_name(id)).map(|id| self.parent.join(id)))
+                .collect(),
+        }
+    }
+
+    /// Removes the cgroups this pod owns in every mounted hierarchy, retrying while the last
+    /// processes of a killed pod exit, for at most `budget`. Returns what is still there (and
+    /// logs it once) instead of waiting longer.
+    pub async fn remove(&self, budget: Duration) -> Vec<PathBuf> {
+        self.remove_in(&cgroup_mounts(), budget).await
+    }
+
+    async fn remove_in(&self, mounts: &[PathBuf], budget: Duration) -> Vec<PathBuf> {
+        let dirs: Vec<PathBuf> = mounts
+            .iter()
+            .flat_map(|mount| self.owned().into_iter().map(move |cg| mount.join(cg.strip_prefix("/").unwrap_or(&cg))))
+            .collect();
+        let deadline = Instant::now() + budget;
+        loop {
+            let left: Vec<PathBuf> = dirs.iter().filter(|dir| remove_tree(dir) > 0).cloned().collect();
+            if left.is_empty() {
+                return left;
+            }
+            if Instant::now() >= deadline {
+                warn!(left = ?left, "pod cgroups still busy after teardown; leaving them");
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
@@ -107,20 +185,20 @@ fn rmdir(dir: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Removes every cgroup below `dir`, deepest first; returns how many could not be removed.
-fn remove_below(dir: &Path) -> usize {
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+/// Removes `dir` and every cgroup below it, deepest first; returns how many could not be removed.
+fn remove_tree(dir: &Path) -> usize {
     let mut left = 0;
-    for entry in entries.flatten() {
-        // Only directories are cgroups; control files are never touched.
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            let child = entry.path();
-            left += remove_below(&child);
-            if let Err(e) = rmdir(&child) {
-                debug!("rmdir {}: {e}", child.display());
-                left += 1;
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            // Only directories are cgroups; control files are never touched.
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                left += remove_tree(&entry.path());
             }
         }
+    }
+    if let Err(e) = rmdir(dir) {
+        debug!("rmdir {}: {e}", dir.display());
+        left += 1;
     }
     left
 }
@@ -141,18 +219,76 @@ fn cgroup_mounts() -> Vec<PathBuf> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn kubelet_pod_cgroup_is_the_parent() {
-        let cg = PodCgroup::for_pod("sb1", Some("/kubepods/burstable/pod-uid/sb1"));
-        assert_eq!(cg, PodCgroup { parent: "/kubepods/burstable/pod-uid".into(), owned: false });
+    fn caller(parent: &str, id: &str) -> PodCgroup {
+        PodCgroup {
+            parent: parent.into(),
+            owner: ParentOwner::Caller,
+            sandbox_id: id.into(),
+            containers: BTreeSet::new(),
+        }
+    }
+
+    fn own(id: &str) -> PodCgroup {
+        PodCgroup {
+            parent: Path::new(OWN_ROOT).join(id),
+            owner: ParentOwner::Shim,
+            sandbox_id: id.into(),
+            containers: BTreeSet::new(),
+        }
     }
 
     #[test]
-    fn otherwise_the_shim_owns_one() {
-        for spec in [None, Some(""), Some("system.slice:cri:sb1"), Some("/sb1"), Some("/a/../b/sb1")] {
-            let cg = PodCgroup::for_pod("sb1", spec);
-            assert_eq!(cg, PodCgroup { parent: "/bulkhead/sb1".into(), owned: true }, "{spec:?}");
+    fn kubelet_pod_cgroup_is_the_callers_parent() {
+        let cg = PodCgroup::for_pod("sb1", "k8s.io", Some("/kubepods/burstable/pod-uid/sb1"));
+        assert_eq!(cg, caller("/kubepods/burstable/pod-uid", "sb1"));
+        assert_eq!(cg.sandbox(), PathBuf::from("/kubepods/burstable/pod-uid/sb1"));
+    }
+
+    #[test]
+    fn crictl_pods_without_a_parent_get_their_own() {
+        // containerd's default for a pod without cgroup_parent: one parent shared by all such pods.
+        assert_eq!(PodCgroup::for_pod("sb1", "k8s.io", Some("/k8s.io/sb1")), own("sb1"));
+        // In another namespace the same rule holds.
+        assert_eq!(PodCgroup::for_pod("sb1", "other", Some("/other/sb1")), own("sb1"));
+        assert_eq!(own("sb1").sandbox(), PathBuf::from("/bulkhead/sb1/sb1"));
+    }
+
+    #[test]
+    fn systemd_empty_and_hostile_paths_get_the_shims_own() {
+        for spec in [
+            None,
+            Some(""),
+            Some("kubepods-burstable-pod1.slice:cri-containerd:sb1"),
+            Some("/sb1"),
+            Some("/a/../b/sb1"),
+            Some("/kubepods/../../etc/sb1"),
+            Some("relative/sb1"),
+            // The last component must be the sandbox itself.
+            Some("/kubepods/pod1/other"),
+        ] {
+            assert_eq!(PodCgroup::for_pod("sb1", "k8s.io", spec), own("sb1"), "{spec:?}");
         }
+        // A hostile sandbox id never names a path outside its parent.
+        let cg = PodCgroup::for_pod("..", "k8s.io", Some("/kubepods/pod1/.."));
+        assert!(cg.owned().is_empty(), "{cg:?}");
+    }
+
+    #[test]
+    fn only_what_the_pod_made_is_owned_below_a_callers_parent() {
+        let mut cg = caller("/kubepods/pod1", "sb1");
+        assert!(cg.add_container("c1"));
+        assert!(!cg.add_container("../c2"));
+        assert!(!cg.add_container("a/b"));
+        assert_eq!(cg.owned(), vec![PathBuf::from("/kubepods/pod1/sb1"), PathBuf::from("/kubepods/pod1/c1")]);
+        assert_eq!(own("sb1").owned(), vec![PathBuf::from("/bulkhead/sb1")]);
+    }
+
+    #[test]
+    fn the_record_round_trips() {
+        let mut cg = caller("/kubepods/pod1", "sb1");
+        cg.add_container("c1");
+        let json = serde_json::to_vec(&cg).unwrap();
+        assert_eq!(serde_json::from_slice::<PodCgroup>(&json).unwrap(), cg);
     }
 
     #[test]
@@ -163,14 +299,37 @@ mod tests {
         assert!(!plain_absolute(Path::new("/a/../b")));
     }
 
-    #[test]
-    fn removal_takes_empty_directories_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let nested = dir.path().join("c1/sub");
-        std::fs::create_dir_all(&nested).unwrap();
-        std::fs::write(dir.path().join("c2-file"), b"x").unwrap();
-        assert_eq!(remove_below(dir.path()), 0);
-        assert!(!dir.path().join("c1").exists());
-        assert!(dir.path().join("c2-file").exists());
+    #[tokio::test]
+    async fn teardown_leaves_other_pods_alone() {
+        // Two fake hierarchies; a shared parent with this pod's and another pod's cgroups.
+        let root = tempfile::tempdir().unwrap();
+        let mounts: Vec<PathBuf> = ["memory", "pids"].iter().map(|h| root.path().join(h)).collect();
+        for m in &mounts {
+            for dir in ["shared/sb1", "shared/c1/sub", "shared/sb2", "shared/c2"] {
+                std::fs::create_dir_all(m.join(dir)).unwrap();
+            }
+        }
+        let mut cg = caller("/shared", "sb1");
+        cg.add_container("c1");
+        let left = cg.remove_in(&mounts, Duration::from_millis(100)).await;
+        assert!(left.is_empty(), "{left:?}");
+        for m in &mounts {
+            assert!(!m.join("shared/sb1").exists() && !m.join("shared/c1").exists());
+            assert!(m.join("shared/sb2").exists() && m.join("shared/c2").exists(), "another pod's cgroups stay");
+            assert!(m.join("shared").exists(), "the caller's parent stays");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_cgroup_is_reported_within_the_budget() {
+        let root = tempfile::tempdir().unwrap();
+        let mount = root.path().join("memory");
+        // A plain file stands in for a cgroup that cannot be removed (busy).
+        std::fs::create_dir_all(mount.join("bulkhead/sb1/c1")).unwrap();
+        std::fs::write(mount.join("bulkhead/sb1/c1/busy"), b"").unwrap();
+        let started = Instant::now();
+        let left = own("sb1").remove_in(std::slice::from_ref(&mount), Duration::from_millis(100)).await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(left, vec![mount.join("bulkhead/sb1")]);
     }
 }

@@ -18,7 +18,7 @@ use containerd_shim::protos::types::mount::Mount;
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Backend, Config};
-use crate::process::ExitInfo;
+use crate::exit::ExitInfo;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -69,18 +69,19 @@ pub trait Sandbox: Send + Sync {
     /// The agent of this pod, connected and version-checked.
     fn agent(&self) -> Arc<AgentClient>;
 
-    /// Plans how the agent assembles a container's rootfs from containerd's rootfs mounts
-    /// (or, when there are none, the bundle's `rootfs` directory containerd prepared).
-    async fn prepare_rootfs(
+    /// Prepares the host side of a new container (its rootfs, and what teardown must find
+    /// after a crash) and plans how the agent assembles the rootfs from containerd's rootfs
+    /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared).
+    async fn prepare_container(
         &self,
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
     ) -> Result<RootfsPlan, SandboxError>;
 
-    /// Removes what [`Sandbox::prepare_rootfs`] left on the host; idempotent. The agent
+    /// Removes what [`Sandbox::prepare_container`] left on the host; idempotent. The agent
     /// unmounts its own mounts when it removes the container.
-    async fn release_rootfs(&self, container_id: &str) -> Result<(), SandboxError>;
+    async fn release_container(&self, container_id: &str) -> Result<(), SandboxError>;
 
     /// Sends a signal to the sandbox as a whole (SIGKILL ends the pod).
     async fn signal(&self, signal: u32) -> Result<(), SandboxError>;

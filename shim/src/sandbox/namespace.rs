@@ -36,7 +36,7 @@ use super::paths::PodPaths;
 use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
-use crate::process::ExitInfo;
+use crate::exit::ExitInfo;
 
 /// `sun_path` of a Unix socket address, NUL included.
 const SUN_PATH_MAX: usize = 108;
@@ -47,6 +47,20 @@ pub struct NamespaceSandbox {
     agent: Arc<AgentClient>,
     state: Mutex<SandboxState>,
     exited: watch::Receiver<Option<ExitInfo>>,
+    /// The pod's cgroups; its record on disk lets `delete` remove them after a crash.
+    cgroup: Mutex<PodCgroup>,
+}
+
+/// How long teardown may spend removing the pod's cgroups before it reports them and moves on.
+const CGROUP_TEARDOWN_BUDGET: Duration = Duration::from_millis(500);
+
+/// Writes the pod's cgroup record atomically (a crash never leaves half a record).
+fn write_cgroup_record(paths: &PodPaths, cgroup: &PodCgroup) -> Result<(), SandboxError> {
+    let json = serde_json::to_vec(cgroup).map_err(|e| io("encode cgroup record")(std::io::Error::other(e)))?;
+    let tmp = paths.cgroup_file().with_extension("json.tmp");
+    std::fs::write(&tmp, json)
+        .and_then(|()| std::fs::rename(&tmp, paths.cgroup_file()))
+        .map_err(io("write cgroup record"))
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SandboxError {
@@ -80,9 +94,7 @@ impl NamespaceSandbox {
                 agent_path.display()
             )));
         }
-        let cgroup =
-            serde_json::to_vec(&req.cgroup).map_err(|e| io("encode cgroup record")(std::io::Error::other(e)))?;
-        std::fs::write(paths.cgroup_file(), cgroup).map_err(io("write cgroup record"))?;
+        write_cgroup_record(&paths, &req.cgroup)?;
         let socket = paths.agent_socket();
         if socket.as_os_str().len() >= SUN_PATH_MAX {
             cleanup(&paths).await;
@@ -94,7 +106,7 @@ impl NamespaceSandbox {
         }
         let launch = LaunchArgs {
             netns: req.netns.as_ref().map(|p| p.display().to_string()),
-            cgroup: Some(req.cgroup.sandbox(&req.sandbox_id).display().to_string()),
+            cgroup: Some(req.cgroup.sandbox().display().to_string()),
             command: vec![
                 agent_path.display().to_string(),
                 "--listen".into(),
@@ -193,6 +205,7 @@ impl NamespaceSandbox {
             agent: Arc::new(agent),
             state: Mutex::new(SandboxState::Running { pid }),
             exited: exit_rx,
+            cgroup: Mutex::new(req.cgroup),
         }))
     }
 
@@ -349,7 +362,7 @@ pub async fn cleanup(paths: &PodPaths) {
     let cgroup =
         std::fs::read(paths.cgroup_file()).ok().and_then(|bytes| serde_json::from_slice::<PodCgroup>(&bytes).ok());
     if let Some(cgroup) = cgroup {
-        cgroup.remove().await;
+        cgroup.remove(CGROUP_TEARDOWN_BUDGET).await;
     }
     unmount_all(&paths.dir);
     if let Err(e) = std::fs::remove_dir_all(&paths.dir) {
@@ -375,18 +388,26 @@ impl Sandbox for NamespaceSandbox {
         self.agent.clone()
     }
 
-    async fn prepare_rootfs(
+    async fn prepare_container(
         &self,
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
     ) -> Result<RootfsPlan, SandboxError> {
+        {
+            // Recorded before the agent makes the cgroup, so a crash in between still cleans it.
+            let mut cgroup = self.cgroup.lock().unwrap_or_else(|p| p.into_inner());
+            if !cgroup.add_container(container_id) {
+                return Err(SandboxError::AgentStart(format!("container id {container_id:?} is not a plain id")));
+            }
+            write_cgroup_record(&self.paths, &cgroup)?;
+        }
         let target = self.paths.rootfs(container_id);
         std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
         Ok(RootfsPlan { path: target, mounts: agent_rootfs_mounts(bundle_rootfs, mounts) })
     }
 
-    async fn release_rootfs(&self, container_id: &str) -> Result<(), SandboxError> {
+    async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
         let target = self.paths.rootfs(container_id);
         match std::fs::remove_dir(&target) {
             Ok(()) => Ok(()),

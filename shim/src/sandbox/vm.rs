@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest};
 use crate::agent::AgentClient;
 use crate::config::{Backend, Config};
-use crate::process::ExitInfo;
+use crate::exit::ExitInfo;
 use containerd_shim::protos::types::mount::Mount;
 
 pub struct VmSandbox {
@@ -41,10 +41,10 @@ impl Sandbox for VmSandbox {
     fn agent(&self) -> Arc<AgentClient> {
         match self._never {}
     }
-    async fn prepare_rootfs(&self, _: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
+    async fn prepare_container(&self, _: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
         match self._never {}
     }
-    async fn release_rootfs(&self, _: &str) -> Result<(), SandboxError> {
+    async fn release_container(&self, _: &str) -> Result<(), SandboxError> {
         match self._never {}
     }
     async fn signal(&self, _: u32) -> Result<(), SandboxError> {
@@ -69,7 +69,7 @@ mod tests {
             SandboxRequest {
                 sandbox_id: "sb".into(),
                 netns: None,
-                cgroup: crate::sandbox::cgroups::PodCgroup::for_pod("sb", None),
+                cgroup: crate::sandbox::cgroups::PodCgroup::for_pod("sb", "k8s.io", None),
             },
         )
         .await

@@ -4,9 +4,9 @@
 //! Tests that need root or containerd call [`skip_reason`] first and print one
 //! `SKIPPED: <reason>` line when it returns `Some`.
 
+pub mod cgroups;
 pub mod containerd;
 pub mod cri;
-pub mod host;
 pub mod images;
 
 pub use containerd::{Containerd, ContainerdConfig, RuntimeHandler};

@@ -2,13 +2,15 @@
 //! private containerd 1.6 and CRI (issue 4, "Done when"). Each test starts its own containerd
 //! with the `bulkhead` handler, whose `ConfigPath` names a config selecting
 //! `backend = "namespace"` and the freshly built `bulkhead-agent`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::{
-    container_config, pod_config, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri, RuntimeHandler,
+    cgroups, container_config, pod_config, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+    RuntimeHandler,
 };
 use k8s_cri::v1 as cri;
 
@@ -173,13 +175,14 @@ async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str
     let mut ids = vec![pod_id];
     ids.extend_from_slice(ctr_ids);
     eventually_nothing("mounts", within, || ids.iter().flat_map(|id| mounts_with(id)).collect()).await?;
-    // No cgroup of the pod's containers is left in any hierarchy.
-    let cgroups: Vec<PathBuf> = ["memory", "pids", "cpu", "freezer"]
-        .iter()
-        .map(|h| Path::new("/sys/fs/cgroup").join(h).join("bulkhead").join(pod_id))
-        .collect();
+    // No cgroup of the pod is left in any hierarchy: the shim's own for a pod without a
+    // parent, and nothing under containerd's shared default either.
     eventually_nothing("cgroups", within, || {
-        cgroups.iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
+        [format!("/bulkhead/{pod_id}"), format!("/k8s.io/{pod_id}")]
+            .iter()
+            .chain(ctr_ids.iter().map(|c| format!("/k8s.io/{c}")).collect::<Vec<_>>().iter())
+            .flat_map(|cg| cgroups::existing(cg))
+            .collect()
     })
     .await?;
     let pod_state = env.state_dir.path().join(pod_id);
@@ -648,8 +651,7 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
         env.pod_with(&pod, &sleeper("sleeper", &unique("cgroup"))).await.with_context(|| env.fail_context())?;
     let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let memory = text.lines().find(|l| l.contains(":memory:")).unwrap_or_default().to_string();
-    assert_eq!(memory.rsplit(':').next(), Some(format!("{parent}/{ctr}").as_str()), "{text}");
+    assert_eq!(cgroups::path_in(&text), Some(format!("{parent}/{ctr}")), "{text}");
 
     // The agent (the pod's PID 1) is accounted to the sandbox's own cgroup in the pod cgroup.
     let agents: Vec<u32> = processes_with(&pod_id)
@@ -658,26 +660,82 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
         .map(|(pid, _)| pid)
         .collect();
     assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
-    let agent_cgroups = std::fs::read_to_string(format!("/proc/{}/cgroup", agents[0]))?;
-    let agent_memory = agent_cgroups.lines().find(|l| l.contains(":memory:")).unwrap_or_default();
-    assert_eq!(agent_memory.rsplit(':').next(), Some(format!("{parent}/{pod_id}").as_str()), "{agent_cgroups}");
+    assert_eq!(cgroups::of_pid(agents[0]), Some(format!("{parent}/{pod_id}")), "the agent's cgroup");
 
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await?;
     // The containers' cgroups go with the pod; the pod cgroup itself is kubelet's to remove.
-    let hierarchies = ["memory", "pids", "cpu", "freezer"];
-    let pod_cgroup = |h: &str| Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/'));
     eventually_nothing("container and sandbox cgroups", Duration::from_secs(15), || {
-        hierarchies
-            .iter()
-            .flat_map(|h| [pod_cgroup(h).join(&ctr), pod_cgroup(h).join(&pod_id)])
-            .filter(|p| p.exists())
-            .map(|p| p.display().to_string())
-            .collect()
+        [format!("{parent}/{ctr}"), format!("{parent}/{pod_id}")].iter().flat_map(|cg| cgroups::existing(cg)).collect()
     })
     .await?;
-    for h in hierarchies {
-        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(h).join(parent.trim_start_matches('/')));
+    let kept = cgroups::dirs(&parent);
+    assert!(kept.iter().all(|d| d.exists()), "the caller's pod cgroup stays: {kept:?}");
+    for dir in kept {
+        let _ = std::fs::remove_dir(dir);
     }
+    Ok(())
+}
+
+/// Issue 13: pods without a cgroup parent (as crictl makes them) each get a cgroup of their
+/// own; stopping one is quick and touches nothing of the others.
+#[tokio::test]
+async fn shim_pods_without_cgroup_parent_stop_alone_and_quickly() -> Result<()> {
+    let Some(env) = setup("shim_pods_without_cgroup_parent_stop_alone_and_quickly", vec![]).await? else {
+        return Ok(());
+    };
+    let mut pods = Vec::new();
+    for i in 0..3 {
+        let marker = unique(&format!("noparent{i}"));
+        let pod = env.pod(&format!("noparent{i}"))?;
+        assert!(pod.linux.as_ref().is_some_and(|l| l.cgroup_parent.is_empty()), "a crictl-style pod");
+        let (pod_id, ctr) =
+            env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
+        wait_for_process(&marker).await?;
+        pods.push((pod_id, ctr, marker));
+    }
+    // Each pod's container sits in the pod's own cgroup, not under containerd's shared default.
+    for (pod_id, ctr, _) in &pods {
+        let out = env.cri.exec_sync(ctr, &["cat", "/proc/self/cgroup"], 10).await?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert_eq!(cgroups::path_in(&text), Some(format!("/bulkhead/{pod_id}/{ctr}")), "{text}");
+    }
+    let cgroup_dirs = |pod_id: &str, ctr: &str| {
+        [format!("/bulkhead/{pod_id}/{pod_id}"), format!("/bulkhead/{pod_id}/{ctr}")]
+            .iter()
+            .flat_map(|cg| cgroups::dirs(cg))
+            .collect::<Vec<_>>()
+    };
+    let (first, others) = pods.split_first().context("three pods")?;
+    let before: Vec<Vec<PathBuf>> = others
+        .iter()
+        .map(|(pod_id, ctr, _)| cgroup_dirs(pod_id, ctr).into_iter().filter(|d| d.exists()).collect())
+        .collect();
+    assert!(before.iter().all(|dirs| !dirs.is_empty()), "the other pods have cgroups: {before:?}");
+
+    let started = Instant::now();
+    env.cri.stop_pod_sandbox(&first.0).await?;
+    env.cri.remove_pod_sandbox(&first.0).await?;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "stop + remove of one pod took {took:?}");
+    assert_pod_gone(&env, &first.0, &[&first.1], &first.2).await?;
+
+    // The other two keep running, in the very cgroups they had.
+    for ((pod_id, ctr, marker), dirs) in others.iter().zip(&before) {
+        let status = env.cri.container_status(ctr).await?;
+        assert_eq!(status.state, RUNNING, "{pod_id} keeps running");
+        assert!(!processes_with(marker).is_empty(), "{pod_id}'s workload still runs");
+        let out = env.cri.exec_sync(ctr, &["echo", "alive"], 10).await?;
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "alive\n");
+        let gone: Vec<&PathBuf> = dirs.iter().filter(|d| !d.exists()).collect();
+        assert!(gone.is_empty(), "{pod_id}'s cgroups were touched: {gone:?}");
+    }
+
+    for (pod_id, ctr, marker) in others {
+        env.cri.stop_pod_sandbox(pod_id).await?;
+        env.cri.remove_pod_sandbox(pod_id).await?;
+        assert_pod_gone(&env, pod_id, &[ctr], marker).await?;
+    }
+    assert!(env.cri.list_pod_sandboxes().await?.is_empty());
     Ok(())
 }

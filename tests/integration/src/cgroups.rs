@@ -1,0 +1,99 @@
+//! Where a test looks for cgroups, on cgroup v1, hybrid or v2 hosts alike: every mounted
+//! hierarchy (from mountinfo), and a process's own cgroup path (v1's memory controller when
+//! it is mounted, else the unified v2 line).
+
+use std::path::{Path, PathBuf};
+
+/// Mount points of every cgroup hierarchy (v1 controllers, named ones, and v2) in `mountinfo`.
+pub fn mounts_in(mountinfo: &str) -> Vec<PathBuf> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fstype = right.split(' ').next()?;
+            (fstype == "cgroup" || fstype == "cgroup2").then(|| left.split(' ').nth(4).map(PathBuf::from))?
+        })
+        .collect()
+}
+
+/// Mount points of this host's cgroup hierarchies.
+pub fn mounts() -> Vec<PathBuf> {
+    mounts_in(&std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default())
+}
+
+/// `cgroup` (a path inside each hierarchy) in every hierarchy of `mounts`.
+pub fn dirs_in(mounts: &[PathBuf], cgroup: &str) -> Vec<PathBuf> {
+    let relative = Path::new(cgroup.trim_start_matches('/'));
+    mounts.iter().map(|m| m.join(relative)).collect()
+}
+
+/// `cgroup` in every hierarchy of this host.
+pub fn dirs(cgroup: &str) -> Vec<PathBuf> {
+    dirs_in(&mounts(), cgroup)
+}
+
+/// Those of `dirs(cgroup)` that exist, as strings (for "nothing left" checks).
+pub fn existing(cgroup: &str) -> Vec<String> {
+    dirs(cgroup).into_iter().filter(|d| d.exists()).map(|d| d.display().to_string()).collect()
+}
+
+/// A process's cgroup from the text of `/proc/<pid>/cgroup`: the memory controller's path
+/// on v1 and hybrid hosts, the unified (`0::`) path on v2-only hosts.
+pub fn path_in(proc_cgroup: &str) -> Option<String> {
+    let memory = proc_cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers.split(',').any(|c| c == "memory").then(|| path.to_string())
+    });
+    memory.or_else(|| proc_cgroup.lines().find_map(|l| l.strip_prefix("0::").map(str::to_string)))
+}
+
+/// The cgroup of process `pid` (see [`path_in`]).
+pub fn of_pid(pid: u32) -> Option<String> {
+    path_in(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v1_and_hybrid_use_the_memory_controller() {
+        let text = "12:pids:/a\n4:memory:/kubepods/pod1/c1\n0::/\n";
+        assert_eq!(path_in(text).as_deref(), Some("/kubepods/pod1/c1"));
+        assert_eq!(path_in("5:cpu,memory:/x\n").as_deref(), Some("/x"));
+    }
+
+    #[test]
+    fn v2_uses_the_unified_line() {
+        assert_eq!(path_in("0::/bulkhead/sb1/c1\n").as_deref(), Some("/bulkhead/sb1/c1"));
+        assert_eq!(path_in(""), None);
+    }
+
+    #[test]
+    fn a_v2_only_tree_is_found_and_checked() {
+        let root = tempfile::tempdir().unwrap();
+        let unified = root.path().join("cgroup");
+        std::fs::create_dir_all(unified.join("bulkhead/sb1/c1")).unwrap();
+        let mountinfo = format!(
+            "25 1 0:22 / / rw - ext4 /dev/vda rw\n\
+             30 25 0:26 / {} rw,nosuid - cgroup2 cgroup2 rw\n",
+            unified.display()
+        );
+        let mounts = mounts_in(&mountinfo);
+        assert_eq!(mounts, vec![unified.clone()]);
+        let dirs = dirs_in(&mounts, "/bulkhead/sb1");
+        assert_eq!(dirs, vec![unified.join("bulkhead/sb1")]);
+        assert!(dirs[0].exists());
+        std::fs::remove_dir_all(unified.join("bulkhead")).unwrap();
+        assert!(!dirs_in(&mounts, "/bulkhead/sb1")[0].exists());
+    }
+
+    #[test]
+    fn v1_mounts_are_all_found() {
+        let mountinfo = "35 30 0:30 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n\
+                         36 30 0:31 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n\
+                         37 30 0:32 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(mounts_in(mountinfo).len(), 3);
+    }
+}
