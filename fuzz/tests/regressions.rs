@@ -11,6 +11,7 @@ use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
 use bulkhead_vmm::devices::virtio::vsock::packet::{TxPacket, VsockHeader, OP_RW};
 use bulkhead_vmm::devices::virtio::vsock::unix::VsockMuxer;
 use bulkhead_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+use bulkhead_vmm::persist::Persist;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -49,9 +50,9 @@ fn out_of_range_queue_num_leaves_the_queue_size_alone() {
     w(&mut t, 0x070, 1);
     w(&mut t, 0x070, 3);
     w(&mut t, 0x030, 0);
-    let before = t.snapshot().queues[0].size;
+    let before = t.save().queues[0].size;
     w(&mut t, 0x038, 0x1_0008);
-    assert_eq!(t.snapshot().queues[0].size, before, "out-of-range QUEUE_NUM changed the size");
+    assert_eq!(t.save().queues[0].size, before, "out-of-range QUEUE_NUM changed the size");
     w(&mut t, 0x038, 8);
-    assert_eq!(t.snapshot().queues[0].size, 8);
+    assert_eq!(t.save().queues[0].size, 8);
 }

@@ -1,11 +1,27 @@
-//! Serialisable state of the legacy devices. The i8042 of vm-superio is stateless (it only
-//! forwards the reset line), so only the UART has state to keep.
+//! Serialisable state of the legacy devices and their [`Persist`] impls. The i8042 of
+//! vm-superio is stateless (it only forwards the reset line), so only the UART has state to keep.
+
+use std::io::Write;
 
 use serde::{Deserialize, Serialize};
-use vm_superio::serial::SerialState;
+use vm_superio::serial::{NoEvents, SerialState};
+use vm_superio::Serial;
+
+use super::i8042::{ResetTrigger, I8042};
+use super::serial::SerialDevice;
+use super::EventFdTrigger;
+use crate::persist::Persist;
 
 /// Bytes the guest has not read yet; the 8250 FIFO is 64 bytes, anything larger is corrupt.
 pub const MAX_SERIAL_IN_BUFFER: usize = 64;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LegacyPersistError {
+    #[error("serial input buffer of {0} bytes exceeds the {MAX_SERIAL_IN_BUFFER}-byte FIFO")]
+    SerialInBuffer(usize),
+    #[error("serial state rejected: {0}")]
+    Serial(String),
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
 pub struct SerialSnapshot {
@@ -59,9 +75,71 @@ impl SerialSnapshot {
     }
 }
 
+/// What a restored UART needs from the new process: its interrupt line and its output (the new
+/// run's serial log).
+pub struct SerialArgs {
+    pub irq: EventFdTrigger,
+    pub out: Box<dyn Write + Send>,
+}
+
+impl Persist for SerialDevice {
+    type State = SerialSnapshot;
+    type ConstructorArgs = SerialArgs;
+    type Error = LegacyPersistError;
+
+    fn save(&self) -> SerialSnapshot {
+        SerialSnapshot::from(&self.serial.state())
+    }
+
+    fn restore(args: SerialArgs, state: &SerialSnapshot) -> Result<Self, LegacyPersistError> {
+        let s = state.to_state().ok_or(LegacyPersistError::SerialInBuffer(state.in_buffer.len()))?;
+        let serial = Serial::from_state(&s, args.irq, NoEvents, args.out)
+            .map_err(|e| LegacyPersistError::Serial(format!("{e:?}")))?;
+        Ok(Self { serial })
+    }
+}
+
+/// The i8042 keeps nothing between accesses; the empty record keeps the device list uniform.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct I8042Snapshot {}
+
+impl Persist for I8042 {
+    type State = I8042Snapshot;
+    type ConstructorArgs = ResetTrigger;
+    type Error = LegacyPersistError;
+
+    fn save(&self) -> I8042Snapshot {
+        I8042Snapshot {}
+    }
+
+    fn restore(on_reset: ResetTrigger, _state: &I8042Snapshot) -> Result<Self, LegacyPersistError> {
+        Ok(I8042::new(on_reset))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::bus::BusDevice;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use vmm_sys_util::eventfd::EventFd;
+
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn irq() -> EventFdTrigger {
+        EventFdTrigger(EventFd::new(libc::EFD_NONBLOCK).unwrap())
+    }
 
     #[test]
     fn serial_state_roundtrips_and_rejects_oversized_input() {
@@ -72,5 +150,46 @@ mod tests {
         assert_eq!(back.to_state(), Some(state));
         let bad = SerialSnapshot { in_buffer: vec![0; 65], ..Default::default() };
         assert_eq!(bad.to_state(), None);
+    }
+
+    #[test]
+    fn serial_device_roundtrips_registers_and_writes_to_the_new_output() {
+        let mut dev = SerialDevice::new(irq(), Box::new(std::io::sink()));
+        dev.write(3, &[0x83]); // DLAB on, 8 bits
+        dev.write(0, &[0x0c]); // divisor low: 9600 baud
+        dev.write(3, &[0x03]); // DLAB off
+        dev.write(1, &[0x02]); // THR-empty interrupt on
+        dev.write(7, &[0x99]);
+        let saved = dev.save();
+        let bytes = postcard::to_stdvec(&saved).unwrap();
+        let back: SerialSnapshot = postcard::from_bytes(&bytes).unwrap();
+
+        let out = Shared::default();
+        let mut restored = SerialDevice::restore(SerialArgs { irq: irq(), out: Box::new(out.clone()) }, &back).unwrap();
+        assert_eq!(restored.save(), saved);
+        let mut b = [0u8];
+        restored.read(7, &mut b);
+        assert_eq!(b[0], 0x99);
+        restored.read(1, &mut b);
+        assert_eq!(b[0], 0x02, "interrupt enable survives");
+        restored.write(0, b"x");
+        assert_eq!(&*out.0.lock().unwrap(), b"x");
+
+        let bad = SerialSnapshot { in_buffer: vec![0; 65], ..saved };
+        let err = SerialDevice::restore(SerialArgs { irq: irq(), out: Box::new(std::io::sink()) }, &bad).err();
+        assert_eq!(err, Some(LegacyPersistError::SerialInBuffer(65)));
+    }
+
+    #[test]
+    fn i8042_roundtrips_and_keeps_the_new_reset_line() {
+        let dev = I8042::new(ResetTrigger(Box::new(|| {})));
+        let saved = dev.save();
+        let fired = Arc::new(AtomicBool::new(false));
+        let f = fired.clone();
+        let mut restored =
+            I8042::restore(ResetTrigger(Box::new(move || f.store(true, Ordering::SeqCst))), &saved).unwrap();
+        assert_eq!(restored.save(), saved);
+        restored.write(4, &[0xfe]);
+        assert!(fired.load(Ordering::SeqCst));
     }
 }

@@ -45,16 +45,12 @@ impl<W: Write> Write for CappedWriter<W> {
 }
 
 pub struct SerialDevice {
-    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
+    pub(super) serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
 }
 
 impl SerialDevice {
     pub fn new(irq: EventFdTrigger, out: Box<dyn Write + Send>) -> Self {
         Self { serial: Serial::new(irq, out) }
-    }
-
-    pub fn snapshot(&self) -> super::persist::SerialSnapshot {
-        super::persist::SerialSnapshot::from(&self.serial.state())
     }
 }
 
@@ -124,6 +120,6 @@ mod tests {
         dev.read(0, &mut wide);
         assert_eq!(wide, [0xff, 0xff], "only byte access is defined");
         dev.write(7, &[0x42]);
-        assert_eq!(dev.snapshot().scratch, 0x42);
+        assert_eq!(crate::persist::Persist::save(&dev).scratch, 0x42);
     }
 }

@@ -128,7 +128,13 @@ pub(crate) mod test_utils {
         }
 
         pub fn queue(&self) -> Queue {
-            let mut q = Queue::new(self.size).unwrap();
+            self.device_queue(self.size)
+        }
+
+        /// The queue as a device offering `max` entries sees it once the driver set it up.
+        pub fn device_queue(&self, max: u16) -> Queue {
+            let mut q = Queue::new(max).unwrap();
+            q.set_size(self.size);
             q.set_desc_table_address(Some(self.desc as u32), Some((self.desc >> 32) as u32));
             q.set_avail_ring_address(Some(self.avail as u32), Some((self.avail >> 32) as u32));
             q.set_used_ring_address(Some(self.used as u32), Some((self.used >> 32) as u32));

@@ -7,7 +7,6 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::persist::{MmioTransportSnapshot, QueueSnapshot};
 use super::{IrqTrigger, VirtioDevice};
 use crate::devices::bus::{lock, BusDevice};
 
@@ -63,7 +62,7 @@ pub enum DriverState {
 }
 
 impl DriverState {
-    fn status_bits(self) -> u32 {
+    pub(super) fn status_bits(self) -> u32 {
         match self {
             DriverState::Reset => 0,
             DriverState::Acknowledged => STATUS_ACKNOWLEDGE,
@@ -72,6 +71,12 @@ impl DriverState {
             DriverState::Live => STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK,
             DriverState::Failed => STATUS_FAILED,
         }
+    }
+
+    /// The state whose status register reads `bits` (what a snapshot stores).
+    pub(super) fn from_status_bits(bits: u32) -> Option<DriverState> {
+        use DriverState::*;
+        [Reset, Acknowledged, DriverLoaded, FeaturesOk, Live, Failed].into_iter().find(|s| s.status_bits() == bits)
     }
 
     /// The state the driver asks for by writing `status`, if that is a legal step from `self`.
@@ -91,19 +96,19 @@ impl DriverState {
 }
 
 pub struct MmioTransport {
-    device: Arc<Mutex<dyn VirtioDevice>>,
-    mem: GuestMemoryMmap,
-    irq: IrqTrigger,
-    queue_evts: Vec<EventFd>,
-    device_id: u32,
-    queues: Vec<Queue>,
-    state: DriverState,
-    device_features_sel: u32,
-    driver_features_sel: u32,
-    driver_features: u64,
-    queue_sel: u32,
-    config_generation: u32,
-    name: String,
+    pub(super) device: Arc<Mutex<dyn VirtioDevice>>,
+    pub(super) mem: GuestMemoryMmap,
+    pub(super) irq: IrqTrigger,
+    pub(super) queue_evts: Vec<EventFd>,
+    pub(super) device_id: u32,
+    pub(super) queues: Vec<Queue>,
+    pub(super) state: DriverState,
+    pub(super) device_features_sel: u32,
+    pub(super) driver_features_sel: u32,
+    pub(super) driver_features: u64,
+    pub(super) queue_sel: u32,
+    pub(super) config_generation: u32,
+    pub(super) name: String,
 }
 
 impl MmioTransport {
@@ -200,22 +205,9 @@ impl MmioTransport {
         }
         s
     }
-
-    pub fn snapshot(&self) -> MmioTransportSnapshot {
-        MmioTransportSnapshot {
-            device_status: self.state.status_bits(),
-            driver_features: self.driver_features,
-            device_features_select: self.device_features_sel,
-            driver_features_select: self.driver_features_sel,
-            queue_select: self.queue_sel,
-            interrupt_status: self.irq.status(),
-            config_generation: self.config_generation,
-            queues: self.queues.iter().map(QueueSnapshot::from).collect(),
-        }
-    }
 }
 
-fn fresh_queues(max_sizes: &[u16]) -> Vec<Queue> {
+pub(super) fn fresh_queues(max_sizes: &[u16]) -> Vec<Queue> {
     max_sizes.iter().filter_map(|&m| Queue::new(m).ok()).collect()
 }
 
@@ -348,7 +340,9 @@ impl BusDevice for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::persist::{MmioTransportSnapshot, QueueSnapshot};
     use crate::devices::virtio::DeviceError;
+    use crate::persist::Persist;
     use vm_memory::GuestAddress;
 
     /// A device that records what the transport told it.
@@ -495,7 +489,7 @@ mod tests {
         for bad in [0x1_0008, 3, 32, 0] {
             w(&mut t, reg::QUEUE_NUM, bad);
         }
-        assert_eq!(t.snapshot().queues[0].size, 16, "max size stays");
+        assert_eq!(t.save().queues[0].size, 16, "max size stays");
         w(&mut t, reg::QUEUE_SEL, 9);
         w(&mut t, reg::QUEUE_NUM, 4);
         assert_eq!(r(&mut t, reg::QUEUE_NUM_MAX), 0, "no such queue");
@@ -515,6 +509,68 @@ mod tests {
         assert_eq!(r(&mut t, reg::QUEUE_READY), 0, "queues are fresh after reset");
     }
 
+    fn restore_with(fake: &Arc<Mutex<Fake>>, s: &MmioTransportSnapshot) -> Result<MmioTransport, String> {
+        use crate::devices::virtio::persist::MmioTransportArgs;
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let irq = IrqTrigger::new(EventFd::new(0).unwrap());
+        let args = MmioTransportArgs { name: "fake".into(), mem, device: fake.clone(), irq };
+        MmioTransport::restore(args, s).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn transport_mid_setup_roundtrips_and_the_driver_carries_on() {
+        let (mut t, fake) = setup();
+        negotiate(&mut t);
+        setup_queue(&mut t, 0, 0x1000);
+        w(&mut t, reg::QUEUE_SEL, 1);
+        t.irq.trigger(crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG);
+        let saved = t.save();
+        let bytes = postcard::to_stdvec(&saved).unwrap();
+        let back: MmioTransportSnapshot = postcard::from_bytes(&bytes).unwrap();
+        let mut t2 = restore_with(&fake, &back).unwrap();
+        assert_eq!(t2.save(), saved);
+        assert_eq!(t2.driver_state(), DriverState::FeaturesOk);
+        assert_eq!(r(&mut t2, reg::INTERRUPT_STATUS), crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG);
+        w(&mut t2, reg::QUEUE_SEL, 0);
+        assert_eq!(r(&mut t2, reg::QUEUE_READY), 1, "queue 0 kept its setup");
+        setup_queue(&mut t2, 1, 0x2000);
+        w(&mut t2, reg::STATUS, 0xf);
+        assert_eq!(t2.driver_state(), DriverState::Live);
+        assert_eq!(fake.lock().unwrap().active_queues, 2);
+        // Live: the device owns the queues, the transport keeps none.
+        let live = t2.save();
+        assert!(live.queues.is_empty());
+        let mut again = restore_with(&fake, &live).unwrap();
+        w(&mut again, reg::QUEUE_NOTIFY, 0);
+        assert_eq!(fake.lock().unwrap().evts[0].read().unwrap(), 1, "notifies reach the device");
+    }
+
+    #[test]
+    fn bogus_transport_state_is_refused() {
+        let (t, fake) = setup();
+        let good = t.save();
+        let cases = [
+            (MmioTransportSnapshot { device_status: 0x5, ..good.clone() }, "driver status"),
+            (MmioTransportSnapshot { driver_features: 1 << 60, ..good.clone() }, "acked features"),
+            (MmioTransportSnapshot { queues: good.queues[..1].to_vec(), ..good.clone() }, "queues saved"),
+            (
+                MmioTransportSnapshot {
+                    queues: vec![QueueSnapshot { max_size: 99, ..good.queues[0] }; 2],
+                    ..good.clone()
+                },
+                "max size",
+            ),
+            (
+                MmioTransportSnapshot { queues: vec![QueueSnapshot { size: 5, ..good.queues[0] }; 2], ..good.clone() },
+                "queue 0",
+            ),
+        ];
+        for (s, needle) in cases {
+            let e = restore_with(&fake, &s).err().unwrap_or_default();
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+    }
+
     #[test]
     fn broken_device_reports_needs_reset() {
         let (mut t, fake) = setup();
@@ -532,7 +588,7 @@ mod tests {
         assert_eq!(b, [0, 0]);
         w(&mut t, 0x0f0, 5);
         assert_eq!(r(&mut t, 0x0f0), 0);
-        let snap = t.snapshot();
+        let snap = t.save();
         assert_eq!(snap.queues.len(), 2);
     }
 }

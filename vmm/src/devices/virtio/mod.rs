@@ -47,6 +47,12 @@ impl IrqTrigger {
         self.status.load(Ordering::SeqCst)
     }
 
+    /// Sets the status bits a snapshot recorded, without signalling: a pending interrupt is part
+    /// of the restored irqchip state already.
+    pub fn restore_status(&self, bits: u32) {
+        self.status.store(bits & (VIRTIO_MMIO_INT_VRING | VIRTIO_MMIO_INT_CONFIG), Ordering::SeqCst);
+    }
+
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }

@@ -1,8 +1,34 @@
-//! Serialisable state shared by all virtio devices: virtqueues and the mmio transport.
-//! Plain data only; restoring validates it again (the snapshot file is untrusted input).
+//! Serialisable state shared by all virtio devices: virtqueues and the mmio transport, with the
+//! transport's [`Persist`] impl and the queue checks every device's restore shares. Plain data
+//! only; restoring validates it again (the snapshot file is untrusted input).
+
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use virtio_queue::{Queue, QueueState};
+use virtio_queue::{Queue, QueueState, QueueT};
+use vm_memory::GuestMemoryMmap;
+
+use super::mmio::{fresh_queues, DriverState, MmioTransport};
+use super::{IrqTrigger, VirtioDevice};
+use crate::devices::bus::lock;
+use crate::persist::Persist;
+
+/// Why a virtio device or transport refused its saved state.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum VirtioPersistError {
+    #[error("queue {index}: {reason}")]
+    Queue { index: usize, reason: String },
+    #[error("{got} queues saved, the device has {expected}")]
+    QueueCount { expected: usize, got: usize },
+    #[error("driver status {0:#x} is not a state the transport can be in")]
+    DriverStatus(u32),
+    #[error("acked features {acked:#x} include some the device does not offer ({offered:#x})")]
+    Features { acked: u64, offered: u64 },
+    #[error("the run's device does not match the snapshot: {0}")]
+    Mismatch(String),
+    #[error("host backend: {0}")]
+    Backend(String),
+}
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 pub struct QueueSnapshot {
@@ -51,6 +77,31 @@ impl TryFrom<QueueSnapshot> for Queue {
     }
 }
 
+/// Rebuilds live queues from saved ones: one per queue the device has, each within the device's
+/// maximum, ready and inside guest memory.
+pub fn restore_active_queues(
+    saved: &[QueueSnapshot],
+    max_sizes: &[u16],
+    mem: &GuestMemoryMmap,
+) -> Result<Vec<Queue>, VirtioPersistError> {
+    if saved.len() != max_sizes.len() {
+        return Err(VirtioPersistError::QueueCount { expected: max_sizes.len(), got: saved.len() });
+    }
+    let mut queues = Vec::with_capacity(saved.len());
+    for (index, (s, &max)) in saved.iter().zip(max_sizes).enumerate() {
+        let err = |reason: String| VirtioPersistError::Queue { index, reason };
+        if s.max_size != max {
+            return Err(err(format!("max size {} differs from the device's {max}", s.max_size)));
+        }
+        let q = Queue::try_from(*s).map_err(|e| err(e.to_string()))?;
+        if !q.ready() || !q.is_valid(mem) {
+            return Err(err("not ready or outside guest memory".into()));
+        }
+        queues.push(q);
+    }
+    Ok(queues)
+}
+
 /// State of the virtio-mmio transport registers.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
 pub struct MmioTransportSnapshot {
@@ -65,10 +116,88 @@ pub struct MmioTransportSnapshot {
     pub queues: Vec<QueueSnapshot>,
 }
 
+/// What a restored transport needs from the new process: its device (restored first), guest
+/// memory and the interrupt it shares with the device.
+pub struct MmioTransportArgs {
+    pub name: String,
+    pub mem: GuestMemoryMmap,
+    pub device: Arc<Mutex<dyn VirtioDevice>>,
+    pub irq: IrqTrigger,
+}
+
+impl Persist for MmioTransport {
+    type State = MmioTransportSnapshot;
+    type ConstructorArgs = MmioTransportArgs;
+    type Error = VirtioPersistError;
+
+    fn save(&self) -> MmioTransportSnapshot {
+        MmioTransportSnapshot {
+            device_status: self.state.status_bits(),
+            driver_features: self.driver_features,
+            device_features_select: self.device_features_sel,
+            driver_features_select: self.driver_features_sel,
+            queue_select: self.queue_sel,
+            interrupt_status: self.irq.status(),
+            config_generation: self.config_generation,
+            queues: self.queues.iter().map(QueueSnapshot::from).collect(),
+        }
+    }
+
+    fn restore(args: MmioTransportArgs, s: &MmioTransportSnapshot) -> Result<Self, VirtioPersistError> {
+        let state =
+            DriverState::from_status_bits(s.device_status).ok_or(VirtioPersistError::DriverStatus(s.device_status))?;
+        let (queue_evts, max_sizes, device_id, offered) = {
+            let d = lock(&args.device);
+            let evts = d
+                .queue_events()
+                .iter()
+                .map(|e| e.try_clone())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| VirtioPersistError::Backend(e.to_string()))?;
+            (evts, d.queue_max_sizes().to_vec(), d.device_type(), d.avail_features())
+        };
+        if s.driver_features & !offered != 0 {
+            return Err(VirtioPersistError::Features { acked: s.driver_features, offered });
+        }
+        // Before DRIVER_OK the transport holds the queues being configured; once live the device
+        // owns them (and a failed activation may have left none behind).
+        let queues = if s.queues.is_empty() && matches!(state, DriverState::Live | DriverState::Failed) {
+            Vec::new()
+        } else if s.queues.len() == max_sizes.len() {
+            let mut queues = fresh_queues(&max_sizes);
+            for (index, (q, saved)) in queues.iter_mut().zip(&s.queues).enumerate() {
+                if saved.max_size != q.max_size() {
+                    let reason = format!("max size {} differs from the device's {}", saved.max_size, q.max_size());
+                    return Err(VirtioPersistError::Queue { index, reason });
+                }
+                *q = Queue::try_from(*saved).map_err(|e| VirtioPersistError::Queue { index, reason: e.to_string() })?;
+            }
+            queues
+        } else {
+            return Err(VirtioPersistError::QueueCount { expected: max_sizes.len(), got: s.queues.len() });
+        };
+        args.irq.restore_status(s.interrupt_status);
+        Ok(MmioTransport {
+            device: args.device,
+            mem: args.mem,
+            irq: args.irq,
+            queue_evts,
+            device_id,
+            queues,
+            state,
+            device_features_sel: s.device_features_select,
+            driver_features_sel: s.driver_features_select,
+            driver_features: s.driver_features,
+            queue_sel: s.queue_select,
+            config_generation: s.config_generation,
+            name: args.name,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use virtio_queue::QueueT;
 
     #[test]
     fn queue_snapshot_roundtrips_through_json() {

@@ -10,10 +10,8 @@ use vmm_sys_util::eventfd::EventFd;
 use super::packet::{
     Request, RequestType, ID_BYTES, MAX_REQUEST_BYTES, SECTOR_SIZE, STATUS_IOERR, STATUS_OK, STATUS_UNSUPP,
 };
-use super::persist::BlockSnapshot;
 use crate::config::BlockConfig;
 use crate::devices::virtio::chain::{self, Desc};
-use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_BLOCK,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
@@ -22,23 +20,23 @@ use crate::devices::virtio::{
 pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
 pub const QUEUE_SIZE: u16 = 256;
-const QUEUE_SIZES: [u16; 1] = [QUEUE_SIZE];
+pub(super) const QUEUE_SIZES: [u16; 1] = [QUEUE_SIZE];
 
 pub struct Active {
-    mem: GuestMemoryMmap,
-    queue: Queue,
-    irq: IrqTrigger,
+    pub(super) mem: GuestMemoryMmap,
+    pub(super) queue: Queue,
+    pub(super) irq: IrqTrigger,
 }
 
 pub struct Block {
-    name: String,
-    file: File,
-    path: String,
-    read_only: bool,
-    capacity_sectors: u64,
-    acked_features: u64,
-    queue_evts: [EventFd; 1],
-    state: DeviceState<Active>,
+    pub(super) name: String,
+    pub(super) file: File,
+    pub(super) path: String,
+    pub(super) read_only: bool,
+    pub(super) capacity_sectors: u64,
+    pub(super) acked_features: u64,
+    pub(super) queue_evts: [EventFd; 1],
+    pub(super) state: DeviceState<Active>,
 }
 
 impl Block {
@@ -63,20 +61,6 @@ impl Block {
 
     pub fn queue_evt(&self) -> &EventFd {
         &self.queue_evts[0]
-    }
-
-    pub fn snapshot(&self) -> BlockSnapshot {
-        BlockSnapshot {
-            path: self.path.clone(),
-            read_only: self.read_only,
-            capacity_sectors: self.capacity_sectors,
-            acked_features: self.acked_features,
-            queues: match &self.state {
-                DeviceState::Active(a) => vec![QueueSnapshot::from(&a.queue)],
-                _ => vec![],
-            },
-            broken: self.state.is_broken(),
-        }
     }
 
     /// Serves every available request. A malformed chain stops the device.
@@ -235,6 +219,7 @@ impl VirtioDevice for Block {
 mod tests {
     use super::*;
     use crate::devices::virtio::chain::test_utils::{TestQueue, F_NEXT, F_WRITE};
+    use crate::persist::Persist;
     use std::io::Write;
     use vm_memory::GuestAddress;
 
@@ -394,10 +379,10 @@ mod tests {
         assert_eq!(r(&mut t, 0x060), VIRTIO_MMIO_INT_VRING);
         w(&mut t, 0x064, VIRTIO_MMIO_INT_VRING);
         assert_eq!(r(&mut t, 0x060), 0);
-        let snap = blk.lock().unwrap().snapshot();
+        let snap = blk.lock().unwrap().save();
         assert_eq!((snap.queues.len(), snap.queues[0].next_avail, snap.queues[0].next_used), (1, 1, 1));
         w(&mut t, 0x070, 0);
-        assert!(blk.lock().unwrap().snapshot().queues.is_empty(), "reset drops the queues");
+        assert!(blk.lock().unwrap().save().queues.is_empty(), "reset drops the queues");
     }
 
     #[test]
@@ -406,6 +391,6 @@ mod tests {
         r.mem.write_obj(500u16, GuestAddress(r.tq.avail + 2)).unwrap();
         r.blk.process_queue();
         assert!(r.blk.is_broken());
-        assert!(r.blk.snapshot().broken);
+        assert!(r.blk.save().broken);
     }
 }

@@ -8,11 +8,9 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{rx_capacity, write_rx, TxPacket, HDR_LEN};
-use super::persist::VsockSnapshot;
 use super::unix::VsockMuxer;
 use super::MAX_PKT_PAYLOAD;
 use crate::devices::virtio::chain;
-use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_VSOCK,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
@@ -22,21 +20,29 @@ pub const RXQ: usize = 0;
 pub const TXQ: usize = 1;
 pub const EVQ: usize = 2;
 pub const QUEUE_SIZE: u16 = 256;
-const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
+pub(super) const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
 /// Largest chain we look at: one maximal packet plus slack for the header.
 const MAX_CHAIN_BYTES: u64 = (HDR_LEN + MAX_PKT_PAYLOAD) as u64 + 4096;
+/// An event is one le32 id; larger event buffers are fine, absurd ones are refused.
+const EVENT_LEN: u32 = 4;
+const MAX_EVENT_CHAIN_BYTES: u64 = 4096;
+
+/// The event the guest gets when every connection is gone (virtio spec 5.10.6.5): after a restore.
+pub const VIRTIO_VSOCK_EVENT_TRANSPORT_RESET: u32 = 0;
 
 pub struct Active {
-    mem: GuestMemoryMmap,
-    queues: Vec<Queue>,
-    irq: IrqTrigger,
+    pub(super) mem: GuestMemoryMmap,
+    pub(super) queues: Vec<Queue>,
+    pub(super) irq: IrqTrigger,
+    /// A TRANSPORT_RESET event waits for a buffer on the event queue.
+    pub(super) reset_event_pending: bool,
 }
 
 pub struct Vsock {
-    guest_cid: u64,
-    uds_path: String,
-    acked_features: u64,
-    queue_evts: [EventFd; 3],
+    pub(super) guest_cid: u64,
+    pub(super) uds_path: String,
+    pub(super) acked_features: u64,
+    pub(super) queue_evts: [EventFd; 3],
     pub(super) muxer: VsockMuxer,
     pub(super) state: DeviceState<Active>,
     pub(super) timer: Option<vmm_sys_util::timerfd::TimerFd>,
@@ -63,19 +69,6 @@ impl Vsock {
         &self.queue_evts[i]
     }
 
-    pub fn snapshot(&self) -> VsockSnapshot {
-        VsockSnapshot {
-            guest_cid: self.guest_cid,
-            uds_path: self.uds_path.clone(),
-            acked_features: self.acked_features,
-            queues: match &self.state {
-                DeviceState::Active(a) => a.queues.iter().map(QueueSnapshot::from).collect(),
-                _ => vec![],
-            },
-            broken: self.state.is_broken(),
-        }
-    }
-
     fn fail(&mut self, e: DeviceError) {
         tracing::error!(device = "vsock", error = %e, "guest sent a malformed packet; device stops serving until reset");
         self.muxer.reset();
@@ -90,6 +83,11 @@ impl Vsock {
     /// Host -> guest packets, as long as the guest has RX buffers.
     pub fn process_rx(&mut self) {
         self.process(fill_rx);
+    }
+
+    /// Delivers a pending transport event once the guest has an event buffer posted.
+    pub fn process_events(&mut self) {
+        self.process(post_event);
     }
 
     /// Runs one queue's work if the device is live: interrupts the guest when a buffer was
@@ -124,6 +122,33 @@ fn drain_tx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError>
         muxer.send_from_guest(pkt);
     }
     Ok(used)
+}
+
+fn post_event(a: &mut Active, _: &mut VsockMuxer) -> Result<bool, DeviceError> {
+    let q = &mut a.queues[EVQ];
+    // The event queue is optional for drivers that never expect events.
+    if !a.reset_event_pending || !q.ready() {
+        return Ok(false);
+    }
+    let mem = a.mem.clone();
+    let chain = {
+        let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
+        match it.next() {
+            Some(c) => c,
+            None => return Ok(false), // no buffer yet: wait for the guest's notify
+        }
+    };
+    let head = chain.head_index();
+    let descs = chain::collect(chain, &mem, MAX_EVENT_CHAIN_BYTES)?;
+    if descs.iter().any(|d| !d.writable) || chain::total_len(&descs) < EVENT_LEN as u64 {
+        return Err(DeviceError::Request("event buffer is not a writable 4-byte buffer".into()));
+    }
+    chain::scatter(&VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes(), &descs, &mem)
+        .map_err(|e| DeviceError::Memory(e.to_string()))?;
+    q.add_used(&mem, head, EVENT_LEN).map_err(|e| DeviceError::Memory(e.to_string()))?;
+    a.reset_event_pending = false;
+    tracing::info!(device = "vsock", "guest told that the transport was reset");
+    Ok(true)
 }
 
 fn fill_rx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError> {
@@ -191,12 +216,12 @@ impl VirtioDevice for Vsock {
     }
 
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {
-        // The event queue is optional for us (we never send transport events).
+        // The event queue is optional for us (we send one event only, after a restore).
         validate_queues(&mem, &queues[..EVQ.min(queues.len())])?;
         if queues.len() != QUEUE_SIZES.len() {
             return Err(DeviceError::QueueNotReady(queues.len()));
         }
-        self.state = DeviceState::Active(Active { mem, queues, irq });
+        self.state = DeviceState::Active(Active { mem, queues, irq, reset_event_pending: false });
         tracing::debug!(device = "vsock", "activated");
         Ok(())
     }
@@ -353,6 +378,6 @@ mod tests {
         r.rx.publish(&r.mem, 0);
         r.dev.process_rx();
         assert!(r.dev.is_broken());
-        assert!(r.dev.snapshot().broken);
+        assert!(crate::persist::Persist::save(&r.dev).broken);
     }
 }

@@ -63,6 +63,7 @@ impl MutEventSubscriber for Vsock {
             self.process_tx();
         } else if fd == self.queue_evt(EVQ).as_raw_fd() {
             let _ = self.queue_evt(EVQ).read();
+            self.process_events();
         } else if fd == self.muxer.listener_fd() {
             self.muxer.accept();
         } else if Some(fd) == self.timer_fd() {
