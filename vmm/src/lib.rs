@@ -3,11 +3,12 @@
 //! Job: take a JSON [`config::VmConfig`] from the shim, build a KVM VM (memfd guest memory with
 //! an MMIO hole, 64-bit Linux boot or a raw long-mode test guest), serve its devices (8250 serial
 //! to a log file, i8042 reset, virtio-mmio block and hybrid vsock) and an API socket (pause,
-//! resume, shutdown, info), and exit 0 on an orderly stop or non-zero with a clear message.
+//! resume, snapshot, shutdown, info), and exit 0 on an orderly stop or non-zero with a clear
+//! message. Or restore a VM from a snapshot (`builder::prepare` + `Prepared::restore`).
 //!
-//! Boundaries: the VMM knows nothing about pods or containers; the shim owns those. Snapshots
-//! come later: every device keeps its state in a `persist` module of plain serde structs so a
-//! snapshot is a walk over the devices.
+//! Boundaries: the VMM knows nothing about pods or containers; the shim owns those. Every device
+//! implements [`persist::Persist`], so a snapshot is a walk over the devices (`snapshotter.rs`),
+//! and boot and restore share one builder (`builder.rs`).
 //!
 //! Threads: one per vCPU (KVM_RUN + bus dispatch) and one event loop (event-manager) for device
 //! queues, host sockets, signals and the API.
@@ -15,11 +16,14 @@
 pub mod api;
 pub mod arch;
 pub mod boot;
+pub mod builder;
 pub mod devices;
 pub mod exit;
 pub mod layout;
 pub mod memory;
 pub mod persist;
+pub mod snapshot;
+pub mod snapshotter;
 pub mod vcpu;
 pub mod vmm;
 

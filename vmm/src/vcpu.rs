@@ -1,16 +1,19 @@
-//! vCPU setup and the per-vCPU thread: KVM_RUN, exit dispatch to the buses, pause/resume.
+//! vCPU setup and the per-vCPU thread: KVM_RUN, exit dispatch to the buses, pause/resume, and
+//! saving a parked vCPU's state for a snapshot (only the owning thread may touch its `VcpuFd`).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{Msrs, KVM_MAX_CPUID_ENTRIES};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 
 use crate::arch::{cpuid, msr, regs};
 use crate::boot::EntryPoint;
 use crate::devices::bus::{lock, Bus};
 use crate::exit::{ExitReason, ExitSignal};
+use crate::snapshot::kvm::{restore_vcpu, save_vcpu, KvmStateError};
+use crate::snapshot::state::VcpuState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
@@ -23,11 +26,25 @@ pub enum VcpuError {
 /// The run state every vCPU thread follows (the API reports it as is).
 pub use bulkhead_vmm_api::api::RunState;
 
+/// A saved vCPU and the MSRs this host would not read.
+pub type SavedVcpu = (VcpuState, Vec<u32>);
+
+/// A snapshot's request to the parked vCPUs: each fills its own slot.
+struct SaveRequest {
+    msrs: Arc<[u32]>,
+    results: Vec<Option<Result<SavedVcpu, String>>>,
+}
+
+struct Shared {
+    state: RunState,
+    parked: usize,
+    save: Option<SaveRequest>,
+}
+
 /// Shared between the vCPU threads and the controller (API).
 pub struct VcpuControl {
-    state: Mutex<RunState>,
+    shared: Mutex<Shared>,
     cvar: Condvar,
-    parked: AtomicUsize,
     threads: Mutex<Vec<libc::pthread_t>>,
     /// Wall-clock ns of the first KVM_RUN (for the start-latency bench).
     pub first_run_unix_ns: OnceLock<u64>,
@@ -39,17 +56,29 @@ pub fn kick_signal() -> i32 {
 
 impl VcpuControl {
     pub fn new() -> Self {
+        Self::with_state(RunState::Running)
+    }
+
+    /// vCPUs that park as soon as they start: a restored VM waits for `resume`.
+    pub fn new_paused() -> Self {
+        Self::with_state(RunState::Paused)
+    }
+
+    fn with_state(state: RunState) -> Self {
         Self {
-            state: Mutex::new(RunState::Running),
+            shared: Mutex::new(Shared { state, parked: 0, save: None }),
             cvar: Condvar::new(),
-            parked: AtomicUsize::new(0),
             threads: Mutex::new(Vec::new()),
             first_run_unix_ns: OnceLock::new(),
         }
     }
 
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        lock(&self.shared)
+    }
+
     pub fn state(&self) -> RunState {
-        *lock(&self.state)
+        self.lock().state
     }
 
     pub fn register_thread(&self, t: libc::pthread_t) {
@@ -58,10 +87,10 @@ impl VcpuControl {
 
     /// Stops every vCPU outside KVM_RUN. Returns false if they did not all park in time.
     pub fn pause(&self, vcpus: usize, timeout: Duration) -> bool {
-        *lock(&self.state) = RunState::Paused;
-        let deadline = std::time::Instant::now() + timeout;
-        while self.parked.load(Ordering::SeqCst) < vcpus {
-            if std::time::Instant::now() > deadline {
+        self.lock().state = RunState::Paused;
+        let deadline = Instant::now() + timeout;
+        while self.lock().parked < vcpus {
+            if Instant::now() > deadline {
                 return false;
             }
             // A kick can land just before KVM_RUN and be lost, so keep kicking until parked.
@@ -69,25 +98,61 @@ impl VcpuControl {
                 // SAFETY: t is a live vCPU thread of this process; the signal has a handler.
                 unsafe { libc::pthread_kill(*t, kick_signal()) };
             }
-            std::thread::sleep(Duration::from_millis(2));
+            std::thread::sleep(Duration::from_millis(1));
         }
         true
     }
 
     pub fn resume(&self) {
-        *lock(&self.state) = RunState::Running;
+        self.lock().state = RunState::Running;
         self.cvar.notify_all();
     }
 
-    fn park_if_paused(&self) {
-        let mut s = lock(&self.state);
-        if *s == RunState::Paused {
-            self.parked.fetch_add(1, Ordering::SeqCst);
-            while *s == RunState::Paused {
-                s = self.cvar.wait(s).unwrap_or_else(|p| p.into_inner());
-            }
-            self.parked.fetch_sub(1, Ordering::SeqCst);
+    /// Asks every parked vCPU for its state. Call after a successful [`pause`](Self::pause).
+    pub fn save_vcpus(&self, vcpus: usize, msrs: Vec<u32>, timeout: Duration) -> Result<Vec<SavedVcpu>, String> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.lock();
+        if s.state != RunState::Paused || s.parked < vcpus {
+            return Err("vCPUs are not all paused".into());
         }
+        s.save = Some(SaveRequest { msrs: msrs.into(), results: (0..vcpus).map(|_| None).collect() });
+        self.cvar.notify_all();
+        loop {
+            let done = s.save.as_ref().is_some_and(|r| r.results.iter().all(Option::is_some));
+            if done {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                s.save = None;
+                return Err("vCPUs did not report their state in time".into());
+            }
+            s = self.cvar.wait_timeout(s, left).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+        let results = s.save.take().map(|r| r.results).unwrap_or_default();
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err("no state".into()))).collect()
+    }
+
+    /// Parks the calling vCPU while the VM is paused, answering save requests meanwhile.
+    fn park(&self, id: u8, mut save: impl FnMut(&[u32]) -> Result<SavedVcpu, String>) {
+        let mut s = self.lock();
+        if s.state != RunState::Paused {
+            return;
+        }
+        s.parked += 1;
+        loop {
+            if let Some(req) = s.save.as_mut() {
+                if let Some(slot @ None) = req.results.get_mut(usize::from(id)) {
+                    *slot = Some(save(&req.msrs));
+                    self.cvar.notify_all();
+                }
+            }
+            if s.state != RunState::Paused {
+                break;
+            }
+            s = self.cvar.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        s.parked -= 1;
     }
 }
 
@@ -97,13 +162,37 @@ impl Default for VcpuControl {
     }
 }
 
+/// What every vCPU thread of a VM shares.
+#[derive(Clone)]
+pub struct VcpuShared {
+    pub pio: Arc<Bus>,
+    pub mmio: Arc<Bus>,
+    pub exit: Arc<ExitSignal>,
+    pub control: Arc<VcpuControl>,
+}
+
+/// Which optional state this host and VM have.
+#[derive(Debug, Clone, Copy)]
+pub struct VcpuFeatures {
+    pub irqchip: bool,
+    pub xcrs: bool,
+}
+
 pub struct Vcpu {
     id: u8,
     fd: VcpuFd,
-    pio: Arc<Bus>,
-    mmio: Arc<Bus>,
-    exit: Arc<ExitSignal>,
-    control: Arc<VcpuControl>,
+    features: VcpuFeatures,
+    shared: VcpuShared,
+    /// KVM_RUN ran at least once, so an I/O exit may still wait for its completion.
+    entered: bool,
+}
+
+/// What one KVM_RUN came back with.
+enum Step {
+    Continue,
+    /// Interrupted (a kick) or an immediate exit.
+    Interrupted,
+    Stop(ExitReason),
 }
 
 /// Unknown-MMIO warnings are rate limited so a hostile guest cannot flood the log.
@@ -111,22 +200,14 @@ static UNKNOWN_MMIO: AtomicU64 = AtomicU64::new(0);
 const UNKNOWN_MMIO_LOUD: u64 = 32;
 
 impl Vcpu {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        kvm: &Kvm,
-        vm: &VmFd,
-        id: u8,
-        count: u8,
-        entry: &EntryPoint,
-        irqchip: bool,
-        pio: Arc<Bus>,
-        mmio: Arc<Bus>,
-        exit: Arc<ExitSignal>,
-        control: Arc<VcpuControl>,
-    ) -> Result<Self, VcpuError> {
-        let fd = vm.create_vcpu(u64::from(id)).map_err(|e| VcpuError::Create(id, e))?;
-        let cfg = |what, source| VcpuError::Configure { id, what, source };
+    pub fn new(fd: VcpuFd, id: u8, features: VcpuFeatures, shared: VcpuShared) -> Self {
+        Self { id, fd, features, shared, entered: false }
+    }
 
+    /// Boot state: filtered CPUID, boot MSRs, long mode at `entry`, LAPIC LINT pins.
+    pub fn configure_boot(&self, kvm: &Kvm, count: u8, entry: &EntryPoint) -> Result<(), VcpuError> {
+        let (id, fd) = (self.id, &self.fd);
+        let cfg = |what, source| VcpuError::Configure { id, what, source };
         let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| cfg("get cpuid", e))?;
         cpuid::filter_cpuid(cpuid.as_mut_slice(), id, count);
         fd.set_cpuid2(&cpuid).map_err(|e| cfg("set cpuid", e))?;
@@ -143,64 +224,107 @@ impl Vcpu {
         fd.set_sregs(&regs::long_mode_sregs(sregs, entry.cr3)).map_err(|e| cfg("set sregs", e))?;
         fd.set_fpu(&regs::boot_fpu()).map_err(|e| cfg("set fpu", e))?;
         fd.set_regs(&regs::boot_regs(entry.rip, entry.rsp, entry.rsi)).map_err(|e| cfg("set regs", e))?;
-        if irqchip {
-            set_lint(&fd).map_err(|e| cfg("lapic", e))?;
+        if self.features.irqchip {
+            set_lint(fd).map_err(|e| cfg("lapic", e))?;
         }
-        Ok(Self { id, fd, pio, mmio, exit, control })
+        Ok(())
+    }
+
+    /// Puts a snapshot's state into this (fresh) vCPU.
+    pub fn restore(&self, state: &VcpuState) -> Result<(), KvmStateError> {
+        restore_vcpu(&self.fd, state)
     }
 
     /// Runs until the VM stops; reports why through the exit signal.
     pub fn run(mut self) {
+        let shared = self.shared.clone();
         loop {
-            self.control.park_if_paused();
-            if self.exit.reason().is_some() {
+            if shared.control.state() == RunState::Paused {
+                self.park();
+            }
+            if shared.exit.reason().is_some() {
                 return;
             }
-            if self.control.first_run_unix_ns.get().is_none() {
-                let _ = self.control.first_run_unix_ns.set(unix_ns());
+            if shared.control.first_run_unix_ns.get().is_none() {
+                let _ = shared.control.first_run_unix_ns.set(unix_ns());
                 tracing::info!(vcpu = self.id, "first KVM_RUN");
             }
-            if let Some(reason) = self.run_once() {
-                self.exit.signal(reason);
+            self.entered = true;
+            if let Step::Stop(reason) = self.run_once() {
+                shared.exit.signal(reason);
                 return;
             }
         }
     }
 
-    fn run_once(&mut self) -> Option<ExitReason> {
+    /// Completes any half-done I/O (so the saved registers are consistent), then parks.
+    fn park(&mut self) {
+        if self.entered {
+            if let Some(reason) = self.complete_pending_io() {
+                self.shared.exit.signal(reason);
+            }
+        }
+        let control = self.shared.control.clone();
+        let (id, features, fd) = (self.id, self.features, &self.fd);
+        control.park(id, |msrs| save_vcpu(fd, id, msrs, features.irqchip, features.xcrs).map_err(|e| e.to_string()));
+    }
+
+    /// KVM finishes an in/MMIO-read exit on the next KVM_RUN; with immediate_exit set, that
+    /// KVM_RUN completes it and returns at once (Firecracker does the same before saving).
+    fn complete_pending_io(&mut self) -> Option<ExitReason> {
+        self.fd.set_kvm_immediate_exit(1);
+        let mut result = None;
+        // A string instruction may need a few more exits to finish; a bound keeps this finite.
+        for _ in 0..64 {
+            match self.run_once() {
+                Step::Interrupted => break,
+                Step::Continue => {}
+                Step::Stop(reason) => {
+                    result = Some(reason);
+                    break;
+                }
+            }
+        }
+        self.fd.set_kvm_immediate_exit(0);
+        result
+    }
+
+    fn run_once(&mut self) -> Step {
         let id = self.id;
-        let err = |message: String| Some(ExitReason::VcpuError { vcpu: id, message });
+        let err = |message: String| Step::Stop(ExitReason::VcpuError { vcpu: id, message });
+        let (pio, mmio) = (&self.shared.pio, &self.shared.mmio);
         match self.fd.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
-                if !self.pio.read(u64::from(port), data) {
+                if !pio.read(u64::from(port), data) {
                     data.fill(0xff);
                 }
-                None
+                Step::Continue
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                self.pio.write(u64::from(port), data);
-                None
+                pio.write(u64::from(port), data);
+                Step::Continue
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                if !self.mmio.read(addr, data) {
+                if !mmio.read(addr, data) {
                     unknown_mmio(id, "read", addr, data.len());
                     data.fill(0);
                 }
-                None
+                Step::Continue
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                if !self.mmio.write(addr, data) {
+                if !mmio.write(addr, data) {
                     unknown_mmio(id, "write", addr, data.len());
                 }
-                None
+                Step::Continue
             }
-            Ok(VcpuExit::Hlt) => Some(ExitReason::GuestHalted),
-            Ok(VcpuExit::Shutdown) => Some(ExitReason::GuestTripleFault),
+            Ok(VcpuExit::Hlt) => Step::Stop(ExitReason::GuestHalted),
+            Ok(VcpuExit::Shutdown) => Step::Stop(ExitReason::GuestTripleFault),
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 tracing::info!(vcpu = id, kind, "guest system event");
-                Some(ExitReason::GuestReset)
+                Step::Stop(ExitReason::GuestReset)
             }
-            Ok(VcpuExit::Intr) | Ok(VcpuExit::IrqWindowOpen) => None,
+            Ok(VcpuExit::Intr) => Step::Interrupted,
+            Ok(VcpuExit::IrqWindowOpen) => Step::Continue,
             Ok(VcpuExit::FailEntry(reason, cpu)) => {
                 err(format!("KVM_EXIT_FAIL_ENTRY: hardware reason {reason:#x} on cpu {cpu}"))
             }
@@ -209,7 +333,7 @@ impl Vcpu {
                 err(format!("KVM_EXIT_INTERNAL_ERROR at rip {rip} (emulation failure or unsupported instruction)"))
             }
             Ok(other) => err(format!("unexpected vCPU exit: {other:?}")),
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Step::Interrupted,
             Err(e) => err(format!("KVM_RUN failed: {e}")),
         }
     }

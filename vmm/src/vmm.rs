@@ -1,58 +1,18 @@
-//! Builds the VM from a validated config (KVM, memory, devices, boot, vCPUs) and runs the event
-//! loop until something stops it.
+//! Runs a built VM: the event loop (device queues, host sockets, signals, the API) and the vCPU
+//! threads, until something stops it. Building the VM is `builder.rs`'s job.
 
-use std::fs::OpenOptions;
-use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VmFd};
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::eventfd::EventFd;
 
-use crate::api::{ApiServer, VmController};
-use crate::boot;
-use crate::config::ValidConfig;
-use crate::devices::bus::{Bus, BusDevice};
-use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_LEN};
-use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
-use crate::devices::legacy::EventFdTrigger;
-use crate::devices::virtio::block::Block;
-use crate::devices::virtio::mmio::MmioTransport;
-use crate::devices::virtio::vsock::Vsock;
-use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::api::{ApiEndpoint, ApiServer, VmController};
+pub use crate::builder::VmmError;
+use crate::builder::{dev_err, Subscriber, Vm};
 use crate::exit::{ExitReason, ExitSignal};
-use crate::layout;
-use crate::memory::create_guest_memory;
-use crate::vcpu::{install_kick_handler, unix_ns, Vcpu, VcpuControl};
-
-#[derive(Debug, thiserror::Error)]
-pub enum VmmError {
-    #[error("cannot open /dev/kvm: {0}")]
-    Kvm(kvm_ioctls::Error),
-    #[error("KVM setup failed ({what})")]
-    KvmSetup { what: &'static str, source: kvm_ioctls::Error },
-    #[error(transparent)]
-    Memory(#[from] crate::memory::MemoryError),
-    #[error(transparent)]
-    Boot(#[from] crate::boot::BootError),
-    #[error(transparent)]
-    Vcpu(#[from] crate::vcpu::VcpuError),
-    #[error("device {what}")]
-    Device { what: String, source: std::io::Error },
-    #[error("bus")]
-    Bus(#[from] crate::devices::bus::BusError),
-    #[error("event loop: {0}")]
-    EventLoop(String),
-}
-
-fn dev_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmmError {
-    let what = what.into();
-    move |source| VmmError::Device { what, source }
-}
+use crate::snapshotter::Snapshotter;
+use crate::vcpu::{install_kick_handler, unix_ns};
 
 /// Blocks SIGTERM/SIGINT in the calling thread (and every thread spawned after) and returns a
 /// signalfd for them, so signals are handled on the event loop like any other event.
@@ -112,185 +72,33 @@ impl MutEventSubscriber for SignalWatcher {
     }
 }
 
-type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
-
-fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmmError> {
-    for (slot, region) in mem.iter().enumerate() {
-        let host = mem
-            .get_host_address(region.start_addr())
-            .map_err(|_| VmmError::KvmSetup { what: "host address", source: kvm_ioctls::Error::new(libc::EFAULT) })?;
-        let r = kvm_userspace_memory_region {
-            slot: slot as u32,
-            flags: 0,
-            guest_phys_addr: region.start_addr().0,
-            memory_size: region.len(),
-            userspace_addr: host as u64,
-        };
-        // SAFETY: the mapping lives as long as `mem`, which outlives the VM (held until exit).
-        unsafe { vm.set_user_memory_region(r) }
-            .map_err(|source| VmmError::KvmSetup { what: "memory region", source })?;
-    }
-    Ok(())
-}
-
-/// An interrupt line: an irqfd on `gsi` when the irqchip exists, a plain eventfd otherwise
-/// (test guests poll and never take interrupts).
-fn irq_line(vm: &VmFd, irqchip: bool, gsi: u32) -> Result<EventFd, VmmError> {
-    let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("irq eventfd"))?;
-    if irqchip {
-        vm.register_irqfd(&evt, gsi).map_err(|source| VmmError::KvmSetup { what: "irqfd", source })?;
-    }
-    Ok(evt)
-}
-
-/// In-kernel PIC/IOAPIC/LAPIC and PIT where the host offers them.
-fn create_irqchip(vm: &VmFd) -> bool {
-    match vm.create_irq_chip() {
-        Ok(()) => {
-            let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
-            if let Err(e) = vm.create_pit2(pit) {
-                tracing::warn!(error = %e, "no in-kernel PIT");
-            }
-            true
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "no in-kernel irqchip; devices will not raise interrupts");
-            false
-        }
-    }
-}
-
-/// Everything the guest can reach: port I/O and MMIO buses, plus the event-loop side of devices.
-struct Devices {
-    pio: Bus,
-    mmio: Bus,
-    subscribers: Vec<Subscriber>,
-    /// (base, size, gsi) of each virtio-mmio device, for the kernel cmdline.
-    cmdline_devices: Vec<(u64, u64, u32)>,
-}
-
-fn build_devices(
-    cfg: &ValidConfig,
-    vm: &VmFd,
-    irqchip: bool,
-    mem: &GuestMemoryMmap,
-    exit: &Arc<ExitSignal>,
-) -> Result<Devices, VmmError> {
-    let mut pio = Bus::new();
-    let mut mmio = Bus::new();
-    let mut subscribers: Vec<Subscriber> = Vec::new();
-
-    // Legacy devices.
-    let serial_out: Box<dyn Write + Send> = match &cfg.serial_log {
-        Some(p) => Box::new(CappedWriter::new(
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .map_err(dev_err(format!("serial log {}", p.display())))?,
-            SERIAL_LOG_LIMIT,
-        )),
-        None => Box::new(std::io::sink()),
-    };
-    let serial_irq = EventFdTrigger(irq_line(vm, irqchip, layout::SERIAL_IRQ)?);
-    pio.insert(Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out))), SERIAL_PORT, SERIAL_PORT_LEN)?;
-    let reset_exit = exit.clone();
-    let i8042 = I8042::new(ResetTrigger(Box::new(move || {
-        tracing::info!("guest reset through i8042");
-        reset_exit.signal(ExitReason::GuestReset);
-    })));
-    pio.insert(Arc::new(Mutex::new(i8042)), I8042_PORT, I8042_PORT_LEN)?;
-
-    // Virtio devices, one MMIO slot each: block devices first, then vsock.
-    let mut virtio: Vec<(String, Arc<Mutex<dyn VirtioDevice>>)> = Vec::new();
-    for (i, b) in cfg.block.iter().enumerate() {
-        let blk = Arc::new(Mutex::new(Block::new(b, i).map_err(dev_err(format!("block {}", b.path.display())))?));
-        subscribers.push(blk.clone());
-        virtio.push((format!("blk{i}"), blk));
-    }
-    if let Some(v) = &cfg.vsock {
-        let vsock = Arc::new(Mutex::new(
-            Vsock::new(v.guest_cid, &v.uds_path).map_err(dev_err(format!("vsock {}", v.uds_path.display())))?,
-        ));
-        subscribers.push(vsock.clone());
-        virtio.push(("vsock".to_string(), vsock));
-    }
-    let mut cmdline_devices = Vec::new();
-    for (i, (name, dev)) in virtio.into_iter().enumerate() {
-        let base = layout::virtio_mmio_addr(i);
-        let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
-        let irq = IrqTrigger::new(irq_line(vm, irqchip, gsi)?);
-        let transport = MmioTransport::new(name.clone(), mem.clone(), dev, irq).map_err(dev_err(name))?;
-        let transport: Arc<Mutex<dyn BusDevice>> = Arc::new(Mutex::new(transport));
-        mmio.insert(transport, base, layout::VIRTIO_MMIO_SIZE)?;
-        cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
-    }
-
-    Ok(Devices { pio, mmio, subscribers, cmdline_devices })
-}
-
-/// Builds and runs the VM. Returns why it stopped.
-pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
-    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
-    let kvm = Kvm::new().map_err(VmmError::Kvm)?;
-    let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
-    vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
-    let mem = create_guest_memory(cfg.mem_bytes)?;
-    // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
-    let registration = {
-        let (vm, mem) = (vm.clone(), mem.clone());
-        std::thread::Builder::new()
-            .name("memslots".into())
-            .spawn(move || register_memory(&vm, &mem))
-            .map_err(dev_err("memslot thread"))?
-    };
-
-    let irqchip = create_irqchip(&vm);
-
-    tracing::debug!(irqchip, "vm created");
-    let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
-    let control = Arc::new(VcpuControl::new());
-    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit)?;
-
-    let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
-    tracing::debug!(?entry, irqchip, "guest loaded");
-
-    let pio = Arc::new(pio);
-    let mmio = Arc::new(mmio);
-    let mut vcpus = Vec::new();
-    for id in 0..cfg.vcpus {
-        vcpus.push(Vcpu::new(
-            &kvm,
-            &vm,
-            id,
-            cfg.vcpus,
-            &entry,
-            irqchip,
-            pio.clone(),
-            mmio.clone(),
-            exit.clone(),
-            control.clone(),
-        )?);
-    }
-
-    registration.join().map_err(|_| VmmError::EventLoop("memslot registration thread panicked".into()))??;
-    tracing::debug!("vcpus configured, guest memory registered");
+/// Runs `vm` until it stops; returns why. `api` is where the API socket listens, if anywhere.
+pub fn run(vm: Vm, signal_fd: OwnedFd, start_unix_ns: u64, api: Option<ApiEndpoint>) -> Result<ExitReason, VmmError> {
+    let Vm { kvm: _kvm, fd, mem, irqchip, config, devices, vcpus, exit, control, restore } = vm;
     let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));
-    for s in subscribers {
+    for s in devices.subscribers {
         em.add_subscriber(s);
     }
-    if let Some(path) = &cfg.api_socket {
+    if let Some(endpoint) = api {
         let controller = VmController {
             control: control.clone(),
             exit: exit.clone(),
-            vcpus: cfg.vcpus,
-            mem_mib: cfg.mem_bytes >> 20,
+            vcpus: config.vcpus,
+            mem_mib: config.mem_bytes >> 20,
             irqchip,
             start_unix_ns,
+            snapshotter: Some(Snapshotter {
+                vm: fd.clone(),
+                mem: mem.clone(),
+                devices: devices.saveable,
+                config: config.clone(),
+                irqchip,
+            }),
+            restore,
         };
-        let api = ApiServer::bind(path, controller).map_err(dev_err(format!("api socket {}", path.display())))?;
+        let api = ApiServer::new(endpoint, controller).map_err(dev_err("api socket"))?;
         em.add_subscriber(Arc::new(Mutex::new(api)));
     }
 
@@ -302,6 +110,7 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
             .map_err(dev_err("vcpu thread"))?;
         control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
     }
+    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "VM running");
 
     loop {
         if let Some(reason) = exit.reason() {

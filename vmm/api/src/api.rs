@@ -1,21 +1,37 @@
 //! The API socket's messages: one JSON object per line each way. A request is
-//! `{"cmd": "pause" | "resume" | "shutdown" | "info"}`; every request gets one [`Response`] line.
-//! Both sides bound a line's length, so neither can make the other buffer without limit.
+//! `{"cmd": "pause" | "resume" | "shutdown" | "info"}`, `{"cmd": "snapshot", "dir": "/path"}` or,
+//! to a `--prepare`d VMM, `{"cmd": "restore", "config": {..RestoreConfig..}}`; every request gets
+//! one [`Response`] line. Both sides bound a line's length, so neither can make the other buffer
+//! without limit.
+
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+use crate::restore::RestoreConfig;
 
 /// Longest request line the VMM reads; longer input closes the connection.
 pub const MAX_REQUEST_LINE: usize = 4096;
 /// Longest response line a client reads.
 pub const MAX_RESPONSE_LINE: usize = 16 * 1024;
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
 pub enum Request {
     Pause,
     Resume,
     Shutdown,
     Info,
+    /// Pauses every vCPU and writes the snapshot files into `dir` (created if missing; files are
+    /// replaced atomically). The VM stays paused: `resume` or `shutdown` it afterwards.
+    Snapshot {
+        dir: PathBuf,
+    },
+    /// To a VMM started with `--prepare`: restore the prepared snapshot with this run's settings.
+    /// The VM stays paused until `resume`.
+    Restore {
+        config: RestoreConfig,
+    },
 }
 
 /// Run state of the vCPUs as the API reports it.
@@ -24,6 +40,8 @@ pub enum Request {
 pub enum RunState {
     Running,
     Paused,
+    /// A `--prepare`d VMM waiting for its `restore` request.
+    Prepared,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
@@ -37,6 +55,44 @@ pub struct VmInfo {
     pub start_unix_ns: u64,
     /// Wall-clock ns of the first KVM_RUN, once it happened.
     pub first_kvm_run_unix_ns: Option<u64>,
+    /// How the restore went, for a restored VM.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub restore: Option<RestoreReport>,
+}
+
+/// What a snapshot wrote and how long it took.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone, Default)]
+pub struct SnapshotReport {
+    pub state_bytes: u64,
+    pub memory_bytes: u64,
+    /// Bytes of non-zero pages actually written (the memory file is sparse).
+    pub memory_written_bytes: u64,
+    pub pause_us: u64,
+    pub save_us: u64,
+    pub write_us: u64,
+    /// MSRs KVM lists as saveable that this host refused to read; they are not in the snapshot.
+    #[serde(default)]
+    pub msrs_unreadable: Vec<u32>,
+}
+
+/// One timed step of a restore. `kvm` steps are host KVM ioctls; the others are the VMM's own work.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
+pub struct RestorePhase {
+    pub name: String,
+    pub us: u64,
+    pub kvm: bool,
+}
+
+/// How a restore went, step by step, from reading the snapshot to vCPU threads waiting to run.
+/// A `--prepare`d VMM reports the prepare steps too (`prepared: true` on those).
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone, Default)]
+pub struct RestoreReport {
+    pub phases: Vec<RestorePhase>,
+    /// Wall-clock ns when the restore request arrived, for a prepared VMM.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub requested_unix_ns: Option<u64>,
+    /// Wall-clock ns when the VM was ready to resume.
+    pub ready_unix_ns: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
@@ -46,15 +102,19 @@ pub struct Response {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub info: Option<VmInfo>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub snapshot: Option<SnapshotReport>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub restore: Option<RestoreReport>,
 }
 
 impl Response {
     pub fn ok() -> Self {
-        Self { ok: true, error: None, info: None }
+        Self { ok: true, error: None, info: None, snapshot: None, restore: None }
     }
 
     pub fn error(message: impl Into<String>) -> Self {
-        Self { ok: false, error: Some(message.into()), info: None }
+        Self { ok: false, error: Some(message.into()), ..Self::ok() }
     }
 }
 
@@ -99,6 +159,15 @@ mod tests {
         assert_eq!(parse_request(br#"{"cmd":"pause"}"#), Ok(Request::Pause));
         assert_eq!(parse_request(br#"{"cmd":"info"}"#), Ok(Request::Info));
         assert!(parse_request(br#"{"cmd":"reboot"}"#).is_err());
+        assert_eq!(
+            parse_request(br#"{"cmd":"snapshot","dir":"/var/snap"}"#),
+            Ok(Request::Snapshot { dir: "/var/snap".into() })
+        );
+        let restore = parse_request(br#"{"cmd":"restore","config":{"vsock_uds_path":"/run/v.sock"}}"#).unwrap();
+        let Request::Restore { config } = restore else { panic!("not a restore") };
+        assert_eq!(config.vsock_uds_path, Some("/run/v.sock".into()));
+        assert!(parse_request(br#"{"cmd":"restore","config":{"vcpus":4}}"#).is_err(), "unknown run setting");
+        assert!(parse_request(br#"{"cmd":"snapshot"}"#).is_err(), "a snapshot needs a dir");
         assert!(parse_request(b"\xff\xfe").is_err());
         assert!(matches!(parse_request(&[b' '; MAX_REQUEST_LINE + 1]), Err(MessageError::TooLong(_))));
     }
@@ -116,8 +185,13 @@ mod tests {
             irqchip: true,
             start_unix_ns: 1,
             first_kvm_run_unix_ns: None,
+            restore: Some(RestoreReport {
+                phases: vec![RestorePhase { name: "memslots".into(), us: 5000, kvm: true }],
+                requested_unix_ns: None,
+                ready_unix_ns: 2,
+            }),
         };
-        let resp = Response { ok: true, error: None, info: Some(info) };
+        let resp = Response { info: Some(info), snapshot: Some(SnapshotReport::default()), ..Response::ok() };
         let line = encode_line(&resp);
         assert_eq!(parse_response(&line[..line.len() - 1]), Ok(resp));
         assert!(parse_response(br#"{"ok":"#).is_err());

@@ -180,14 +180,15 @@ fn default_raw_load() -> u64 {
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux";
 
 /// What we boot.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum BootSource {
     Linux { kernel: PathBuf, initramfs: Option<PathBuf>, cmdline: String },
     Raw(RawGuestConfig),
 }
 
-/// A config that passed validation.
-#[derive(Debug, Clone, PartialEq)]
+/// A config that passed validation. Serialisable because a snapshot records the config its VM
+/// was built from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ValidConfig {
     pub boot: BootSource,
     pub vcpus: u8,
@@ -312,7 +313,7 @@ impl VmConfig {
     }
 }
 
-fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
     let err = |reason: String| ConfigError::Path { what, path: path.to_owned(), reason };
     let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
     if !meta.is_file() {
@@ -321,7 +322,7 @@ fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn parent_dir_exists(what: &'static str, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn parent_dir_exists(what: &'static str, path: &Path) -> Result<(), ConfigError> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
         return Err(ConfigError::Path {

@@ -5,7 +5,8 @@
 //! - [`config`]: the VM config document (JSON) and its validation;
 //! - [`jail`]: how the VMM is confined (chroot, uid/gid, namespaces, cgroup);
 //! - [`api`]: the API socket's request and response lines, bounded on both sides;
-//! - [`probe`]: what kind of KVM this host offers, the one probe every crate uses.
+//! - [`probe`]: what kind of KVM this host offers, the one probe every crate uses;
+//! - [`restore`]: a snapshot directory's files and the per-run settings of a restore.
 //!
 //! Boundaries: plain data, parsing and validation only. Building and running a VM is `bulkhead-vmm`'s.
 
@@ -13,3 +14,4 @@ pub mod api;
 pub mod config;
 pub mod jail;
 pub mod probe;
+pub mod restore;

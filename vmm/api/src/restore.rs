@@ -1,0 +1,108 @@
+//! Restoring a VM from a snapshot: the snapshot directory's layout and the per-run settings a
+//! restore takes. A snapshot fixes the VM's shape and guest state; what differs per pod (its
+//! sockets, its console log, its disks) comes from the [`RestoreConfig`] of each run.
+//!
+//! Used two ways: `bulkhead-vmm --restore DIR --restore-config FILE` restores at once (and waits
+//! paused for the API's `resume`); `bulkhead-vmm --prepare DIR --api-socket SOCK` does the
+//! expensive host work ahead of time and restores on the API's `restore` request, which carries
+//! a `RestoreConfig`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{BlockConfig, ConfigError, MAX_BLOCK_DEVICES, MAX_CONFIG_BYTES};
+
+/// The state file (versioned, checksummed) inside a snapshot directory.
+pub const STATE_FILE: &str = "state";
+/// The guest memory file inside a snapshot directory; restores map it private and never write it.
+pub const MEMORY_FILE: &str = "memory";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreConfig {
+    /// The API socket of this run (`--prepare` takes it on the command line instead).
+    #[serde(default)]
+    pub api_socket: Option<PathBuf>,
+    /// Where this run's 8250 output goes; without it, serial output is dropped.
+    #[serde(default)]
+    pub serial_log: Option<PathBuf>,
+    /// This run's hybrid-vsock socket. Required when the snapshot has a vsock device: two VMs
+    /// cannot listen on one path.
+    #[serde(default)]
+    pub vsock_uds_path: Option<PathBuf>,
+    /// This run's disks, one per disk of the snapshot, same sizes and read-only flags. Empty
+    /// means the snapshot's own paths.
+    #[serde(default)]
+    pub block: Vec<BlockConfig>,
+}
+
+impl RestoreConfig {
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge);
+        }
+        Ok(serde_json::from_str(text)?)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let read_err = |source| ConfigError::Read { path: path.to_owned(), source };
+        if std::fs::metadata(path).map_err(read_err)?.len() > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge);
+        }
+        Self::from_json(&std::fs::read_to_string(path).map_err(read_err)?)
+    }
+
+    /// Checks what can be checked without the snapshot: paths and counts.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (what, p) in [
+            ("api_socket", &self.api_socket),
+            ("serial_log", &self.serial_log),
+            ("vsock uds_path", &self.vsock_uds_path),
+        ] {
+            if let Some(p) = p {
+                crate::config::parent_dir_exists(what, p)?;
+            }
+        }
+        if self.block.len() > MAX_BLOCK_DEVICES {
+            return Err(ConfigError::TooManyBlock(self.block.len()));
+        }
+        for b in &self.block {
+            crate::config::readable_file("block device", &b.path)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_validates() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk");
+        std::fs::write(&disk, [0u8; 512]).unwrap();
+        let json = format!(
+            r#"{{"api_socket":"{d}/api","serial_log":"{d}/serial","vsock_uds_path":"{d}/v.sock","block":[{{"path":"{p}"}}]}}"#,
+            d = dir.path().display(),
+            p = disk.display()
+        );
+        let c = RestoreConfig::from_json(&json).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.block[0].path, disk);
+        assert_eq!(RestoreConfig::from_json("{}").unwrap(), RestoreConfig::default());
+    }
+
+    #[test]
+    fn bad_run_settings_are_refused() {
+        assert!(RestoreConfig::from_json(r#"{"vcpus":2}"#).is_err(), "the shape comes from the snapshot");
+        let c = RestoreConfig { serial_log: Some("/nonexistent/dir/log".into()), ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("serial_log"));
+        let c = RestoreConfig {
+            block: vec![BlockConfig { path: "/nonexistent".into(), read_only: false }],
+            ..Default::default()
+        };
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,110 @@
+//! The state of a VM's whole device set, and handles on the live devices that produce it: a
+//! snapshot walks these, a restore hands each entry back to its device's `Persist::restore`.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::bus::lock;
+use super::legacy::i8042::I8042;
+use super::legacy::persist::{I8042Snapshot, SerialSnapshot};
+use super::legacy::serial::SerialDevice;
+use super::virtio::block::persist::BlockSnapshot;
+use super::virtio::block::Block;
+use super::virtio::mmio::MmioTransport;
+use super::virtio::persist::MmioTransportSnapshot;
+use super::virtio::vsock::persist::VsockSnapshot;
+use super::virtio::vsock::Vsock;
+use crate::persist::Persist;
+
+/// Every device, in bus order.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DevicesState {
+    pub serial: SerialSnapshot,
+    pub i8042: I8042Snapshot,
+    /// One entry per virtio-mmio slot, in slot order.
+    pub virtio: Vec<VirtioSlotState>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VirtioSlotState {
+    /// The slot's device name (`blk0`, `vsock`, ...): a restore matches devices by it.
+    pub name: String,
+    pub transport: MmioTransportSnapshot,
+    pub device: VirtioDeviceState,
+}
+
+/// The state of one virtio device, by kind.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub enum VirtioDeviceState {
+    Block(BlockSnapshot),
+    Vsock(VsockSnapshot),
+}
+
+impl VirtioDeviceState {
+    pub fn block(&self) -> Option<&BlockSnapshot> {
+        match self {
+            Self::Block(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn vsock(&self) -> Option<&VsockSnapshot> {
+        match self {
+            Self::Vsock(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// A virtio device by kind, so a snapshot can save its typed state.
+#[derive(Clone)]
+pub enum VirtioHandle {
+    Block(Arc<Mutex<Block>>),
+    Vsock(Arc<Mutex<Vsock>>),
+}
+
+impl VirtioHandle {
+    fn save(&self) -> VirtioDeviceState {
+        match self {
+            VirtioHandle::Block(d) => VirtioDeviceState::Block(lock(d).save()),
+            VirtioHandle::Vsock(d) => VirtioDeviceState::Vsock(lock(d).save()),
+        }
+    }
+}
+
+/// One virtio-mmio slot: its transport and its device.
+#[derive(Clone)]
+pub struct SaveableSlot {
+    pub name: String,
+    pub transport: Arc<Mutex<MmioTransport>>,
+    pub device: VirtioHandle,
+}
+
+/// Handles on every device with state, in the order a snapshot lists them.
+#[derive(Clone)]
+pub struct SaveableDevices {
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub i8042: Arc<Mutex<I8042>>,
+    pub virtio: Vec<SaveableSlot>,
+}
+
+impl SaveableDevices {
+    /// Every device's state. Call on the event-loop thread (no device work runs meanwhile) with
+    /// the vCPUs paused.
+    pub fn save(&self) -> DevicesState {
+        DevicesState {
+            serial: lock(&self.serial).save(),
+            i8042: lock(&self.i8042).save(),
+            virtio: self
+                .virtio
+                .iter()
+                .map(|s| VirtioSlotState {
+                    name: s.name.clone(),
+                    transport: lock(&s.transport).save(),
+                    device: s.device.save(),
+                })
+                .collect(),
+        }
+    }
+}
