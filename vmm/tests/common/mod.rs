@@ -35,7 +35,9 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
     // Tests build the same guest concurrently: compile privately, then rename into place.
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let tmp = out_dir.join(format!("{name}.{}.{seq}.tmp", std::process::id()));
+    // rustc names its intermediate objects after the output's stem (up to the first dot): keep
+    // the stem unique too, or two builds of one guest clobber each other's objects.
+    let tmp = out_dir.join(format!("{name}-{}-{seq}.tmp", std::process::id()));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let output = Command::new(rustc)
         .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
@@ -87,9 +89,13 @@ impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
+        Self::spawn_args(dir, &["--config".as_ref(), cfg_path.as_os_str()], timeout)
+    }
+
+    /// Runs the VMM with `args`; `dir` holds its serial log.
+    pub fn spawn_args(dir: &Path, args: &[&std::ffi::OsStr], timeout: Duration) -> Self {
         let child = Command::new(VMM)
-            .arg("--config")
-            .arg(&cfg_path)
+            .args(args)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -148,6 +154,30 @@ impl Drop for VmmProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// One API request on a fresh connection; the answer as JSON. Bounded by `timeout`.
+pub fn api_request(socket: &Path, request: &serde_json::Value, timeout: Duration) -> serde_json::Value {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
+    s.write_all(format!("{request}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad API answer {line:?}: {e}"))
+}
+
+/// Polls `dir/serial.log` until `done` holds for its text; panics after `timeout`.
+pub fn wait_for_serial_text(dir: &Path, timeout: Duration, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = read_serial(dir);
+        if done(&text) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "serial never showed {what}; it holds: {text:?}");
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

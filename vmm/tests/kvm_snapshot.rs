@@ -1,0 +1,246 @@
+//! KVM integration: snapshot a running test guest, restore it in new `bulkhead-vmm` processes
+//! (at once with `--restore`, or on request with `--prepare`), and check it carries on where it
+//! stopped, that restores share nothing writable, that damaged snapshots are refused, and that a
+//! restored vsock device tells the guest its transport was reset.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+const API_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Counts printed so far: the numbers of complete `count <hex>` lines.
+fn counts(text: &str) -> Vec<u64> {
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete.lines().filter_map(|l| l.strip_prefix("count ")).filter_map(|h| u64::from_str_radix(h, 16).ok()).collect()
+}
+
+/// The serial output of a VM up to its snapshot followed by a restored run's output must read
+/// as one unbroken count: nothing repeated (not from zero), nothing skipped.
+fn assert_continues(before: &str, after: &str) {
+    let joined = format!("{before}{after}");
+    let all = counts(&joined);
+    assert!(all.len() > counts(before).len(), "the restored run printed no count: {after:?}");
+    for (i, n) in all.iter().enumerate() {
+        assert_eq!(*n, i as u64 + 1, "count broken at line {i}: before {before:?} after {after:?}");
+    }
+}
+
+struct Snapshotted {
+    dir: tempfile::TempDir,
+    snap: PathBuf,
+    /// The original VM's serial output up to the snapshot.
+    serial: String,
+}
+
+/// Boots `guest`, waits for `ready` on its console, snapshots it and stops it.
+fn boot_and_snapshot(guest: &Path, extra: serde_json::Value, ready: &str) -> Snapshotted {
+    let dir = tempfile::tempdir().unwrap();
+    let api = dir.path().join("api.sock");
+    let mut cfg = raw_config(dir.path(), guest);
+    cfg["api_socket"] = json!(api);
+    for (k, v) in extra.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
+    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_serial_text(dir.path(), GUEST_TIMEOUT, ready, |t| t.contains(ready));
+    let snap = dir.path().join("snap");
+    let resp = api_request(&api, &json!({"cmd": "snapshot", "dir": snap}), API_TIMEOUT);
+    if resp["ok"] != true {
+        let run = vmm.kill_and_collect();
+        panic!("snapshot failed: {resp}\nstderr:\n{}", run.stderr);
+    }
+    assert!(resp["snapshot"]["state_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(resp["snapshot"]["memory_bytes"], 32 << 20);
+    assert_eq!(api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "paused");
+    // Paused: nothing more reaches the console.
+    let serial = read_serial(dir.path());
+    assert_eq!(api_request(&api, &json!({"cmd": "shutdown"}), API_TIMEOUT)["ok"], true);
+    let run = vmm.wait();
+    assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
+    assert_eq!(run.serial, serial, "the VM printed after its snapshot");
+    Snapshotted { dir, snap, serial }
+}
+
+/// A restored VMM in its own directory (serial.log, api.sock).
+fn restore(snap: &Path, run_dir: &Path, extra: serde_json::Value) -> VmmProcess {
+    std::fs::create_dir_all(run_dir).unwrap();
+    let mut run = json!({"api_socket": run_dir.join("api.sock"), "serial_log": run_dir.join("serial.log")});
+    for (k, v) in extra.as_object().unwrap() {
+        run[k] = v.clone();
+    }
+    let run_cfg = run_dir.join("restore.json");
+    std::fs::write(&run_cfg, run.to_string()).unwrap();
+    VmmProcess::spawn_args(
+        run_dir,
+        &["--restore".as_ref(), snap.as_os_str(), "--restore-config".as_ref(), run_cfg.as_os_str()],
+        GUEST_TIMEOUT,
+    )
+}
+
+fn resume(run_dir: &Path) {
+    let api = run_dir.join("api.sock");
+    wait_for_path(&api, Duration::from_secs(10));
+    let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
+    assert_eq!(info["info"]["state"], "paused", "a restored VM waits for resume: {info}");
+    assert!(info["info"]["first_kvm_run_unix_ns"].is_null(), "no vCPU ran before resume: {info}");
+    assert!(!info["info"]["restore"]["phases"].as_array().unwrap().is_empty(), "{info}");
+    assert_eq!(api_request(&api, &json!({"cmd": "resume"}), API_TIMEOUT)["ok"], true);
+}
+
+fn shutdown(vmm: VmmProcess, run_dir: &Path) -> Run {
+    assert_eq!(api_request(&run_dir.join("api.sock"), &json!({"cmd": "shutdown"}), API_TIMEOUT)["ok"], true);
+    let run = vmm.wait();
+    assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
+    run
+}
+
+/// Waits until `run_dir`'s console shows at least `n` counts.
+fn wait_counts(run_dir: &Path, n: usize) -> String {
+    wait_for_serial_text(run_dir, GUEST_TIMEOUT, &format!("{n} counts"), |t| counts(t).len() >= n)
+}
+
+#[test]
+fn restored_guest_continues_counting_in_a_new_process() {
+    let Some(guest) = guest_or_skip("counter") else { return };
+    let s = boot_and_snapshot(&guest, json!({}), "count 5\n");
+    assert!(counts(&s.serial).len() >= 5);
+    let run_dir = s.dir.path().join("restored");
+    let vmm = restore(&s.snap, &run_dir, json!({}));
+    resume(&run_dir);
+    wait_counts(&run_dir, 5);
+    let run = shutdown(vmm, &run_dir);
+    assert!(!run.serial.contains("counter up"), "the guest started over: {:?}", run.serial);
+    assert_continues(&s.serial, &run.serial);
+}
+
+#[test]
+fn two_restores_run_side_by_side_and_never_write_the_snapshot() {
+    let Some(guest) = guest_or_skip("counter") else { return };
+    let s = boot_and_snapshot(&guest, json!({}), "count 3\n");
+    let memory = std::fs::read(s.snap.join("memory")).unwrap();
+    let state = std::fs::read(s.snap.join("state")).unwrap();
+
+    // A restores at once; B is prepared ahead and restored on request.
+    let (a_dir, b_dir) = (s.dir.path().join("a"), s.dir.path().join("b"));
+    let a = restore(&s.snap, &a_dir, json!({}));
+    std::fs::create_dir_all(&b_dir).unwrap();
+    let b_api = b_dir.join("api.sock");
+    let b = VmmProcess::spawn_args(
+        &b_dir,
+        &["--prepare".as_ref(), s.snap.as_os_str(), "--api-socket".as_ref(), b_api.as_os_str()],
+        GUEST_TIMEOUT,
+    );
+    wait_for_path(&b_api, Duration::from_secs(10));
+    assert_eq!(api_request(&b_api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "prepared");
+    let refused = api_request(&b_api, &json!({"cmd": "restore", "config": {"vsock_uds_path": "/tmp/x"}}), API_TIMEOUT);
+    assert!(refused["error"].as_str().unwrap().contains("no vsock device"), "{refused}");
+    let restored = api_request(
+        &b_api,
+        &json!({"cmd": "restore", "config": {"serial_log": b_dir.join("serial.log")}}),
+        API_TIMEOUT,
+    );
+    assert_eq!(restored["ok"], true, "{restored}");
+    assert!(restored["restore"]["requested_unix_ns"].is_u64(), "{restored}");
+
+    // A runs well ahead of B; then both run together. Each must count on from the snapshot on
+    // its own: a shared page would show up as skipped numbers.
+    resume(&a_dir);
+    wait_counts(&a_dir, 10);
+    resume(&b_dir);
+    wait_counts(&b_dir, 10);
+    wait_counts(&a_dir, 20);
+    let a_run = shutdown(a, &a_dir);
+    let b_run = shutdown(b, &b_dir);
+    assert_continues(&s.serial, &a_run.serial);
+    assert_continues(&s.serial, &b_run.serial);
+    assert!(std::fs::read(s.snap.join("memory")).unwrap() == memory, "a restore wrote to the memory file");
+    assert_eq!(std::fs::read(s.snap.join("state")).unwrap(), state);
+}
+
+fn copy_snapshot(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for f in ["state", "memory"] {
+        std::fs::copy(from.join(f), to.join(f)).unwrap();
+    }
+}
+
+/// Restoring `snap` must fail at once with `needle` in the error.
+fn assert_refused(snap: &Path, run_dir: &Path, needle: &str) {
+    let run = restore(snap, run_dir, json!({})).wait();
+    assert_eq!(run.status.code(), Some(1), "{needle}: {}", run.stderr);
+    assert!(run.stderr.contains(needle), "expected {needle:?} in:\n{}", run.stderr);
+    assert!(!run_dir.join("api.sock").exists(), "a refused restore serves no API");
+}
+
+#[test]
+fn damaged_snapshots_are_refused_with_a_clear_error() {
+    let Some(guest) = guest_or_skip("counter") else { return };
+    let s = boot_and_snapshot(&guest, json!({}), "count 1\n");
+    let state = std::fs::read(s.snap.join("state")).unwrap();
+    let cases: [(&str, Box<dyn Fn(&Path)>, &str); 5] = [
+        (
+            "truncated",
+            Box::new(|d: &Path| std::fs::write(d.join("state"), &state[..state.len() - 100]).unwrap()),
+            "state file is truncated",
+        ),
+        (
+            "flipped",
+            Box::new(|d: &Path| {
+                let mut b = state.clone();
+                b[state.len() / 2] ^= 0x01;
+                std::fs::write(d.join("state"), b).unwrap();
+            }),
+            "state file is corrupt: checksum mismatch",
+        ),
+        (
+            "future",
+            Box::new(|d: &Path| {
+                let mut b = state.clone();
+                b[8..12].copy_from_slice(&2u32.to_le_bytes());
+                std::fs::write(d.join("state"), b).unwrap();
+            }),
+            "snapshot format version 2 is not supported",
+        ),
+        (
+            "short-memory",
+            Box::new(|d: &Path| {
+                std::fs::File::options().write(true).open(d.join("memory")).unwrap().set_len(4096).unwrap()
+            }),
+            "holds 4096 bytes",
+        ),
+        ("no-state", Box::new(|d: &Path| std::fs::remove_file(d.join("state")).unwrap()), "cannot read state file"),
+    ];
+    for (name, damage, needle) in cases {
+        let snap = s.dir.path().join(format!("snap-{name}"));
+        copy_snapshot(&s.snap, &snap);
+        damage(&snap);
+        assert_refused(&snap, &s.dir.path().join(format!("run-{name}")), needle);
+    }
+}
+
+#[test]
+fn restored_vsock_tells_the_guest_its_transport_was_reset() {
+    let Some(guest) = guest_or_skip("vsock_reset") else { return };
+    let orig = tempfile::tempdir().unwrap();
+    let vsock = json!({"vsock": {"uds_path": orig.path().join("v.sock"), "guest_cid": 3}});
+    let s = boot_and_snapshot(&guest, vsock, "vsock ready\n");
+    assert!(!s.serial.contains("event"), "no event before the snapshot: {:?}", s.serial);
+    let run_dir = s.dir.path().join("restored");
+    let uds = run_dir.join("v.sock");
+    // The snapshot's own socket path must not be reused by the restore.
+    let refused = restore(&s.snap, &s.dir.path().join("no-vsock"), json!({})).wait();
+    assert!(refused.stderr.contains("vsock_uds_path"), "{}", refused.stderr);
+    let vmm = restore(&s.snap, &run_dir, json!({"vsock_uds_path": uds}));
+    resume(&run_dir);
+    assert!(uds.exists(), "the restored VM listens on its own vsock socket");
+    let run = vmm.wait();
+    assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
+    assert_eq!(run.serial, "event 0 len 4\n", "stderr:\n{}", run.stderr);
+}
