@@ -27,6 +27,8 @@ use bulkhead_vmm::devices::virtio::vsock::packet::{self, TxPacket, VsockHeader, 
 use bulkhead_vmm::devices::virtio::vsock::unix::muxer::{self, VsockMuxer};
 use bulkhead_vmm::devices::virtio::vsock::{self, Vsock, HOST_CID, MAX_PKT_PAYLOAD};
 use bulkhead_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+use bulkhead_vmm::snapshot::file as state_file;
+use bulkhead_vmm::snapshot::state::{FpuState, KvmVmState, VcpuState, VmState, XSAVE_WORDS};
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
@@ -598,4 +600,70 @@ pub fn vsock_muxer(data: &[u8]) {
         }
     }
     assert!(mx.connection_count() <= 64 * 4);
+}
+
+/// This host's CPU as the snapshot decoder sees it in the `snapshot_state` target.
+const FUZZ_CPU: (&str, &[u8; 32]) = ("FuzzCPU", &[7; 32]);
+
+/// A small valid state (one vCPU, a serial port, no virtio devices), to mutate.
+fn sample_state() -> VmState {
+    use bulkhead_vmm::config::{BootSource, RawFormat, RawGuestConfig, ValidConfig};
+    use bulkhead_vmm::devices::persist::DevicesState;
+    let config = ValidConfig {
+        boot: BootSource::Raw(RawGuestConfig { image: "/g".into(), format: RawFormat::Elf, load_addr: 0x10_0000 }),
+        vcpus: 1,
+        mem_bytes: 32 << 20,
+        serial_log: None,
+        vsock: None,
+        block: vec![],
+        fs: vec![],
+        net: vec![],
+        api_socket: None,
+    };
+    let vcpu = VcpuState {
+        id: 0,
+        cpuid: vec![kvm_bindings::kvm_cpuid_entry2 { function: 1, ..Default::default() }],
+        mp_state: Default::default(),
+        regs: Default::default(),
+        sregs: Default::default(),
+        fpu: FpuState::default(),
+        xsave: vec![0; XSAVE_WORDS],
+        xcrs: None,
+        debugregs: Default::default(),
+        lapic: None,
+        msrs: vec![kvm_bindings::kvm_msr_entry { index: 0x10, ..Default::default() }],
+        vcpu_events: Default::default(),
+        tsc_khz: None,
+    };
+    VmState {
+        config,
+        host_cpu: "FuzzCPU".into(),
+        mem_file_bytes: 32 << 20,
+        vm: KvmVmState { irqchip: None, pit: None, clock: Default::default() },
+        vcpus: vec![vcpu],
+        devices: DevicesState { serial: Default::default(), i8042: Default::default(), virtio: vec![] },
+    }
+}
+
+/// The snapshot state-file decoder, three ways by the first byte: the input as a whole file
+/// (header checks), as a correctly sealed body (the postcard decoder and the state checks), or
+/// as XOR noise over a valid sample body (near-valid states). A decoded state must re-encode.
+pub fn snapshot_state(data: &[u8]) {
+    let Some((&mode, rest)) = data.split_first() else { return };
+    let file = match mode % 3 {
+        0 => rest.to_vec(),
+        1 => state_file::seal(rest, FUZZ_CPU.1),
+        _ => {
+            let Ok(mut body) = postcard::to_stdvec(&sample_state()) else { return };
+            for (b, x) in body.iter_mut().zip(rest) {
+                *b ^= x;
+            }
+            state_file::seal(&body, FUZZ_CPU.1)
+        }
+    };
+    if let Ok(state) = state_file::decode(&file, FUZZ_CPU) {
+        state.check().expect("decode returns only checked states");
+        let again = state_file::encode(&state, FUZZ_CPU.1).expect("a decoded state encodes");
+        assert!(state_file::decode(&again, FUZZ_CPU).is_ok(), "re-encoded state does not decode");
+    }
 }

@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 8] = [
+const BODIES: [(&str, Body); 9] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -15,6 +15,7 @@ const BODIES: [(&str, Body); 8] = [
     ("virtio_blk", bulkhead_fuzz::virtio_blk),
     ("virtio_vsock", bulkhead_fuzz::virtio_vsock),
     ("vsock_muxer", bulkhead_fuzz::vsock_muxer),
+    ("snapshot_state", bulkhead_fuzz::snapshot_state),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -26,6 +27,9 @@ fn seeds() -> Vec<Vec<u8>> {
         vec![b'A'; 100],
         vec![0xff; 300],
         vec![0; 4096],
+        // snapshot_state: a valid sample state as is, and with one byte of its body changed.
+        vec![2],
+        vec![5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
     ];
     s.push(StreamHeader::new("ctr", Some("exec-1"), StreamKind::Tty).encode().expect("valid header"));
     s
