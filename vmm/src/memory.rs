@@ -6,7 +6,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::FromRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use vm_memory::mmap::MmapRegionBuilder;
@@ -46,7 +46,9 @@ pub struct SavedMemory {
 /// Writes every RAM region, in order, into a new sparse file at `path`.
 pub fn save_guest_memory(mem: &GuestMemoryMmap, path: &Path) -> Result<SavedMemory, MemoryError> {
     let err = |source| MemoryError::File { path: path.display().to_string(), source };
-    let file = File::create(path).map_err(err)?;
+    // Guest memory may hold secrets: owner-only.
+    let file =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path).map_err(err)?;
     let mut offset = 0u64;
     let mut written = 0u64;
     let mut buf = vec![0u8; SAVE_CHUNK];
@@ -142,6 +144,8 @@ mod tests {
         a.write_obj(0xdeadu32, GuestAddress(0x1000)).unwrap();
         assert_eq!(b.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0x1122_3344, "private to each VM");
         assert_eq!(std::fs::read(&path).unwrap(), before, "the file is never written");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
 
         let err = map_snapshot_memory(&path, 32 << 20).unwrap_err();
         assert!(err.to_string().contains("holds 16777216 bytes"), "{err}");

@@ -54,6 +54,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
     move |source| SnapshotError::Io { path: path.to_owned(), source }
 }
 
+/// Writes and syncs an owner-only file (the state holds guest registers).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
 impl Snapshotter {
     /// Pauses the VM (it stays paused) and writes a snapshot into `dir`.
     pub fn take(&self, control: &VcpuControl, dir: &Path) -> Result<SnapshotReport, SnapshotError> {
@@ -93,8 +102,7 @@ impl Snapshotter {
         let (state_path, memory_path) = (dir.join(STATE_FILE), dir.join(MEMORY_FILE));
         let (state_tmp, memory_tmp) = (dir.join(".state.tmp"), dir.join(".memory.tmp"));
         let memory = save_guest_memory(&self.mem, &memory_tmp)?;
-        std::fs::write(&state_tmp, &bytes).map_err(io(&state_tmp))?;
-        std::fs::File::open(&state_tmp).and_then(|f| f.sync_all()).map_err(io(&state_tmp))?;
+        write_private(&state_tmp, &bytes).map_err(io(&state_tmp))?;
         // No moment where an old state file describes the new memory file.
         match std::fs::remove_file(&state_path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&state_path)(e)),

@@ -79,6 +79,11 @@ pub fn encode(state: &VmState, fingerprint: &[u8; 32]) -> Result<Vec<u8>, Snapsh
     if body.len() as u64 > MAX_BODY_BYTES {
         return Err(SnapshotFileError::TooLarge(body.len() as u64));
     }
+    Ok(seal(&body, fingerprint))
+}
+
+/// Wraps an encoded body in a header with its checksum.
+pub fn seal(body: &[u8], fingerprint: &[u8; 32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + body.len());
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -86,10 +91,10 @@ pub fn encode(state: &VmState, fingerprint: &[u8; 32]) -> Result<Vec<u8>, Snapsh
     out.extend_from_slice(fingerprint);
     out.extend_from_slice(&(body.len() as u64).to_le_bytes());
     out.extend_from_slice(&[0u8; 40]);
-    out.extend_from_slice(&body);
+    out.extend_from_slice(body);
     let sum = checksum(&out);
     out[56..88].copy_from_slice(&sum);
-    Ok(out)
+    out
 }
 
 fn header(bytes: &[u8]) -> Result<Header, SnapshotFileError> {
