@@ -382,3 +382,35 @@ pub fn install_kick_handler() -> std::io::Result<()> {
     vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
         .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parked_vcpus_answer_save_requests_until_resumed() {
+        let c = Arc::new(VcpuControl::new_paused());
+        let parked = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                c.park(0, |msrs| {
+                    let mut s = crate::snapshot::file::tests::sample_state().vcpus.remove(0);
+                    s.msrs.truncate(msrs.len());
+                    Ok((s, vec![0x99]))
+                })
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while c.lock().parked < 1 {
+            assert!(Instant::now() < deadline, "the vCPU never parked");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let saved = c.save_vcpus(1, vec![0x10], Duration::from_secs(10)).unwrap();
+        assert_eq!((saved.len(), saved[0].1.clone(), saved[0].0.msrs.len()), (1, vec![0x99], 1));
+        assert!(c.save_vcpus(2, vec![], Duration::from_millis(10)).is_err(), "only one vCPU is parked");
+        c.resume();
+        parked.join().unwrap();
+        assert_eq!(c.state(), RunState::Running);
+        assert!(c.save_vcpus(1, vec![], Duration::from_millis(10)).is_err(), "a running VM cannot be saved");
+    }
+}

@@ -109,7 +109,9 @@ fn wait_counts(run_dir: &Path, n: usize) -> String {
 #[test]
 fn restored_guest_continues_counting_in_a_new_process() {
     let Some(guest) = guest_or_skip("counter") else { return };
-    let s = boot_and_snapshot(&guest, json!({}), "count 5\n");
+    // A disk rides along (its slot, transport and device state): the restore keeps its path.
+    let disks = tempfile::tempdir().unwrap();
+    let s = boot_and_snapshot(&guest, json!({"block": [{"path": zero_disk(disks.path(), 8192)}]}), "count 5\n");
     assert!(counts(&s.serial).len() >= 5);
     let run_dir = s.dir.path().join("restored");
     let vmm = restore(&s.snap, &run_dir, json!({}));
@@ -123,13 +125,24 @@ fn restored_guest_continues_counting_in_a_new_process() {
 #[test]
 fn two_restores_run_side_by_side_and_never_write_the_snapshot() {
     let Some(guest) = guest_or_skip("counter") else { return };
-    let s = boot_and_snapshot(&guest, json!({}), "count 3\n");
+    let disks = tempfile::tempdir().unwrap();
+    let s = boot_and_snapshot(&guest, json!({"block": [{"path": zero_disk(disks.path(), 8192)}]}), "count 3\n");
     let memory = std::fs::read(s.snap.join("memory")).unwrap();
     let state = std::fs::read(s.snap.join("state")).unwrap();
+    // Each restore gets its own copy of the disk.
+    let disk_for = |name: &str| {
+        let p = disks.path().join(format!("{name}.img"));
+        std::fs::write(&p, vec![0u8; 8192]).unwrap();
+        json!([{ "path": p }])
+    };
+    let wrong_size = disks.path().join("small.img");
+    std::fs::write(&wrong_size, vec![0u8; 4096]).unwrap();
+    let refused = restore(&s.snap, &s.dir.path().join("small"), json!({"block": [{ "path": wrong_size }]})).wait();
+    assert!(refused.stderr.contains("holds 8 sectors, the snapshot's disk held 16"), "{}", refused.stderr);
 
     // A restores at once; B is prepared ahead and restored on request.
     let (a_dir, b_dir) = (s.dir.path().join("a"), s.dir.path().join("b"));
-    let a = restore(&s.snap, &a_dir, json!({}));
+    let a = restore(&s.snap, &a_dir, json!({"block": disk_for("a")}));
     std::fs::create_dir_all(&b_dir).unwrap();
     let b_api = b_dir.join("api.sock");
     let b = VmmProcess::spawn_args(
@@ -141,11 +154,8 @@ fn two_restores_run_side_by_side_and_never_write_the_snapshot() {
     assert_eq!(api_request(&b_api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "prepared");
     let refused = api_request(&b_api, &json!({"cmd": "restore", "config": {"vsock_uds_path": "/tmp/x"}}), API_TIMEOUT);
     assert!(refused["error"].as_str().unwrap().contains("no vsock device"), "{refused}");
-    let restored = api_request(
-        &b_api,
-        &json!({"cmd": "restore", "config": {"serial_log": b_dir.join("serial.log")}}),
-        API_TIMEOUT,
-    );
+    let b_run = json!({"serial_log": b_dir.join("serial.log"), "block": disk_for("b")});
+    let restored = api_request(&b_api, &json!({"cmd": "restore", "config": b_run}), API_TIMEOUT);
     assert_eq!(restored["ok"], true, "{restored}");
     assert!(restored["restore"]["requested_unix_ns"].is_u64(), "{restored}");
 
