@@ -105,7 +105,7 @@ pub struct Devices {
     pub mmio: Arc<Bus>,
     pub subscribers: Vec<Subscriber>,
     /// (base, size, gsi) of each virtio-mmio device, for the kernel cmdline.
-    pub cmdline_devices: Vec<(u64, u64, u32)>,
+    pub cmdline_devices: Vec<CmdlineDevice>,
     /// The devices as a snapshot saves them.
     pub saveable: SaveableDevices,
 }
@@ -166,7 +166,22 @@ fn create_vm(kvm: &Kvm) -> Result<Arc<VmFd>, VmmError> {
 /// on a restore, the state saved for that slot.
 struct VirtioSlots<'a> {
     saved: Option<&'a [VirtioSlotState]>,
-    built: Vec<(Slot<'a>, Arc<Mutex<dyn VirtioDevice>>, VirtioHandle)>,
+    built: Vec<BuiltSlot<'a>>,
+}
+
+struct BuiltSlot<'a> {
+    slot: Slot<'a>,
+    device: Arc<Mutex<dyn VirtioDevice>>,
+    handle: VirtioHandle,
+}
+
+/// (base, size, gsi) of a virtio-mmio device, for the kernel cmdline.
+type CmdlineDevice = (u64, u64, u32);
+
+/// The slots on the bus: what a snapshot saves and what the cmdline announces.
+struct Attached {
+    saveable: Vec<SaveableSlot>,
+    cmdline_devices: Vec<CmdlineDevice>,
 }
 
 struct Slot<'a> {
@@ -216,18 +231,12 @@ impl<'a> VirtioSlots<'a> {
     }
 
     fn push(&mut self, slot: Slot<'a>, device: Arc<Mutex<dyn VirtioDevice>>, handle: VirtioHandle) {
-        self.built.push((slot, device, handle));
+        self.built.push(BuiltSlot { slot, device, handle });
     }
 
     /// Puts every device on the MMIO bus behind a transport (fresh or restored) and wires its
     /// interrupt to its GSI.
-    fn attach(
-        self,
-        vm: &VmFd,
-        irqchip: bool,
-        mem: &GuestMemoryMmap,
-        mmio: &mut Bus,
-    ) -> Result<(Vec<SaveableSlot>, Vec<(u64, u64, u32)>), VmmError> {
+    fn attach(self, vm: &VmFd, irqchip: bool, mem: &GuestMemoryMmap, mmio: &mut Bus) -> Result<Attached, VmmError> {
         if let Some(list) = self.saved {
             if let Some(extra) = list.get(self.built.len()) {
                 let reason = "the snapshot has this device but the run does not".to_string();
@@ -236,7 +245,7 @@ impl<'a> VirtioSlots<'a> {
         }
         let mut saveable = Vec::new();
         let mut cmdline_devices = Vec::new();
-        for (i, (slot, device, handle)) in self.built.into_iter().enumerate() {
+        for (i, BuiltSlot { slot, device, handle }) in self.built.into_iter().enumerate() {
             let base = layout::virtio_mmio_addr(i);
             let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
             if irqchip {
@@ -260,7 +269,7 @@ impl<'a> VirtioSlots<'a> {
             cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
             saveable.push(SaveableSlot { name: slot.name, transport, device: handle });
         }
-        Ok((saveable, cmdline_devices))
+        Ok(Attached { saveable, cmdline_devices })
     }
 }
 
@@ -337,7 +346,7 @@ fn build_devices(
         subscribers.push(vsock.clone());
         virtio.push(slot, vsock.clone(), VirtioHandle::Vsock(vsock));
     }
-    let (virtio, cmdline_devices) = virtio.attach(vm, irqchip, mem, &mut mmio)?;
+    let Attached { saveable: virtio, cmdline_devices } = virtio.attach(vm, irqchip, mem, &mut mmio)?;
 
     let saveable = SaveableDevices { serial, i8042, virtio };
     Ok(Devices { pio: Arc::new(pio), mmio: Arc::new(mmio), subscribers, cmdline_devices, saveable })

@@ -194,7 +194,8 @@ fn damaged_snapshots_are_refused_with_a_clear_error() {
     let Some(guest) = guest_or_skip("counter") else { return };
     let s = boot_and_snapshot(&guest, json!({}), "count 1\n");
     let state = std::fs::read(s.snap.join("state")).unwrap();
-    let cases: [(&str, Box<dyn Fn(&Path)>, &str); 5] = [
+    type Damage<'a> = Box<dyn Fn(&Path) + 'a>;
+    let cases: [(&str, Damage, &str); 5] = [
         (
             "truncated",
             Box::new(|d: &Path| std::fs::write(d.join("state"), &state[..state.len() - 100]).unwrap()),

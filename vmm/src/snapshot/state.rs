@@ -146,7 +146,7 @@ impl VmState {
         if c.vcpus == 0 || c.vcpus > MAX_VCPUS || self.vcpus.len() != usize::from(c.vcpus) {
             return bad(format!("{} vCPU states for a VM of {} vCPUs", self.vcpus.len(), c.vcpus));
         }
-        if !(MIN_MEM_MIB << 20..=MAX_MEM_MIB << 20).contains(&c.mem_bytes) || c.mem_bytes % (1 << 20) != 0 {
+        if !(MIN_MEM_MIB << 20..=MAX_MEM_MIB << 20).contains(&c.mem_bytes) || !c.mem_bytes.is_multiple_of(1 << 20) {
             return bad(format!("guest memory of {} bytes", c.mem_bytes));
         }
         if self.mem_file_bytes != c.mem_bytes {
