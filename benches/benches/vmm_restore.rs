@@ -122,6 +122,18 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -> Re
 struct Api(UnixStream, BufReader<UnixStream>);
 
 impl Api {
+    /// Connects once the socket listens (its file appears at bind, a moment before listen).
+    fn connect_when_listening(path: &Path) -> Res<Self> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match Self::connect(path) {
+                Ok(c) => return Ok(c),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_micros(50)),
+            }
+        }
+    }
+
     fn connect(path: &Path) -> Res<Self> {
         let s = UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
         s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
@@ -226,13 +238,7 @@ fn cold(vmm: &Path, snap: &Path, dir: &Path, i: usize) -> Res<Sample> {
     let t0 = unix_ns();
     let _vm = Vmm::spawn(vmm, &["--restore".as_ref(), snap.as_os_str(), "--restore-config".as_ref(), cfg.as_os_str()])?;
     wait_for("restored API socket", WAIT, || api.exists())?;
-    let mut conn = loop {
-        match Api::connect(&api) {
-            Ok(c) => break c,
-            Err(_) => std::thread::sleep(Duration::from_micros(50)),
-        }
-    };
-    conn.call(&serde_json::json!({"cmd": "resume"}))?;
+    Api::connect_when_listening(&api)?.call(&serde_json::json!({"cmd": "resume"}))?;
     let info = first_kvm_run(&api)?;
     let first = info["first_kvm_run_unix_ns"].as_u64().unwrap_or(0);
     let start = info["start_unix_ns"].as_u64().unwrap_or(0);
@@ -251,12 +257,7 @@ fn pooled(vmm: &Path, snap: &Path, dir: &Path, i: usize) -> Res<Sample> {
     let serial = dir.join(format!("pool{i}.log"));
     let _vm = Vmm::spawn(vmm, &["--prepare".as_ref(), snap.as_os_str(), "--api-socket".as_ref(), api.as_os_str()])?;
     wait_for("prepared API socket", WAIT, || api.exists())?;
-    let mut conn = loop {
-        match Api::connect(&api) {
-            Ok(c) => break c,
-            Err(_) => std::thread::sleep(Duration::from_micros(50)),
-        }
-    };
+    let mut conn = Api::connect_when_listening(&api)?;
     conn.call(&serde_json::json!({"cmd": "info"}))?;
     let t0 = unix_ns();
     let restored = conn.call(&serde_json::json!({"cmd": "restore", "config": {"serial_log": serial}}))?;
@@ -329,7 +330,7 @@ fn memory(vmm: &Path, snap: &Path, dir: &Path) -> Res<()> {
         let vm =
             Vmm::spawn(vmm, &["--restore".as_ref(), snap.as_os_str(), "--restore-config".as_ref(), cfg.as_os_str()])?;
         wait_for("restored API socket", WAIT, || api.exists())?;
-        Api::connect(&api)?.call(&serde_json::json!({"cmd": "resume"}))?;
+        Api::connect_when_listening(&api)?.call(&serde_json::json!({"cmd": "resume"}))?;
         wait_for("guest pass over its memory", WAIT, || serial_has(&serial, "P\n"))?;
         vms.push(vm);
         // Let the page cache and the VMMs settle.
@@ -383,7 +384,8 @@ fn main() -> std::io::Result<()> {
     };
     let fail = |what: &str, e: String| std::io::Error::other(format!("vmm_restore: {what}: {e}"));
     let dir = tempfile::tempdir()?;
-    println!("vmm_restore (1 vCPU, {GUEST_MIB} MiB guest, release build, {RUNS} runs per path)");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("vmm_restore (1 vCPU, {GUEST_MIB} MiB guest, release build, {RUNS} runs per path; loadavg {})", load.trim());
     let snap = make_snapshot(&vmm, dir.path()).map_err(|e| fail("template", e))?;
 
     let mut samples = Vec::new();
