@@ -385,7 +385,10 @@ fn main() -> std::io::Result<()> {
     let fail = |what: &str, e: String| std::io::Error::other(format!("vmm_restore: {what}: {e}"));
     let dir = tempfile::tempdir()?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("vmm_restore (1 vCPU, {GUEST_MIB} MiB guest, release build, {RUNS} runs per path; loadavg {})", load.trim());
+    println!(
+        "vmm_restore (1 vCPU, {GUEST_MIB} MiB guest, release build, {RUNS} runs per path; loadavg {})",
+        load.trim()
+    );
     let snap = make_snapshot(&vmm, dir.path()).map_err(|e| fail("template", e))?;
 
     let mut samples = Vec::new();
