@@ -176,13 +176,13 @@ pub fn await_restore(
 }
 
 /// What `info` says about a prepared VMM.
-pub fn prepared_info(vcpus: u8, mem_mib: u64, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
+pub fn prepared_info(vcpus: u8, mem_mib: u64, irqchip: bool, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
     VmInfo {
         state: RunState::Prepared,
         pid: std::process::id(),
         vcpus,
         mem_mib,
-        irqchip: false,
+        irqchip,
         start_unix_ns,
         first_kvm_run_unix_ns: None,
         restore: Some(restore),

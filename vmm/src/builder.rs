@@ -6,7 +6,7 @@
 
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -85,7 +85,6 @@ pub type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
 
 /// A built VM, ready to run.
 pub struct Vm {
-    pub kvm: Kvm,
     pub fd: Arc<VmFd>,
     pub mem: GuestMemoryMmap,
     pub irqchip: bool,
@@ -395,7 +394,7 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64) -> Result<Vm, VmmError> {
     }
     registration.join().map_err(|_| VmmError::EventLoop("memslot registration thread panicked".into()))??;
     tracing::debug!("vcpus configured, guest memory registered");
-    Ok(Vm { kvm, fd: vm, mem, irqchip, config: cfg, devices, vcpus, exit, control, restore: None })
+    Ok(Vm { fd: vm, mem, irqchip, config: cfg, devices, vcpus, exit, control, restore: None })
 }
 
 /// Times the steps of a restore.
@@ -420,7 +419,6 @@ impl Phases {
 /// A snapshot with the host-heavy half of its restore done: state read and checked, memory
 /// mapped and registered, irqchip and vCPUs created.
 pub struct Prepared {
-    dir: PathBuf,
     kvm: Kvm,
     vm: Arc<VmFd>,
     mem: GuestMemoryMmap,
@@ -457,7 +455,7 @@ pub fn prepare(dir: &Path) -> Result<Prepared, VmmError> {
         vcpu_fds.push(vm.create_vcpu(u64::from(id)).map_err(|e| crate::vcpu::VcpuError::Create(id, e))?);
     }
     phases.mark("KVM_CREATE_IRQCHIP, KVM_CREATE_PIT2, KVM_CREATE_VCPU", true);
-    Ok(Prepared { dir: dir.to_owned(), kvm, vm, mem, state, vcpu_fds, phases })
+    Ok(Prepared { kvm, vm, mem, state, vcpu_fds, phases })
 }
 
 /// The snapshot's config with this run's settings in place of the snapshot's.
@@ -488,16 +486,16 @@ pub fn restored_config(saved: &ValidConfig, run: &RestoreConfig) -> Result<Valid
 }
 
 impl Prepared {
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     pub fn vcpus(&self) -> u8 {
         self.state.config.vcpus
     }
 
     pub fn mem_bytes(&self) -> u64 {
         self.state.config.mem_bytes
+    }
+
+    pub fn irqchip(&self) -> bool {
+        self.state.vm.irqchip.is_some()
     }
 
     /// The prepare steps so far, for the report of a VMM still waiting.
@@ -536,7 +534,6 @@ impl Prepared {
         self.phases.mark("vCPU, irqchip, PIT and clock state", true);
         let report = RestoreReport { phases: self.phases.list, requested_unix_ns: None, ready_unix_ns: unix_ns() };
         Ok(Vm {
-            kvm: self.kvm,
             fd: self.vm,
             mem: self.mem,
             irqchip,

@@ -130,7 +130,8 @@ fn prepared(
     let prepared =
         builder::prepare(dir).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
     let listener = bind_api_socket(api).with_context(|| format!("api socket {}", api.display()))?;
-    let info = prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, start, prepared.report());
+    let info =
+        prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, prepared.irqchip(), start, prepared.report());
     tracing::info!(dir = %dir.display(), "snapshot prepared; waiting for `restore`");
     let outcome = await_restore(&listener, &signal_fd, &info, |run| {
         run.validate().map_err(|e| e.to_string())?;

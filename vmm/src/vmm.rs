@@ -74,7 +74,7 @@ impl MutEventSubscriber for SignalWatcher {
 
 /// Runs `vm` until it stops; returns why. `api` is where the API socket listens, if anywhere.
 pub fn run(vm: Vm, signal_fd: OwnedFd, start_unix_ns: u64, api: Option<ApiEndpoint>) -> Result<ExitReason, VmmError> {
-    let Vm { kvm: _kvm, fd, mem, irqchip, config, devices, vcpus, exit, control, restore } = vm;
+    let Vm { fd, mem, irqchip, config, devices, vcpus, exit, control, restore } = vm;
     let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));

@@ -192,3 +192,71 @@ pub fn restore_vm(vm: &VmFd, s: &KvmVmState) -> Result<(), KvmStateError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A KVM VM with an irqchip, PIT and two vCPUs, or None (SKIPPED printed) without /dev/kvm.
+    fn vm(test: &str) -> Option<(Kvm, VmFd, VcpuFd, VcpuFd)> {
+        let kvm = match Kvm::new() {
+            Ok(k) => k,
+            Err(e) => {
+                println!("SKIPPED: {test}: /dev/kvm is not usable: {e}");
+                return None;
+            }
+        };
+        let vm = kvm.create_vm().unwrap();
+        vm.create_irq_chip().unwrap();
+        vm.create_pit2(kvm_bindings::kvm_pit_config::default()).unwrap();
+        let (a, b) = (vm.create_vcpu(0).unwrap(), vm.create_vcpu(1).unwrap());
+        Some((kvm, vm, a, b))
+    }
+
+    const NOT_AN_MSR: u32 = 0xdead_beef;
+    const MSR_IA32_TSC: u32 = 0x10;
+    const MSR_IA32_SYSENTER_CS: u32 = 0x174;
+
+    #[test]
+    fn unreadable_msrs_are_skipped_and_named() {
+        let Some((_kvm, _vm, vcpu, _)) = vm("unreadable_msrs_are_skipped_and_named") else { return };
+        let (msrs, unreadable) = read_msrs(&vcpu, 0, &[MSR_IA32_TSC, NOT_AN_MSR, MSR_IA32_SYSENTER_CS]).unwrap();
+        assert_eq!(unreadable, vec![NOT_AN_MSR]);
+        assert_eq!(msrs.iter().map(|m| m.index).collect::<Vec<_>>(), vec![MSR_IA32_TSC, MSR_IA32_SYSENTER_CS]);
+    }
+
+    #[test]
+    fn vcpu_and_vm_state_move_to_a_fresh_vcpu_and_refusals_are_named() {
+        let Some((kvm, vm, a, b)) = vm("vcpu_and_vm_state_move_to_a_fresh_vcpu_and_refusals_are_named") else { return };
+        check_xsave_size(&kvm).unwrap();
+        let msrs = saveable_msrs(&kvm).unwrap();
+        let mut regs = a.get_regs().unwrap();
+        regs.rax = 0x1234_5678;
+        regs.rip = 0x10_0000;
+        a.set_regs(&regs).unwrap();
+        let (saved, _) = save_vcpu(&a, 0, &msrs, true, has_xcrs(&kvm)).unwrap();
+        assert!(saved.lapic.is_some() && !saved.msrs.is_empty() && saved.xsave.len() == XSAVE_WORDS);
+
+        let moved = VcpuState { id: 1, ..saved.clone() };
+        restore_vcpu(&b, &moved).unwrap();
+        assert_eq!((b.get_regs().unwrap().rax, b.get_regs().unwrap().rip), (0x1234_5678, 0x10_0000));
+
+        let mut refused = moved.clone();
+        refused.msrs.push(kvm_msr_entry { index: NOT_AN_MSR, ..Default::default() });
+        match restore_vcpu(&b, &refused) {
+            Err(KvmStateError::MsrRefused { vcpu: 1, index: NOT_AN_MSR, .. }) => {}
+            other => panic!("expected the refused MSR to be named, got {other:?}"),
+        }
+        let short = VcpuState { xsave: vec![0; 3], ..moved };
+        assert!(matches!(restore_vcpu(&b, &short), Err(KvmStateError::Malformed { what: "XSAVE area", .. })));
+
+        let state = save_vm(&vm, true).unwrap();
+        assert!(state.irqchip.is_some() && state.pit.is_some());
+        restore_vm(&vm, &state).unwrap();
+        let mut swapped = state.clone();
+        if let Some(chips) = swapped.irqchip.as_mut() {
+            std::mem::swap(&mut chips.pic_master, &mut chips.ioapic);
+        }
+        assert!(matches!(restore_vm(&vm, &swapped), Err(KvmStateError::MalformedVm(_))));
+    }
+}
