@@ -15,6 +15,12 @@
 //! Reading checks, in order: size, magic, version (a future layout is not read further),
 //! length, checksum, then decodes the body and compares the CPU fingerprint; each failure is
 //! its own error. The decoder never allocates more than the file's size and the body's limit.
+//!
+//! postcard is not self-describing: any change to a type reachable from [`VmState`] (a config
+//! field, a device's state, a kvm-bindings struct's size) changes the body's layout. Such a
+//! change must bump [`FORMAT_VERSION`]; a test pins the layout to the version so it cannot be
+//! forgotten. (A new enum variant added last keeps old files readable, but still needs the bump
+//! for older readers.)
 
 use sha2::{Digest, Sha256};
 
@@ -225,6 +231,60 @@ pub(crate) mod tests {
 
     const FP: [u8; 32] = [5; 32];
     const HERE: (&str, &[u8; 32]) = ("TestCPU", &FP);
+
+    /// The body layout of format version 1, as SHA-256 of a sample with every device kind.
+    const LAYOUT_V1: &str = "0ff2afc92395b69b94d4ebdea6df6f90211bcbd6d779abaec51ade2bc6b0f8fb";
+
+    #[test]
+    fn body_layout_is_pinned_to_the_format_version() {
+        use crate::devices::persist::{VirtioDeviceState, VirtioSlotState};
+        use crate::devices::virtio::block::persist::BlockSnapshot;
+        use crate::devices::virtio::persist::{MmioTransportSnapshot, QueueSnapshot};
+        use crate::devices::virtio::vsock::persist::VsockSnapshot;
+        let mut s = sample_state();
+        let q = QueueSnapshot { max_size: 256, size: 8, ready: true, next_avail: 3, ..Default::default() };
+        let transport = MmioTransportSnapshot { device_status: 0xf, queues: vec![q], ..Default::default() };
+        s.devices.virtio = vec![
+            VirtioSlotState {
+                name: "blk0".into(),
+                transport: transport.clone(),
+                device: VirtioDeviceState::Block(BlockSnapshot {
+                    path: "/d".into(),
+                    read_only: false,
+                    capacity_sectors: 8,
+                    acked_features: 1,
+                    queues: vec![q],
+                    broken: false,
+                }),
+            },
+            VirtioSlotState {
+                name: "vsock".into(),
+                transport,
+                device: VirtioDeviceState::Vsock(VsockSnapshot {
+                    guest_cid: 3,
+                    uds_path: "/v".into(),
+                    acked_features: 1,
+                    queues: vec![q; 3],
+                    broken: false,
+                }),
+            },
+        ];
+        s.vm.irqchip = Some(IrqchipState {
+            pic_master: Default::default(),
+            pic_slave: Default::default(),
+            ioapic: Default::default(),
+        });
+        s.vm.pit = Some(Default::default());
+        s.vcpus[0].lapic = Some(Default::default());
+        s.vcpus[0].xcrs = Some(Default::default());
+        let body = postcard::to_stdvec(&s).unwrap();
+        let layout = hex(&Sha256::digest(&body));
+        assert_eq!(FORMAT_VERSION, 1);
+        assert_eq!(
+            layout, LAYOUT_V1,
+            "the state body's layout changed: bump FORMAT_VERSION and pin the new layout here"
+        );
+    }
 
     #[test]
     fn state_file_roundtrips() {
