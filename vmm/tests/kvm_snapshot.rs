@@ -50,6 +50,12 @@ fn boot_and_snapshot(guest: &Path, extra: serde_json::Value, ready: &str) -> Sna
     let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
     wait_for_path(&api, Duration::from_secs(10));
     wait_for_serial_text(dir.path(), GUEST_TIMEOUT, ready, |t| t.contains(ready));
+    // A snapshot that cannot be written says why and leaves the VM paused, ready for another try.
+    let unwritable = dir.path().join("serial.log").join("snap");
+    let failed = api_request(&api, &json!({"cmd": "snapshot", "dir": unwritable}), API_TIMEOUT);
+    let why = failed["error"].as_str().unwrap_or_default();
+    assert!(why.contains("snapshot failed (the VM stays paused)") && why.contains("serial.log/snap"), "{failed}");
+    assert_eq!(api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "paused");
     let snap = dir.path().join("snap");
     let resp = api_request(&api, &json!({"cmd": "snapshot", "dir": snap}), API_TIMEOUT);
     if resp["ok"] != true {
