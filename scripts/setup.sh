@@ -7,11 +7,13 @@ log() { printf 'setup: %s\n' "$*"; }
 
 # Debian packages: containerd + runc + CNI plugins for the end-to-end tests, a static
 # busybox for test images, protoc for the CRI client, musl for the static agent,
-# gcc/libc6-dev for the static pause binary, iproute2 for test network namespaces, openssl
-# for the installer's TLS client test certificates.
+# gcc/libc6-dev for the static pause binary, g++ for the fuzz crate (libFuzzer), iproute2 for
+# test network namespaces, openssl for the installer's TLS client test certificates, and the
+# guest kernel's source and build tools (guest-kernel/build-kernel.sh).
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
-  musl-tools gcc libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
+  musl-tools gcc g++ libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
+  linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
 )
 
 missing=()

@@ -14,13 +14,18 @@ pub fn kvm_unavailable() -> Option<String> {
     bulkhead_vmm_api::probe::kvm_device_usable().err()
 }
 
-/// Prints the SKIPPED line and returns true if KVM tests cannot run.
+/// The calling test's name (libtest names each test's thread after it).
+pub fn test_name() -> String {
+    std::thread::current().name().unwrap_or("kvm test").to_string()
+}
+
+/// Prints the SKIPPED line and returns true if KVM tests cannot run (a missing prerequisite:
+/// a failure under BULKHEAD_REQUIRE_E2E).
 pub fn skip_without_kvm() -> bool {
-    if let Some(reason) = kvm_unavailable() {
-        println!("SKIPPED: {reason}");
-        return true;
+    match kvm_unavailable() {
+        Some(reason) => bulkhead_integration::skip::missing_prerequisite(&test_name(), &reason),
+        None => false,
     }
-    false
 }
 
 fn guests_dir() -> PathBuf {
@@ -64,7 +69,7 @@ pub fn guest_or_skip(name: &str) -> Option<PathBuf> {
     match build_guest(name) {
         Ok(p) => Some(p),
         Err(reason) => {
-            println!("SKIPPED: {reason}");
+            bulkhead_integration::skip::missing_prerequisite(&test_name(), &reason);
             None
         }
     }
