@@ -18,7 +18,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::persist::FsSnapshot;
-use super::vhost_user::{Backend, BackendError, Vring};
+use super::vhost_user::{Backend, BackendError, Deadline, Vring};
 use crate::config::FsConfig;
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
@@ -160,19 +160,19 @@ impl Fs {
         if matches!(self.state, DeviceState::Active(_)) {
             self.fail(BackendError::HungUp);
         } else {
-            self.report(&BackendError::HungUp);
+            self.report(&BackendError::HungUp, false);
             self.drop_backend();
         }
     }
 
     /// Connects if needed, then hands the backend guest memory and the vrings. One deadline
-    /// bounds the whole exchange.
+    /// bounds the whole exchange. The event loop hears of a new connection only afterwards
+    /// (`activate`), so it never waits on this device's lock while a backend is slow.
     fn start(&mut self, mem: &GuestMemoryMmap, queues: &[Queue]) -> Result<(), BackendError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
         if self.backend.is_none() {
-            self.backend = Some(Backend::connect(&self.socket, NUM_QUEUES, self.timeout)?);
+            self.backend = Some(Backend::connect(&self.socket, NUM_QUEUES, deadline)?);
             self.backend_id += 1;
-            self.connection_changed();
         }
         let vrings: Vec<Vring<'_>> = queues
             .iter()
@@ -180,20 +180,19 @@ impl Fs {
             .zip(&self.call_evts)
             .map(|((queue, kick), call)| Vring { queue, kick, call })
             .collect();
-        let left = deadline.saturating_duration_since(Instant::now());
         let res = match self.backend.as_mut() {
-            Some(b) => b.start(mem, self.acked_features, &vrings, left),
+            Some(b) => b.start(mem, self.acked_features, &vrings, deadline),
             None => Err(BackendError::HungUp),
         };
         if res.is_err() {
-            self.drop_backend();
+            self.backend = None;
         }
         res
     }
 
     /// Stops serving until the driver resets the device, and tells the driver so.
     fn fail(&mut self, err: BackendError) {
-        self.report(&err);
+        self.report(&err, true);
         if let DeviceState::Active(a) = &self.state {
             a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
         }
@@ -201,17 +200,23 @@ impl Fs {
         self.state = DeviceState::Broken(DeviceError::Backend(err.to_string()));
     }
 
-    /// The one log line of a backend failure, naming tag and socket.
-    fn report(&mut self, err: &BackendError) {
+    /// The one log line of a backend failure, naming tag and socket. `broken`: the device
+    /// stopped serving (otherwise it was inactive and the next activation reconnects).
+    fn report(&mut self, err: &BackendError, broken: bool) {
         let now = Instant::now();
         let loud = self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD);
+        let (device, tag, socket) = (&self.name, &self.tag, self.socket.display());
+        match (loud, broken) {
+            (true, true) => tracing::error!(%device, %tag, %socket, error = %err,
+                "virtio-fs backend failed; the device needs a reset"),
+            (true, false) => tracing::error!(%device, %tag, %socket, error = %err,
+                "virtio-fs backend failed while the device was inactive; the next activation reconnects"),
+            (false, _) => {
+                tracing::debug!(%device, %tag, %socket, error = %err, broken, "virtio-fs backend failed again")
+            }
+        }
         if loud {
             self.last_failure_log = Some(now);
-            tracing::error!(device = %self.name, tag = %self.tag, socket = %self.socket.display(), error = %err,
-                "virtio-fs backend failed; the device needs a reset");
-        } else {
-            tracing::debug!(device = %self.name, tag = %self.tag, socket = %self.socket.display(), error = %err,
-                "virtio-fs backend failed again");
         }
     }
 
@@ -279,14 +284,15 @@ impl VirtioDevice for Fs {
             Ok(()) => tracing::debug!(device = %self.name, tag = %self.tag, "virtio-fs backend serving"),
             Err(e) => self.fail(e),
         }
+        self.connection_changed();
         Ok(())
     }
 
     /// Stops the vrings but keeps the connection, as a backend serves one connection only.
     fn reset(&mut self) {
         if matches!(self.state, DeviceState::Active(_)) {
-            if let Some(Err(e)) = self.backend.as_mut().map(|b| b.stop(NUM_QUEUES, self.timeout)) {
-                self.report(&e);
+            if let Some(Err(e)) = self.backend.as_mut().map(|b| b.stop(NUM_QUEUES, Deadline::after(self.timeout))) {
+                self.report(&e, false);
                 self.drop_backend();
             }
         }
@@ -330,8 +336,12 @@ mod tests {
     }
 
     fn rig(socket: &Path) -> Rig {
+        rig_with(fs_at(socket))
+    }
+
+    fn rig_with(fs: Fs) -> Rig {
         let mem = create_guest_memory(16 << 20).unwrap();
-        let fs = Arc::new(Mutex::new(fs_at(socket)));
+        let fs = Arc::new(Mutex::new(fs));
         let irq = IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
         let t = MmioTransport::new("fs0".into(), mem.clone(), fs.clone(), irq.clone()).unwrap();
         Rig { t, fs, mem, irq }
@@ -517,7 +527,25 @@ mod tests {
         assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
         assert!(start.elapsed() < Duration::from_secs(3), "vCPU held for {:?}", start.elapsed());
         let reason = broken_reason(&rig.fs);
-        assert!(reason.contains("SET_MEM_TABLE: no answer within"), "{reason}");
+        assert!(reason.contains("SET_MEM_TABLE: no answer within 500ms"), "{reason}");
+    }
+
+    #[test]
+    fn the_event_loop_never_waits_on_a_slow_activation() {
+        let backend = FakeBackend::start(Script { silent_on: Some(fake::SET_MEM_TABLE), ..Script::virtiofsd_like() });
+        let mut rig = rig_with(fs_at(&backend.path).with_backend_timeout(Duration::from_secs(1)));
+        let fs = rig.fs.clone();
+        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> = EventManager::new().unwrap();
+        em.add_subscriber(fs.clone());
+        // The vCPU thread: DRIVER_OK holds the device for the whole (silent) exchange.
+        let vcpu = std::thread::spawn(move || driver_ok(&mut rig.t, VIRTIO_F_VERSION_1));
+        while backend.requests().len() < 6 {
+            std::thread::sleep(Duration::from_millis(5)); // connected, handshake done
+        }
+        let start = Instant::now();
+        em.run_with_timeout(200).unwrap();
+        assert!(start.elapsed() < Duration::from_millis(700), "event loop blocked for {:?}", start.elapsed());
+        assert_eq!(vcpu.join().unwrap(), 0xf | STATUS_NEEDS_RESET);
     }
 
     #[test]

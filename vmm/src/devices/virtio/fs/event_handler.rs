@@ -60,10 +60,8 @@ impl MutEventSubscriber for Fs {
             // Drain the counter; one interrupt covers every buffer used so far.
             let _ = call.read();
             self.backend_used_buffers();
-        } else if self.watch.as_ref().is_some_and(|w| w.sock.as_raw_fd() == fd) {
-            if self.watch.as_ref().map(|w| w.id) == self.backend_id() {
-                self.backend_hung_up();
-            }
+        } else if self.watch.as_ref().is_some_and(|w| w.sock.as_raw_fd() == fd && Some(w.id) == self.backend_id()) {
+            self.backend_hung_up();
         }
         self.sync_watch(ops);
     }

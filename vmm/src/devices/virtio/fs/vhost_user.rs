@@ -41,8 +41,8 @@ const CONNECT_RETRY: Duration = Duration::from_millis(50);
 pub enum BackendError {
     #[error("cannot connect: {0}")]
     Connect(Errno),
-    #[error("{step}: no answer within {timeout:?}")]
-    Timeout { step: &'static str, timeout: Duration },
+    #[error("{step}: no answer within {limit:?}")]
+    Timeout { step: &'static str, limit: Duration },
     #[error("{step}: {source}")]
     Message { step: &'static str, source: vhost::Error },
     #[error("the backend lacks virtio features {missing:#x} (it offers {offered:#x})")]
@@ -57,6 +57,24 @@ pub enum BackendError {
     Io(std::io::Error),
     #[error("the backend closed the connection")]
     HungUp,
+}
+
+/// When an exchange (or a series of them) must be over, and the limit it came from, for the
+/// error message.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    at: Instant,
+    limit: Duration,
+}
+
+impl Deadline {
+    pub fn after(limit: Duration) -> Self {
+        Self { at: Instant::now() + limit, limit }
+    }
+
+    fn left(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
 }
 
 /// What the backend needs to serve one vring: the queue the driver set up, the eventfd the
@@ -78,15 +96,12 @@ pub struct Backend {
 }
 
 impl Backend {
-    /// Connects and runs the handshake (owner, features, protocol features, queue count), all
-    /// within `timeout`.
-    pub fn connect(path: &Path, queues: usize, timeout: Duration) -> Result<Self, BackendError> {
-        let deadline = Instant::now() + timeout;
-        let stream = connect_until(path, deadline)?;
+    /// Connects and runs the handshake (owner, features, protocol features, queue count).
+    pub fn connect(path: &Path, queues: usize, deadline: Deadline) -> Result<Self, BackendError> {
+        let stream = connect_until(path, deadline.at)?;
         let sock = stream.try_clone().map_err(BackendError::Io)?;
         let mut backend = Self { frontend: Frontend::from_stream(stream, queues as u64), sock, features: 0 };
-        let left = deadline.saturating_duration_since(Instant::now());
-        backend.features = backend.bounded(left, |fe| handshake(fe, queues))?;
+        backend.features = backend.bounded(deadline, |fe| handshake(fe, queues))?;
         Ok(backend)
     }
 
@@ -102,7 +117,7 @@ impl Backend {
         mem: &GuestMemoryMmap,
         driver_features: u64,
         vrings: &[Vring<'_>],
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<(), BackendError> {
         let missing = driver_features & !self.features;
         if missing != 0 {
@@ -111,7 +126,7 @@ impl Backend {
         let regions = memory_regions(mem)?;
         let configs =
             vrings.iter().enumerate().map(|(i, v)| vring_config(mem, i, v.queue)).collect::<Result<Vec<_>, _>>()?;
-        self.bounded(timeout, |fe| {
+        self.bounded(deadline, |fe| {
             step("SET_FEATURES", fe.set_features(driver_features | VHOST_USER_F_PROTOCOL_FEATURES))?;
             step("SET_MEM_TABLE", fe.set_mem_table(&regions))?;
             for (i, (v, cfg)) in vrings.iter().zip(&configs).enumerate() {
@@ -128,8 +143,8 @@ impl Backend {
 
     /// Stops the first `count` vrings; returns where the backend stopped in each (its next
     /// available index).
-    pub fn stop(&mut self, count: usize, timeout: Duration) -> Result<Vec<u32>, BackendError> {
-        self.bounded(timeout, |fe| {
+    pub fn stop(&mut self, count: usize, deadline: Deadline) -> Result<Vec<u32>, BackendError> {
+        self.bounded(deadline, |fe| {
             (0..count)
                 .map(|i| {
                     step("SET_VRING_ENABLE", fe.set_vring_enable(i, false))?;
@@ -139,23 +154,24 @@ impl Backend {
         })
     }
 
-    /// Runs `f` against the backend; if it has not finished after `timeout`, the watchdog shuts
+    /// Runs `f` against the backend; if it has not finished by the deadline, the watchdog shuts
     /// the connection down (it is unusable from then on) and the step that was waiting reports
     /// the timeout.
     fn bounded<T>(
         &mut self,
-        timeout: Duration,
+        deadline: Deadline,
         f: impl FnOnce(&mut Frontend) -> Result<T, BackendError>,
     ) -> Result<T, BackendError> {
-        let watchdog = Watchdog::arm(&self.sock, timeout)?;
+        let watchdog = Watchdog::arm(&self.sock, deadline.left())?;
         let res = f(&mut self.frontend);
         if !watchdog.disarm() {
             return res;
         }
+        let limit = deadline.limit;
         Err(match res {
-            Err(BackendError::Message { step, .. }) => BackendError::Timeout { step, timeout },
+            Err(BackendError::Message { step, .. }) => BackendError::Timeout { step, limit },
             Err(e) => e,
-            Ok(_) => BackendError::Timeout { step: "the last message", timeout },
+            Ok(_) => BackendError::Timeout { step: "the last message", limit },
         })
     }
 }
@@ -319,15 +335,16 @@ mod tests {
         let path = dir.path().join("fs.sock");
         let _listener = UnixListener::bind(&path).unwrap(); // never accepts, never answers
         let start = Instant::now();
-        let err = Backend::connect(&path, 2, Duration::from_millis(300)).err().unwrap();
-        assert!(matches!(err, BackendError::Timeout { step: "GET_FEATURES", .. }), "{err}");
+        let err = Backend::connect(&path, 2, Deadline::after(Duration::from_millis(300))).err().unwrap();
+        assert_eq!(err.to_string(), "GET_FEATURES: no answer within 300ms");
         assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
 
     #[test]
     fn a_missing_socket_fails_after_retrying_until_the_deadline() {
         let dir = tempfile::tempdir().unwrap();
-        let err = Backend::connect(&dir.path().join("absent.sock"), 2, Duration::from_millis(200)).err().unwrap();
+        let deadline = Deadline::after(Duration::from_millis(200));
+        let err = Backend::connect(&dir.path().join("absent.sock"), 2, deadline).err().unwrap();
         assert!(matches!(err, BackendError::Connect(Errno::ENOENT)), "{err}");
     }
 }
