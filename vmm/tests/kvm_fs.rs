@@ -31,10 +31,14 @@ fn fs_config(dir: &Path, guest: &Path, socket: &Path) -> serde_json::Value {
     cfg
 }
 
-/// Runs the guest to its end against a fresh virtiofsd; returns (run, virtiofsd log).
-fn run_with_virtiofsd(guest: &Path) -> (Run, String) {
+/// Runs the guest to its end against a fresh virtiofsd; `markers` are empty files put in the
+/// shared directory to choose the guest's extra steps. Returns (run, virtiofsd log).
+fn run_with_virtiofsd(guest: &Path, markers: &[&str]) -> (Run, String) {
     let dir = tempfile::tempdir().unwrap();
     let shared = shared_dir(dir.path());
+    for m in markers {
+        std::fs::write(shared.join(m), "").unwrap();
+    }
     let socket = dir.path().join("virtiofsd.sock");
     let virtiofsd = Virtiofsd::start(&shared, &socket, &dir.path().join("virtiofsd.log"));
     let run = VmmProcess::spawn(dir.path(), &fs_config(dir.path(), guest, &socket), GUEST_TIMEOUT).wait();
@@ -68,7 +72,7 @@ fn backend_failures(stderr: &str) -> Vec<String> {
 #[test]
 fn guest_reads_the_bytes_of_a_host_file_through_virtiofsd() {
     let Some(guest) = guest_or_skip("fs") else { return };
-    let (run, _) = run_with_virtiofsd(&guest);
+    let (run, _) = run_with_virtiofsd(&guest, &[]);
     assert!(run.serial.starts_with(&format!("fs tag {TAG} queues 1\ndriver ok\ninit 7.")), "{}", run.serial);
     assert!(run.serial.contains(&format!("data<{CONTENT}>\n")), "serial:\n{}", run.serial);
     assert!(backend_failures(&run.stderr).is_empty(), "{}", run.stderr);
@@ -77,12 +81,21 @@ fn guest_reads_the_bytes_of_a_host_file_through_virtiofsd() {
 #[test]
 fn dotdot_from_the_root_stays_in_the_shared_directory() {
     let Some(guest) = guest_or_skip("fs") else { return };
-    let (run, _) = run_with_virtiofsd(&guest);
+    let (run, _) = run_with_virtiofsd(&guest, &[]);
     // `..` of the root is the root itself (FUSE node 1): the file inside is found through it,
     // the one next to the shared directory is not (ENOENT).
     assert!(run.serial.contains(".. nodeid 1\n"), "serial:\n{}", run.serial);
     assert!(run.serial.contains("../hello.txt nodeid "), "serial:\n{}", run.serial);
     assert!(run.serial.contains("../outside.txt error 2\n"), "serial:\n{}", run.serial);
+}
+
+#[test]
+fn a_driver_reset_restarts_the_vrings_on_the_same_backend_session() {
+    let Some(guest) = guest_or_skip("fs") else { return };
+    let (run, log) = run_with_virtiofsd(&guest, &["reset"]);
+    // virtiofsd serves one connection: had the reset dropped it, nothing would answer now.
+    assert!(run.serial.contains("after reset hello.txt nodeid 2\n"), "serial:\n{}\nvirtiofsd:\n{log}", run.serial);
+    assert!(backend_failures(&run.stderr).is_empty(), "{}", run.stderr);
 }
 
 #[test]

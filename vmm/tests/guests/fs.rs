@@ -1,6 +1,7 @@
 //! Speaks FUSE to the virtio-fs device's backend over the request queue: INIT, then LOOKUP, OPEN
 //! and READ of `hello.txt`, printing what it read; then LOOKUP of `..` from the root and of names
-//! through it. If the shared directory holds `loop`, it then re-reads the file until the device
+//! through it. If the shared directory holds `reset`, it then resets the device, sets it up again
+//! and looks the file up once more. If it holds `loop`, it re-reads the file until the device
 //! fails (the test kills the backend) and prints heartbeats, showing it still runs.
 #![no_std]
 #![no_main]
@@ -218,6 +219,21 @@ pub extern "C" fn _start() -> ! {
     let reply = fuse.lookup(up, b"outside.txt");
     show_lookup(&fuse, "../outside.txt", reply);
 
+    if let Reply::Done(0, _) = fuse.lookup(ROOT, b"reset") {
+        // A driver reset stops the vrings; fresh ones on the same backend session serve again.
+        if !negotiate(base) {
+            puts("renegotiation refused\n");
+            reset();
+        }
+        let hiprio = Vq::new(base, 0, 0x40_2000, 8);
+        fuse.rq = Vq::new(base, 1, 0x40_3000, 8);
+        if !hiprio.setup() || !fuse.rq.setup() || !driver_ok(base) {
+            puts("fs setup after reset failed\n");
+            reset();
+        }
+        let reply = fuse.lookup(ROOT, b"hello.txt");
+        show_lookup(&fuse, "after reset hello.txt", reply);
+    }
     if let Reply::Done(0, _) = fuse.lookup(ROOT, b"loop") {
         puts("looping\n");
         for _ in 0..LOOP_READS {

@@ -168,26 +168,25 @@ impl Fs {
     /// Connects if needed, then hands the backend guest memory and the vrings. One deadline
     /// bounds the whole exchange. The event loop hears of a new connection only afterwards
     /// (`activate`), so it never waits on this device's lock while a backend is slow.
+    /// A connection that fails to start is dropped.
     fn start(&mut self, mem: &GuestMemoryMmap, queues: &[Queue]) -> Result<(), BackendError> {
         let deadline = Deadline::after(self.timeout);
-        if self.backend.is_none() {
-            self.backend = Some(Backend::connect(&self.socket, NUM_QUEUES, deadline)?);
-            self.backend_id += 1;
-        }
+        let mut backend = match self.backend.take() {
+            Some(b) => b,
+            None => {
+                self.backend_id += 1;
+                Backend::connect(&self.socket, NUM_QUEUES, deadline)?
+            }
+        };
         let vrings: Vec<Vring<'_>> = queues
             .iter()
             .zip(&self.queue_evts)
             .zip(&self.call_evts)
             .map(|((queue, kick), call)| Vring { queue, kick, call })
             .collect();
-        let res = match self.backend.as_mut() {
-            Some(b) => b.start(mem, self.acked_features, &vrings, deadline),
-            None => Err(BackendError::HungUp),
-        };
-        if res.is_err() {
-            self.backend = None;
-        }
-        res
+        backend.start(mem, self.acked_features, &vrings, deadline)?;
+        self.backend = Some(backend);
+        Ok(())
     }
 
     /// Stops serving until the driver resets the device, and tells the driver so.
