@@ -21,6 +21,7 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_
 use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
+use crate::devices::virtio::fs::Fs;
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
@@ -214,6 +215,11 @@ fn build_devices(
         ));
         subscribers.push(vsock.clone());
         virtio.push(("vsock".to_string(), vsock));
+    }
+    for (i, f) in cfg.fs.iter().enumerate() {
+        let fs = Arc::new(Mutex::new(Fs::new(f, i).map_err(dev_err(format!("fs {}", f.tag)))?));
+        subscribers.push(fs.clone());
+        virtio.push((format!("fs{i}"), fs));
     }
     let mut cmdline_devices = Vec::new();
     for (i, (name, dev)) in virtio.into_iter().enumerate() {

@@ -2,7 +2,10 @@
 //! x86_64-unknown-none, writes VM configs, and runs the real `bulkhead-vmm` binary with a timeout.
 #![allow(dead_code)]
 
-use std::io::Read;
+pub mod virtiofsd;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -37,10 +40,13 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
     let out = out_dir.join(format!("{name}.elf"));
-    // Tests build the same guest concurrently: compile privately, then rename into place.
+    // Tests build the same guest concurrently: compile in a private directory (rustc puts its
+    // intermediate files, named after the crate, next to the output), then rename into place.
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let tmp = out_dir.join(format!("{name}.{}.{seq}.tmp", std::process::id()));
+    let tmp_dir = out_dir.join(format!("{name}.{}.{seq}.d", std::process::id()));
+    std::fs::create_dir_all(&tmp_dir).map_err(|e| e.to_string())?;
+    let tmp = tmp_dir.join(format!("{name}.elf"));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let output = Command::new(rustc)
         .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
@@ -58,6 +64,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         panic!("test guest {name} failed to compile:\n{err}");
     }
     std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
+    let _ = std::fs::remove_dir_all(&tmp_dir);
     Ok(out)
 }
 
@@ -174,6 +181,23 @@ pub fn wait_for_path(p: &Path, timeout: Duration) {
         assert!(Instant::now() < deadline, "{} did not appear", p.display());
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Polls the serial log until it shows `needle`; panics after `timeout`.
+pub fn wait_for_serial(dir: &Path, needle: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !read_serial(dir).contains(needle) {
+        assert!(Instant::now() < deadline, "serial never showed {needle:?}; serial:\n{}", read_serial(dir));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One request on the VMM's API socket: `{"cmd":"<cmd>"}` out, one JSON line back.
+pub fn api_call(stream: &mut UnixStream, reader: &mut BufReader<UnixStream>, cmd: &str) -> serde_json::Value {
+    stream.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap()
 }
 
 /// Base config for a raw test guest; the serial log lands in `dir/serial.log`.

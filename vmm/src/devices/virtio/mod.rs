@@ -6,6 +6,7 @@
 
 pub mod block;
 pub mod chain;
+pub mod fs;
 pub mod mmio;
 pub mod persist;
 pub mod vsock;
@@ -19,6 +20,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
+pub const TYPE_FS: u32 = 26;
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 pub const VIRTIO_MMIO_INT_VRING: u32 = 0x1;
 pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x2;
@@ -71,6 +73,8 @@ pub enum DeviceError {
     Memory(String),
     #[error("available ring index is corrupt")]
     AvailRing,
+    #[error("vhost-user backend failed: {0}")]
+    Backend(String),
 }
 
 /// What a virtio device must offer the transport.
