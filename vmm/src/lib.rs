@@ -9,8 +9,9 @@
 //! come later: every device keeps its state in a `persist` module of plain serde structs so a
 //! snapshot is a walk over the devices.
 //!
-//! Threads: one per vCPU (KVM_RUN + bus dispatch) and one event loop (event-manager) for device
-//! queues, host sockets, signals and the API.
+//! Threads: one per vCPU (KVM_RUN + bus dispatch), one event loop (event-manager) for device
+//! queues, host sockets and signals, and one for the API socket; each installs its own seccomp
+//! filter (`seccomp`).
 
 pub mod api;
 pub mod arch;
@@ -20,6 +21,7 @@ pub mod exit;
 pub mod layout;
 pub mod memory;
 pub mod persist;
+pub mod seccomp;
 pub mod vcpu;
 pub mod vmm;
 

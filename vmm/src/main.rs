@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::seccomp::Filters;
 use bulkhead_vmm::vmm;
 
 #[derive(Parser)]
@@ -31,6 +32,7 @@ fn main() {
         std::process::exit(probe());
     }
     init_logging(args.log_json);
+    log_panics_without_backtrace();
     match run(args, start) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -62,11 +64,12 @@ fn probe() -> i32 {
 }
 
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
+    let filters = Filters::compile().context("building the seccomp filters")?;
+    let path = args.config.context("--config is required")?;
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let path = args.config.context("--config is required")?;
     let cfg = VmConfig::from_file(&path).and_then(|c| c.validate()).context("invalid VM config")?;
-    let reason = vmm::run(cfg, signal_fd, start).context("VM failed to start")?;
+    let reason = vmm::run(cfg, signal_fd, start, &filters).context("VM failed to start")?;
     let code = reason.exit_code();
     if code == 0 {
         tracing::info!(?reason, "VM stopped");
@@ -75,6 +78,15 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
         eprintln!("bulkhead-vmm: VM failed: {reason:?}");
     }
     Ok(code)
+}
+
+/// Panics are logged without a backtrace: capturing one reads the binary from disk, which the
+/// seccomp filters forbid, so the default hook would turn a panic into SIGSYS.
+fn log_panics_without_backtrace() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        tracing::error!(thread = thread.name().unwrap_or("unnamed"), "thread panicked: {info}");
+    }));
 }
 
 fn init_logging(json: bool) {
