@@ -11,13 +11,14 @@
 //!
 //! Threads: one per vCPU (KVM_RUN + bus dispatch), one event loop (event-manager) for device
 //! queues, host sockets and signals, and one for the API socket; each installs its own seccomp
-//! filter (`seccomp`).
+//! filter (`seccomp`). With `--jail`, the process first confines itself (`jail`).
 
 pub mod api;
 pub mod arch;
 pub mod boot;
 pub mod devices;
 pub mod exit;
+pub mod jail;
 pub mod layout;
 pub mod memory;
 pub mod persist;

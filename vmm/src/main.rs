@@ -1,4 +1,5 @@
-//! `bulkhead-vmm --config <file.json>`: boots one microVM and serves it until it stops.
+//! `bulkhead-vmm --config <file.json> [--jail <jail.json>]`: boots one microVM and serves it until
+//! it stops; with `--jail`, confines itself first (chroot, namespaces, cgroup, non-root uid).
 //! `bulkhead-vmm --probe`: says whether this host runs ordinary guests, and exits.
 
 use std::path::PathBuf;
@@ -7,8 +8,10 @@ use anyhow::Context;
 use clap::Parser;
 
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::jail::{self, Jailed};
 use bulkhead_vmm::seccomp::Filters;
 use bulkhead_vmm::vmm;
+use bulkhead_vmm_api::jail::JailConfig;
 
 #[derive(Parser)]
 #[command(name = "bulkhead-vmm", about = "bulkhead's microVM monitor")]
@@ -16,6 +19,10 @@ struct Args {
     /// VM configuration (JSON).
     #[arg(long, required_unless_present = "probe")]
     config: Option<PathBuf>,
+    /// Jail the VMM first, as described by this JSON document (`JailConfig`); paths in the VM
+    /// config are then paths inside the jail's chroot.
+    #[arg(long, requires = "config")]
+    jail: Option<PathBuf>,
     /// Print the host probe (vmx, svm, pvm, unknown or absent) as JSON and exit: 0 when ordinary
     /// guests run here, 3 when they do not.
     #[arg(long, conflicts_with = "config")]
@@ -66,9 +73,17 @@ fn probe() -> i32 {
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     let filters = Filters::compile().context("building the seccomp filters")?;
     let path = args.config.context("--config is required")?;
+    // Read on the host side; the paths inside are checked once jailed, where they must resolve.
+    let doc = VmConfig::from_file(&path).context("invalid VM config")?;
+    if let Some(jail_path) = &args.jail {
+        let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
+        if let Jailed::Exited(code) = jail::enter(&jail, &filters).context("cannot jail the VMM")? {
+            return Ok(code);
+        }
+    }
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let cfg = VmConfig::from_file(&path).and_then(|c| c.validate()).context("invalid VM config")?;
+    let cfg = doc.validate().context("invalid VM config")?;
     let reason = vmm::run(cfg, signal_fd, start, &filters).context("VM failed to start")?;
     let code = reason.exit_code();
     if code == 0 {

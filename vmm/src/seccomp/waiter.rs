@@ -15,8 +15,10 @@ pub(super) fn list() -> Vec<Syscall> {
         when(libc::SYS_mmap, &[&[Arg::NoBits(2, libc::PROT_EXEC as u64)]]),
         always(libc::SYS_munmap),
         always(libc::SYS_clock_gettime),
-        // Close the pipe end the VMM watched, and exit with the VMM's status.
+        // Close the pipe end the VMM watched, drop std's signal stack (and unmap it, above),
+        // and exit with the VMM's status.
         always(libc::SYS_close),
+        always(libc::SYS_sigaltstack),
         always(libc::SYS_exit_group),
     ];
     list.extend(super::common::debug_fd_check());
