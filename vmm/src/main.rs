@@ -77,7 +77,7 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     let doc = VmConfig::from_file(&path).context("invalid VM config")?;
     if let Some(jail_path) = &args.jail {
         let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
-        if let Jailed::Exited(code) = jail::enter(&jail, &filters).context("cannot jail the VMM")? {
+        if let Jailed::Exited(code) = jail::enter(&jail).context("cannot jail the VMM")? {
             return Ok(code);
         }
     }

@@ -308,7 +308,7 @@ pub fn run(
     }
     install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
     for (id, vcpu) in vcpus.into_iter().enumerate() {
-        let (filter, vcpu_exit) = (filters.program(ThreadKind::Vcpu).clone(), exit.clone());
+        let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
         let handle = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || match seccomp::install(ThreadKind::Vcpu, &filter) {
@@ -327,12 +327,12 @@ pub fn run(
             irqchip,
             start_unix_ns,
         };
-        let filter = filters.program(ThreadKind::Api).clone();
+        let filter = filters.api().clone();
         api::spawn(path, controller, filter).map_err(dev_err(format!("api socket {}", path.display())))?;
     }
 
     // Every other thread exists now; from here on this thread is the event loop.
-    seccomp::install(ThreadKind::EventLoop, filters.program(ThreadKind::EventLoop))?;
+    seccomp::install(ThreadKind::EventLoop, filters.event_loop())?;
     loop {
         if let Some(reason) = exit.reason() {
             // Let parked vCPUs see the exit; running ones die with the process.

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 
 use bulkhead_vmm_api::jail::JailConfig;
 
-use crate::seccomp::{self, Filters, ThreadKind};
+use crate::seccomp::{self, ThreadKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -65,7 +65,7 @@ pub enum Jailed {
 
 /// Applies `jail` to this (single-threaded, root) process. Returns once in the jailed VMM and
 /// once, when the VMM has exited, in the waiter.
-pub fn enter(jail: &JailConfig, filters: &Filters) -> Result<Jailed, JailError> {
+pub fn enter(jail: &JailConfig) -> Result<Jailed, JailError> {
     jail.validate().map_err(|e| JailError::Refused(e.to_string()))?;
     let host = checks::check_host(jail)?;
     process::close_inherited_fds()?;
@@ -78,7 +78,7 @@ pub fn enter(jail: &JailConfig, filters: &Filters) -> Result<Jailed, JailError> 
     match process::unshare_and_fork()? {
         process::Forked::Parent { child, parent_end } => {
             tracing::info!(id = %jail.id, vmm_pid = child.as_raw(), "jailed VMM started");
-            seccomp::install(ThreadKind::Waiter, filters.program(ThreadKind::Waiter))?;
+            seccomp::install(ThreadKind::Waiter, &seccomp::waiter_filter(child.as_raw())?)?;
             let code = process::wait_for_vmm(child)?;
             drop(parent_end);
             Ok(Jailed::Exited(code))

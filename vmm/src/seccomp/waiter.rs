@@ -3,11 +3,16 @@
 
 use super::{always, when, Arg, Syscall};
 
-pub(super) fn list() -> Vec<Syscall> {
+pub(super) fn list(child: libc::pid_t) -> Vec<Syscall> {
+    let to_child = Arg::Eq(0, child as u64);
     let mut list = vec![
-        // Wait (bounded) for SIGTERM/SIGINT/SIGCHLD, forward the first two, reap the VMM.
+        // Wait (bounded) for SIGTERM/SIGINT/SIGCHLD, forward the first two (to the VMM only),
+        // reap the VMM.
         always(libc::SYS_rt_sigtimedwait),
-        always(libc::SYS_kill),
+        when(
+            libc::SYS_kill,
+            &[&[to_child, Arg::Eq(1, libc::SIGTERM as u64)], &[to_child, Arg::Eq(1, libc::SIGINT as u64)]],
+        ),
         always(libc::SYS_wait4),
         // Log lines (formatting allocates; timestamps may need the clock syscall).
         always(libc::SYS_write),
