@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 const UID: u32 = 40_123;
 const GID: u32 = 40_124;
@@ -57,10 +58,12 @@ fn host_mounts_under(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-/// A jail of the test's own: a root-owned chroot in a temp dir, a cgroup name and optionally a
-/// network namespace. Dropping it removes the cgroup and the netns, also when the test failed.
+/// A jail of the test's own: a root-owned chroot on a nodev, nosuid, noexec tmpfs (as the pod
+/// state dir on a node's /run), a cgroup name and optionally a network namespace. Dropping it
+/// removes the cgroup, the netns and the tmpfs, also when the test failed.
 struct Jail {
     dir: tempfile::TempDir,
+    state: PathBuf,
     chroot: PathBuf,
     cgroup: String,
     netns: Option<String>,
@@ -71,7 +74,11 @@ impl Jail {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let n = SEQ.fetch_add(1, Ordering::SeqCst);
         let dir = tempfile::tempdir().unwrap();
-        let chroot = dir.path().join("root");
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        let flags = MsFlags::MS_NODEV | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+        mount(Some("tmpfs"), &state, Some("tmpfs"), flags, Some("mode=755")).unwrap();
+        let chroot = state.join("root");
         std::fs::create_dir(&chroot).unwrap();
         std::fs::set_permissions(&chroot, std::fs::Permissions::from_mode(0o755)).unwrap();
         let cgroup = format!("/bulkhead-test-jail-{}-{n}", std::process::id());
@@ -81,7 +88,7 @@ impl Jail {
             assert!(ok, "ip netns add {name}");
             name
         });
-        Self { dir, chroot, cgroup, netns }
+        Self { dir, state, chroot, cgroup, netns }
     }
 
     /// The document the shim would write: the guest at /guest.elf, a writable /run, the test's
@@ -151,6 +158,7 @@ impl Drop for Jail {
         if let Some(ns) = &self.netns {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
+        let _ = umount2(&self.state, MntFlags::MNT_DETACH);
     }
 }
 
@@ -252,6 +260,10 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
         .collect();
     assert_eq!(mounts.len(), 2, "{mountinfo}");
     assert_eq!(mounts[0].0, "/");
+    // The chroot sits on a nodev tmpfs; its own bind mount allows the device nodes, no more.
+    let root_flags: Vec<&str> = mounts[0].1.split(',').collect();
+    assert!(root_flags.contains(&"nosuid") && root_flags.contains(&"noexec"), "{mountinfo}");
+    assert!(!root_flags.contains(&"nodev"), "{mountinfo}");
     assert_eq!(mounts[1].0, "/guest.elf");
     for flag in ["ro", "nosuid", "nodev", "noexec"] {
         assert!(mounts[1].1.split(',').any(|f| f == flag), "guest.elf mount lacks {flag}: {mountinfo}");

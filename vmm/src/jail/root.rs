@@ -30,6 +30,11 @@ pub fn build(jail: &JailConfig, host: &HostFacts) -> Result<(), JailError> {
     // pivot_root needs the new root to be a mount point.
     mount(Some(&jail.chroot), &jail.chroot, NONE, MsFlags::MS_BIND | MsFlags::MS_REC, NONE)
         .map_err(sys(format!("bind-mount the chroot {}", jail.chroot.display())))?;
+    // The chroot may live on a nodev mount (the pod state dir on /run): allow device nodes in
+    // this bind mount only, and nothing setuid or executable.
+    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+    mount(NONE, &jail.chroot, NONE, flags, NONE)
+        .map_err(sys(format!("remount the chroot {}", jail.chroot.display())))?;
     let root = nix::fcntl::open(
         &jail.chroot,
         OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
