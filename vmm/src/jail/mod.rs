@@ -44,6 +44,9 @@ pub enum JailError {
     Sys { what: String, source: std::io::Error },
     #[error("the waiter (jailed VMM's parent) is gone")]
     ParentGone,
+    /// A privilege survived the drop; the VMM does not go on.
+    #[error("privileges not dropped: {0}")]
+    NotDropped(String),
     #[error(transparent)]
     Seccomp(#[from] seccomp::SeccompError),
 }

@@ -83,7 +83,7 @@ pub fn drop_to(uid: u32, gid: u32) -> Result<(), JailError> {
 
 /// Refuses to go on unless the drop is complete.
 fn verify(uid: Uid, gid: Gid) -> Result<(), JailError> {
-    let fail = |what: String| Err(JailError::Refused(format!("privileges not dropped: {what}")));
+    let fail = |what: String| Err(JailError::NotDropped(what));
     let r = getresuid().map_err(sys("getresuid"))?;
     let g = getresgid().map_err(sys("getresgid"))?;
     if [r.real, r.effective, r.saved] != [uid; 3] || [g.real, g.effective, g.saved] != [gid; 3] {
