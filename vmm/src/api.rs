@@ -1,19 +1,22 @@
-//! The API socket's server: JSON lines over a Unix socket, on the event loop. The messages are
+//! The API socket's server: JSON lines over a Unix socket, on a thread of its own with the
+//! smallest seccomp filter, since it parses input from outside the VM. The messages are
 //! `bulkhead_vmm_api::api`'s; every request gets one line back.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bulkhead_vmm_api::api::{encode_line, parse_request, Request, Response, VmInfo, MAX_REQUEST_LINE};
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use seccompiler::BpfProgram;
 use vmm_sys_util::epoll::EventSet;
 
 use crate::exit::{ExitReason, ExitSignal};
+use crate::seccomp::{self, ThreadKind};
 use crate::vcpu::VcpuControl;
 
 const MAX_CLIENTS: usize = 16;
@@ -70,22 +73,21 @@ struct Client {
     buf: Vec<u8>,
 }
 
-pub struct ApiServer {
-    path: PathBuf,
+struct ApiServer {
     listener: UnixListener,
     clients: HashMap<RawFd, Client>,
     controller: VmController,
 }
 
 impl ApiServer {
-    pub fn bind(path: &Path, controller: VmController) -> std::io::Result<Self> {
+    fn bind(path: &Path, controller: VmController) -> std::io::Result<Self> {
         // A stale socket from a previous run would make bind fail.
         if path.exists() {
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
         listener.set_nonblocking(true)?;
-        Ok(Self { path: path.to_owned(), listener, clients: HashMap::new(), controller })
+        Ok(Self { listener, clients: HashMap::new(), controller })
     }
 
     fn accept(&mut self, ops: &mut EventOps) {
@@ -126,10 +128,27 @@ impl ApiServer {
     }
 }
 
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
+/// Binds the API socket here, then serves it on the `api` thread, which installs `filter` before
+/// it accepts anyone. The thread lives as long as the process; if it cannot serve, the VM stops.
+pub fn spawn(path: &Path, controller: VmController, filter: BpfProgram) -> std::io::Result<()> {
+    let exit = controller.exit.clone();
+    let server = ApiServer::bind(path, controller)?;
+    let mut em: EventManager<ApiServer> =
+        EventManager::new().map_err(|e| std::io::Error::other(format!("API event loop: {e}")))?;
+    em.add_subscriber(server);
+    std::thread::Builder::new().name("api".into()).spawn(move || {
+        if let Err(e) = seccomp::install(ThreadKind::Api, &filter) {
+            exit.signal(ExitReason::ApiFailed(e.to_string()));
+            return;
+        }
+        loop {
+            if let Err(e) = em.run() {
+                exit.signal(ExitReason::ApiFailed(format!("event loop: {e}")));
+                return;
+            }
+        }
+    })?;
+    Ok(())
 }
 
 impl MutEventSubscriber for ApiServer {

@@ -10,18 +10,21 @@
 //! come later: every device keeps its state in a `persist` module of plain serde structs so a
 //! snapshot is a walk over the devices.
 //!
-//! Threads: one per vCPU (KVM_RUN + bus dispatch) and one event loop (event-manager) for device
-//! queues, host sockets, signals and the API; while a vhost-user exchange runs, a short-lived
-//! watchdog thread (`fs-watchdog`) bounds it.
+//! Threads: one per vCPU (KVM_RUN + bus dispatch), one event loop (event-manager) for device
+//! queues, host sockets and signals, and one for the API socket; each installs its own seccomp
+//! filter (`seccomp`). While a vhost-user exchange runs, a short-lived watchdog thread
+//! (`fs-watchdog`) bounds it. With `--jail`, the process first confines itself (`jail`).
 
 pub mod api;
 pub mod arch;
 pub mod boot;
 pub mod devices;
 pub mod exit;
+pub mod jail;
 pub mod layout;
 pub mod memory;
 pub mod persist;
+pub mod seccomp;
 pub mod vcpu;
 pub mod vmm;
 

@@ -1,4 +1,5 @@
-//! `bulkhead-vmm --config <file.json>`: boots one microVM and serves it until it stops.
+//! `bulkhead-vmm --config <file.json> [--jail <jail.json>]`: boots one microVM and serves it until
+//! it stops; with `--jail`, confines itself first (chroot, namespaces, cgroup, non-root uid).
 //! `bulkhead-vmm --probe`: says whether this host runs ordinary guests, and exits.
 
 use std::path::PathBuf;
@@ -7,7 +8,10 @@ use anyhow::Context;
 use clap::Parser;
 
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::jail::{self, Jailed};
+use bulkhead_vmm::seccomp::Filters;
 use bulkhead_vmm::vmm;
+use bulkhead_vmm_api::jail::JailConfig;
 
 #[derive(Parser)]
 #[command(name = "bulkhead-vmm", about = "bulkhead's microVM monitor")]
@@ -15,6 +19,10 @@ struct Args {
     /// VM configuration (JSON).
     #[arg(long, required_unless_present = "probe")]
     config: Option<PathBuf>,
+    /// Jail the VMM first, as described by this JSON document (`JailConfig`); paths in the VM
+    /// config are then paths inside the jail's chroot.
+    #[arg(long, requires = "config")]
+    jail: Option<PathBuf>,
     /// Print the host probe (vmx, svm, pvm, unknown or absent) as JSON and exit: 0 when ordinary
     /// guests run here, 3 when they do not.
     #[arg(long, conflicts_with = "config")]
@@ -31,6 +39,7 @@ fn main() {
         std::process::exit(probe());
     }
     init_logging(args.log_json);
+    log_panics_without_backtrace();
     match run(args, start) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -62,11 +71,20 @@ fn probe() -> i32 {
 }
 
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
+    let filters = Filters::compile().context("building the seccomp filters")?;
+    let path = args.config.context("--config is required")?;
+    // Read on the host side; the paths inside are checked once jailed, where they must resolve.
+    let doc = VmConfig::from_file(&path).context("invalid VM config")?;
+    if let Some(jail_path) = &args.jail {
+        let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
+        if let Jailed::Exited(code) = jail::enter(&jail).context("cannot jail the VMM")? {
+            return Ok(code);
+        }
+    }
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let path = args.config.context("--config is required")?;
-    let cfg = VmConfig::from_file(&path).and_then(|c| c.validate()).context("invalid VM config")?;
-    let reason = vmm::run(cfg, signal_fd, start).context("VM failed to start")?;
+    let cfg = doc.validate().context("invalid VM config")?;
+    let reason = vmm::run(cfg, signal_fd, start, &filters).context("VM failed to start")?;
     let code = reason.exit_code();
     if code == 0 {
         tracing::info!(?reason, "VM stopped");
@@ -75,6 +93,15 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
         eprintln!("bulkhead-vmm: VM failed: {reason:?}");
     }
     Ok(code)
+}
+
+/// Panics are logged without a backtrace: capturing one reads the binary from disk, which the
+/// seccomp filters forbid, so the default hook would turn a panic into SIGSYS.
+fn log_panics_without_backtrace() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        tracing::error!(thread = thread.name().unwrap_or("unnamed"), "thread panicked: {info}");
+    }));
 }
 
 fn init_logging(json: bool) {

@@ -4,6 +4,7 @@
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
@@ -13,7 +14,7 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::api::{ApiServer, VmController};
+use crate::api::{self, VmController};
 use crate::boot;
 use crate::config::ValidConfig;
 use crate::devices::bus::{Bus, BusDevice};
@@ -28,6 +29,7 @@ use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::layout;
 use crate::memory::create_guest_memory;
+use crate::seccomp::{self, Filters, ThreadKind};
 use crate::vcpu::{install_kick_handler, unix_ns, Vcpu, VcpuControl};
 
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +50,8 @@ pub enum VmmError {
     Bus(#[from] crate::devices::bus::BusError),
     #[error("event loop: {0}")]
     EventLoop(String),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 fn dev_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmmError {
@@ -114,6 +118,19 @@ impl MutEventSubscriber for SignalWatcher {
 }
 
 type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+
+/// The host sockets the VM binds (vsock listener, API), removed when `run` returns. The event
+/// loop removes them rather than a device's Drop, which can run last on a vCPU thread, whose
+/// filter has no unlink.
+struct BoundSockets(Vec<PathBuf>);
+
+impl Drop for BoundSockets {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
 
 fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmmError> {
     for (slot, region) in mem.iter().enumerate() {
@@ -235,8 +252,14 @@ fn build_devices(
     Ok(Devices { pio, mmio, subscribers, cmdline_devices })
 }
 
-/// Builds and runs the VM. Returns why it stopped.
-pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<ExitReason, VmmError> {
+/// Builds and runs the VM. Returns why it stopped. Every thread it starts, and the calling thread
+/// once the VM is built, runs under its kind's filter from `filters`.
+pub fn run(
+    cfg: ValidConfig,
+    signal_fd: OwnedFd,
+    start_unix_ns: u64,
+    filters: &Filters,
+) -> Result<ExitReason, VmmError> {
     tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     let vm = Arc::new(kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?);
@@ -256,6 +279,8 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     tracing::debug!(irqchip, "vm created");
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
+    let _bound_sockets =
+        BoundSockets(cfg.vsock.iter().map(|v| v.uds_path.clone()).chain(cfg.api_socket.clone()).collect());
     let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit)?;
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
@@ -287,6 +312,18 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
     for s in subscribers {
         em.add_subscriber(s);
     }
+    install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
+    for (id, vcpu) in vcpus.into_iter().enumerate() {
+        let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || match seccomp::install(ThreadKind::Vcpu, &filter) {
+                Ok(()) => vcpu.run(),
+                Err(e) => vcpu_exit.signal(ExitReason::VcpuError { vcpu: id as u8, message: e.to_string() }),
+            })
+            .map_err(dev_err("vcpu thread"))?;
+        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
+    }
     if let Some(path) = &cfg.api_socket {
         let controller = VmController {
             control: control.clone(),
@@ -296,19 +333,12 @@ pub fn run(cfg: ValidConfig, signal_fd: OwnedFd, start_unix_ns: u64) -> Result<E
             irqchip,
             start_unix_ns,
         };
-        let api = ApiServer::bind(path, controller).map_err(dev_err(format!("api socket {}", path.display())))?;
-        em.add_subscriber(Arc::new(Mutex::new(api)));
+        let filter = filters.api().clone();
+        api::spawn(path, controller, filter).map_err(dev_err(format!("api socket {}", path.display())))?;
     }
 
-    install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
-    for (id, vcpu) in vcpus.into_iter().enumerate() {
-        let handle = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || vcpu.run())
-            .map_err(dev_err("vcpu thread"))?;
-        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
-    }
-
+    // Every other thread exists now; from here on this thread is the event loop.
+    seccomp::install(ThreadKind::EventLoop, filters.event_loop())?;
     loop {
         if let Some(reason) = exit.reason() {
             // Let parked vCPUs see the exit; running ones die with the process.

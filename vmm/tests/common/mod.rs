@@ -92,22 +92,37 @@ pub struct Run {
 pub struct VmmProcess {
     pub child: Child,
     pub dir: PathBuf,
+    /// Where the serial log lands on the host (`dir/serial.log` unless jailed).
+    pub serial: PathBuf,
     deadline: Instant,
 }
 
 impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
+        Self::spawn_with(dir, config, &[], &[], timeout)
+    }
+
+    /// Like `spawn`, with extra arguments (after `--config dir/vm.json`) and environment.
+    pub fn spawn_with(
+        dir: &Path,
+        config: &serde_json::Value,
+        args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
         let child = Command::new(VMM)
             .arg("--config")
             .arg(&cfg_path)
+            .args(args)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn bulkhead-vmm");
-        Self { child, dir: dir.to_owned(), deadline: Instant::now() + timeout }
+        Self { child, dir: dir.to_owned(), serial: dir.join("serial.log"), deadline: Instant::now() + timeout }
     }
 
     pub fn pid(&self) -> i32 {
@@ -122,7 +137,7 @@ impl VmmProcess {
         if let Some(mut e) = self.child.stderr.take() {
             let _ = e.read_to_string(&mut stderr);
         }
-        Run { status, stderr, serial: read_serial(&self.dir) }
+        Run { status, stderr, serial: std::fs::read_to_string(&self.serial).unwrap_or_default() }
     }
 
     /// Waits for exit; kills the child (by PID) and panics if the deadline passes.
@@ -140,7 +155,7 @@ impl VmmProcess {
                 }
                 panic!(
                     "bulkhead-vmm did not exit in time; killed.\nstderr:\n{err}\nserial:\n{}",
-                    read_serial(&self.dir)
+                    std::fs::read_to_string(&self.serial).unwrap_or_default()
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -149,7 +164,7 @@ impl VmmProcess {
         if let Some(mut e) = self.child.stderr.take() {
             let _ = e.read_to_string(&mut stderr);
         }
-        Run { status, stderr, serial: read_serial(&self.dir) }
+        Run { status, stderr, serial: std::fs::read_to_string(&self.serial).unwrap_or_default() }
     }
 }
 

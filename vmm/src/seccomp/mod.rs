@@ -1,0 +1,275 @@
+//! Seccomp for every VMM thread: one hand-reviewed allow-list per thread kind, compiled with
+//! `seccompiler` and installed by each thread on itself before it handles guest or client input.
+//! A syscall that is not on the list kills the whole process (SIGSYS), jailed or not.
+//!
+//! The lists live one module per kind (`vcpu`, `event_loop`, `api`, `waiter`); `common` holds what
+//! every thread of the VMM process needs (allocator, locks, logging, thread exit). Each entry says
+//! why the thread makes the call; a new device adds its calls, one line each, to the list of the
+//! thread that makes them. Filters also check arguments where that is cheap (ioctl numbers, socket
+//! domains, no executable memory).
+//!
+//! Boundaries: this module builds and installs filters; which thread runs what is `vmm.rs`'s,
+//! `api.rs`'s and the jail's business.
+
+mod api;
+mod common;
+mod event_loop;
+#[cfg(debug_assertions)]
+mod probe;
+mod vcpu;
+mod waiter;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("building the {kind} seccomp filter: {source}")]
+    Build { kind: ThreadKind, source: seccompiler::BackendError },
+    #[error("the {kind} allow-list names syscall {nr} twice")]
+    Duplicate { kind: ThreadKind, nr: i64 },
+    #[error("installing the {kind} seccomp filter: {source}")]
+    Install { kind: ThreadKind, source: seccompiler::Error },
+}
+
+/// The kinds of threads the VMM runs, each with its own allow-list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadKind {
+    /// One per vCPU: KVM_RUN and the port/MMIO dispatch of guest exits.
+    Vcpu,
+    /// The main thread once the VM is built: device queues, host sockets, signals, exit.
+    EventLoop,
+    /// The API socket server, which parses requests from outside the VM.
+    Api,
+    /// The jailed VMM's parent, which only relays signals and the exit status.
+    Waiter,
+}
+
+impl ThreadKind {
+    /// The name logs and the test hook use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::EventLoop => "event_loop",
+            ThreadKind::Api => "api",
+            ThreadKind::Waiter => "waiter",
+        }
+    }
+}
+
+impl fmt::Display for ThreadKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An argument check: `Eq(index, value)`, or `NoBits(index, mask)` (none of `mask` set). Both
+/// compare all 64 bits: stricter than the kernel, which reads only the low half of `int` arguments.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Arg {
+    Eq(u8, u64),
+    NoBits(u8, u64),
+}
+
+/// One allow-list entry: a syscall, allowed outright or when any one group of argument checks
+/// holds (all checks of a group must).
+#[derive(Clone)]
+pub(crate) struct Syscall {
+    nr: i64,
+    when: Vec<Vec<Arg>>,
+}
+
+/// The syscall with any arguments.
+pub(crate) fn always(nr: i64) -> Syscall {
+    Syscall { nr, when: Vec::new() }
+}
+
+/// The syscall when one of `groups` matches its arguments.
+pub(crate) fn when(nr: i64, groups: &[&[Arg]]) -> Syscall {
+    Syscall { nr, when: groups.iter().map(|g| g.to_vec()).collect() }
+}
+
+/// The syscall when argument `index` is one of `values` (ioctl numbers, socket options...).
+pub(crate) fn arg_in(nr: i64, index: u8, values: &[u64]) -> Syscall {
+    Syscall { nr, when: values.iter().map(|v| vec![Arg::Eq(index, *v)]).collect() }
+}
+
+fn condition(arg: Arg) -> Result<SeccompCondition, seccompiler::BackendError> {
+    match arg {
+        Arg::Eq(i, v) => SeccompCondition::new(i, SeccompCmpArgLen::Qword, SeccompCmpOp::Eq, v),
+        Arg::NoBits(i, mask) => SeccompCondition::new(i, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(mask), 0),
+    }
+}
+
+fn compile(kind: ThreadKind, list: Vec<Syscall>) -> Result<BpfProgram, SeccompError> {
+    let build = |source| SeccompError::Build { kind, source };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    for sc in list {
+        let mut chain = Vec::new();
+        for group in sc.when {
+            let conds = group.into_iter().map(condition).collect::<Result<Vec<_>, _>>().map_err(build)?;
+            chain.push(SeccompRule::new(conds).map_err(build)?);
+        }
+        if rules.insert(sc.nr, chain).is_some() {
+            return Err(SeccompError::Duplicate { kind, nr: sc.nr });
+        }
+    }
+    let filter = SeccompFilter::new(rules, SeccompAction::KillProcess, SeccompAction::Allow, TargetArch::x86_64)
+        .map_err(build)?;
+    BpfProgram::try_from(filter).map_err(build)
+}
+
+fn vcpu_list() -> Vec<Syscall> {
+    [common::list(), vcpu::list()].concat()
+}
+
+fn event_loop_list() -> Vec<Syscall> {
+    [common::list(), event_loop::list()].concat()
+}
+
+fn api_list() -> Vec<Syscall> {
+    [common::list(), api::list()].concat()
+}
+
+/// The VMM threads' compiled filters, built once before any thread starts.
+pub struct Filters {
+    vcpu: BpfProgram,
+    event_loop: BpfProgram,
+    api: BpfProgram,
+}
+
+impl Filters {
+    pub fn compile() -> Result<Self, SeccompError> {
+        Ok(Self {
+            vcpu: compile(ThreadKind::Vcpu, vcpu_list())?,
+            event_loop: compile(ThreadKind::EventLoop, event_loop_list())?,
+            api: compile(ThreadKind::Api, api_list())?,
+        })
+    }
+
+    pub fn vcpu(&self) -> &BpfProgram {
+        &self.vcpu
+    }
+
+    pub fn event_loop(&self) -> &BpfProgram {
+        &self.event_loop
+    }
+
+    pub fn api(&self) -> &BpfProgram {
+        &self.api
+    }
+}
+
+/// The waiter's filter: a separate, single-threaded process sharing nothing with the VMM's
+/// threads, which may signal only `child`.
+pub fn waiter_filter(child: libc::pid_t) -> Result<BpfProgram, SeccompError> {
+    compile(ThreadKind::Waiter, waiter::list(child))
+}
+
+/// Installs `program` (the filter of `kind`) on the calling thread, for good.
+pub fn install(kind: ThreadKind, program: &BpfProgram) -> Result<(), SeccompError> {
+    seccompiler::apply_filter(program).map_err(|source| SeccompError::Install { kind, source })?;
+    tracing::debug!(thread = kind.name(), instructions = program.len(), "seccomp filter installed");
+    #[cfg(debug_assertions)]
+    probe::after_install(kind);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lists() -> Vec<(ThreadKind, Vec<Syscall>)> {
+        vec![
+            (ThreadKind::Vcpu, vcpu_list()),
+            (ThreadKind::EventLoop, event_loop_list()),
+            (ThreadKind::Api, api_list()),
+            (ThreadKind::Waiter, waiter::list(4242)),
+        ]
+    }
+
+    #[test]
+    fn every_list_compiles_without_duplicates() {
+        let filters = Filters::compile().unwrap();
+        for program in [filters.vcpu(), filters.event_loop(), filters.api(), &waiter_filter(4242).unwrap()] {
+            assert!(!program.is_empty());
+        }
+    }
+
+    #[test]
+    fn the_api_thread_reaches_no_file_device_or_new_socket() {
+        let sizes: Vec<(ThreadKind, usize)> = lists().into_iter().map(|(k, l)| (k, l.len())).collect();
+        println!("allow-list sizes: {sizes:?}");
+        assert!(api_list().len() < event_loop_list().len());
+        let api: Vec<i64> = api_list().iter().map(|s| s.nr).collect();
+        for nr in [
+            libc::SYS_ioctl,
+            libc::SYS_socket,
+            libc::SYS_connect,
+            libc::SYS_read,
+            libc::SYS_pread64,
+            libc::SYS_pwrite64,
+            libc::SYS_unlink,
+            libc::SYS_exit_group,
+            libc::SYS_kill,
+        ] {
+            assert!(!api.contains(&nr), "the API list allows syscall {nr}");
+        }
+    }
+
+    #[test]
+    fn no_list_allows_what_a_vmm_never_needs() {
+        for (kind, list) in lists() {
+            let nrs: Vec<i64> = list.iter().map(|s| s.nr).collect();
+            for forbidden in [
+                libc::SYS_execve,
+                libc::SYS_execveat,
+                libc::SYS_ptrace,
+                libc::SYS_mount,
+                libc::SYS_open,
+                libc::SYS_openat,
+                libc::SYS_clone,
+                libc::SYS_clone3,
+                libc::SYS_fork,
+                libc::SYS_setuid,
+                libc::SYS_getppid,
+            ] {
+                assert!(!nrs.contains(&forbidden), "{kind} allows syscall {forbidden}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_filtered_child_dies_of_sigsys_on_a_forbidden_syscall_and_lives_on_allowed_ones() {
+        // SAFETY: getpid has no preconditions.
+        let program = waiter_filter(unsafe { libc::getpid() }).unwrap();
+        for (forbidden, expect_signal) in [(false, None), (true, Some(libc::SIGSYS))] {
+            // SAFETY: the child only makes raw syscalls and exits; it touches no lock or allocator.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0);
+            if pid == 0 {
+                if seccompiler::apply_filter(&program).is_err() {
+                    // SAFETY: plain exit of the forked child.
+                    unsafe { libc::_exit(2) };
+                }
+                if forbidden {
+                    // SAFETY: no arguments, no side effects.
+                    unsafe { libc::syscall(libc::SYS_getppid) };
+                }
+                // SAFETY: plain exit of the forked child.
+                unsafe { libc::_exit(0) };
+            }
+            let mut status = 0;
+            // SAFETY: pid is our child; status is a valid out pointer.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            match expect_signal {
+                Some(sig) => assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == sig, "{status:#x}"),
+                None => assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{status:#x}"),
+            }
+        }
+    }
+}
