@@ -13,6 +13,7 @@ mod sandbox;
 mod seccomp;
 mod service;
 mod stdio;
+mod syscall;
 mod transport;
 
 use clap::Parser;
@@ -44,7 +45,7 @@ fn main() -> std::process::ExitCode {
 fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
     cli::init_tracing(&opts);
     // Mounts and subreaper status come before any thread exists.
-    guest_init::prepare(opts.mode, &guest_init::LinuxSyscall)?;
+    guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(sandbox::serve(opts))
 }

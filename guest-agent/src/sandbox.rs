@@ -20,11 +20,12 @@ use crate::{
     cli::{AgentOpts, Listen, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
     error::{AgentError, Result},
-    guest_init::{self, LinuxSyscall, SandboxSettings, Syscall},
+    guest_init::{self, SandboxSettings},
     oom::OomEvents,
     reaper::Reaper,
     runtime::{ChildIo, Runtime},
     stdio::{OutputStream, ProcessIo, PtyMaster, PumpOpts, StdinSink},
+    syscall::{LinuxSyscall, Syscall},
     transport::{self, Conn, Dispatch},
 };
 

@@ -2,10 +2,11 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use super::{parse_mount_options, Syscall};
+use super::parse_mount_options;
 use crate::{
     cli::Mode,
     error::{AgentError, Result},
+    syscall::Syscall,
 };
 
 #[derive(Debug, Clone, Default)]
@@ -121,7 +122,7 @@ fn sysctl_path(key: &str) -> Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::syscall::test::{Call, RecordingSyscall};
+    use crate::syscall::test::{Call, RecordingSyscall};
     use super::*;
 
     fn settings() -> SandboxSettings {
