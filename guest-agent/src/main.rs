@@ -5,6 +5,7 @@ mod cli;
 mod container;
 mod error;
 mod guest_init;
+mod mount;
 mod network;
 mod oom;
 mod reaper;

@@ -21,6 +21,7 @@ use crate::{
     container::{Container, Event, ExitRecord, NewContainer},
     error::{AgentError, Result},
     guest_init::{self, SandboxSettings},
+    mount::GuestMount,
     oom::OomEvents,
     reaper::Reaper,
     runtime::{ChildIo, Runtime},
@@ -44,7 +45,7 @@ pub struct CreateRequest {
     pub id: String,
     pub spec_json: Vec<u8>,
     pub rootfs_path: String,
-    pub rootfs_mounts: Vec<guest_init::GuestMount>,
+    pub rootfs_mounts: Vec<GuestMount>,
     pub stdio: StdioRequest,
 }
 
@@ -150,16 +151,8 @@ impl Sandbox {
         let result = async {
             for m in &req.rootfs_mounts {
                 let target = rootfs.join(m.destination.strip_prefix("/").unwrap_or(&m.destination));
-                let opts = guest_init::parse_mount_options(&m.options);
                 self.sys.mkdir_all(&target).map_err(|e| AgentError::internal("mkdir rootfs mount", e))?;
-                self.sys
-                    .mount(
-                        Some(&m.source),
-                        &target,
-                        (!m.fstype.is_empty()).then_some(m.fstype.as_str()),
-                        opts.flags,
-                        opts.data.as_deref(),
-                    )
+                m.mount_on(&self.sys, &target)
                     .map_err(|e| AgentError::FailedPrecondition(format!("rootfs mount {}: {e}", m.source)))?;
                 mounted.push(target);
             }

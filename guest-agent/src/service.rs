@@ -13,7 +13,8 @@ use ttrpc::r#async::{transport::Listener, Server, TtrpcContext};
 
 use crate::{
     error::AgentError,
-    guest_init::{GuestMount, SandboxSettings},
+    guest_init::SandboxSettings,
+    mount::GuestMount,
     sandbox::{CreateRequest, Sandbox, StdioRequest},
     transport::TtrpcConn,
 };

@@ -2,11 +2,9 @@
 //! settings of SetupSandbox. All syscalls go through [`Syscall`] so the plans are unit-tested
 //! without root.
 
-mod mounts;
 mod setup;
 
-pub use mounts::parse_mount_options;
-pub use setup::{apply_setup, GuestMount, SandboxSettings};
+pub use setup::{apply_setup, SandboxSettings};
 
 use crate::{cli::Mode, syscall::Syscall};
 
@@ -137,8 +135,8 @@ fn run_step(step: &Step, sys: &dyn Syscall) -> (std::io::Result<()>, bool) {
 
 #[cfg(test)]
 mod tests {
-    use crate::syscall::test::{Call, RecordingSyscall};
     use super::*;
+    use crate::syscall::test::{Call, RecordingSyscall};
 
     #[test]
     fn guest_boot_mounts_what_pid1_owes() {
