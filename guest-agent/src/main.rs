@@ -13,6 +13,7 @@ mod runtime;
 mod sandbox;
 mod seccomp;
 mod service;
+mod spec;
 mod stdio;
 mod syscall;
 mod transport;

@@ -4,7 +4,7 @@
 use std::{
     collections::{HashMap, HashSet},
     os::fd::OwnedFd,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex,
@@ -13,7 +13,6 @@ use std::{
 };
 
 use bulkhead_protocol::stream::{validate_id, StreamAck, StreamHeader};
-use oci_spec::runtime::{LinuxResources, Process as OciProcess, Spec};
 
 use crate::{
     cgroups::{Cgroup, Hierarchy},
@@ -25,13 +24,12 @@ use crate::{
     oom::OomEvents,
     reaper::Reaper,
     runtime::{ChildIo, Runtime},
+    spec,
     stdio::{OutputStream, ProcessIo, PtyMaster, PumpOpts, StdinSink},
     syscall::{LinuxSyscall, Syscall},
     transport::{self, Conn, Dispatch},
 };
 
-/// Largest OCI spec / process JSON accepted (ttrpc caps the frame at 4 MiB anyway).
-const MAX_SPEC_JSON: usize = 1 << 20;
 const STREAM_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 const CONSOLE_TIMEOUT: Duration = Duration::from_secs(30);
 const OOM_POLL: Duration = Duration::from_millis(200);
@@ -80,10 +78,6 @@ impl Drop for Reservation<'_> {
     }
 }
 
-fn bad_json(what: &str, e: impl std::fmt::Display) -> AgentError {
-    AgentError::InvalidArgument(format!("malformed {what}: {e}"))
-}
-
 impl Sandbox {
     pub fn new(opts: &AgentOpts, reaper: Reaper) -> anyhow::Result<Self> {
         std::fs::create_dir_all(opts.state_dir.join("bundles"))?;
@@ -128,17 +122,16 @@ impl Sandbox {
         validate_id(&req.id)?;
         let _res = self.reserve(req.id.clone(), "container")?;
         let hierarchy = Hierarchy::detect()?;
-        let mut spec = parse_spec(&req.spec_json)?;
+        let mut spec = spec::parse_spec(&req.spec_json)?;
+        let cgroup_path = self.cgroup_parent.join(&req.id);
+        let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
+        let seccomp = spec::take_seccomp(&mut spec)?;
         let bundle = self.state_dir.join("bundles").join(&req.id);
         if bundle.exists() {
             // Left over from a failed create: start clean.
             let _ = std::fs::remove_dir_all(&bundle);
         }
         std::fs::create_dir_all(&bundle).map_err(|e| AgentError::internal("mkdir bundle", e))?;
-
-        let cgroup_path = self.cgroup_parent.join(&req.id);
-        let rootfs = prepare_spec(&mut spec, &req, &cgroup_path)?;
-        let seccomp = take_seccomp(&mut spec)?;
         let seccomp_file = match seccomp {
             Some(bytes) => {
                 let f = bundle.join("seccomp.bpf");
@@ -226,23 +219,9 @@ impl Sandbox {
         if c.has_exec(exec_id) {
             return Err(AgentError::AlreadyExists(format!("exec {exec_id} in container {id}")));
         }
-        if process_json.len() > MAX_SPEC_JSON {
-            return Err(AgentError::InvalidArgument(format!(
-                "process JSON is {} bytes, limit {MAX_SPEC_JSON}",
-                process_json.len()
-            )));
-        }
-        let mut process: OciProcess = serde_json::from_slice(process_json).map_err(|e| bad_json("OCI process", e))?;
-        if process.args().as_ref().is_none_or(|a| a.is_empty()) {
-            return Err(AgentError::InvalidArgument("process.args is empty".into()));
-        }
-        process.set_terminal(Some(stdio.terminal));
-        // The container's seccomp profile covers its execs too, and needs no_new_privs.
         let seccomp_file = c.bundle.join("seccomp.bpf");
         let seccomp_file = seccomp_file.exists().then_some(seccomp_file);
-        if seccomp_file.is_some() {
-            process.set_no_new_privileges(Some(true));
-        }
+        let process = spec::exec_process(process_json, stdio.terminal, seccomp_file.is_some())?;
         let path = c.bundle.join(format!("exec-{exec_id}.json"));
         std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
             .map_err(|e| AgentError::internal("write process.json", e))?;
@@ -411,10 +390,7 @@ impl Sandbox {
     }
 
     pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<()> {
-        if resources_json.len() > MAX_SPEC_JSON {
-            return Err(AgentError::InvalidArgument("resources JSON too large".into()));
-        }
-        let r: LinuxResources = serde_json::from_slice(resources_json).map_err(|e| bad_json("linux.resources", e))?;
+        let r = spec::parse_resources(resources_json)?;
         self.container(id)?.cgroup.update(&r)
     }
 
@@ -500,63 +476,6 @@ impl Drop for ConsoleAccept {
         self.task.abort();
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-fn parse_spec(bytes: &[u8]) -> Result<Spec> {
-    if bytes.len() > MAX_SPEC_JSON {
-        return Err(AgentError::InvalidArgument(format!("OCI spec is {} bytes, limit {MAX_SPEC_JSON}", bytes.len())));
-    }
-    serde_json::from_slice(bytes).map_err(|e| bad_json("OCI spec", e))
-}
-
-/// Compiles `linux.seccomp` (if any) and takes it out of the spec: libcontainer is built
-/// without libseccomp and would silently ignore it; our executor installs it instead.
-fn take_seccomp(spec: &mut Spec) -> Result<Option<Vec<u8>>> {
-    let Some(mut linux) = spec.linux().clone() else {
-        return Ok(None);
-    };
-    let Some(profile) = linux.seccomp().clone() else {
-        return Ok(None);
-    };
-    let nnp = spec.process().as_ref().and_then(|p| p.no_new_privileges()).unwrap_or(false);
-    let (filters, unknown) = crate::seccomp::compile(&profile, nnp).map_err(|e| match e {
-        crate::seccomp::SeccompError::Unsupported(m) => AgentError::Unsupported(format!("seccomp: {m}")),
-        crate::seccomp::SeccompError::Invalid(m) => AgentError::InvalidArgument(format!("seccomp: {m}")),
-    })?;
-    if unknown > 0 {
-        tracing::info!(unknown, "seccomp: syscall names unknown on x86_64 skipped");
-    }
-    linux.set_seccomp(None);
-    spec.set_linux(Some(linux));
-    Ok(Some(crate::seccomp::encode(&filters)))
-}
-
-/// Adjusts the spec to this sandbox and returns the rootfs path.
-fn prepare_spec(spec: &mut Spec, req: &CreateRequest, cgroup_path: &Path) -> Result<PathBuf> {
-    let process =
-        spec.process_mut().as_mut().ok_or_else(|| AgentError::InvalidArgument("spec has no process".into()))?;
-    if process.args().as_ref().is_none_or(|a| a.is_empty()) {
-        return Err(AgentError::InvalidArgument("spec process.args is empty".into()));
-    }
-    process.set_terminal(Some(req.stdio.terminal));
-    let rootfs = if req.rootfs_path.is_empty() {
-        spec.root()
-            .as_ref()
-            .map(|r| r.path().clone())
-            .ok_or_else(|| AgentError::InvalidArgument("no rootfs_path and no spec.root".into()))?
-    } else {
-        PathBuf::from(&req.rootfs_path)
-    };
-    if !rootfs.is_absolute() {
-        return Err(AgentError::InvalidArgument(format!("rootfs {} must be absolute", rootfs.display())));
-    }
-    let mut root = spec.root().clone().unwrap_or_default();
-    root.set_path(rootfs.clone());
-    spec.set_root(Some(root));
-    let mut linux = spec.linux().clone().unwrap_or_default();
-    linux.set_cgroups_path(Some(cgroup_path.to_path_buf()));
-    spec.set_linux(Some(linux));
-    Ok(rootfs)
 }
 
 async fn recv_console_master(listener: tokio::net::UnixListener, path: PathBuf) -> Result<OwnedFd> {
