@@ -2,12 +2,14 @@
 
 mod cgroups;
 mod cli;
+mod console;
 mod container;
 mod error;
 mod guest_init;
 mod mount;
 mod network;
 mod oom;
+mod process_io;
 mod reaper;
 mod runtime;
 mod sandbox;

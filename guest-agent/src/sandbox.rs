@@ -3,12 +3,8 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    os::fd::OwnedFd,
     path::PathBuf,
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -22,22 +18,17 @@ use crate::{
     guest_init::{self, SandboxSettings},
     mount::GuestMount,
     oom::OomEvents,
+    process_io::{ProcessIoSetup, StdioRequest},
     reaper::Reaper,
-    runtime::{ChildIo, Runtime},
+    runtime::Runtime,
     spec,
-    stdio::{OutputStream, ProcessIo, PtyMaster, PumpOpts, StdinSink},
+    stdio::PumpOpts,
     syscall::{LinuxSyscall, Syscall},
     transport::{self, Conn, Dispatch},
 };
 
 const STREAM_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-const CONSOLE_TIMEOUT: Duration = Duration::from_secs(30);
 const OOM_POLL: Duration = Duration::from_millis(200);
-
-pub struct StdioRequest {
-    pub terminal: bool,
-    pub stdin: bool,
-}
 
 pub struct CreateRequest {
     pub id: String,
@@ -51,14 +42,13 @@ pub struct Sandbox {
     pub mode: Mode,
     state_dir: PathBuf,
     cgroup_parent: PathBuf,
-    pump: PumpOpts,
+    io: ProcessIoSetup,
     reaper: Reaper,
     runtime: Runtime,
     pub oom: Arc<OomEvents>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
     /// Ids between reservation and insertion (create in progress), and exec ids likewise.
     reserved: Mutex<HashSet<String>>,
-    sock_seq: AtomicU64,
     sys: LinuxSyscall,
 }
 
@@ -81,19 +71,20 @@ impl Drop for Reservation<'_> {
 impl Sandbox {
     pub fn new(opts: &AgentOpts, reaper: Reaper) -> anyhow::Result<Self> {
         std::fs::create_dir_all(opts.state_dir.join("bundles"))?;
-        std::fs::create_dir_all(opts.state_dir.join("sock"))?;
         let runtime = Runtime::new(opts.state_dir.join("libcontainer"), reaper.clone())?;
         Ok(Self {
             mode: opts.mode,
             state_dir: opts.state_dir.clone(),
             cgroup_parent: opts.cgroup_parent.clone(),
-            pump: PumpOpts { backlog: opts.stream_backlog_bytes, stall: opts.stream_stall_ms },
+            io: ProcessIoSetup::new(
+                opts.state_dir.join("sock"),
+                PumpOpts { backlog: opts.stream_backlog_bytes, stall: opts.stream_stall_ms },
+            )?,
             reaper,
             runtime,
             oom: Arc::new(OomEvents::default()),
             containers: Mutex::new(HashMap::new()),
             reserved: Mutex::new(HashSet::new()),
-            sock_seq: AtomicU64::new(0),
             sys: LinuxSyscall,
         })
     }
@@ -155,9 +146,9 @@ impl Sandbox {
             let json = serde_json::to_vec_pretty(&spec).map_err(|e| AgentError::internal("spec", e))?;
             std::fs::write(bundle.join("config.json"), json)
                 .map_err(|e| AgentError::internal("write config.json", e))?;
-            let (child_io, pending) = self.child_stdio(&req.stdio).await?;
+            let (child_io, pending) = self.io.prepare(&req.stdio)?;
             let pid = self.runtime.create(&req.id, &bundle, child_io, seccomp_file.as_deref()).await?;
-            let io = self.finish_stdio(pending, &format!("{}/init", req.id)).await?;
+            let io = self.io.finish(pending, &format!("{}/init", req.id)).await?;
             Ok((pid, io))
         }
         .await;
@@ -225,76 +216,12 @@ impl Sandbox {
         let path = c.bundle.join(format!("exec-{exec_id}.json"));
         std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
             .map_err(|e| AgentError::internal("write process.json", e))?;
-        let (child_io, pending) = self.child_stdio(&stdio).await?;
+        let (child_io, pending) = self.io.prepare(&stdio)?;
         let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;
-        let io = self.finish_stdio(pending, &format!("{id}/{exec_id}")).await?;
+        let io = self.io.finish(pending, &format!("{id}/{exec_id}")).await?;
         c.add_exec(exec_id, pid, io, &self.reaper);
         tracing::info!(container = id, exec = exec_id, pid, "exec started");
         Ok(pid)
-    }
-
-    // ---- stdio plumbing -----------------------------------------------------------------
-
-    async fn child_stdio(&self, req: &StdioRequest) -> Result<(ChildIo, PendingIo)> {
-        if req.terminal {
-            let n = self.sock_seq.fetch_add(1, Ordering::Relaxed);
-            let path = self.state_dir.join("sock").join(format!("c{n}.sock"));
-            let _ = std::fs::remove_file(&path);
-            let listener =
-                tokio::net::UnixListener::bind(&path).map_err(|e| AgentError::internal("console socket", e))?;
-            let accept = tokio::spawn(recv_console_master(listener, path.clone()));
-            return Ok((ChildIo::Console(path.clone()), PendingIo::Tty(ConsoleAccept { task: accept, path })));
-        }
-        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::internal("pipe2", e));
-        let (stdin_child, stdin_ours) = if req.stdin {
-            let (r, w) = pipe()?;
-            (r, Some(w))
-        } else {
-            let null = std::fs::File::open("/dev/null").map_err(|e| AgentError::internal("open /dev/null", e))?;
-            (OwnedFd::from(null), None)
-        };
-        let (out_r, out_w) = pipe()?;
-        let (err_r, err_w) = pipe()?;
-        Ok((
-            ChildIo::Pipes([stdin_child, out_w, err_w]),
-            PendingIo::Pipes { stdin: stdin_ours, stdout: out_r, stderr: err_r },
-        ))
-    }
-
-    async fn finish_stdio(&self, p: PendingIo, label: &str) -> Result<ProcessIo> {
-        match p {
-            PendingIo::Pipes { stdin, stdout, stderr } => {
-                let rx = |fd: OwnedFd| {
-                    tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| AgentError::internal("pipe", e))
-                };
-                let stdin = match stdin {
-                    Some(w) => Some(StdinSink::new(Box::new(
-                        tokio::net::unix::pipe::Sender::from_owned_fd(w)
-                            .map_err(|e| AgentError::internal("pipe", e))?,
-                    ))),
-                    None => None,
-                };
-                Ok(ProcessIo::Pipes {
-                    stdin,
-                    stdout: OutputStream::spawn(rx(stdout)?, self.pump, format!("{label}/stdout")),
-                    stderr: OutputStream::spawn(rx(stderr)?, self.pump, format!("{label}/stderr")),
-                })
-            }
-            PendingIo::Tty(mut accept) => {
-                let master = tokio::time::timeout(CONSOLE_TIMEOUT, &mut accept.task)
-                    .await
-                    .map_err(|_| AgentError::Timeout("pty master from libcontainer".into()))?
-                    .map_err(|e| AgentError::internal("console task", e))??;
-                let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| AgentError::internal("dup pty master", e));
-                let reader = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
-                let writer = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
-                Ok(ProcessIo::Tty {
-                    control: master,
-                    output: OutputStream::spawn(reader, self.pump, format!("{label}/tty")),
-                    input: StdinSink::new(Box::new(writer)),
-                })
-            }
-        }
     }
 
     /// Serves one stream connection: header, lookup, ack, attach.
@@ -457,59 +384,6 @@ impl Sandbox {
             }
         }
     }
-}
-
-enum PendingIo {
-    Pipes { stdin: Option<OwnedFd>, stdout: OwnedFd, stderr: OwnedFd },
-    Tty(ConsoleAccept),
-}
-
-/// The task waiting for libcontainer's pty master; aborted (and its socket removed) if the
-/// create or exec fails before it is used.
-struct ConsoleAccept {
-    task: tokio::task::JoinHandle<Result<OwnedFd>>,
-    path: PathBuf,
-}
-
-impl Drop for ConsoleAccept {
-    fn drop(&mut self) {
-        self.task.abort();
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-async fn recv_console_master(listener: tokio::net::UnixListener, path: PathBuf) -> Result<OwnedFd> {
-    let (stream, _) = listener.accept().await.map_err(|e| AgentError::internal("accept console socket", e))?;
-    let _ = std::fs::remove_file(&path);
-    let std_stream = stream.into_std().map_err(|e| AgentError::internal("console socket", e))?;
-    tokio::task::spawn_blocking(move || {
-        std_stream
-            .set_nonblocking(false)
-            .and_then(|_| std_stream.set_read_timeout(Some(CONSOLE_TIMEOUT)))
-            .map_err(|e| AgentError::internal("console socket", e))?;
-        recv_fd(&std_stream)
-    })
-    .await
-    .map_err(|e| AgentError::internal("console task", e))?
-}
-
-fn recv_fd(sock: &std::os::unix::net::UnixStream) -> Result<OwnedFd> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    use std::os::fd::{AsRawFd, FromRawFd};
-    let mut buf = [0u8; 4096];
-    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
-        .map_err(|e| AgentError::internal("recvmsg pty master", e))?;
-    for c in msg.cmsgs().map_err(|e| AgentError::internal("cmsgs", e))? {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            if let Some(fd) = fds.first() {
-                // SAFETY: SCM_RIGHTS just installed this descriptor in our table.
-                return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
-            }
-        }
-    }
-    Err(AgentError::Internal("console socket sent no descriptor".into()))
 }
 
 /// Runs the agent until DestroySandbox (or a fatal listener error).

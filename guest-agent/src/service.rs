@@ -15,7 +15,8 @@ use crate::{
     error::AgentError,
     guest_init::SandboxSettings,
     mount::GuestMount,
-    sandbox::{CreateRequest, Sandbox, StdioRequest},
+    process_io::StdioRequest,
+    sandbox::{CreateRequest, Sandbox},
     transport::TtrpcConn,
 };
 
