@@ -14,9 +14,11 @@ mod reaper;
 mod runtime;
 mod sandbox;
 mod seccomp;
+mod serve;
 mod service;
 mod spec;
 mod stdio;
+mod stream_attach;
 mod syscall;
 mod transport;
 
@@ -51,5 +53,5 @@ fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
     // Mounts and subreaper status come before any thread exists.
     guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(sandbox::serve(opts))
+    rt.block_on(serve::serve(opts))
 }

@@ -8,11 +8,11 @@ use std::{
     time::Duration,
 };
 
-use bulkhead_protocol::stream::{validate_id, StreamAck, StreamHeader};
+use bulkhead_protocol::stream::validate_id;
 
 use crate::{
     cgroups::{Cgroup, Hierarchy},
-    cli::{AgentOpts, Listen, Mode},
+    cli::{AgentOpts, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
     error::{AgentError, Result},
     guest_init::{self, SandboxSettings},
@@ -24,10 +24,8 @@ use crate::{
     spec,
     stdio::PumpOpts,
     syscall::{LinuxSyscall, Syscall},
-    transport::{self, Conn, Dispatch},
 };
 
-const STREAM_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 const OOM_POLL: Duration = Duration::from_millis(200);
 
 pub struct CreateRequest {
@@ -224,38 +222,6 @@ impl Sandbox {
         Ok(pid)
     }
 
-    /// Serves one stream connection: header, lookup, ack, attach.
-    pub async fn accept_stream(self: Arc<Self>, mut conn: Conn) {
-        let header = match StreamHeader::read_from(&mut conn, STREAM_HEADER_TIMEOUT).await {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(error = %e, "bad stream header");
-                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
-                return;
-            }
-        };
-        let exec = header.exec_id.clone().unwrap_or_default();
-        let process = self.container(&header.container_id).and_then(|c| c.process(&exec));
-        let process = match process {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
-                return;
-            }
-        };
-        if let Err(e) = process.io.check(header.kind) {
-            let _ = StreamAck::Rejected(e).write_to(&mut conn).await;
-            return;
-        }
-        if StreamAck::Attached.write_to(&mut conn).await.is_err() {
-            return;
-        }
-        if let Err(e) = process.io.attach(header.kind, conn) {
-            tracing::warn!(container = %header.container_id, exec = %exec, kind = %header.kind,
-                error = %e, "stream attach failed after ack");
-        }
-    }
-
     // ---- signals, wait, tty -----------------------------------------------------------------
 
     pub fn signal(&self, id: &str, exec_id: &str, signal: u32, all: bool) -> Result<()> {
@@ -384,55 +350,4 @@ impl Sandbox {
             }
         }
     }
-}
-
-/// Runs the agent until DestroySandbox (or a fatal listener error).
-pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
-    let reaper = Reaper::start()?;
-    let sandbox = Arc::new(Sandbox::new(&opts, reaper)?);
-    if sandbox.mode == Mode::Namespace {
-        tracing::warn!("namespace mode: containers share the host kernel (no VM isolation)");
-    }
-    let (ttrpc_tx, ttrpc_rx) = tokio::sync::mpsc::channel(16);
-    let (stream_tx, mut stream_rx) = tokio::sync::mpsc::channel::<Conn>(64);
-    let dispatch = Dispatch { ttrpc: ttrpc_tx, streams: stream_tx, frame_stall: opts.frame_stall_ms };
-    let sb = sandbox.clone();
-    tokio::spawn(async move {
-        while let Some(conn) = stream_rx.recv().await {
-            tokio::spawn(sb.clone().accept_stream(conn));
-        }
-    });
-    let (shutdown_tx, mut shutdown_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut server = crate::service::server(sandbox.clone(), ttrpc_rx, shutdown_tx)?;
-    server.start().await?;
-    let listener = match opts.listen.clone() {
-        Listen::Unix(path) => tokio::spawn(async move { transport::serve_unix(&path, dispatch).await }),
-        Listen::Vsock => tokio::spawn(async move { transport::serve_vsock(dispatch).await }),
-    };
-    tokio::select! {
-        r = listener => {
-            match r {
-                Ok(Ok(())) => anyhow::bail!("listener ended"),
-                Ok(Err(e)) => anyhow::bail!("listener: {e}"),
-                Err(e) => anyhow::bail!("listener task: {e}"),
-            }
-        }
-        _ = shutdown_rx.recv() => {
-            tracing::info!("sandbox destroyed; shutting down");
-            // Let the DestroySandbox response reach the shim.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        _ = sigterm.recv() => {
-            // The namespace backend (or an operator) asks PID 1 to stop: same as DestroySandbox
-            // with a short grace period.
-            tracing::info!("SIGTERM: destroying the sandbox");
-            sandbox.destroy(Duration::from_secs(2)).await;
-        }
-    }
-    if sandbox.mode == Mode::Guest {
-        nix::unistd::sync();
-        let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
-    }
-    Ok(())
 }
