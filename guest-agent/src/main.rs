@@ -1,5 +1,6 @@
 //! `bulkhead-agent`: PID 1 of a bulkhead sandbox. See the crate README for the job and boundaries.
 
+mod bundle;
 mod cgroups;
 mod cli;
 mod console;
@@ -11,6 +12,8 @@ mod network;
 mod oom;
 mod process_io;
 mod reaper;
+mod rollback;
+mod rootfs;
 mod runtime;
 mod sandbox;
 mod seccomp;

@@ -3,14 +3,16 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
     time::Duration,
 };
 
 use bulkhead_protocol::stream::validate_id;
+use oci_spec::runtime::Spec;
 
 use crate::{
+    bundle,
     cgroups::{Cgroup, Hierarchy},
     cli::{AgentOpts, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
@@ -20,6 +22,8 @@ use crate::{
     oom::OomEvents,
     process_io::{ProcessIoSetup, StdioRequest},
     reaper::Reaper,
+    rollback::Rollback,
+    rootfs,
     runtime::Runtime,
     spec,
     stdio::PumpOpts,
@@ -115,58 +119,24 @@ impl Sandbox {
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
         let seccomp = spec::take_seccomp(&mut spec)?;
+        // Declared after the reservation, so the id stays reserved until the undo is done.
+        let mut undo = Rollback::default();
         let bundle = self.state_dir.join("bundles").join(&req.id);
-        if bundle.exists() {
-            // Left over from a failed create: start clean.
-            let _ = std::fs::remove_dir_all(&bundle);
-        }
-        std::fs::create_dir_all(&bundle).map_err(|e| AgentError::internal("mkdir bundle", e))?;
-        let seccomp_file = match seccomp {
-            Some(bytes) => {
-                let f = bundle.join("seccomp.bpf");
-                std::fs::write(&f, bytes).map_err(|e| AgentError::internal("write seccomp.bpf", e))?;
-                Some(f)
-            }
-            None => None,
-        };
-        let mut mounted = Vec::new();
-        let result = async {
-            for m in &req.rootfs_mounts {
-                let target = rootfs.join(m.destination.strip_prefix("/").unwrap_or(&m.destination));
-                self.sys.mkdir_all(&target).map_err(|e| AgentError::internal("mkdir rootfs mount", e))?;
-                m.mount_on(&self.sys, &target)
-                    .map_err(|e| AgentError::FailedPrecondition(format!("rootfs mount {}: {e}", m.source)))?;
-                mounted.push(target);
-            }
-            if !rootfs.is_dir() {
-                return Err(AgentError::InvalidArgument(format!("rootfs {} is not a directory", rootfs.display())));
-            }
-            let json = serde_json::to_vec_pretty(&spec).map_err(|e| AgentError::internal("spec", e))?;
-            std::fs::write(bundle.join("config.json"), json)
-                .map_err(|e| AgentError::internal("write config.json", e))?;
-            let (child_io, pending) = self.io.prepare(&req.stdio)?;
-            let pid = self.runtime.create(&req.id, &bundle, child_io, seccomp_file.as_deref()).await?;
-            let io = self.io.finish(pending, &format!("{}/init", req.id)).await?;
-            Ok((pid, io))
-        }
-        .await;
-        let (pid, io) = match result {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = self.runtime.delete(&req.id, true).await;
-                for m in mounted.iter().rev() {
-                    let _ = self.sys.umount(m);
-                }
-                let _ = std::fs::remove_dir_all(&bundle);
-                return Err(e);
-            }
-        };
+        let laid_out = lay_out(&self.sys, &bundle, &spec, seccomp.as_deref(), &rootfs, &req.rootfs_mounts, &mut undo)?;
+        let (child_io, pending) = self.io.prepare(&req.stdio)?;
+        let runtime = &self.runtime;
+        let id = req.id.clone();
+        // A failed create may leave libcontainer state (and a waiting init) behind.
+        undo.push(format!("delete libcontainer container {id}"), move || runtime.delete_blocking(&id, true));
+        let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref()).await?;
+        let io = self.io.finish(pending, &format!("{}/init", req.id)).await?;
+        undo.disarm();
         let c = Container::new(
             NewContainer {
                 id: req.id.clone(),
                 bundle,
                 cgroup: Cgroup::new(cgroup_path, hierarchy),
-                rootfs_mounts: mounted,
+                rootfs_mounts: laid_out.rootfs_mounts,
                 init_pid: pid,
                 init_io: io,
             },
@@ -208,12 +178,9 @@ impl Sandbox {
         if c.has_exec(exec_id) {
             return Err(AgentError::AlreadyExists(format!("exec {exec_id} in container {id}")));
         }
-        let seccomp_file = c.bundle.join("seccomp.bpf");
-        let seccomp_file = seccomp_file.exists().then_some(seccomp_file);
+        let seccomp_file = bundle::seccomp_file(&c.bundle);
         let process = spec::exec_process(process_json, stdio.terminal, seccomp_file.is_some())?;
-        let path = c.bundle.join(format!("exec-{exec_id}.json"));
-        std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
-            .map_err(|e| AgentError::internal("write process.json", e))?;
+        let path = bundle::write_exec_process(&c.bundle, exec_id, &process)?;
         let (child_io, pending) = self.io.prepare(&stdio)?;
         let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;
         let io = self.io.finish(pending, &format!("{id}/{exec_id}")).await?;
@@ -321,12 +288,8 @@ impl Sandbox {
             )));
         }
         self.runtime.delete(id, true).await?;
-        for m in c.rootfs_mounts.iter().rev() {
-            if let Err(e) = self.sys.umount(m) {
-                tracing::warn!(path = %m.display(), error = %e, "unmount at remove");
-            }
-        }
-        let _ = std::fs::remove_dir_all(&c.bundle);
+        rootfs::unmount_all(&self.sys, &c.rootfs_mounts);
+        bundle::remove(&c.bundle);
         lock(&self.containers).remove(id);
         tracing::info!(container = id, "container removed");
         Ok(())
@@ -349,5 +312,102 @@ impl Sandbox {
                 tracing::warn!(container = %c.id, error = %e, "remove at destroy");
             }
         }
+    }
+}
+
+/// What [`lay_out`] made that outlives the create.
+struct LaidOut {
+    rootfs_mounts: Vec<PathBuf>,
+    seccomp_file: Option<PathBuf>,
+}
+
+/// The synchronous first half of a create, each step registered on `undo`: the bundle with the
+/// seccomp filters, the rootfs mounts, then (the rootfs being in place) config.json.
+fn lay_out<'a>(
+    sys: &'a dyn Syscall,
+    bundle_dir: &Path,
+    spec: &Spec,
+    seccomp: Option<&[u8]>,
+    rootfs: &Path,
+    mounts: &[GuestMount],
+    undo: &mut Rollback<'a>,
+) -> Result<LaidOut> {
+    bundle::create(bundle_dir, undo)?;
+    let seccomp_file = seccomp.map(|bpf| bundle::write_seccomp(bundle_dir, bpf)).transpose()?;
+    let rootfs_mounts = rootfs::mount_all(sys, rootfs, mounts, undo)?;
+    rootfs::check_is_dir(rootfs)?;
+    bundle::write_config(bundle_dir, spec)?;
+    Ok(LaidOut { rootfs_mounts, seccomp_file })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::syscall::test::{Call, RecordingSyscall};
+
+    fn bind(source: &str, destination: &str) -> GuestMount {
+        GuestMount { source: source.into(), destination: destination.into(), fstype: String::new(), options: vec![] }
+    }
+
+    #[test]
+    fn a_create_failing_midway_undoes_exactly_what_it_did() {
+        let state = tempfile::tempdir().unwrap();
+        let bundle_dir = state.path().join("bundles/c1");
+        let sys = RecordingSyscall::failing_mount("/rootfs/b", libc::EPERM);
+        let mounts = [bind("a", "/a"), bind("b", "/b"), bind("c", "/c")];
+        let mut undo = Rollback::default();
+        let err = lay_out(&sys, &bundle_dir, &Spec::default(), Some(b"bpf"), Path::new("/rootfs"), &mounts, &mut undo)
+            .err()
+            .unwrap();
+        assert!(matches!(err, AgentError::FailedPrecondition(_)), "{err}");
+        assert!(bundle_dir.join("seccomp.bpf").exists(), "done before the failure");
+        assert!(!bundle_dir.join("config.json").exists(), "never reached");
+        drop(undo);
+        assert!(!bundle_dir.exists(), "the bundle is removed");
+        assert!(state.path().join("bundles").exists(), "but nothing above it");
+        assert_eq!(
+            sys.calls(),
+            [
+                Call::Mkdir("/rootfs/a".into()),
+                Call::Mount {
+                    source: Some("a".into()),
+                    target: "/rootfs/a".into(),
+                    fstype: None,
+                    flags: nix::mount::MsFlags::empty(),
+                    data: None
+                },
+                Call::Mkdir("/rootfs/b".into()),
+                Call::Mount {
+                    source: Some("b".into()),
+                    target: "/rootfs/b".into(),
+                    fstype: None,
+                    flags: nix::mount::MsFlags::empty(),
+                    data: None
+                },
+                Call::Umount("/rootfs/a".into()),
+            ],
+            "only the mount that succeeded is undone; c is never tried"
+        );
+    }
+
+    #[test]
+    fn a_create_that_succeeds_keeps_what_it_laid_out() {
+        let state = tempfile::tempdir().unwrap();
+        let rootfs = tempfile::tempdir().unwrap();
+        let bundle_dir = state.path().join("c2");
+        std::fs::create_dir_all(&bundle_dir).unwrap();
+        std::fs::write(bundle_dir.join("stale"), b"left over from a failed create").unwrap();
+        let sys = RecordingSyscall::default();
+        let mut undo = Rollback::default();
+        let laid_out =
+            lay_out(&sys, &bundle_dir, &Spec::default(), None, rootfs.path(), &[bind("v", "/data")], &mut undo)
+                .unwrap();
+        undo.disarm();
+        assert_eq!(laid_out.rootfs_mounts, [rootfs.path().join("data")]);
+        assert_eq!(laid_out.seccomp_file, None);
+        assert!(!bundle_dir.join("stale").exists(), "the bundle starts clean");
+        let config: Spec = serde_json::from_slice(&std::fs::read(bundle_dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config, Spec::default());
+        assert!(!sys.calls().iter().any(|c| matches!(c, Call::Umount(_))));
     }
 }
