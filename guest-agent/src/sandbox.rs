@@ -1,5 +1,7 @@
 //! The sandbox: the agent's containers and the operations the service exposes. One method
-//! per RPC; the ttrpc layer (service.rs) only converts messages.
+//! per RPC; the ttrpc layer (service.rs) only converts messages. A create is composed from
+//! spec.rs, bundle.rs, rootfs.rs, process_io.rs and runtime/, each step undone by a
+//! [`Rollback`] if a later one fails.
 
 use std::{
     collections::{HashMap, HashSet},
