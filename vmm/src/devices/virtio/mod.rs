@@ -7,6 +7,7 @@
 pub mod block;
 pub mod chain;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod vsock;
 
@@ -17,6 +18,7 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
