@@ -85,16 +85,26 @@ pub struct VmmProcess {
 
 impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
+        Self::spawn_with(dir, config, timeout, |_| {})
+    }
+
+    /// Like `spawn`, letting the caller adjust the command first (e.g. enter a network namespace).
+    pub fn spawn_with(
+        dir: &Path,
+        config: &serde_json::Value,
+        timeout: Duration,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
-        let child = Command::new(VMM)
-            .arg("--config")
+        let mut cmd = Command::new(VMM);
+        cmd.arg("--config")
             .arg(&cfg_path)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead-vmm");
+            .stderr(Stdio::piped());
+        adjust(&mut cmd);
+        let child = cmd.spawn().expect("spawn bulkhead-vmm");
         Self { child, dir: dir.to_owned(), deadline: Instant::now() + timeout }
     }
 
