@@ -2,8 +2,9 @@
 //!
 //! Job: take a JSON [`config::VmConfig`] from the shim, build a KVM VM (memfd guest memory with
 //! an MMIO hole, 64-bit Linux boot or a raw long-mode test guest), serve its devices (8250 serial
-//! to a log file, i8042 reset, virtio-mmio block and hybrid vsock) and an API socket (pause,
-//! resume, shutdown, info), and exit 0 on an orderly stop or non-zero with a clear message.
+//! to a log file, i8042 reset, virtio-mmio block, hybrid vsock and net on a tap) and an API
+//! socket (pause, resume, shutdown, info), and exit 0 on an orderly stop or non-zero with a clear
+//! message.
 //!
 //! Boundaries: the VMM knows nothing about pods or containers; the shim owns those. Snapshots
 //! come later: every device keeps its state in a `persist` module of plain serde structs so a

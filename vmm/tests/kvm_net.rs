@@ -238,3 +238,16 @@ fn malformed_net_chains_break_only_the_device_and_the_vmm_keeps_serving() {
     let payloads: Vec<&[u8]> = got.iter().map(|(p, _)| p.as_slice()).collect();
     assert_eq!(payloads, vec![b"still alive".as_slice()], "{ctx}");
 }
+
+#[test]
+fn a_missing_tap_is_a_clear_startup_error() {
+    let Some(guest) = guest_or_skip("net") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = net_config(dir.path(), &guest);
+    // Only looked up, never created: the VMM attaches to taps, it does not make them.
+    let tap = format!("bhnope{}", std::process::id() % 100_000);
+    cfg["net"][0]["tap"] = serde_json::json!(tap);
+    let run = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(10)).wait();
+    assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
+    assert!(run.stderr.contains(&format!("tap {tap} does not exist in this network namespace")), "{}", run.stderr);
+}
