@@ -267,7 +267,7 @@ pub fn net_packet(data: &[u8]) {
     }
     match net_packet::rx_capacity(&ds) {
         Ok(room) => {
-            assert!(room >= VNET_HDR_LEN && room <= MAX_BUFFER_LEN && room as u64 <= total);
+            assert!((VNET_HDR_LEN..=MAX_BUFFER_LEN).contains(&room) && room as u64 <= total);
             let frame = vec![0x5au8; room.min(4096)];
             if let Ok(n) = net_packet::write_rx(&ds, &mem, &frame) {
                 assert_eq!(n as usize, frame.len(), "a frame that fits was cut short");
