@@ -32,10 +32,14 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
     let out = out_dir.join(format!("{name}.elf"));
-    // Tests build the same guest concurrently: compile privately, then rename into place.
+    // Tests build the same guest concurrently: compile in a private directory (rustc names its
+    // intermediate objects after the output's stem, so a shared directory lets one build delete
+    // the other's objects), then rename into place.
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let tmp = out_dir.join(format!("{name}.{}.{seq}.tmp", std::process::id()));
+    let tmp_dir = out_dir.join(format!("{name}-{}-{seq}.d", std::process::id()));
+    std::fs::create_dir_all(&tmp_dir).map_err(|e| e.to_string())?;
+    let tmp = tmp_dir.join(format!("{name}.elf"));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let output = Command::new(rustc)
         .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
@@ -46,6 +50,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("cannot run rustc: {e}"))?;
     if !output.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp_dir);
         let err = String::from_utf8_lossy(&output.stderr);
         if err.contains("can't find crate for `core`") || err.contains("target may not be installed") {
             return Err("rust target x86_64-unknown-none is not installed".into());
@@ -53,6 +58,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         panic!("test guest {name} failed to compile:\n{err}");
     }
     std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
+    let _ = std::fs::remove_dir_all(&tmp_dir);
     Ok(out)
 }
 
