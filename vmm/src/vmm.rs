@@ -24,6 +24,7 @@ use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::fs::Fs;
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
@@ -46,6 +47,8 @@ pub enum VmmError {
     Vcpu(#[from] crate::vcpu::VcpuError),
     #[error("device {what}")]
     Device { what: String, source: std::io::Error },
+    #[error("net device on tap {tap}")]
+    Net { tap: String, source: crate::devices::virtio::net::device::NetError },
     #[error("bus")]
     Bus(#[from] crate::devices::bus::BusError),
     #[error("event loop: {0}")]
@@ -219,7 +222,7 @@ fn build_devices(
     })));
     pio.insert(Arc::new(Mutex::new(i8042)), I8042_PORT, I8042_PORT_LEN)?;
 
-    // Virtio devices, one MMIO slot each: block devices first, then vsock.
+    // Virtio devices, one MMIO slot each: block devices first, then vsock, then net.
     let mut virtio: Vec<(String, Arc<Mutex<dyn VirtioDevice>>)> = Vec::new();
     for (i, b) in cfg.block.iter().enumerate() {
         let blk = Arc::new(Mutex::new(Block::new(b, i).map_err(dev_err(format!("block {}", b.path.display())))?));
@@ -237,6 +240,11 @@ fn build_devices(
         let fs = Arc::new(Mutex::new(Fs::new(f, i).map_err(dev_err(format!("fs {}", f.tag)))?));
         subscribers.push(fs.clone());
         virtio.push((format!("fs{i}"), fs));
+    }
+    for (i, n) in cfg.net.iter().enumerate() {
+        let net = Arc::new(Mutex::new(Net::new(n, i).map_err(|e| VmmError::Net { tap: n.tap.clone(), source: e })?));
+        subscribers.push(net.clone());
+        virtio.push((format!("net{i}"), net));
     }
     let mut cmdline_devices = Vec::new();
     for (i, (name, dev)) in virtio.into_iter().enumerate() {

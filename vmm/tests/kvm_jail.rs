@@ -129,7 +129,9 @@ impl Jail {
             "api_socket": "/run/api.sock",
         });
         let args = [OsStr::new("--jail"), jail_json.as_os_str(), OsStr::new("--log-json")];
-        let mut vmm = VmmProcess::spawn_with(self.dir.path(), &vm, &args, env, GUEST_TIMEOUT);
+        let mut vmm = VmmProcess::spawn_with(self.dir.path(), &vm, GUEST_TIMEOUT, |cmd| {
+            cmd.args(&args).envs(env.iter().copied());
+        });
         vmm.serial = self.host("/run/serial.log");
         vmm
     }
@@ -369,7 +371,9 @@ fn seccomp_applies_without_the_jail() {
     let Some(guest) = guest_or_skip("idle") else { return };
     let dir = tempfile::tempdir().unwrap();
     let vmm =
-        VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), &[], &[(PROBE_ENV, "vcpu")], GUEST_TIMEOUT);
+        VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), GUEST_TIMEOUT, |cmd| {
+            cmd.env(PROBE_ENV, "vcpu");
+        });
     let run = vmm.wait();
     assert_eq!(run.status.signal(), Some(libc::SIGSYS), "{}", run.stderr);
     assert!(run.stderr.contains("seccomp probe: calling a forbidden syscall"), "{}", run.stderr);

@@ -11,8 +11,10 @@ ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
 
 pub(super) fn list() -> Vec<Syscall> {
     vec![
-        // KVM_RUN runs the guest; KVM_GET_REGS reports where an emulation failure happened.
-        arg_in(libc::SYS_ioctl, 1, &[KVM_RUN(), KVM_GET_REGS()]),
+        // KVM_RUN runs the guest; KVM_GET_REGS reports where an emulation failure happened;
+        // TUNSETOFFLOAD gives a tap the offloads the guest acked (virtio-net activate and reset
+        // run on the vCPU that wrote the status register).
+        arg_in(libc::SYS_ioctl, 1, &[KVM_RUN(), KVM_GET_REGS(), libc::TUNSETOFFLOAD]),
         // Return from the kick handler whose signal takes a vCPU out of KVM_RUN (pause).
         always(libc::SYS_rt_sigreturn),
         // The vCPU fd is closed when its thread ends.

@@ -57,6 +57,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("cannot run rustc: {e}"))?;
     if !output.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp_dir);
         let err = String::from_utf8_lossy(&output.stderr);
         if err.contains("can't find crate for `core`") || err.contains("target may not be installed") {
             return Err("rust target x86_64-unknown-none is not installed".into());
@@ -99,29 +100,27 @@ pub struct VmmProcess {
 
 impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
-        Self::spawn_with(dir, config, &[], &[], timeout)
+        Self::spawn_with(dir, config, timeout, |_| {})
     }
 
-    /// Like `spawn`, with extra arguments (after `--config dir/vm.json`) and environment.
+    /// Like `spawn`, letting the caller adjust the command first (extra arguments after
+    /// `--config dir/vm.json`, environment, entering a network namespace).
     pub fn spawn_with(
         dir: &Path,
         config: &serde_json::Value,
-        args: &[&std::ffi::OsStr],
-        env: &[(&str, &str)],
         timeout: Duration,
+        adjust: impl FnOnce(&mut Command),
     ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
-        let child = Command::new(VMM)
-            .arg("--config")
+        let mut cmd = Command::new(VMM);
+        cmd.arg("--config")
             .arg(&cfg_path)
-            .args(args)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
-            .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead-vmm");
+            .stderr(Stdio::piped());
+        adjust(&mut cmd);
+        let child = cmd.spawn().expect("spawn bulkhead-vmm");
         Self { child, dir: dir.to_owned(), serial: dir.join("serial.log"), deadline: Instant::now() + timeout }
     }
 

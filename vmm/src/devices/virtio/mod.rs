@@ -8,6 +8,7 @@ pub mod block;
 pub mod chain;
 pub mod fs;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod vsock;
 
@@ -18,6 +19,7 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
 pub const TYPE_FS: u32 = 26;
