@@ -140,11 +140,13 @@ impl Fs {
     }
 
     /// Which connection the event loop watches, if any.
+    #[cfg(test)]
     pub fn connection_id(&self) -> Option<u64> {
         self.watch.as_ref().map(|w| w.id)
     }
 
     /// Where the backend is with the current activation (None: the device is not active).
+    #[cfg(test)]
     pub fn phase(&self) -> Option<Phase> {
         match &self.state {
             DeviceState::Active(a) => Some(a.phase),
@@ -182,7 +184,7 @@ impl Fs {
         self.worker.post(Request::Disconnect { id });
         match self.state {
             DeviceState::Active(_) => self.fail(BackendError::HungUp),
-            DeviceState::Inactive => self.report(&BackendError::HungUp, false),
+            DeviceState::Inactive => self.report(&BackendError::HungUp, None),
             DeviceState::Broken(_) => {
                 tracing::debug!(device = %self.name, "virtio-fs backend hung up after the device failed")
             }
@@ -206,12 +208,12 @@ impl Fs {
                     (true, _) => tracing::debug!(device = %self.name, error = %error,
                         "virtio-fs backend start failed after the device failed"),
                     // The driver reset the device meanwhile.
-                    (false, _) => self.report(&error, false),
+                    (false, _) => self.report(&error, None),
                 }
                 WatchUpdate::Unwatch
             }
             Report::StopFailed { error } => {
-                self.report(&error, false);
+                self.report(&error, None);
                 WatchUpdate::Unwatch
             }
         }
@@ -220,26 +222,26 @@ impl Fs {
     /// Stops serving until the driver resets the device, and tells the driver so. Only an
     /// active device fails.
     fn fail(&mut self, err: BackendError) {
-        self.report(&err, true);
-        if let DeviceState::Active(a) = &self.state {
-            a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
-        }
+        let DeviceState::Active(a) = &self.state else { return };
+        a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+        let phase = a.phase;
+        self.report(&err, Some(phase));
         self.state = DeviceState::Broken(DeviceError::Backend(err.to_string()));
     }
 
-    /// The one log line of a backend failure, naming tag and socket. `broken`: the device
-    /// stopped serving (otherwise it was inactive and the next activation reconnects).
-    fn report(&mut self, err: &BackendError, broken: bool) {
+    /// The one log line of a backend failure, naming tag and socket. `broke`: the phase the
+    /// device stopped serving in; None: it was inactive, and the next activation reconnects.
+    fn report(&mut self, err: &BackendError, broke: Option<Phase>) {
         let now = Instant::now();
         let loud = self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD);
         let (device, tag, socket) = (&self.name, &self.tag, self.socket.display());
-        match (loud, broken) {
-            (true, true) => tracing::error!(%device, %tag, %socket, error = %err,
+        match (loud, broke) {
+            (true, Some(phase)) => tracing::error!(%device, %tag, %socket, error = %err, ?phase,
                 "virtio-fs backend failed; the device needs a reset"),
-            (true, false) => tracing::error!(%device, %tag, %socket, error = %err,
+            (true, None) => tracing::error!(%device, %tag, %socket, error = %err,
                 "virtio-fs backend failed while the device was inactive; the next activation reconnects"),
             (false, _) => {
-                tracing::debug!(%device, %tag, %socket, error = %err, broken, "virtio-fs backend failed again")
+                tracing::debug!(%device, %tag, %socket, error = %err, ?broke, "virtio-fs backend failed again")
             }
         }
         if loud {
