@@ -22,7 +22,8 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_
 use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
-use crate::devices::virtio::fs::Fs;
+use crate::devices::virtio::fs::thread::Confine;
+use crate::devices::virtio::fs::{BackendThreads, Fs};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::Net;
 use crate::devices::virtio::vsock::Vsock;
@@ -190,12 +191,21 @@ struct Devices {
     cmdline_devices: Vec<(u64, u64, u32)>,
 }
 
+/// What a new thread of `kind` runs first: installing its filter.
+fn confine(kind: ThreadKind, program: &seccompiler::BpfProgram) -> Confine {
+    let program = program.clone();
+    Box::new(move || seccomp::install(kind, &program).map_err(|e| e.to_string()))
+}
+
+/// Builds the devices. virtio-fs devices start their backend threads here (filtered), as no
+/// thread can be started once the filters are in.
 fn build_devices(
     cfg: &ValidConfig,
     vm: &VmFd,
     irqchip: bool,
     mem: &GuestMemoryMmap,
     exit: &Arc<ExitSignal>,
+    filters: &Filters,
 ) -> Result<Devices, VmmError> {
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -237,7 +247,11 @@ fn build_devices(
         virtio.push(("vsock".to_string(), vsock));
     }
     for (i, f) in cfg.fs.iter().enumerate() {
-        let fs = Arc::new(Mutex::new(Fs::new(f, i).map_err(dev_err(format!("fs {}", f.tag)))?));
+        let threads = BackendThreads {
+            worker: confine(ThreadKind::FsBackend, filters.fs_backend()),
+            watchdog: confine(ThreadKind::FsWatchdog, filters.fs_watchdog()),
+        };
+        let fs = Arc::new(Mutex::new(Fs::new(f, i, threads).map_err(dev_err(format!("fs {}", f.tag)))?));
         subscribers.push(fs.clone());
         virtio.push((format!("fs{i}"), fs));
     }
@@ -289,7 +303,7 @@ pub fn run(
     let control = Arc::new(VcpuControl::new());
     let _bound_sockets =
         BoundSockets(cfg.vsock.iter().map(|v| v.uds_path.clone()).chain(cfg.api_socket.clone()).collect());
-    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit)?;
+    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit, filters)?;
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
     tracing::debug!(?entry, irqchip, "guest loaded");

@@ -1,5 +1,6 @@
 //! A vCPU thread: runs the guest and emulates the port I/O and MMIO it exits on. Device work
-//! reached from here is in-memory (registers, queue setup) or an eventfd write (notify, IRQ).
+//! reached from here is in-memory (registers, queue setup), an eventfd write (notify, IRQ), or
+//! a hand-over to a device's own thread (virtio-fs start and reset: a futex, in `common`).
 
 use kvm_bindings::{kvm_regs, KVMIO};
 use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};

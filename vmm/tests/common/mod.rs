@@ -10,7 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub const VMM: &str = env!("CARGO_BIN_EXE_bulkhead-vmm");
+/// The `bulkhead-vmm` the tests run: the one cargo built with them, or `$BULKHEAD_VMM` (e.g. a
+/// release build, to check the release filters; the debug-only seccomp probe is absent there).
+pub fn vmm_binary() -> PathBuf {
+    std::env::var_os("BULKHEAD_VMM").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_bulkhead-vmm")), PathBuf::from)
+}
 
 /// Why a KVM test cannot run here, if it cannot (the shared host probe).
 pub fn kvm_unavailable() -> Option<String> {
@@ -113,7 +117,7 @@ impl VmmProcess {
     ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
-        let mut cmd = Command::new(VMM);
+        let mut cmd = Command::new(vmm_binary());
         cmd.arg("--config")
             .arg(&cfg_path)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))

@@ -21,7 +21,7 @@ use crate::config::{parse_mac, NetConfig};
 use crate::devices::virtio::chain;
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_NET,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_NET,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
 
@@ -429,7 +429,7 @@ impl VirtioDevice for Net {
         Ok(())
     }
 
-    fn reset(&mut self) {
+    fn reset(&mut self) -> Option<PendingReset> {
         if !matches!(self.state, DeviceState::Inactive) {
             if let Err(e) = self.backend.set_offload(0) {
                 tracing::warn!(device = %self.name, tap = %self.tap_name, error = %e, "cannot clear tap offloads");
@@ -438,6 +438,7 @@ impl VirtioDevice for Net {
         self.state = DeviceState::Inactive;
         self.acked_features = 0;
         self.rx_pending = None;
+        None
     }
 
     fn is_broken(&self) -> bool {
