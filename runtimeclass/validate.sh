@@ -9,9 +9,11 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 k8s_version=${K8S_VERSION:-1.37.0}
+# make setup installs the validator into a venv outside the checkout.
+export PATH="${BULKHEAD_CACHE:-/var/cache/bulkhead}/venv/bin:$PATH"
 
 if ! command -v kubernetes-validate >/dev/null 2>&1; then
-  echo "SKIPPED: kubernetes-validate not installed (pip install kubernetes-validate==1.37.0)"
+  echo "SKIPPED: kubernetes-validate not installed (make setup installs it)"
   exit 0
 fi
 

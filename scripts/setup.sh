@@ -7,11 +7,15 @@ log() { printf 'setup: %s\n' "$*"; }
 
 # Debian packages: containerd + runc + CNI plugins for the end-to-end tests, a static
 # busybox for test images, protoc for the CRI client, musl for the static agent,
-# gcc/libc6-dev for the static pause binary, iproute2 for test network namespaces, openssl
-# for the installer's TLS client test certificates.
+# gcc/libc6-dev for the static pause binary, g++ for the fuzz crate (libFuzzer), iproute2 for
+# test network namespaces, openssl for the installer's TLS client test certificates, the
+# guest kernel's source and build tools (guest-kernel/build-kernel.sh), and libseccomp/libcap-ng
+# headers and pkg-config to build virtiofsd.
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
-  musl-tools gcc libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
+  musl-tools gcc g++ libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
+  linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
+  libseccomp-dev libcap-ng-dev pkg-config
 )
 
 missing=()
@@ -65,5 +69,21 @@ else
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q kubernetes-validate==1.37.0 pyyaml
 fi
+
+# virtiofsd: the vhost-user-fs backend of the VMM's virtio-fs device (and of the shim's pods). Built
+# from its published crate into a cache dir keyed by version (~10 min on 2 cores, so at low
+# priority); $BULKHEAD_CACHE/bin/virtiofsd is the stable path (vmm/tests/common/virtiofsd.rs).
+VIRTIOFSD_VERSION=1.14.0
+cache="${BULKHEAD_CACHE:-/var/cache/bulkhead}"
+virtiofsd_root="$cache/virtiofsd-$VIRTIOFSD_VERSION"
+if [[ -x "$virtiofsd_root/bin/virtiofsd" ]]; then
+  log "virtiofsd $VIRTIOFSD_VERSION present in $virtiofsd_root"
+else
+  log "building virtiofsd $VIRTIOFSD_VERSION into $virtiofsd_root (takes ~10 min on 2 cores)"
+  mkdir -p "$virtiofsd_root"
+  nice -n 19 cargo install virtiofsd --locked --version "=$VIRTIOFSD_VERSION" --root "$virtiofsd_root"
+fi
+mkdir -p "$cache/bin"
+ln -sfn "$virtiofsd_root/bin/virtiofsd" "$cache/bin/virtiofsd"
 
 log "done"

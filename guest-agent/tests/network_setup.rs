@@ -21,7 +21,10 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
         return;
     }
     if Command::new("ip").arg("-V").output().is_err() {
-        println!("SKIPPED: setup_sandbox_configures_interfaces_and_routes: ip(8) not installed");
+        bulkhead_integration::skip::missing_prerequisite(
+            "setup_sandbox_configures_interfaces_and_routes",
+            "ip(8) not installed (make setup)",
+        );
         return;
     }
     let agent = Agent::start_netns("net").await;

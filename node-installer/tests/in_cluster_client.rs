@@ -133,7 +133,10 @@ fn make_certs(dir: &Path) -> bool {
 async fn in_cluster_client_talks_tls_token_and_merge_patch() {
     let dir = tempfile::tempdir().unwrap();
     if !make_certs(dir.path()) {
-        println!("SKIPPED: openssl could not make test certificates");
+        bulkhead_integration::skip::missing_prerequisite(
+            "in_cluster_client_talks_tls_token_and_merge_patch",
+            "openssl could not make test certificates (make setup installs openssl)",
+        );
         return;
     }
     let mut child = match Command::new("python3")
@@ -146,7 +149,10 @@ async fn in_cluster_client_talks_tls_token_and_merge_patch() {
     {
         Ok(c) => c,
         Err(e) => {
-            println!("SKIPPED: python3 not available: {e}");
+            bulkhead_integration::skip::missing_prerequisite(
+                "in_cluster_client_talks_tls_token_and_merge_patch",
+                &format!("python3 not available: {e}"),
+            );
             return;
         }
     };

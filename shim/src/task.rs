@@ -150,6 +150,8 @@ impl TaskService {
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox()?;
+        // The pod's config is known from here on; it sets the shim's log level.
+        crate::logging::set_config_level(&config.log_level);
         let mut slot = self.sandbox.lock().await;
         if let PodSandbox::Running(_) = &*slot {
             return Err(TaskError::AlreadyExists(format!("a sandbox in the shim of {}", req.id)));

@@ -1,28 +1,42 @@
-//! The API socket's server: JSON lines over a Unix socket, on the event loop. The messages are
-//! `bulkhead_vmm_api::api`'s; every request gets one line back. A `--prepare`d VMM answers on
-//! the same socket before its VM exists ([`await_restore`]), then hands it to the event loop.
+//! The API socket's server: JSON lines over a Unix socket, on a thread of its own with the
+//! smallest seccomp filter, since it parses input from outside the VM. The messages are
+//! `bulkhead_vmm_api::api`'s; every request gets one line back.
+//!
+//! The API thread only talks: a `snapshot` pauses the vCPUs (as `pause` does) and hands the rest
+//! to the event loop (`snapshotter::SnapshotRequests`), which owns the devices and may write
+//! files. A `--prepare`d VMM answers on the same socket before its VM exists
+//! ([`spawn_prepared`]), on a thread with the same filter, and hands a `restore` request to the
+//! main thread, which builds the VM.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{
     encode_line, parse_request, Request, Response, RestoreReport, RunState, VmInfo, MAX_REQUEST_LINE,
 };
 use bulkhead_vmm_api::restore::RestoreConfig;
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use seccompiler::BpfProgram;
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::exit::{ExitReason, ExitSignal};
-use crate::snapshotter::Snapshotter;
+use crate::seccomp::{self, ThreadKind};
+use crate::snapshotter::SnapshotRequests;
+use crate::thread::{spawn_confined, Confine, Mailbox, Slot};
 use crate::vcpu::VcpuControl;
 
 const MAX_CLIENTS: usize = 16;
 const IO_TIMEOUT: Duration = Duration::from_secs(1);
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a prepared VMM's API thread waits for the main thread to take or refuse a restore
+/// (it checks the run's paths: a few stat calls).
+const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the API may do to the VM.
 pub struct VmController {
@@ -32,8 +46,8 @@ pub struct VmController {
     pub mem_mib: u64,
     pub irqchip: bool,
     pub start_unix_ns: u64,
-    /// How the VM can be snapshotted (absent only in tests without KVM).
-    pub snapshotter: Option<Snapshotter>,
+    /// Where snapshots are taken (the event loop); absent only in tests without a VM.
+    pub snapshots: Option<SnapshotRequests>,
     /// For a restored VM: how the restore went.
     pub restore: Option<RestoreReport>,
 }
@@ -43,7 +57,7 @@ impl VmController {
         let ok = Response::ok();
         match req {
             Request::Pause => {
-                if self.control.pause(usize::from(self.vcpus), Duration::from_secs(2)) {
+                if self.control.pause(usize::from(self.vcpus), PAUSE_TIMEOUT) {
                     ok
                 } else {
                     Response::error("vCPUs did not pause in time")
@@ -70,14 +84,8 @@ impl VmController {
                 }),
                 ..ok
             },
-            Request::Snapshot { dir } => match &self.snapshotter {
-                Some(s) => match s.take(&self.control, &dir) {
-                    Ok(report) => Response { snapshot: Some(report), ..ok },
-                    Err(e) => {
-                        tracing::error!(dir = %dir.display(), error = %e, "snapshot failed; the VM stays paused");
-                        Response::error(format!("snapshot failed (the VM stays paused): {e}"))
-                    }
-                },
+            Request::Snapshot { dir } => match &self.snapshots {
+                Some(s) => self.snapshot(s, dir),
                 None => Response::error("this VM cannot be snapshotted"),
             },
             Request::Restore { .. } => {
@@ -85,107 +93,41 @@ impl VmController {
             }
         }
     }
+
+    /// Pauses the VM here (the kicks are this thread's calls), then lets the event loop save and
+    /// write it. The VM stays paused either way.
+    fn snapshot(&self, snapshots: &SnapshotRequests, dir: PathBuf) -> Response {
+        let started = Instant::now();
+        let failed = |e: String| {
+            tracing::error!(dir = %dir.display(), error = %e, "snapshot failed; the VM stays paused");
+            Response::error(format!("snapshot failed (the VM stays paused): {e}"))
+        };
+        if !self.control.pause(usize::from(self.vcpus), PAUSE_TIMEOUT) {
+            return failed("vCPUs did not pause in time".into());
+        }
+        let pause_us = started.elapsed().as_micros() as u64;
+        match snapshots.take(&dir) {
+            Ok(report) => Response {
+                snapshot: Some(bulkhead_vmm_api::api::SnapshotReport { pause_us, ..report }),
+                ..Response::ok()
+            },
+            Err(e) => failed(e),
+        }
+    }
 }
 
 /// Where the API server listens: a path to bind, or a socket a `--prepare`d VMM bound already,
-/// with the client that asked for the restore.
+/// with the client that asked for the restore (answered already).
 pub enum ApiEndpoint {
     Bind(PathBuf),
     Bound { path: PathBuf, listener: UnixListener, client: UnixStream },
 }
 
-/// What [`await_restore`] ends with.
-pub enum PreparedOutcome {
-    /// A restore request, the client that sent it, and when it arrived.
-    Restore { config: RestoreConfig, client: UnixStream, requested_unix_ns: u64 },
-    /// `shutdown` or a termination signal.
-    Stop(ExitReason),
-}
-
-/// Serves a prepared VMM's API until a valid `restore` request arrives: `info` reports
-/// `prepared`, `shutdown` and SIGTERM/SIGINT stop, anything else is refused. `check` vets a
-/// restore's run settings; a refused one gets its error and the VMM keeps waiting. Clients are
-/// served one at a time, each bounded by the I/O timeout.
-pub fn await_restore(
-    listener: &UnixListener,
-    signal_fd: &OwnedFd,
-    info: &VmInfo,
-    check: impl Fn(&RestoreConfig) -> Result<(), String>,
-) -> std::io::Result<PreparedOutcome> {
-    loop {
-        let mut fds = [
-            libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: signal_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        ];
-        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
+impl ApiEndpoint {
+    pub fn path(&self) -> &Path {
+        match self {
+            ApiEndpoint::Bind(path) | ApiEndpoint::Bound { path, .. } => path,
         }
-        if fds[1].revents != 0 {
-            tracing::info!("termination signal while prepared; shutting down");
-            return Ok(PreparedOutcome::Stop(ExitReason::Signal(libc::SIGTERM)));
-        }
-        let Ok((mut client, _)) = listener.accept() else { continue };
-        client.set_nonblocking(false)?;
-        client.set_read_timeout(Some(IO_TIMEOUT))?;
-        client.set_write_timeout(Some(IO_TIMEOUT))?;
-        let mut buf = Vec::new();
-        'client: loop {
-            let mut chunk = [0u8; 1024];
-            let n = match client.read(&mut chunk) {
-                Ok(0) | Err(_) => break 'client,
-                Ok(n) => n,
-            };
-            buf.extend_from_slice(&chunk[..n]);
-            while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=pos).collect();
-                let resp = match parse_request(&line[..line.len() - 1]) {
-                    Ok(Request::Restore { config }) => match check(&config) {
-                        Ok(()) if buf.is_empty() => {
-                            return Ok(PreparedOutcome::Restore {
-                                config,
-                                client,
-                                requested_unix_ns: crate::vcpu::unix_ns(),
-                            })
-                        }
-                        Ok(()) => Response::error("send nothing after `restore` before its answer"),
-                        Err(e) => Response::error(format!("restore refused: {e}")),
-                    },
-                    Ok(Request::Info) => Response { info: Some(info.clone()), ..Response::ok() },
-                    Ok(Request::Shutdown) => {
-                        let _ = client.write_all(&encode_line(&Response::ok()));
-                        return Ok(PreparedOutcome::Stop(ExitReason::ApiShutdown));
-                    }
-                    Ok(_) => Response::error("this VMM is prepared and waits for `restore`"),
-                    Err(e) => Response::error(e.to_string()),
-                };
-                if client.write_all(&encode_line(&resp)).is_err() {
-                    break 'client;
-                }
-            }
-            if buf.len() > MAX_REQUEST_LINE {
-                break 'client;
-            }
-        }
-    }
-}
-
-/// What `info` says about a prepared VMM.
-pub fn prepared_info(vcpus: u8, mem_mib: u64, irqchip: bool, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
-    VmInfo {
-        state: RunState::Prepared,
-        pid: std::process::id(),
-        vcpus,
-        mem_mib,
-        irqchip,
-        start_unix_ns,
-        first_kvm_run_unix_ns: None,
-        restore: Some(restore),
     }
 }
 
@@ -194,8 +136,7 @@ struct Client {
     buf: Vec<u8>,
 }
 
-pub struct ApiServer {
-    path: PathBuf,
+struct ApiServer {
     listener: UnixListener,
     clients: HashMap<RawFd, Client>,
     controller: VmController,
@@ -211,21 +152,19 @@ pub fn bind_api_socket(path: &Path) -> std::io::Result<UnixListener> {
 }
 
 impl ApiServer {
-    pub fn new(endpoint: ApiEndpoint, controller: VmController) -> std::io::Result<Self> {
-        let (path, listener, first) = match endpoint {
-            ApiEndpoint::Bind(path) => {
-                let listener = bind_api_socket(&path)?;
-                (path, listener, None)
-            }
-            ApiEndpoint::Bound { path, listener, client } => (path, listener, Some(client)),
+    fn new(endpoint: ApiEndpoint, controller: VmController) -> std::io::Result<Self> {
+        let (listener, first) = match endpoint {
+            ApiEndpoint::Bind(path) => (bind_api_socket(&path)?, None),
+            ApiEndpoint::Bound { listener, client, .. } => (listener, Some(client)),
         };
         listener.set_nonblocking(true)?;
         let mut clients = HashMap::new();
         if let Some(stream) = first {
             stream.set_read_timeout(Some(IO_TIMEOUT))?;
+            stream.set_write_timeout(Some(IO_TIMEOUT))?;
             clients.insert(stream.as_raw_fd(), Client { stream, buf: Vec::new() });
         }
-        Ok(Self { path, listener, clients, controller })
+        Ok(Self { listener, clients, controller })
     }
 
     fn accept(&mut self, ops: &mut EventOps) {
@@ -266,10 +205,28 @@ impl ApiServer {
     }
 }
 
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
+/// Binds the API socket here (or takes the one a prepared VMM bound), then serves it on the `api`
+/// thread, which installs `filter` before it reads anything. The thread lives as long as the
+/// process; if it cannot serve, the VM stops.
+pub fn spawn(endpoint: ApiEndpoint, controller: VmController, filter: BpfProgram) -> std::io::Result<()> {
+    let exit = controller.exit.clone();
+    let server = ApiServer::new(endpoint, controller)?;
+    let mut em: EventManager<ApiServer> =
+        EventManager::new().map_err(|e| std::io::Error::other(format!("API event loop: {e}")))?;
+    em.add_subscriber(server);
+    std::thread::Builder::new().name("api".into()).spawn(move || {
+        if let Err(e) = seccomp::install(ThreadKind::Api, &filter) {
+            exit.signal(ExitReason::ApiFailed(e.to_string()));
+            return;
+        }
+        loop {
+            if let Err(e) = em.run() {
+                exit.signal(ExitReason::ApiFailed(format!("event loop: {e}")));
+                return;
+            }
+        }
+    })?;
+    Ok(())
 }
 
 impl MutEventSubscriber for ApiServer {
@@ -299,10 +256,202 @@ impl MutEventSubscriber for ApiServer {
     }
 }
 
+/// What a prepared VMM's API thread tells the main thread.
+pub enum PreparedEvent {
+    /// A `restore` whose run settings fit the snapshot. The main thread checks the run's paths
+    /// and puts its verdict in `verdict`: refused, the API thread answers and keeps waiting;
+    /// taken, it hands its socket and the client over and ends.
+    Restore { config: RestoreConfig, requested_unix_ns: u64, verdict: Arc<Slot<Result<(), String>>> },
+    /// `shutdown` (answered); the API thread has ended.
+    Shutdown,
+    /// The API thread could not go on serving.
+    Failed(String),
+}
+
+/// The socket and client a prepared VMM's API thread hands over once the main thread took a
+/// restore: the running VM's API server answers the client and serves both from then on.
+pub struct Handover {
+    pub listener: UnixListener,
+    pub client: UnixStream,
+}
+
+/// The main thread's end of a prepared VMM's API thread.
+pub struct PreparedApi {
+    events: Arc<Mailbox<PreparedEvent>>,
+    /// Signalled with every event; the main thread polls it beside the signalfd.
+    wake: EventFd,
+    handover: Arc<Slot<Handover>>,
+}
+
+impl PreparedApi {
+    pub fn wake_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// The events since the last call.
+    pub fn events(&self) -> Vec<PreparedEvent> {
+        let _ = self.wake.read();
+        self.events.drain()
+    }
+
+    /// What the API thread hands over after a restore was taken (it does so at once).
+    pub fn handover(&self) -> Result<Handover, String> {
+        self.handover
+            .take_until(Instant::now() + VERDICT_TIMEOUT)
+            .ok_or_else(|| "the API thread did not hand its socket over".to_string())
+    }
+}
+
+/// Serves a prepared VMM's API on the `api` thread, confined like the running VM's, until a
+/// `restore` is taken: `info` reports `prepared`, `shutdown` stops, anything else is refused.
+/// `check` vets a restore's run settings against the snapshot (no I/O); the main thread then
+/// checks the paths. Clients are served one at a time, each bounded by the I/O timeout.
+pub fn spawn_prepared(
+    listener: UnixListener,
+    info: VmInfo,
+    check: impl Fn(&RestoreConfig) -> Result<(), String> + Send + 'static,
+    confine: Confine,
+) -> std::io::Result<PreparedApi> {
+    let events = Mailbox::new();
+    let wake = EventFd::new(libc::EFD_NONBLOCK)?;
+    let handover = Slot::new();
+    let server = PreparedServer {
+        listener,
+        info,
+        check,
+        events: Arc::clone(&events),
+        wake: wake.try_clone()?,
+        handover: Arc::clone(&handover),
+    };
+    spawn_confined("api".into(), confine, move || server.serve())?;
+    Ok(PreparedApi { events, wake, handover })
+}
+
+/// What the prepared API thread does with one request.
+enum Step {
+    /// This line (encoded) goes back to the client.
+    Answer(Vec<u8>),
+    /// The main thread took the restore: hand over.
+    Taken,
+    Stop,
+}
+
+fn answer(response: Response) -> Step {
+    Step::Answer(encode_line(&response))
+}
+
+struct PreparedServer<C> {
+    listener: UnixListener,
+    info: VmInfo,
+    check: C,
+    events: Arc<Mailbox<PreparedEvent>>,
+    wake: EventFd,
+    handover: Arc<Slot<Handover>>,
+}
+
+impl<C: Fn(&RestoreConfig) -> Result<(), String>> PreparedServer<C> {
+    fn tell_main(&self, event: PreparedEvent) {
+        self.events.post(event);
+        if let Err(e) = self.wake.write(1) {
+            tracing::error!(error = %e, "cannot wake the main thread of a prepared VMM");
+        }
+    }
+
+    /// Accepts (blocking: this thread has nothing else to do) and serves clients until a restore
+    /// is taken (the socket and client are handed over) or `shutdown`.
+    fn serve(self) {
+        loop {
+            let mut client = match self.listener.accept() {
+                Ok((c, _)) => c,
+                Err(e) => {
+                    self.tell_main(PreparedEvent::Failed(format!("accept on the API socket: {e}")));
+                    return;
+                }
+            };
+            if client.set_read_timeout(Some(IO_TIMEOUT)).is_err() || client.set_write_timeout(Some(IO_TIMEOUT)).is_err()
+            {
+                continue;
+            }
+            let mut buf = Vec::new();
+            'client: loop {
+                let mut chunk = [0u8; 1024];
+                let n = match client.read(&mut chunk) {
+                    Ok(0) | Err(_) => break 'client,
+                    Ok(n) => n,
+                };
+                buf.extend_from_slice(&chunk[..n]);
+                while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = buf.drain(..=pos).collect();
+                    let step = match parse_request(&line[..line.len() - 1]) {
+                        Ok(Request::Restore { config }) if buf.is_empty() => self.restore(config),
+                        Ok(Request::Restore { .. }) => {
+                            answer(Response::error("send nothing after `restore` before its answer"))
+                        }
+                        Ok(Request::Info) => answer(Response { info: Some(self.info.clone()), ..Response::ok() }),
+                        Ok(Request::Shutdown) => Step::Stop,
+                        Ok(_) => answer(Response::error("this VMM is prepared and waits for `restore`")),
+                        Err(e) => answer(Response::error(e.to_string())),
+                    };
+                    match step {
+                        Step::Answer(line) => {
+                            if client.write_all(&line).is_err() {
+                                break 'client;
+                            }
+                        }
+                        Step::Taken => {
+                            self.handover.put(Handover { listener: self.listener, client });
+                            return;
+                        }
+                        Step::Stop => {
+                            let _ = client.write_all(&encode_line(&Response::ok()));
+                            self.tell_main(PreparedEvent::Shutdown);
+                            return;
+                        }
+                    }
+                }
+                if buf.len() > MAX_REQUEST_LINE {
+                    break 'client;
+                }
+            }
+        }
+    }
+
+    /// Checks the run against the snapshot, then asks the main thread, which checks the run's
+    /// paths and restores.
+    fn restore(&self, config: RestoreConfig) -> Step {
+        if let Err(e) = (self.check)(&config) {
+            return answer(Response::error(format!("restore refused: {e}")));
+        }
+        let verdict = Slot::new();
+        let requested_unix_ns = crate::vcpu::unix_ns();
+        self.tell_main(PreparedEvent::Restore { config, requested_unix_ns, verdict: Arc::clone(&verdict) });
+        match verdict.take_until(Instant::now() + VERDICT_TIMEOUT) {
+            Some(Ok(())) => Step::Taken,
+            Some(Err(e)) => answer(Response::error(format!("restore refused: {e}"))),
+            None => answer(Response::error("the VMM did not take the restore in time")),
+        }
+    }
+}
+
+/// What `info` says about a prepared VMM.
+pub fn prepared_info(vcpus: u8, mem_mib: u64, irqchip: bool, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
+    VmInfo {
+        state: RunState::Prepared,
+        pid: std::process::id(),
+        vcpus,
+        mem_mib,
+        irqchip,
+        start_unix_ns,
+        first_kvm_run_unix_ns: None,
+        restore: Some(restore),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bulkhead_vmm_api::api::RunState;
+    use crate::thread::unconfined;
+    use std::io::{BufRead, BufReader};
 
     #[test]
     fn controller_shutdown_and_info() {
@@ -313,7 +462,7 @@ mod tests {
             mem_mib: 64,
             irqchip: true,
             start_unix_ns: 5,
-            snapshotter: None,
+            snapshots: None,
             restore: None,
         };
         let info = c.handle(Request::Info).info.unwrap();
@@ -325,5 +474,70 @@ mod tests {
         // No vCPU threads exist, so a pause cannot be acknowledged.
         assert!(!c.control.pause(1, Duration::from_millis(20)));
         c.control.resume();
+    }
+
+    fn call(stream: &mut UnixStream, line: &str) -> Response {
+        stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut answer = String::new();
+        reader.read_line(&mut answer).unwrap();
+        serde_json::from_str(&answer).unwrap()
+    }
+
+    /// Waits (bounded) for the API thread's next event.
+    fn next_event(api: &PreparedApi) -> PreparedEvent {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(e) = api.events().into_iter().next() {
+                return e;
+            }
+            assert!(Instant::now() < deadline, "no event from the API thread");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_prepared_api_answers_checks_and_hands_a_taken_restore_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let info = prepared_info(1, 32, true, 7, RestoreReport::default());
+        let check = |run: &RestoreConfig| if run.vsock_uds_path.is_some() { Ok(()) } else { Err("no vsock".into()) };
+        let api = spawn_prepared(bind_api_socket(&path).unwrap(), info, check, unconfined()).unwrap();
+        let mut client = UnixStream::connect(&path).unwrap();
+        assert_eq!(call(&mut client, r#"{"cmd":"info"}"#).info.unwrap().state, RunState::Prepared);
+        assert!(!call(&mut client, r#"{"cmd":"pause"}"#).ok);
+        let refused = call(&mut client, r#"{"cmd":"restore","config":{}}"#);
+        assert!(refused.error.unwrap().contains("no vsock"), "refused on the API thread");
+
+        // The main thread refuses the first (its paths), takes the second.
+        let restore = r#"{"cmd":"restore","config":{"vsock_uds_path":"/nonexistent/v.sock"}}"#;
+        client.write_all(format!("{restore}\n").as_bytes()).unwrap();
+        let PreparedEvent::Restore { verdict, .. } = next_event(&api) else { panic!("not a restore") };
+        verdict.put(Err("vsock uds_path: no such directory".into()));
+        let mut reader = BufReader::new(client.try_clone().unwrap());
+        let mut answer = String::new();
+        reader.read_line(&mut answer).unwrap();
+        assert!(answer.contains("no such directory"), "{answer}");
+        client.write_all(format!("{restore}\n").as_bytes()).unwrap();
+        let PreparedEvent::Restore { config, verdict, .. } = next_event(&api) else { panic!("not a restore") };
+        assert_eq!(config.vsock_uds_path, Some("/nonexistent/v.sock".into()));
+        verdict.put(Ok(()));
+        let handover = api.handover().unwrap();
+        // The handed-over client is the one that asked: it sees what the new owner writes.
+        (&handover.client).write_all(b"answer\n").unwrap();
+        let mut answer = String::new();
+        reader.read_line(&mut answer).unwrap();
+        assert_eq!(answer, "answer\n");
+    }
+
+    #[test]
+    fn a_prepared_api_stops_on_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let info = prepared_info(1, 32, true, 7, RestoreReport::default());
+        let api = spawn_prepared(bind_api_socket(&path).unwrap(), info, |_| Ok(()), unconfined()).unwrap();
+        let mut client = UnixStream::connect(&path).unwrap();
+        assert!(call(&mut client, r#"{"cmd":"shutdown"}"#).ok);
+        assert!(matches!(next_event(&api), PreparedEvent::Shutdown));
     }
 }

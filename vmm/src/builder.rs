@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bulkhead_vmm_api::api::{RestorePhase, RestoreReport};
-use bulkhead_vmm_api::config::VsockConfig;
+use bulkhead_vmm_api::config::{FsConfig, VsockConfig};
 use bulkhead_vmm_api::restore::RestoreConfig;
 use event_manager::MutEventSubscriber;
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
@@ -31,18 +31,26 @@ use crate::devices::persist::{
 };
 use crate::devices::virtio::block::persist::BlockArgs;
 use crate::devices::virtio::block::Block;
+use crate::devices::virtio::fs::persist::FsConstructorArgs;
+use crate::devices::virtio::fs::{BackendThreads, Fs};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::persist::NetConstructorArgs;
+use crate::devices::virtio::net::tap::Tap;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::persist::MmioTransportArgs;
 use crate::devices::virtio::vsock::persist::VsockArgs;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::layout;
-use crate::memory::{create_guest_memory, map_snapshot_memory};
+use crate::memory::{copy_snapshot_memory, create_guest_memory, map_snapshot_memory};
 use crate::persist::Persist;
+use crate::seccomp::{self, Filters, ThreadKind};
 use crate::snapshot::cpu::HostCpu;
 use crate::snapshot::state::VmState;
 use crate::snapshot::{file, kvm as kvm_state, MEMORY_FILE, STATE_FILE};
+use crate::snapshotter::SnapshotHost;
+use crate::thread::Confine;
 use crate::vcpu::{unix_ns, Vcpu, VcpuControl, VcpuFeatures, VcpuShared};
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +67,8 @@ pub enum VmmError {
     Vcpu(#[from] crate::vcpu::VcpuError),
     #[error("device {what}")]
     Device { what: String, source: std::io::Error },
+    #[error("net device on tap {tap}")]
+    Net { tap: String, source: crate::devices::virtio::net::device::NetError },
     #[error("bus")]
     Bus(#[from] crate::devices::bus::BusError),
     #[error("event loop: {0}")]
@@ -69,6 +79,8 @@ pub enum VmmError {
     KvmState(#[from] kvm_state::KvmStateError),
     #[error("restoring {what}: {reason}")]
     Restore { what: String, reason: String },
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 pub(crate) fn dev_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmmError {
@@ -94,6 +106,8 @@ pub struct Vm {
     pub vcpus: Vec<Vcpu>,
     pub exit: Arc<ExitSignal>,
     pub control: Arc<VcpuControl>,
+    /// What a snapshot of this VM records about the host, or why it cannot take one.
+    pub snapshot_host: Result<SnapshotHost, String>,
     /// For a restored VM: how the restore went.
     pub restore: Option<RestoreReport>,
 }
@@ -272,7 +286,14 @@ impl<'a> VirtioSlots<'a> {
     }
 }
 
-/// Builds every device; from `saved` state when restoring.
+/// What a new thread of `kind` runs first: installing its filter.
+fn confine(kind: ThreadKind, program: &seccompiler::BpfProgram) -> Confine {
+    let program = program.clone();
+    Box::new(move || seccomp::install(kind, &program).map_err(|e| e.to_string()))
+}
+
+/// Builds every device; from `saved` state when restoring. virtio-fs devices start their
+/// backend threads here (filtered), as no thread can be started once the filters are in.
 fn build_devices(
     cfg: &ValidConfig,
     vm: &VmFd,
@@ -280,6 +301,7 @@ fn build_devices(
     mem: &GuestMemoryMmap,
     exit: &Arc<ExitSignal>,
     saved: Option<&DevicesState>,
+    filters: &Filters,
 ) -> Result<Devices, VmmError> {
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -317,7 +339,7 @@ fn build_devices(
     let i8042 = Arc::new(Mutex::new(i8042));
     pio.insert(i8042.clone(), I8042_PORT, I8042_PORT_LEN)?;
 
-    // Virtio devices, one MMIO slot each: block devices first, then vsock.
+    // Virtio devices, one MMIO slot each: block devices first, then vsock, fs, net.
     let mut virtio = VirtioSlots::new(saved.map(|s| s.virtio.as_slice()));
     for (i, b) in cfg.block.iter().enumerate() {
         let slot = virtio.next(format!("blk{i}"))?;
@@ -345,6 +367,45 @@ fn build_devices(
         subscribers.push(vsock.clone());
         virtio.push(slot, vsock.clone(), VirtioHandle::Vsock(vsock));
     }
+    for (i, f) in cfg.fs.iter().enumerate() {
+        let slot = virtio.next(format!("fs{i}"))?;
+        let threads = BackendThreads {
+            worker: confine(ThreadKind::FsBackend, filters.fs_backend()),
+            watchdog: confine(ThreadKind::FsWatchdog, filters.fs_watchdog()),
+        };
+        let fs = match slot.saved_as(VirtioDeviceState::fs)? {
+            None => Fs::new(f, i, threads).map_err(dev_err(format!("fs {}", f.tag)))?,
+            Some(s) => {
+                let args = FsConstructorArgs { cfg: f.clone(), index: i, threads, mem: mem.clone(), irq: slot.irq() };
+                Fs::restore(args, s).map_err(|e| restore_err(slot.name.clone())(e.to_string()))?
+            }
+        };
+        let fs = Arc::new(Mutex::new(fs));
+        subscribers.push(fs.clone());
+        virtio.push(slot, fs.clone(), VirtioHandle::Fs(fs));
+    }
+    for (i, n) in cfg.net.iter().enumerate() {
+        let slot = virtio.next(format!("net{i}"))?;
+        let net_err = |source| VmmError::Net { tap: n.tap.clone(), source };
+        let net = match slot.saved_as(VirtioDeviceState::net)? {
+            None => Net::new(n, i).map_err(net_err)?,
+            Some(s) => {
+                let tap = Tap::open(&n.tap).map_err(|e| net_err(e.into()))?;
+                let args = NetConstructorArgs {
+                    index: i,
+                    tap: n.tap.clone(),
+                    backend: Box::new(tap),
+                    rate_limiter: n.rate_limiter.clone(),
+                    mem: mem.clone(),
+                    irq: slot.irq(),
+                };
+                Net::restore(args, s).map_err(|e| restore_err(slot.name.clone())(e.to_string()))?
+            }
+        };
+        let net = Arc::new(Mutex::new(net));
+        subscribers.push(net.clone());
+        virtio.push(slot, net.clone(), VirtioHandle::Net(net));
+    }
     let Attached { saveable: virtio, cmdline_devices } = virtio.attach(vm, irqchip, mem, &mut mmio)?;
 
     let saveable = SaveableDevices { serial, i8042, virtio };
@@ -355,8 +416,18 @@ fn vcpu_features(kvm: &Kvm, irqchip: bool) -> VcpuFeatures {
     VcpuFeatures { irqchip, xcrs: kvm_state::has_xcrs(kvm) }
 }
 
-/// Builds a VM from a config and loads its guest.
-pub fn boot(cfg: ValidConfig, start_unix_ns: u64) -> Result<Vm, VmmError> {
+/// What a snapshot of a VM built here records about the host (probed now: the event loop that
+/// takes snapshots has no `/dev/kvm` ioctls), or why this host cannot snapshot.
+fn snapshot_host(kvm: &Kvm, cpu: HostCpu) -> Result<SnapshotHost, String> {
+    SnapshotHost::probe(kvm, cpu).map_err(|e| {
+        tracing::warn!(error = %e, "this VM cannot be snapshotted here");
+        e.to_string()
+    })
+}
+
+/// Builds a VM from a config and loads its guest. `filters`: the seccomp filters of the threads
+/// the devices start.
+pub fn boot(cfg: ValidConfig, start_unix_ns: u64, filters: &Filters) -> Result<Vm, VmmError> {
     tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     let vm = create_vm(&kvm)?;
@@ -373,7 +444,7 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64) -> Result<Vm, VmmError> {
     tracing::debug!(irqchip, "vm created");
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
-    let devices = build_devices(&cfg, &vm, irqchip, &mem, &exit, None)?;
+    let devices = build_devices(&cfg, &vm, irqchip, &mem, &exit, None, filters)?;
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &devices.cmdline_devices, cfg.vcpus)?;
     tracing::debug!(?entry, irqchip, "guest loaded");
@@ -385,16 +456,20 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64) -> Result<Vm, VmmError> {
         control: control.clone(),
     };
     let features = vcpu_features(&kvm, irqchip);
+    let supported = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|source| VmmError::KvmSetup { what: "supported cpuid", source })?;
     let mut vcpus = Vec::new();
     for id in 0..cfg.vcpus {
         let fd = vm.create_vcpu(u64::from(id)).map_err(|e| crate::vcpu::VcpuError::Create(id, e))?;
         let vcpu = Vcpu::new(fd, id, features, shared.clone());
-        vcpu.configure_boot(&kvm, cfg.vcpus, &entry)?;
+        vcpu.configure_boot(&supported, cfg.vcpus, &entry)?;
         vcpus.push(vcpu);
     }
+    let snapshot_host = snapshot_host(&kvm, HostCpu::from_entries(supported.as_slice()));
     registration.join().map_err(|_| VmmError::EventLoop("memslot registration thread panicked".into()))??;
     tracing::debug!("vcpus configured, guest memory registered");
-    Ok(Vm { fd: vm, mem, irqchip, config: cfg, devices, vcpus, exit, control, restore: None })
+    Ok(Vm { fd: vm, mem, irqchip, config: cfg, devices, vcpus, exit, control, snapshot_host, restore: None })
 }
 
 /// Times the steps of a restore.
@@ -420,6 +495,7 @@ impl Phases {
 /// mapped and registered, irqchip and vCPUs created.
 pub struct Prepared {
     kvm: Kvm,
+    snapshot_host: Result<SnapshotHost, String>,
     vm: Arc<VmFd>,
     mem: GuestMemoryMmap,
     state: VmState,
@@ -439,8 +515,16 @@ pub fn prepare(dir: &Path) -> Result<Prepared, VmmError> {
     phases.mark("read and check state file", false);
     let vm = create_vm(&kvm)?;
     phases.mark("KVM_CREATE_VM", true);
-    let mem = map_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
-    phases.mark("map memory file (MAP_PRIVATE)", false);
+    let mem = if state.config.fs.is_empty() {
+        let mem = map_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
+        phases.mark("map memory file (MAP_PRIVATE)", false);
+        mem
+    } else {
+        // A vhost-user backend maps guest memory shared: it needs a memfd, not a private map.
+        let mem = copy_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
+        phases.mark("copy memory file into a memfd (virtio-fs)", false);
+        mem
+    };
     register_memory(&vm, &mem)?;
     phases.mark("KVM_SET_USER_MEMORY_REGION", true);
     if state.vm.irqchip.is_some() {
@@ -455,7 +539,8 @@ pub fn prepare(dir: &Path) -> Result<Prepared, VmmError> {
         vcpu_fds.push(vm.create_vcpu(u64::from(id)).map_err(|e| crate::vcpu::VcpuError::Create(id, e))?);
     }
     phases.mark("KVM_CREATE_IRQCHIP, KVM_CREATE_PIT2, KVM_CREATE_VCPU", true);
-    Ok(Prepared { kvm, vm, mem, state, vcpu_fds, phases })
+    let snapshot_host = snapshot_host(&kvm, host);
+    Ok(Prepared { kvm, snapshot_host, vm, mem, state, vcpu_fds, phases })
 }
 
 /// The snapshot's config with this run's settings in place of the snapshot's.
@@ -482,6 +567,29 @@ pub fn restored_config(saved: &ValidConfig, run: &RestoreConfig) -> Result<Valid
         }
         cfg.block = run.block.clone();
     }
+    // Each pod has its own taps and its own virtiofsd: the run names every one.
+    if run.net_taps.len() != saved.net.len() {
+        let reason =
+            format!("the run names {} taps, the snapshot has {} net devices", run.net_taps.len(), saved.net.len());
+        return Err(mismatch("net", reason));
+    }
+    for (net, tap) in cfg.net.iter_mut().zip(&run.net_taps) {
+        net.tap = tap.clone();
+    }
+    if run.fs_sockets.len() != saved.fs.len() {
+        let reason = format!(
+            "the run names {} fs sockets, the snapshot has {} fs devices",
+            run.fs_sockets.len(),
+            saved.fs.len()
+        );
+        return Err(mismatch("fs", reason));
+    }
+    cfg.fs = saved
+        .fs
+        .iter()
+        .zip(&run.fs_sockets)
+        .map(|(f, socket)| FsConfig { socket: socket.clone(), ..f.clone() })
+        .collect();
     Ok(cfg)
 }
 
@@ -503,19 +611,20 @@ impl Prepared {
         RestoreReport { phases: self.phases.list.clone(), requested_unix_ns: None, ready_unix_ns: 0 }
     }
 
-    /// Checks a run's settings against the snapshot without consuming anything.
-    pub fn check_run(&self, run: &RestoreConfig) -> Result<(), VmmError> {
-        restored_config(&self.state.config, run).map(drop)
+    /// The config the snapshot was taken with (a run's settings are checked against it).
+    pub fn saved_config(&self) -> &ValidConfig {
+        &self.state.config
     }
 
     /// Builds this run's devices and puts the guest state back. The VM starts paused.
-    pub fn restore(mut self, run: &RestoreConfig) -> Result<Vm, VmmError> {
+    /// `filters`: the seccomp filters of the threads the devices start.
+    pub fn restore(mut self, run: &RestoreConfig, filters: &Filters) -> Result<Vm, VmmError> {
         self.phases.last = Instant::now();
         let cfg = restored_config(&self.state.config, run)?;
         let irqchip = self.state.vm.irqchip.is_some();
         let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
         let control = Arc::new(VcpuControl::new_paused());
-        let devices = build_devices(&cfg, &self.vm, irqchip, &self.mem, &exit, Some(&self.state.devices))?;
+        let devices = build_devices(&cfg, &self.vm, irqchip, &self.mem, &exit, Some(&self.state.devices), filters)?;
         self.phases.mark("devices from saved state (with KVM_IRQFD)", false);
         let shared = VcpuShared {
             pio: devices.pio.clone(),
@@ -542,6 +651,7 @@ impl Prepared {
             vcpus,
             exit,
             control,
+            snapshot_host: self.snapshot_host,
             restore: Some(report),
         })
     }
@@ -550,9 +660,13 @@ impl Prepared {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{BlockConfig, BootSource, RawFormat, RawGuestConfig};
+    use crate::config::{BlockConfig, BootSource, NetConfig, RawFormat, RawGuestConfig};
 
     fn saved(vsock: bool, disks: usize) -> ValidConfig {
+        saved_with(vsock, disks, vec![], vec![])
+    }
+
+    fn saved_with(vsock: bool, disks: usize, fs: Vec<FsConfig>, net: Vec<NetConfig>) -> ValidConfig {
         ValidConfig {
             boot: BootSource::Raw(RawGuestConfig { image: "/g".into(), format: RawFormat::Elf, load_addr: 0x10_0000 }),
             vcpus: 1,
@@ -560,8 +674,8 @@ mod tests {
             serial_log: Some("/old/serial".into()),
             vsock: vsock.then(|| VsockConfig { uds_path: "/old/v.sock".into(), guest_cid: 7 }),
             block: (0..disks).map(|i| BlockConfig { path: format!("/old/disk{i}").into(), read_only: false }).collect(),
-            fs: vec![],
-            net: vec![],
+            fs,
+            net,
             api_socket: Some("/old/api".into()),
         }
     }
@@ -573,6 +687,7 @@ mod tests {
             serial_log: None,
             vsock_uds_path: Some("/new/v.sock".into()),
             block: vec![BlockConfig { path: "/new/disk".into(), read_only: false }],
+            ..Default::default()
         };
         let cfg = restored_config(&saved(true, 1), &run).unwrap();
         assert_eq!(cfg.api_socket, run.api_socket);
@@ -592,5 +707,32 @@ mod tests {
         let two =
             RestoreConfig { block: vec![BlockConfig { path: "/a".into(), read_only: false }; 2], ..Default::default() };
         assert!(e(saved(false, 1), two).contains("2 disks"));
+    }
+
+    fn fs_and_net() -> (Vec<FsConfig>, Vec<NetConfig>) {
+        let fs = FsConfig { tag: "rootfs".into(), socket: "/old/fs.sock".into(), queue_size: 512 };
+        let net =
+            NetConfig { tap: "tap-old".into(), mac: "02:00:00:00:00:01".into(), mtu: Some(1500), rate_limiter: None };
+        (vec![fs], vec![net])
+    }
+
+    #[test]
+    fn each_run_names_its_own_taps_and_virtiofsd_sockets() {
+        let (fs, net) = fs_and_net();
+        let snapshot = saved_with(false, 0, fs.clone(), net.clone());
+        let run = RestoreConfig {
+            net_taps: vec!["tap-new".into()],
+            fs_sockets: vec!["/new/fs.sock".into()],
+            ..Default::default()
+        };
+        let cfg = restored_config(&snapshot, &run).unwrap();
+        assert_eq!(cfg.net, vec![NetConfig { tap: "tap-new".into(), ..net[0].clone() }], "MAC, MTU, limits kept");
+        assert_eq!(cfg.fs, vec![FsConfig { socket: "/new/fs.sock".into(), ..fs[0].clone() }], "tag, queue size kept");
+
+        let e = |run: RestoreConfig| restored_config(&snapshot, &run).unwrap_err().to_string();
+        assert!(e(RestoreConfig { fs_sockets: run.fs_sockets.clone(), ..Default::default() }).contains("0 taps"));
+        assert!(e(RestoreConfig { net_taps: run.net_taps.clone(), ..Default::default() }).contains("0 fs sockets"));
+        let stray = RestoreConfig { net_taps: vec!["tap-x".into()], ..Default::default() };
+        assert!(restored_config(&saved(false, 0), &stray).unwrap_err().to_string().contains("1 taps"));
     }
 }

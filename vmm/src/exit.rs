@@ -18,13 +18,15 @@ pub enum ExitReason {
         vcpu: u8,
         message: String,
     },
+    /// The API thread could not start or keep serving.
+    ApiFailed(String),
 }
 
 impl ExitReason {
-    /// Process exit status: 0 for every orderly stop, 1 when the guest crashed or a vCPU failed.
+    /// Process exit status: 0 for every orderly stop, 1 when the guest crashed or a VMM thread failed.
     pub fn exit_code(&self) -> i32 {
         match self {
-            ExitReason::VcpuError { .. } | ExitReason::GuestTripleFault => 1,
+            ExitReason::VcpuError { .. } | ExitReason::ApiFailed(_) | ExitReason::GuestTripleFault => 1,
             _ => 0,
         }
     }
@@ -72,6 +74,7 @@ mod tests {
         assert_eq!(ExitReason::GuestReset.exit_code(), 0);
         assert_eq!(ExitReason::Signal(15).exit_code(), 0);
         assert_eq!(ExitReason::VcpuError { vcpu: 1, message: String::new() }.exit_code(), 1);
+        assert_eq!(ExitReason::ApiFailed(String::new()).exit_code(), 1);
         assert_eq!(s.eventfd().read().unwrap(), 2);
     }
 }

@@ -1,21 +1,27 @@
 //! `bulkhead-vmm --config <file.json>`: boots one microVM and serves it until it stops.
-//! `bulkhead-vmm --restore <dir> [--restore-config <file.json>]`: restores a snapshot, paused
-//! until the API's `resume`.
+//! `bulkhead-vmm --restore <dir> --restore-config <file.json>`: restores a snapshot, paused until
+//! the API's `resume`.
 //! `bulkhead-vmm --prepare <dir> --api-socket <sock>`: does the host-heavy half of a restore
 //! now and the rest on the API's `restore` request (a pool of these per template).
+//! Each takes `--jail <jail.json>` to confine itself first (chroot, namespaces, cgroup, non-root
+//! uid); every path in the other documents is then a path inside the chroot.
 //! `bulkhead-vmm --probe`: says whether this host runs ordinary guests, and exits.
 
-use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Parser;
 
-use bulkhead_vmm::api::{await_restore, bind_api_socket, prepared_info, ApiEndpoint, PreparedOutcome};
-use bulkhead_vmm::builder;
+use bulkhead_vmm::api::{self, bind_api_socket, prepared_info, ApiEndpoint, PreparedApi, PreparedEvent};
+use bulkhead_vmm::builder::{self, restored_config};
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::exit::ExitReason;
+use bulkhead_vmm::jail::{self, Jailed};
+use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
 use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
+use bulkhead_vmm_api::jail::JailConfig;
 use bulkhead_vmm_api::restore::RestoreConfig;
 
 #[derive(Parser)]
@@ -27,7 +33,7 @@ struct Args {
     /// Restore the snapshot in this directory; the VM waits paused for the API's `resume`.
     #[arg(long, conflicts_with = "prepare", requires = "restore_config")]
     restore: Option<PathBuf>,
-    /// The restored run's own settings (JSON: api_socket, serial_log, vsock_uds_path, block).
+    /// The restored run's own settings (JSON: `RestoreConfig`).
     #[arg(long)]
     restore_config: Option<PathBuf>,
     /// Prepare a restore of the snapshot in this directory and wait for the API's `restore`.
@@ -36,9 +42,14 @@ struct Args {
     /// The API socket of a prepared VMM.
     #[arg(long)]
     api_socket: Option<PathBuf>,
+    /// Jail the VMM first, as described by this JSON document (`JailConfig`); paths in the VM
+    /// config, the restore config, the snapshot directory and the API socket are then paths
+    /// inside the jail's chroot.
+    #[arg(long)]
+    jail: Option<PathBuf>,
     /// Print the host probe (vmx, svm, pvm, unknown or absent) as JSON and exit: 0 when ordinary
     /// guests run here, 3 when they do not.
-    #[arg(long, conflicts_with_all = ["config", "restore", "prepare"])]
+    #[arg(long, conflicts_with_all = ["config", "restore", "prepare", "jail"])]
     probe: bool,
     /// Log as JSON lines.
     #[arg(long)]
@@ -52,6 +63,7 @@ fn main() {
         std::process::exit(probe());
     }
     init_logging(args.log_json);
+    log_panics_without_backtrace();
     match run(args, start) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -82,32 +94,62 @@ fn probe() -> i32 {
     }
 }
 
+/// What to run, with the documents read on the host side (before the jail).
+enum Mode {
+    Boot(VmConfig),
+    Restore { dir: PathBuf, run: RestoreConfig },
+    Prepare { dir: PathBuf, api: PathBuf },
+}
+
+fn mode(args: &Args) -> anyhow::Result<Mode> {
+    if let Some(dir) = &args.prepare {
+        let api = args.api_socket.clone().context("--prepare needs --api-socket")?;
+        return Ok(Mode::Prepare { dir: dir.clone(), api });
+    }
+    if let Some(dir) = &args.restore {
+        let path = args.restore_config.as_ref().context("--restore needs --restore-config")?;
+        let run = RestoreConfig::from_file(path).context("invalid restore config")?;
+        return Ok(Mode::Restore { dir: dir.clone(), run });
+    }
+    let path = args.config.as_ref().context("--config is required")?;
+    Ok(Mode::Boot(VmConfig::from_file(path).context("invalid VM config")?))
+}
+
 fn run(args: Args, start: u64) -> anyhow::Result<i32> {
+    let filters = Filters::compile().context("building the seccomp filters")?;
+    // Read on the host side; the paths inside are checked once jailed, where they must resolve.
+    let mode = mode(&args)?;
+    if let Some(jail_path) = &args.jail {
+        let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
+        if let Jailed::Exited(code) = jail::enter(&jail).context("cannot jail the VMM")? {
+            return Ok(code);
+        }
+    }
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
-    let reason = if let Some(dir) = &args.prepare {
-        let api = args.api_socket.as_ref().context("--prepare needs --api-socket")?;
-        match prepared(dir, api, signal_fd, start)? {
+    let reason = match mode {
+        Mode::Boot(doc) => {
+            let cfg = doc.validate().context("invalid VM config")?;
+            let api = cfg.api_socket.clone().map(ApiEndpoint::Bind);
+            let vm = builder::boot(cfg, start, &filters).context("VM failed to start")?;
+            vmm::run(vm, signal_fd, start, &filters, api).context("VM failed")?
+        }
+        Mode::Restore { dir, run } => {
+            run.validate().context("invalid restore config")?;
+            let api = run
+                .api_socket
+                .clone()
+                .context("a restored VM waits for `resume`: the restore config needs api_socket")?;
+            let vm = builder::prepare(&dir)
+                .and_then(|p| p.restore(&run, &filters))
+                .with_context(|| format!("cannot restore the snapshot in {}", dir.display()))?;
+            tracing::info!(dir = %dir.display(), "VM restored; paused until `resume`");
+            vmm::run(vm, signal_fd, start, &filters, Some(ApiEndpoint::Bind(api))).context("VM failed")?
+        }
+        Mode::Prepare { dir, api } => match prepared(&dir, &api, signal_fd, start, &filters)? {
             Some(reason) => reason,
             None => return Ok(1),
-        }
-    } else if let Some(dir) = &args.restore {
-        let path = args.restore_config.as_ref().context("--restore needs --restore-config")?;
-        let run =
-            RestoreConfig::from_file(path).and_then(|c| c.validate().map(|_| c)).context("invalid restore config")?;
-        let api =
-            run.api_socket.clone().context("a restored VM waits for `resume`: the restore config needs api_socket")?;
-        let vm = builder::prepare(dir)
-            .and_then(|p| p.restore(&run))
-            .with_context(|| format!("cannot restore the snapshot in {}", dir.display()))?;
-        tracing::info!(dir = %dir.display(), "VM restored; paused until `resume`");
-        vmm::run(vm, signal_fd, start, Some(ApiEndpoint::Bind(api))).context("VM failed")?
-    } else {
-        let path = args.config.context("--config is required")?;
-        let cfg = VmConfig::from_file(&path).and_then(|c| c.validate()).context("invalid VM config")?;
-        let api = cfg.api_socket.clone().map(ApiEndpoint::Bind);
-        let vm = builder::boot(cfg, start).context("VM failed to start")?;
-        vmm::run(vm, signal_fd, start, api).context("VM failed to start")?
+        },
     };
     let code = reason.exit_code();
     if code == 0 {
@@ -119,38 +161,42 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     Ok(code)
 }
 
-/// A prepared VMM: restores on request and runs; `None` when the restore itself failed (the
+/// A prepared VMM: the API thread (filtered) answers until a `restore` fits the snapshot; this
+/// thread checks the run's paths, restores and runs. `None` when the restore itself failed (the
 /// prepared state is spent; the client got the error).
 fn prepared(
-    dir: &std::path::Path,
-    api: &std::path::Path,
+    dir: &Path,
+    api_path: &Path,
     signal_fd: OwnedFd,
     start: u64,
-) -> anyhow::Result<Option<bulkhead_vmm::exit::ExitReason>> {
+    filters: &Filters,
+) -> anyhow::Result<Option<ExitReason>> {
     let prepared =
         builder::prepare(dir).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
-    let listener = bind_api_socket(api).with_context(|| format!("api socket {}", api.display()))?;
+    let listener = bind_api_socket(api_path).with_context(|| format!("api socket {}", api_path.display()))?;
     let info =
         prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, prepared.irqchip(), start, prepared.report());
+    let saved = prepared.saved_config().clone();
+    let check = move |run: &RestoreConfig| restored_config(&saved, run).map(drop).map_err(|e| e.to_string());
+    let filter = filters.api().clone();
+    let confine = Box::new(move || seccomp::install(ThreadKind::Api, &filter).map_err(|e| e.to_string()));
+    let api = api::spawn_prepared(listener, info, check, confine).context("prepared API thread")?;
     tracing::info!(dir = %dir.display(), "snapshot prepared; waiting for `restore`");
-    let outcome = await_restore(&listener, &signal_fd, &info, |run| {
-        run.validate().map_err(|e| e.to_string())?;
-        prepared.check_run(run).map_err(|e| e.to_string())
-    })
-    .context("prepared API socket")?;
-    let (run, mut client, requested) = match outcome {
-        PreparedOutcome::Stop(reason) => {
-            let _ = std::fs::remove_file(api);
+    let (run, requested) = match wait_for_restore(&api, &signal_fd)? {
+        Waited::Stop(reason) => {
+            let _ = std::fs::remove_file(api_path);
             return Ok(Some(reason));
         }
-        PreparedOutcome::Restore { config, client, requested_unix_ns } => (config, client, requested_unix_ns),
+        Waited::Restore { config, requested_unix_ns } => (config, requested_unix_ns),
     };
-    let mut vm = match prepared.restore(&run) {
+    let handover = api.handover().map_err(anyhow::Error::msg)?;
+    let mut client = handover.client;
+    let mut vm = match prepared.restore(&run, filters) {
         Ok(vm) => vm,
         Err(e) => {
             let msg = format!("restore failed: {e:#}");
             let _ = std::io::Write::write_all(&mut client, &encode_line(&Response::error(msg.clone())));
-            let _ = std::fs::remove_file(api);
+            let _ = std::fs::remove_file(api_path);
             tracing::error!("{msg}");
             eprintln!("bulkhead-vmm: error: {msg}");
             return Ok(None);
@@ -162,8 +208,59 @@ fn prepared(
     let report = Response { restore: vm.restore.clone(), ..Response::ok() };
     std::io::Write::write_all(&mut client, &encode_line(&report)).context("answering `restore`")?;
     tracing::info!("VM restored; paused until `resume`");
-    let endpoint = ApiEndpoint::Bound { path: api.to_owned(), listener, client };
-    Ok(Some(vmm::run(vm, signal_fd, start, Some(endpoint)).context("VM failed")?))
+    let endpoint = ApiEndpoint::Bound { path: api_path.to_owned(), listener: handover.listener, client };
+    Ok(Some(vmm::run(vm, signal_fd, start, filters, Some(endpoint)).context("VM failed")?))
+}
+
+enum Waited {
+    Restore { config: RestoreConfig, requested_unix_ns: u64 },
+    Stop(ExitReason),
+}
+
+/// Waits for the prepared API thread's restore (checking its paths here: the API thread may not
+/// touch files), `shutdown`, or SIGTERM/SIGINT.
+fn wait_for_restore(api: &PreparedApi, signal_fd: &OwnedFd) -> anyhow::Result<Waited> {
+    loop {
+        let mut fds = [
+            libc::pollfd { fd: api.wake_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: signal_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e).context("waiting for `restore`");
+        }
+        if fds[1].revents != 0 {
+            tracing::info!("termination signal while prepared; shutting down");
+            return Ok(Waited::Stop(ExitReason::Signal(libc::SIGTERM)));
+        }
+        for event in api.events() {
+            match event {
+                PreparedEvent::Restore { config, requested_unix_ns, verdict } => match config.validate() {
+                    Ok(()) => {
+                        verdict.put(Ok(()));
+                        return Ok(Waited::Restore { config, requested_unix_ns });
+                    }
+                    Err(e) => verdict.put(Err(e.to_string())),
+                },
+                PreparedEvent::Shutdown => return Ok(Waited::Stop(ExitReason::ApiShutdown)),
+                PreparedEvent::Failed(e) => anyhow::bail!("prepared API thread: {e}"),
+            }
+        }
+    }
+}
+
+/// Panics are logged without a backtrace: capturing one reads the binary from disk, which the
+/// seccomp filters forbid, so the default hook would turn a panic into SIGSYS.
+fn log_panics_without_backtrace() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        tracing::error!(thread = thread.name().unwrap_or("unnamed"), "thread panicked: {info}");
+    }));
 }
 
 fn init_logging(json: bool) {

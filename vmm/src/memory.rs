@@ -1,17 +1,19 @@
 //! Guest memory: memfd-backed for a booted VM (so vhost-user backends can share the pages), or
-//! a private mapping of a snapshot's memory file for a restored VM (so every VM restored from
-//! one snapshot shares its clean pages with the others and none writes to the file). Also
-//! writes guest memory out as a sparse memory file.
+//! for a restored VM a private mapping of the snapshot's memory file (so every VM restored from
+//! one snapshot shares its clean pages with the others and none writes to the file), or, when a
+//! vhost-user backend must share it, a memfd the memory file is copied into. Also writes guest
+//! memory out as a sparse memory file.
 
 use std::ffi::CString;
 use std::fs::File;
+use std::io::{Seek, SeekFrom};
 use std::os::fd::FromRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
-    Address, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+    Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
 };
 
 use crate::layout;
@@ -43,12 +45,10 @@ pub struct SavedMemory {
     pub written_bytes: u64,
 }
 
-/// Writes every RAM region, in order, into a new sparse file at `path`.
-pub fn save_guest_memory(mem: &GuestMemoryMmap, path: &Path) -> Result<SavedMemory, MemoryError> {
+/// Writes every RAM region, in order, into `file` (new and empty), leaving all-zero chunks as
+/// holes, then syncs it. `path` names the file in errors.
+pub fn save_guest_memory(mem: &GuestMemoryMmap, file: &File, path: &Path) -> Result<SavedMemory, MemoryError> {
     let err = |source| MemoryError::File { path: path.display().to_string(), source };
-    // Guest memory may hold secrets: owner-only.
-    let file =
-        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path).map_err(err)?;
     let mut offset = 0u64;
     let mut written = 0u64;
     let mut buf = vec![0u8; SAVE_CHUNK];
@@ -73,15 +73,62 @@ pub fn save_guest_memory(mem: &GuestMemoryMmap, path: &Path) -> Result<SavedMemo
     Ok(SavedMemory { file_bytes: offset, written_bytes: written })
 }
 
-/// Maps a snapshot's memory file as guest memory of `mem_bytes`: read-only file, private
-/// copy-on-write mapping, so the guest's writes stay in this process.
-pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
+/// Opens a snapshot's memory file read-only and checks it holds `mem_bytes`.
+fn open_memory_file(path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
     let p = path.display().to_string();
     let file = File::open(path).map_err(|source| MemoryError::File { path: p.clone(), source })?;
     let got = file.metadata().map_err(|source| MemoryError::File { path: p.clone(), source })?.len();
     if got != mem_bytes {
         return Err(MemoryError::FileSize { path: p, got, want: mem_bytes });
     }
+    Ok(file)
+}
+
+/// Copies a snapshot's memory file into fresh memfd-backed guest memory, for a VM whose memory a
+/// vhost-user backend must map (a private file mapping cannot be shared with another process).
+/// Only the file's data is read (SEEK_DATA/SEEK_HOLE): holes stay untouched zero pages. Unlike
+/// [`map_snapshot_memory`], every page read becomes this VM's own.
+pub fn copy_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    let p = path.display().to_string();
+    let err = |source: std::io::Error| MemoryError::File { path: p.clone(), source };
+    let mut file = open_memory_file(path, mem_bytes)?;
+    let mem = create_guest_memory(mem_bytes)?;
+    // The file holds the RAM ranges one after the other: file offset -> guest address.
+    let mut ranges = Vec::new();
+    let mut file_offset = 0u64;
+    for (start, len) in layout::ram_ranges(mem_bytes) {
+        ranges.push((file_offset, start, len));
+        file_offset += len;
+    }
+    let mut pos = 0u64;
+    while pos < mem_bytes {
+        let data = match nix::unistd::lseek(&file, pos as i64, nix::unistd::Whence::SeekData) {
+            Ok(off) => off as u64,
+            Err(nix::errno::Errno::ENXIO) => break, // only a hole is left
+            Err(e) => return Err(err(e.into())),
+        };
+        let hole = nix::unistd::lseek(&file, data as i64, nix::unistd::Whence::SeekHole).map_err(|e| err(e.into()))?;
+        let end = (hole as u64).min(mem_bytes);
+        for &(file_start, guest_start, len) in &ranges {
+            let (from, to) = (data.max(file_start), end.min(file_start + len));
+            if from >= to {
+                continue;
+            }
+            file.seek(SeekFrom::Start(from)).map_err(err)?;
+            let addr = GuestAddress(guest_start + (from - file_start));
+            mem.read_exact_volatile_from(addr, &mut file, (to - from) as usize)
+                .map_err(|e| err(std::io::Error::other(e.to_string())))?;
+        }
+        pos = end;
+    }
+    Ok(mem)
+}
+
+/// Maps a snapshot's memory file as guest memory of `mem_bytes`: read-only file, private
+/// copy-on-write mapping, so the guest's writes stay in this process.
+pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    let p = path.display().to_string();
+    let file = open_memory_file(path, mem_bytes)?;
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut regions = Vec::new();
@@ -124,7 +171,6 @@ pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::Bytes;
 
     #[test]
     fn saved_memory_maps_back_privately_and_sparsely() {
@@ -133,7 +179,8 @@ mod tests {
         mem.write_obj(0x5566_7788u32, GuestAddress((16 << 20) - 4)).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("memory");
-        let saved = save_guest_memory(&mem, &path).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&path).unwrap();
+        let saved = save_guest_memory(&mem, &file, &path).unwrap();
         assert_eq!(saved, SavedMemory { file_bytes: 16 << 20, written_bytes: 2 * SAVE_CHUNK as u64 });
         let before = std::fs::read(&path).unwrap();
 
@@ -144,11 +191,37 @@ mod tests {
         a.write_obj(0xdeadu32, GuestAddress(0x1000)).unwrap();
         assert_eq!(b.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0x1122_3344, "private to each VM");
         assert_eq!(std::fs::read(&path).unwrap(), before, "the file is never written");
-        use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
 
         let err = map_snapshot_memory(&path, 32 << 20).unwrap_err();
         assert!(err.to_string().contains("holds 16777216 bytes"), "{err}");
+    }
+
+    #[test]
+    fn a_copied_memory_file_is_memfd_backed_and_follows_the_mmio_hole() {
+        // 3.5 GiB: the file's last 512 MiB are guest RAM above the 4 GiB mark. Sparse: only
+        // what is written takes space or pages.
+        let mem_bytes = 3584u64 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memory");
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(mem_bytes).unwrap();
+        file.write_all_at(&[0x11; 16], 0x1000).unwrap();
+        let boundary = 3u64 << 30;
+        file.write_all_at(&[0x22; 8], boundary - 8).unwrap();
+        file.write_all_at(&[0x33; 8], boundary).unwrap();
+        drop(file);
+
+        let mem = copy_snapshot_memory(&path, mem_bytes).unwrap();
+        assert!(mem.iter().all(|r| r.file_offset().is_some()), "memfd-backed, shareable");
+        assert_eq!(mem.read_obj::<u64>(GuestAddress(0x1000)).unwrap(), 0x1111_1111_1111_1111);
+        assert_eq!(mem.read_obj::<u64>(GuestAddress(boundary - 8)).unwrap(), 0x2222_2222_2222_2222);
+        assert_eq!(mem.read_obj::<u64>(GuestAddress(4 << 30)).unwrap(), 0x3333_3333_3333_3333);
+        assert_eq!(mem.read_obj::<u64>(GuestAddress(0x2000)).unwrap(), 0, "holes read as zero");
+        mem.write_obj(0xdeadu32, GuestAddress(0x1000)).unwrap();
+        let mut first = [0u8; 4];
+        std::fs::File::open(&path).unwrap().read_exact_at(&mut first, 0x1000).unwrap();
+        assert_eq!(first, [0x11; 4], "the file is never written");
+        assert!(copy_snapshot_memory(&path, mem_bytes + 4096).is_err(), "wrong size");
     }
 
     #[test]

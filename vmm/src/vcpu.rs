@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{Msrs, KVM_MAX_CPUID_ENTRIES};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use kvm_bindings::{CpuId, Msrs};
+use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::arch::{cpuid, msr, regs};
 use crate::boot::EntryPoint;
@@ -204,11 +204,12 @@ impl Vcpu {
         Self { id, fd, features, shared, entered: false }
     }
 
-    /// Boot state: filtered CPUID, boot MSRs, long mode at `entry`, LAPIC LINT pins.
-    pub fn configure_boot(&self, kvm: &Kvm, count: u8, entry: &EntryPoint) -> Result<(), VcpuError> {
+    /// Boot state: CPUID (KVM's `supported`, filtered), boot MSRs, long mode at `entry`, LAPIC
+    /// LINT pins.
+    pub fn configure_boot(&self, supported: &CpuId, count: u8, entry: &EntryPoint) -> Result<(), VcpuError> {
         let (id, fd) = (self.id, &self.fd);
         let cfg = |what, source| VcpuError::Configure { id, what, source };
-        let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| cfg("get cpuid", e))?;
+        let mut cpuid = supported.clone();
         cpuid::filter_cpuid(cpuid.as_mut_slice(), id, count);
         fd.set_cpuid2(&cpuid).map_err(|e| cfg("set cpuid", e))?;
 

@@ -1,17 +1,19 @@
-//! Runs a built VM: the event loop (device queues, host sockets, signals, the API) and the vCPU
-//! threads, until something stops it. Building the VM is `builder.rs`'s job.
+//! Runs a built VM: the event loop (device queues, host sockets, signals, snapshots) and the
+//! vCPU and API threads, until something stops it. Building the VM is `builder.rs`'s job.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::epoll::EventSet;
 
-use crate::api::{ApiEndpoint, ApiServer, VmController};
+use crate::api::{self, ApiEndpoint, VmController};
 pub use crate::builder::VmmError;
 use crate::builder::{dev_err, Subscriber, Vm};
 use crate::exit::{ExitReason, ExitSignal};
-use crate::snapshotter::Snapshotter;
+use crate::seccomp::{self, Filters, ThreadKind};
+use crate::snapshotter::{self, Snapshotter};
 use crate::vcpu::{install_kick_handler, unix_ns};
 
 /// Blocks SIGTERM/SIGINT in the calling thread (and every thread spawned after) and returns a
@@ -72,16 +74,65 @@ impl MutEventSubscriber for SignalWatcher {
     }
 }
 
+/// The host sockets the VM binds (vsock listener, API), removed when `run` returns. The event
+/// loop removes them rather than a device's Drop, which can run last on a vCPU thread, whose
+/// filter has no unlink.
+struct BoundSockets(Vec<PathBuf>);
+
+impl Drop for BoundSockets {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// Runs `vm` until it stops; returns why. `api` is where the API socket listens, if anywhere.
-pub fn run(vm: Vm, signal_fd: OwnedFd, start_unix_ns: u64, api: Option<ApiEndpoint>) -> Result<ExitReason, VmmError> {
-    let Vm { fd, mem, irqchip, config, devices, vcpus, exit, control, restore } = vm;
+/// Every thread this starts, and the calling thread once the VM runs, is confined by its kind's
+/// filter from `filters`.
+pub fn run(
+    vm: Vm,
+    signal_fd: OwnedFd,
+    start_unix_ns: u64,
+    filters: &Filters,
+    api: Option<ApiEndpoint>,
+) -> Result<ExitReason, VmmError> {
+    let Vm { fd, mem, irqchip, config, devices, vcpus, exit, control, snapshot_host, restore } = vm;
+    let _bound_sockets = BoundSockets(
+        config.vsock.iter().map(|v| v.uds_path.clone()).chain(api.as_ref().map(|a| a.path().to_owned())).collect(),
+    );
     let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));
     for s in devices.subscribers {
         em.add_subscriber(s);
     }
+    let snapshotter = Snapshotter {
+        vm: fd.clone(),
+        mem: mem.clone(),
+        devices: devices.saveable,
+        config: config.clone(),
+        irqchip,
+        host: snapshot_host,
+    };
+    let (service, snapshots) =
+        snapshotter::service(snapshotter, control.clone()).map_err(dev_err("snapshot service"))?;
+    em.add_subscriber(service);
+
+    install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
+    for (id, vcpu) in vcpus.into_iter().enumerate() {
+        let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || match seccomp::install(ThreadKind::Vcpu, &filter) {
+                Ok(()) => vcpu.run(),
+                Err(e) => vcpu_exit.signal(ExitReason::VcpuError { vcpu: id as u8, message: e.to_string() }),
+            })
+            .map_err(dev_err("vcpu thread"))?;
+        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
+    }
     if let Some(endpoint) = api {
+        let path = endpoint.path().to_owned();
         let controller = VmController {
             control: control.clone(),
             exit: exit.clone(),
@@ -89,29 +140,16 @@ pub fn run(vm: Vm, signal_fd: OwnedFd, start_unix_ns: u64, api: Option<ApiEndpoi
             mem_mib: config.mem_bytes >> 20,
             irqchip,
             start_unix_ns,
-            snapshotter: Some(Snapshotter {
-                vm: fd.clone(),
-                mem: mem.clone(),
-                devices: devices.saveable,
-                config: config.clone(),
-                irqchip,
-            }),
+            snapshots: Some(snapshots),
             restore,
         };
-        let api = ApiServer::new(endpoint, controller).map_err(dev_err("api socket"))?;
-        em.add_subscriber(Arc::new(Mutex::new(api)));
-    }
-
-    install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
-    for (id, vcpu) in vcpus.into_iter().enumerate() {
-        let handle = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || vcpu.run())
-            .map_err(dev_err("vcpu thread"))?;
-        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
+        api::spawn(endpoint, controller, filters.api().clone())
+            .map_err(dev_err(format!("api socket {}", path.display())))?;
     }
     tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "VM running");
 
+    // Every other thread exists now; from here on this thread is the event loop.
+    seccomp::install(ThreadKind::EventLoop, filters.event_loop())?;
     loop {
         if let Some(reason) = exit.reason() {
             // Let parked vCPUs see the exit; running ones die with the process.

@@ -6,7 +6,7 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -105,14 +105,6 @@ fn startup_failure(dir: &Path, cfg: &serde_json::Value) -> String {
     run.stderr
 }
 
-fn wait_for_serial(dir: &Path, needle: &str, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !read_serial(dir).contains(needle) {
-        assert!(Instant::now() < deadline, "serial never showed {needle:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[test]
 fn sigterm_stops_the_vm_cleanly() {
     let Some(guest) = guest_or_skip("idle") else { return };
@@ -124,13 +116,6 @@ fn sigterm_stops_the_vm_cleanly() {
     let run = vmm.wait();
     assert!(run.status.success(), "{:?} {}", run.status, run.stderr);
     assert!(run.stderr.contains("termination signal"), "{}", run.stderr);
-}
-
-fn api_call(stream: &mut UnixStream, reader: &mut BufReader<UnixStream>, cmd: &str) -> serde_json::Value {
-    stream.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes()).unwrap();
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap();
-    serde_json::from_str(&line).unwrap()
 }
 
 #[test]

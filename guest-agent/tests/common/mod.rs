@@ -26,17 +26,15 @@ pub const T: Duration = Duration::from_secs(20);
 /// Returns false (after printing the SKIPPED line) when the test cannot run here.
 pub fn can_run(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
+    let missing = |reason: &str| !bulkhead_integration::skip::missing_prerequisite(test, reason);
     if unsafe { libc::geteuid() } != 0 {
-        println!("SKIPPED: {test}: needs root (namespaces, mounts, cgroups)");
-        return false;
+        return missing("needs root (namespaces, mounts, cgroups)");
     }
     if !Path::new("/bin/busybox").exists() {
-        println!("SKIPPED: {test}: /bin/busybox (static) is not installed");
-        return false;
+        return missing("/bin/busybox (static) is not installed (make setup)");
     }
     if Command::new("unshare").arg("--version").output().is_err() {
-        println!("SKIPPED: {test}: unshare(1) not found");
-        return false;
+        return missing("unshare(1) not found");
     }
     true
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::{
-    cgroups, container_config, pod_config, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+    cgroups, container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
     RuntimeHandler,
 };
 use k8s_cri::v1 as cri;
@@ -38,6 +38,16 @@ async fn setup(test: &str, extra: Vec<RuntimeHandler>) -> Result<Option<Env>> {
 }
 
 async fn setup_with(test: &str, extra: Vec<RuntimeHandler>, cni_bridge: bool) -> Result<Option<Env>> {
+    setup_config(test, extra, cni_bridge, "").await
+}
+
+/// Like [`setup_with`], with `config_extra` appended to the top level of the shim's config.
+async fn setup_config(
+    test: &str,
+    extra: Vec<RuntimeHandler>,
+    cni_bridge: bool,
+    config_extra: &str,
+) -> Result<Option<Env>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -45,7 +55,10 @@ async fn setup_with(test: &str, extra: Vec<RuntimeHandler>, cni_bridge: bool) ->
     let shim = workspace_bin("containerd-shim-bulkhead-v2");
     for bin in [&agent, &shim] {
         if !bin.is_file() {
-            println!("SKIPPED: {test}: {} is not built (run `cargo build --workspace`)", bin.display());
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
             return Ok(None);
         }
     }
@@ -55,7 +68,7 @@ async fn setup_with(test: &str, extra: Vec<RuntimeHandler>, cni_bridge: bool) ->
         config_dir.path(),
         "bulkhead.toml",
         &format!(
-            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+            "backend = \"namespace\"\nstate_dir = \"{}\"\n{config_extra}\n[namespace]\nagent_path = \"{}\"\n",
             state_dir.path().display(),
             agent.display()
         ),
@@ -738,4 +751,29 @@ async fn shim_pods_without_cgroup_parent_stop_alone_and_quickly() -> Result<()> 
     }
     assert!(env.cri.list_pod_sandboxes().await?.is_empty());
     Ok(())
+}
+
+/// The config's `log_level` sets the shim's level (containerd here runs without -debug).
+#[tokio::test]
+async fn shim_log_level_comes_from_the_config() -> Result<()> {
+    let Some(env) =
+        setup_config("shim_log_level_comes_from_the_config", vec![], false, "log_level = \"debug\"").await?
+    else {
+        return Ok(());
+    };
+    let pod = env.pod("loglevel")?;
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &container_config("once", &["echo", "hello"])).await.with_context(|| env.fail_context())?;
+    env.cri.wait_container(&ctr, Duration::from_secs(15), |s| s.state == EXITED).await?;
+    // io.rs logs a drained output stream at debug level only.
+    eventually_nothing("a debug line of the shim", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(env.containerd.log_path()).unwrap_or_default();
+        let seen = log.lines().any(|l| l.contains("output closed") && l.contains(&ctr));
+        if seen {
+            Vec::new()
+        } else {
+            vec![format!("no debug line for {ctr} of {pod_id}")]
+        }
+    })
+    .await
 }

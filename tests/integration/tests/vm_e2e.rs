@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::{
-    container_config, pod_config, skip_if_unready, Containerd, ContainerdConfig, RuntimeHandler,
+    container_config, pod_config, skip, skip_if_unready, Containerd, ContainerdConfig, RuntimeHandler,
 };
 use bulkhead_vmm_api::probe::KvmKind;
 use std::path::{Path, PathBuf};
@@ -41,7 +41,7 @@ async fn vm_backend_pod_runs_and_execs() -> Result<()> {
         return Ok(());
     }
     if let Err(why) = KvmKind::probe().ordinary_guests() {
-        println!("SKIPPED: vm_backend_pod_runs_and_execs: {why}");
+        skip::host_cannot("vm_backend_pod_runs_and_execs", &why);
         return Ok(());
     }
     let (kernel, initramfs) = guest_artifacts()?;

@@ -11,7 +11,11 @@ use super::legacy::persist::{I8042Snapshot, SerialSnapshot};
 use super::legacy::serial::SerialDevice;
 use super::virtio::block::persist::BlockSnapshot;
 use super::virtio::block::Block;
+use super::virtio::fs::persist::FsSnapshot;
+use super::virtio::fs::Fs;
 use super::virtio::mmio::MmioTransport;
+use super::virtio::net::persist::NetSnapshot;
+use super::virtio::net::Net;
 use super::virtio::persist::MmioTransportSnapshot;
 use super::virtio::vsock::persist::VsockSnapshot;
 use super::virtio::vsock::Vsock;
@@ -39,6 +43,8 @@ pub struct VirtioSlotState {
 pub enum VirtioDeviceState {
     Block(BlockSnapshot),
     Vsock(VsockSnapshot),
+    Fs(FsSnapshot),
+    Net(NetSnapshot),
 }
 
 impl VirtioDeviceState {
@@ -55,6 +61,20 @@ impl VirtioDeviceState {
             _ => None,
         }
     }
+
+    pub fn fs(&self) -> Option<&FsSnapshot> {
+        match self {
+            Self::Fs(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn net(&self) -> Option<&NetSnapshot> {
+        match self {
+            Self::Net(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// A virtio device by kind, so a snapshot can save its typed state.
@@ -62,6 +82,8 @@ impl VirtioDeviceState {
 pub enum VirtioHandle {
     Block(Arc<Mutex<Block>>),
     Vsock(Arc<Mutex<Vsock>>),
+    Fs(Arc<Mutex<Fs>>),
+    Net(Arc<Mutex<Net>>),
 }
 
 impl VirtioHandle {
@@ -69,6 +91,16 @@ impl VirtioHandle {
         match self {
             VirtioHandle::Block(d) => VirtioDeviceState::Block(lock(d).save()),
             VirtioHandle::Vsock(d) => VirtioDeviceState::Vsock(lock(d).save()),
+            VirtioHandle::Fs(d) => VirtioDeviceState::Fs(lock(d).save()),
+            VirtioHandle::Net(d) => VirtioDeviceState::Net(lock(d).save()),
+        }
+    }
+
+    /// Why the device's state cannot be snapshotted now, if it cannot.
+    fn snapshot_blocker(&self) -> Option<String> {
+        match self {
+            VirtioHandle::Fs(d) => lock(d).snapshot_blocker(),
+            VirtioHandle::Block(_) | VirtioHandle::Vsock(_) | VirtioHandle::Net(_) => None,
         }
     }
 }
@@ -90,6 +122,12 @@ pub struct SaveableDevices {
 }
 
 impl SaveableDevices {
+    /// Why the devices cannot be snapshotted now, if they cannot (a virtio-fs device whose
+    /// guest has a FUSE session). Call with the vCPUs paused.
+    pub fn refuse_snapshot(&self) -> Option<String> {
+        self.virtio.iter().find_map(|s| s.device.snapshot_blocker())
+    }
+
     /// Every device's state. Call on the event-loop thread (no device work runs meanwhile) with
     /// the vCPUs paused.
     pub fn save(&self) -> DevicesState {

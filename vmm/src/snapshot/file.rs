@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use super::state::{StateError, VmState};
 
 pub const MAGIC: [u8; 8] = *b"BHKSNAP\0";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const HEADER_LEN: usize = 96;
 /// A VM of 32 vCPUs needs well under 1 MiB; anything near this is not ours.
 pub const MAX_BODY_BYTES: u64 = 16 << 20;
@@ -232,16 +232,29 @@ pub(crate) mod tests {
     const FP: [u8; 32] = [5; 32];
     const HERE: (&str, &[u8; 32]) = ("TestCPU", &FP);
 
-    /// The body layout of format version 1, as SHA-256 of a sample with every device kind.
-    const LAYOUT_V1: &str = "0ff2afc92395b69b94d4ebdea6df6f90211bcbd6d779abaec51ade2bc6b0f8fb";
+    /// The body layout of format version 2, as SHA-256 of a sample with every device kind.
+    const LAYOUT_V2: &str = "23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921";
 
     #[test]
     fn body_layout_is_pinned_to_the_format_version() {
+        use crate::config::{FsConfig, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig};
         use crate::devices::persist::{VirtioDeviceState, VirtioSlotState};
         use crate::devices::virtio::block::persist::BlockSnapshot;
+        use crate::devices::virtio::fs::persist::FsSnapshot;
+        use crate::devices::virtio::net::persist::NetSnapshot;
         use crate::devices::virtio::persist::{MmioTransportSnapshot, QueueSnapshot};
         use crate::devices::virtio::vsock::persist::VsockSnapshot;
         let mut s = sample_state();
+        s.config.fs = vec![FsConfig { tag: "rootfs".into(), socket: "/f".into(), queue_size: 1024 }];
+        let bucket = TokenBucketConfig { size: 1000, one_time_burst: 10, refill_time_ms: 100 };
+        let limits =
+            NetRateLimiterConfig { rx: Some(RateLimiterConfig { bandwidth: Some(bucket), ops: None }), tx: None };
+        s.config.net = vec![NetConfig {
+            tap: "tap0".into(),
+            mac: "02:00:00:00:00:01".into(),
+            mtu: Some(1500),
+            rate_limiter: Some(limits),
+        }];
         let q = QueueSnapshot { max_size: 256, size: 8, ready: true, next_avail: 3, ..Default::default() };
         let transport = MmioTransportSnapshot { device_status: 0xf, queues: vec![q], ..Default::default() };
         s.devices.virtio = vec![
@@ -259,12 +272,36 @@ pub(crate) mod tests {
             },
             VirtioSlotState {
                 name: "vsock".into(),
-                transport,
+                transport: transport.clone(),
                 device: VirtioDeviceState::Vsock(VsockSnapshot {
                     guest_cid: 3,
                     uds_path: "/v".into(),
                     acked_features: 1,
                     queues: vec![q; 3],
+                    broken: false,
+                }),
+            },
+            VirtioSlotState {
+                name: "fs0".into(),
+                transport: transport.clone(),
+                device: VirtioDeviceState::Fs(FsSnapshot {
+                    tag: "rootfs".into(),
+                    socket: "/f".into(),
+                    queue_size: 1024,
+                    acked_features: 1,
+                    vrings: vec![q; 2],
+                    broken: false,
+                }),
+            },
+            VirtioSlotState {
+                name: "net0".into(),
+                transport,
+                device: VirtioDeviceState::Net(NetSnapshot {
+                    tap: "tap0".into(),
+                    mac: [2, 0, 0, 0, 0, 1],
+                    mtu: Some(1500),
+                    acked_features: 1,
+                    queues: vec![q; 2],
                     broken: false,
                 }),
             },
@@ -279,9 +316,9 @@ pub(crate) mod tests {
         s.vcpus[0].xcrs = Some(Default::default());
         let body = postcard::to_stdvec(&s).unwrap();
         let layout = hex(&Sha256::digest(&body));
-        assert_eq!(FORMAT_VERSION, 1);
+        assert_eq!(FORMAT_VERSION, 2);
         assert_eq!(
-            layout, LAYOUT_V1,
+            layout, LAYOUT_V2,
             "the state body's layout changed: bump FORMAT_VERSION and pin the new layout here"
         );
     }
@@ -330,10 +367,13 @@ pub(crate) mod tests {
         b[0] = b'X';
         assert_eq!(decode(&b, HERE).unwrap_err(), SnapshotFileError::BadMagic);
         let mut b = bytes.clone();
-        b[8..12].copy_from_slice(&2u32.to_le_bytes());
+        b[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
         let e = decode(&b, HERE).unwrap_err();
-        assert_eq!(e, SnapshotFileError::Version { found: 2 });
-        assert!(e.to_string().contains("version 2 is not supported"), "{e}");
+        assert_eq!(e, SnapshotFileError::Version { found: FORMAT_VERSION + 1 });
+        assert!(e.to_string().contains(&format!("version {} is not supported", FORMAT_VERSION + 1)), "{e}");
+        // The previous format (body layout) is refused too, not misread.
+        b[8..12].copy_from_slice(&(FORMAT_VERSION - 1).to_le_bytes());
+        assert_eq!(decode(&b, HERE).unwrap_err(), SnapshotFileError::Version { found: FORMAT_VERSION - 1 });
         let mut b = bytes.clone();
         b[48..56].copy_from_slice(&u64::MAX.to_le_bytes());
         assert_eq!(decode(&b, HERE).unwrap_err(), SnapshotFileError::TooLarge(u64::MAX));

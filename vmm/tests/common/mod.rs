@@ -2,25 +2,37 @@
 //! x86_64-unknown-none, writes VM configs, and runs the real `bulkhead-vmm` binary with a timeout.
 #![allow(dead_code)]
 
-use std::io::Read;
+pub mod virtiofsd;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub const VMM: &str = env!("CARGO_BIN_EXE_bulkhead-vmm");
+/// The `bulkhead-vmm` the tests run: the one cargo built with them, or `$BULKHEAD_VMM` (e.g. a
+/// release build, to check the release filters; the debug-only seccomp probe is absent there).
+pub fn vmm_binary() -> PathBuf {
+    std::env::var_os("BULKHEAD_VMM").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_bulkhead-vmm")), PathBuf::from)
+}
 
 /// Why a KVM test cannot run here, if it cannot (the shared host probe).
 pub fn kvm_unavailable() -> Option<String> {
     bulkhead_vmm_api::probe::kvm_device_usable().err()
 }
 
-/// Prints the SKIPPED line and returns true if KVM tests cannot run.
+/// The calling test's name (libtest names each test's thread after it).
+pub fn test_name() -> String {
+    std::thread::current().name().unwrap_or("kvm test").to_string()
+}
+
+/// Prints the SKIPPED line and returns true if KVM tests cannot run (a missing prerequisite:
+/// a failure under BULKHEAD_REQUIRE_E2E).
 pub fn skip_without_kvm() -> bool {
-    if let Some(reason) = kvm_unavailable() {
-        println!("SKIPPED: {reason}");
-        return true;
+    match kvm_unavailable() {
+        Some(reason) => bulkhead_integration::skip::missing_prerequisite(&test_name(), &reason),
+        None => false,
     }
-    false
 }
 
 fn guests_dir() -> PathBuf {
@@ -32,12 +44,13 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
     let out = out_dir.join(format!("{name}.elf"));
-    // Tests build the same guest concurrently: compile privately, then rename into place.
+    // Tests build the same guest concurrently: compile in a private directory (rustc puts its
+    // intermediate files, named after the crate, next to the output), then rename into place.
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    // rustc names its intermediate objects after the output's stem (up to the first dot): keep
-    // the stem unique too, or two builds of one guest clobber each other's objects.
-    let tmp = out_dir.join(format!("{name}-{}-{seq}.tmp", std::process::id()));
+    let tmp_dir = out_dir.join(format!("{name}.{}.{seq}.d", std::process::id()));
+    std::fs::create_dir_all(&tmp_dir).map_err(|e| e.to_string())?;
+    let tmp = tmp_dir.join(format!("{name}.elf"));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let output = Command::new(rustc)
         .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
@@ -48,6 +61,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("cannot run rustc: {e}"))?;
     if !output.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp_dir);
         let err = String::from_utf8_lossy(&output.stderr);
         if err.contains("can't find crate for `core`") || err.contains("target may not be installed") {
             return Err("rust target x86_64-unknown-none is not installed".into());
@@ -55,6 +69,7 @@ pub fn build_guest(name: &str) -> Result<PathBuf, String> {
         panic!("test guest {name} failed to compile:\n{err}");
     }
     std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
+    let _ = std::fs::remove_dir_all(&tmp_dir);
     Ok(out)
 }
 
@@ -66,7 +81,7 @@ pub fn guest_or_skip(name: &str) -> Option<PathBuf> {
     match build_guest(name) {
         Ok(p) => Some(p),
         Err(reason) => {
-            println!("SKIPPED: {reason}");
+            bulkhead_integration::skip::missing_prerequisite(&test_name(), &reason);
             None
         }
     }
@@ -82,26 +97,49 @@ pub struct Run {
 pub struct VmmProcess {
     pub child: Child,
     pub dir: PathBuf,
+    /// Where the serial log lands on the host (`dir/serial.log` unless jailed).
+    pub serial: PathBuf,
     deadline: Instant,
 }
 
 impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
+        Self::spawn_with(dir, config, timeout, |_| {})
+    }
+
+    /// Like `spawn`, letting the caller adjust the command first (extra arguments after
+    /// `--config dir/vm.json`, environment, entering a network namespace).
+    pub fn spawn_with(
+        dir: &Path,
+        config: &serde_json::Value,
+        timeout: Duration,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
-        Self::spawn_args(dir, &["--config".as_ref(), cfg_path.as_os_str()], timeout)
+        Self::spawn_args_with(dir, &["--config".as_ref(), cfg_path.as_os_str()], timeout, adjust)
     }
 
     /// Runs the VMM with `args`; `dir` holds its serial log.
     pub fn spawn_args(dir: &Path, args: &[&std::ffi::OsStr], timeout: Duration) -> Self {
-        let child = Command::new(VMM)
-            .args(args)
+        Self::spawn_args_with(dir, args, timeout, |_| {})
+    }
+
+    /// Like `spawn_args`, letting the caller adjust the command first.
+    pub fn spawn_args_with(
+        dir: &Path,
+        args: &[&std::ffi::OsStr],
+        timeout: Duration,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut cmd = Command::new(vmm_binary());
+        cmd.args(args)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead-vmm");
-        Self { child, dir: dir.to_owned(), deadline: Instant::now() + timeout }
+            .stderr(Stdio::piped());
+        adjust(&mut cmd);
+        let child = cmd.spawn().expect("spawn bulkhead-vmm");
+        Self { child, dir: dir.to_owned(), serial: dir.join("serial.log"), deadline: Instant::now() + timeout }
     }
 
     pub fn pid(&self) -> i32 {
@@ -116,7 +154,7 @@ impl VmmProcess {
         if let Some(mut e) = self.child.stderr.take() {
             let _ = e.read_to_string(&mut stderr);
         }
-        Run { status, stderr, serial: read_serial(&self.dir) }
+        Run { status, stderr, serial: std::fs::read_to_string(&self.serial).unwrap_or_default() }
     }
 
     /// Waits for exit; kills the child (by PID) and panics if the deadline passes.
@@ -134,7 +172,7 @@ impl VmmProcess {
                 }
                 panic!(
                     "bulkhead-vmm did not exit in time; killed.\nstderr:\n{err}\nserial:\n{}",
-                    read_serial(&self.dir)
+                    std::fs::read_to_string(&self.serial).unwrap_or_default()
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -143,7 +181,7 @@ impl VmmProcess {
         if let Some(mut e) = self.child.stderr.take() {
             let _ = e.read_to_string(&mut stderr);
         }
-        Run { status, stderr, serial: read_serial(&self.dir) }
+        Run { status, stderr, serial: std::fs::read_to_string(&self.serial).unwrap_or_default() }
     }
 }
 
@@ -199,6 +237,23 @@ pub fn wait_for_path(p: &Path, timeout: Duration) {
         assert!(Instant::now() < deadline, "{} did not appear", p.display());
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Polls the serial log until it shows `needle`; panics after `timeout`.
+pub fn wait_for_serial(dir: &Path, needle: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !read_serial(dir).contains(needle) {
+        assert!(Instant::now() < deadline, "serial never showed {needle:?}; serial:\n{}", read_serial(dir));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One request on the VMM's API socket: `{"cmd":"<cmd>"}` out, one JSON line back.
+pub fn api_call(stream: &mut UnixStream, reader: &mut BufReader<UnixStream>, cmd: &str) -> serde_json::Value {
+    stream.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap()
 }
 
 /// Base config for a raw test guest; the serial log lands in `dir/serial.log`.

@@ -429,12 +429,6 @@ impl VsockMuxer {
     }
 }
 
-impl Drop for VsockMuxer {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.uds_path);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Reads a `cargo test -- --show-output` log and prints the suite's one summary line:
+
+    tests: N passed, N failed, N skipped
+
+A test that printed `SKIPPED: <reason>` and passed counts as skipped (cargo counts it as
+passed); one that printed SKIPPED and then failed counts as failed. Every skip must be allowed
+for this host kind by the checked-in ledger (tests/skips.ledger); an unlisted skip fails the run.
+
+Exit status: 0 when nothing failed and every skip is listed, 1 otherwise.
+"""
+import argparse
+import re
+import sys
+
+RUNNING = re.compile(r"^\s*Running (?:unittests )?\S+ \((?:.*/)?([^/()]+?)(?:-[0-9a-f]{16})?\)$")
+RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed;")
+BLOCK = re.compile(r"^---- (\S+) stdout ----$")
+
+
+def parse(lines):
+    """Yields (binary, test, section, output lines) for every test output block, and counts."""
+    passed = failed = 0
+    binary = "?"
+    section = None
+    current = None
+    blocks = []
+    for line in lines:
+        line = line.rstrip("\n")
+        m = RUNNING.match(line)
+        if m:
+            binary, section, current = m.group(1), None, None
+            continue
+        m = RESULT.match(line)
+        if m:
+            passed += int(m.group(1))
+            failed += int(m.group(2))
+            current = None
+            continue
+        if line in ("successes:", "failures:"):
+            section, current = line[:-1], None
+            continue
+        m = BLOCK.match(line)
+        if m:
+            current = [binary, m.group(1), section, []]
+            blocks.append(current)
+            continue
+        if current is not None:
+            current[3].append(line)
+    return passed, failed, blocks
+
+
+def load_ledger(path):
+    allowed = {}
+    with open(path, encoding="utf-8") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split(None, 2)
+            if len(parts) < 3:
+                sys.exit(f"{path}:{n}: want '<host kind> <binary>::<test> <reason>'")
+            kind, test, reason = parts
+            allowed.setdefault(test, {})[kind] = reason
+    return allowed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--host-kind", required=True, help="the host probe's kind: vmx, svm, pvm, unknown, absent")
+    ap.add_argument("--status", type=int, default=0, help="cargo's exit status")
+    args = ap.parse_args()
+    with open(args.log, encoding="utf-8", errors="replace") as f:
+        passed, failed, blocks = parse(f)
+    allowed = load_ledger(args.ledger)
+    skipped = 0
+    unlisted = []
+    for binary, test, section, output in blocks:
+        reasons = [l for l in output if l.startswith("SKIPPED: ")]
+        if not reasons or section != "successes":
+            continue  # a failed test that printed SKIPPED is counted as failed by cargo
+        skipped += 1
+        key = f"{binary}::{test}"
+        kinds = allowed.get(key, {})
+        if args.host_kind not in kinds and "*" not in kinds:
+            unlisted.append(f"{key}: {reasons[0]}")
+    if args.status != 0 and failed == 0:
+        failed = 1  # a build failure or a crashed test binary has no "test result" line
+    for u in unlisted:
+        print(f"unlisted skip on a {args.host_kind} host: {u}")
+    if unlisted:
+        print(f"add a line to {args.ledger} only if the skip is right for this host kind")
+    print()
+    print(f"tests: {passed - skipped} passed, {failed} failed, {skipped} skipped")
+    sys.exit(1 if failed or unlisted or args.status else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+//! scripts/test-summary.py, the suite's accounting (issue 14): skips must be listed in the
+//! ledger for the host kind, a skip that then failed counts as failed, and the summary line
+//! says what ran. Driven with synthetic `cargo test -- --show-output` logs.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/test-summary.py")
+}
+
+/// A cargo log with one binary `vm_e2e`: `skipping` passes after a SKIPPED line, `plain` passes,
+/// and, if `fail_after_skip`, `broken` prints SKIPPED and then fails.
+fn log(fail_after_skip: bool) -> String {
+    let mut text = String::from(
+        "     Running tests/vm_e2e.rs (target/debug/deps/vm_e2e-0123456789abcdef)\n\n\
+         running 3 tests\ntest plain ... ok\ntest skipping ... ok\n",
+    );
+    if fail_after_skip {
+        text.push_str(
+            "test broken ... FAILED\n\nsuccesses:\n\n---- skipping stdout ----\nSKIPPED: skipping: no vmx\n\n\n",
+        );
+        text.push_str(
+            "successes:\n    plain\n    skipping\n\nfailures:\n\n---- broken stdout ----\nSKIPPED: broken: x\n",
+        );
+        text.push_str("thread 'broken' panicked\n\nfailures:\n    broken\n\n");
+        text.push_str("test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n");
+    } else {
+        text.push_str("\nsuccesses:\n\n---- skipping stdout ----\nSKIPPED: skipping: no vmx\n\n\n");
+        text.push_str("successes:\n    plain\n    skipping\n\n");
+        text.push_str("test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out\n");
+    }
+    text
+}
+
+struct Run {
+    code: i32,
+    out: String,
+}
+
+fn summarize(log_text: &str, ledger: &str, kind: &str, status: i32) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("log");
+    let ledger_path = dir.path().join("ledger");
+    std::fs::write(&log_path, log_text).unwrap();
+    std::fs::write(&ledger_path, ledger).unwrap();
+    let out = Command::new("python3")
+        .arg(script())
+        .arg("--log")
+        .arg(&log_path)
+        .arg("--ledger")
+        .arg(&ledger_path)
+        .args(["--host-kind", kind, "--status", &status.to_string()])
+        .output()
+        .expect("python3 runs the summary script (make setup installs python3)");
+    Run { code: out.status.code().unwrap_or(-1), out: String::from_utf8_lossy(&out.stdout).into_owned() }
+}
+
+#[test]
+fn a_listed_skip_counts_as_skipped() {
+    let run = summarize(&log(false), "pvm vm_e2e::skipping no ordinary guests on PVM\n", "pvm", 0);
+    assert_eq!(run.code, 0, "{}", run.out);
+    assert!(run.out.ends_with("tests: 1 passed, 0 failed, 1 skipped\n"), "{}", run.out);
+}
+
+#[test]
+fn an_unlisted_skip_fails_the_run() {
+    // Listed, but for another host kind.
+    let run = summarize(&log(false), "pvm vm_e2e::skipping no ordinary guests on PVM\n", "vmx", 0);
+    assert_eq!(run.code, 1, "{}", run.out);
+    assert!(
+        run.out.contains("unlisted skip on a vmx host: vm_e2e::skipping: SKIPPED: skipping: no vmx"),
+        "{}",
+        run.out
+    );
+    let run = summarize(&log(false), "# nothing allowed\n", "pvm", 0);
+    assert_eq!(run.code, 1, "{}", run.out);
+}
+
+#[test]
+fn a_skip_that_then_failed_counts_as_failed() {
+    let ledger = "pvm vm_e2e::skipping r\npvm vm_e2e::broken r\n";
+    let run = summarize(&log(true), ledger, "pvm", 101);
+    assert_eq!(run.code, 1, "{}", run.out);
+    assert!(run.out.ends_with("tests: 1 passed, 1 failed, 1 skipped\n"), "{}", run.out);
+}
+
+#[test]
+fn a_build_failure_is_a_failure() {
+    let run = summarize("error[E0425]: cannot find value\n", "", "pvm", 101);
+    assert_eq!(run.code, 1, "{}", run.out);
+    assert!(run.out.ends_with("tests: 0 passed, 1 failed, 0 skipped\n"), "{}", run.out);
+}
+
+#[test]
+fn the_checked_in_ledger_parses() {
+    let ledger = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/skips.ledger");
+    let text = std::fs::read_to_string(&ledger).unwrap();
+    let run = summarize("", &text, "pvm", 0);
+    assert_eq!(run.code, 0, "{}", run.out);
+}

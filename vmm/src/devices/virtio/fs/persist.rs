@@ -1,0 +1,169 @@
+//! Serialisable virtio-fs state and its restore. It is the frontend's view only: the backend's
+//! FUSE session (open files, inode numbers) lives in virtiofsd and is not part of it. A restored
+//! device gets a fresh backend (the run's socket), so a snapshot is only taken before the guest
+//! has sent a request (`Fs::snapshot_blocker`): the product snapshots templates whose guest
+//! probed the device but has not mounted the tag.
+//!
+//! Restoring does not talk to the backend: a device that was active posts a start to its backend
+//! thread, as DRIVER_OK does, which connects to the new backend, hands it guest memory (which must
+//! then be shared memory: the builder restores such VMs into a memfd) and starts the vrings where
+//! the saved ones stood. A backend that fails breaks the device, as after DRIVER_OK.
+
+use serde::{Deserialize, Serialize};
+use vm_memory::GuestMemoryMmap;
+
+use super::device::{Fs, AVAIL_FEATURES};
+use super::worker::BackendThreads;
+use crate::config::FsConfig;
+use crate::devices::virtio::persist::{restore_active_queues, QueueSnapshot, VirtioPersistError};
+use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::persist::Persist;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FsSnapshot {
+    pub tag: String,
+    /// The backend's socket at save time (a restore is given another).
+    pub socket: String,
+    pub queue_size: u16,
+    pub acked_features: u64,
+    /// hiprio, then the request queue: addresses, size, and the used index the backend had
+    /// published (a fresh backend restarts there). Empty while inactive.
+    pub vrings: Vec<QueueSnapshot>,
+    pub broken: bool,
+}
+
+/// What a restore needs besides the snapshot.
+pub struct FsConstructorArgs {
+    /// The run's device: the snapshot's tag and queue size, the run's backend socket.
+    pub cfg: FsConfig,
+    pub index: usize,
+    pub threads: BackendThreads,
+    pub mem: GuestMemoryMmap,
+    pub irq: IrqTrigger,
+}
+
+impl Persist for Fs {
+    type State = FsSnapshot;
+    type ConstructorArgs = FsConstructorArgs;
+    type Error = VirtioPersistError;
+
+    fn save(&self) -> FsSnapshot {
+        self.snapshot()
+    }
+
+    /// The snapshot is untrusted: tag and queue size must be the run's, acked features ones the
+    /// device offers, live vrings valid in the new guest memory.
+    fn restore(args: FsConstructorArgs, state: &FsSnapshot) -> Result<Self, VirtioPersistError> {
+        if state.tag != args.cfg.tag || state.queue_size != args.cfg.queue_size {
+            return Err(VirtioPersistError::Mismatch(format!(
+                "tag {:?} with queue size {} in the snapshot, {:?} with {} in the run",
+                state.tag, state.queue_size, args.cfg.tag, args.cfg.queue_size
+            )));
+        }
+        if state.acked_features & !AVAIL_FEATURES != 0 {
+            return Err(VirtioPersistError::Features { acked: state.acked_features, offered: AVAIL_FEATURES });
+        }
+        let mut fs = Fs::new(&args.cfg, args.index, args.threads)
+            .map_err(|e| VirtioPersistError::Backend(format!("backend threads: {e}")))?;
+        fs.set_acked_features(state.acked_features);
+        if state.broken {
+            fs.mark_broken();
+        } else if !state.vrings.is_empty() {
+            let queues = restore_active_queues(&state.vrings, fs.queue_max_sizes(), &args.mem)?;
+            fs.activate(args.mem, queues, args.irq).map_err(|e| VirtioPersistError::Backend(e.to_string()))?;
+        }
+        Ok(fs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::fs::test_utils::{FakeBackend, Script};
+    use crate::devices::virtio::VIRTIO_F_VERSION_1;
+    use crate::memory::create_guest_memory;
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn args(socket: &Path, mem: GuestMemoryMmap) -> FsConstructorArgs {
+        FsConstructorArgs {
+            cfg: FsConfig { tag: "rootfs".into(), socket: socket.to_owned(), queue_size: 256 },
+            index: 0,
+            threads: BackendThreads::unconfined(),
+            mem,
+            irq: IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()),
+        }
+    }
+
+    fn vring(at: u64) -> QueueSnapshot {
+        QueueSnapshot {
+            max_size: 256,
+            size: 8,
+            ready: true,
+            desc_table: at,
+            avail_ring: at + 0x1000,
+            used_ring: at + 0x2000,
+            ..Default::default()
+        }
+    }
+
+    fn saved(vrings: Vec<QueueSnapshot>) -> FsSnapshot {
+        FsSnapshot {
+            tag: "rootfs".into(),
+            socket: "/old/fs.sock".into(),
+            queue_size: 256,
+            acked_features: VIRTIO_F_VERSION_1,
+            vrings,
+            broken: false,
+        }
+    }
+
+    #[test]
+    fn an_active_device_starts_its_vrings_on_the_runs_backend() {
+        let backend = FakeBackend::start(Script::virtiofsd_like());
+        let mem = create_guest_memory(16 << 20).unwrap();
+        let state = saved(vec![vring(0x10_0000), vring(0x20_0000)]);
+        let fs = Fs::restore(args(&backend.path, mem), &state).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !backend.requests().contains(&super::super::test_utils::SET_VRING_ENABLE) {
+            assert!(Instant::now() < deadline, "the backend was never started: {:?}", backend.requests());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let back = fs.save();
+        assert_eq!((back.tag, back.vrings.len(), back.acked_features), ("rootfs".into(), 2, VIRTIO_F_VERSION_1));
+        assert_eq!(back.socket, backend.path.display().to_string(), "the run's socket");
+    }
+
+    #[test]
+    fn an_inactive_or_broken_device_waits_for_the_driver() {
+        let mem = create_guest_memory(16 << 20).unwrap();
+        let absent = Path::new("/nonexistent/fs.sock");
+        let fs = Fs::restore(args(absent, mem.clone()), &saved(vec![])).unwrap();
+        assert!(!fs.is_broken());
+        assert_eq!(fs.save().vrings.len(), 0);
+        let broken = FsSnapshot { broken: true, ..saved(vec![vring(0x10_0000), vring(0x20_0000)]) };
+        assert!(Fs::restore(args(absent, mem), &broken).unwrap().is_broken());
+    }
+
+    #[test]
+    fn untrusted_snapshots_are_refused() {
+        let mem = create_guest_memory(16 << 20).unwrap();
+        let absent = Path::new("/nonexistent/fs.sock");
+        let good = saved(vec![vring(0x10_0000), vring(0x20_0000)]);
+        let cases = [
+            (FsSnapshot { tag: "other".into(), ..good.clone() }, "tag"),
+            (FsSnapshot { queue_size: 128, ..good.clone() }, "queue size"),
+            (FsSnapshot { acked_features: 1, ..good.clone() }, "does not offer"),
+            (FsSnapshot { vrings: vec![vring(0x10_0000)], ..good.clone() }, "queues saved"),
+            (
+                FsSnapshot { vrings: vec![vring(0x10_0000), vring((16 << 20) - 0x1000)], ..good.clone() },
+                "outside guest memory",
+            ),
+        ];
+        for (state, needle) in cases {
+            let err = Fs::restore(args(absent, mem.clone()), &state).err().expect(needle).to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! `bulkhead-vmm --jail <jail.json>`: confines the VMM as Firecracker's jailer does, before any
+//! thread exists and before the VM is built. The document is `bulkhead_vmm_api::jail::JailConfig`;
+//! the shim writes it.
+//!
+//! Steps, in this order, one module each:
+//! 1. `checks`: the host side of the document (chroot owned by root, files and devices exist, we
+//!    are root and single-threaded). A refusal here has changed nothing.
+//! 2. `process`: close every inherited fd above 2.
+//! 3. `cgroup`: join the pod's cgroup in every mounted hierarchy (v1 and v2), creating it if
+//!    missing, so guest memory is charged to the pod.
+//! 4. `process`: join the pod's network namespace; unshare mount and PID namespaces; fork. The
+//!    parent stays root as a small waiter (its own seccomp filter) that forwards SIGTERM/SIGINT and
+//!    exits with the VMM's status (code, or 128+signal). The child is PID 1 of the new PID
+//!    namespace and dies with SIGKILL if the waiter dies.
+//! 5. `root`: (child) private mounts, the chroot bind-mounted onto itself, writable dirs,
+//!    read-only bind mounts, `/dev/kvm` (and `/dev/net/tun`), then pivot_root and detach the host.
+//! 6. `privileges`: (child) setgroups([]), setresgid, setresuid, no_new_privs, and a check that no
+//!    capability is left.
+//!
+//! Then the child goes on as the normal VMM, where every path of the VM config is a path inside
+//! the chroot. Seccomp (`crate::seccomp`) is not part of the jail: every VMM thread installs its
+//! filter whether or not it is jailed.
+
+mod cgroup;
+mod checks;
+mod privileges;
+mod process;
+mod root;
+
+use std::path::PathBuf;
+
+use bulkhead_vmm_api::jail::JailConfig;
+
+use crate::seccomp::{self, ThreadKind};
+
+#[derive(Debug, thiserror::Error)]
+pub enum JailError {
+    /// The host does not offer what the document asks for; nothing was changed.
+    #[error("jail refused: {0}")]
+    Refused(String),
+    #[error("jail path {path}: {reason}")]
+    Path { path: PathBuf, reason: String },
+    #[error("jail step failed: {what}: {source}")]
+    Sys { what: String, source: std::io::Error },
+    #[error("the waiter (jailed VMM's parent) is gone")]
+    ParentGone,
+    /// A privilege survived the drop; the VMM does not go on.
+    #[error("privileges not dropped: {0}")]
+    NotDropped(String),
+    #[error(transparent)]
+    Seccomp(#[from] seccomp::SeccompError),
+}
+
+/// `map_err` for a failed system call of step `what`.
+fn sys<E: Into<std::io::Error>>(what: impl Into<String>) -> impl FnOnce(E) -> JailError {
+    let what = what.into();
+    move |e| JailError::Sys { what, source: e.into() }
+}
+
+/// Which process returns from [`enter`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Jailed {
+    /// This is the jailed VMM: build and run the VM.
+    Vmm,
+    /// This was the waiter; the VMM is gone and this is the status to exit with.
+    Exited(i32),
+}
+
+/// Applies `jail` to this (single-threaded, root) process. Returns once in the jailed VMM and
+/// once, when the VMM has exited, in the waiter.
+pub fn enter(jail: &JailConfig) -> Result<Jailed, JailError> {
+    jail.validate().map_err(|e| JailError::Refused(e.to_string()))?;
+    let host = checks::check_host(jail)?;
+    process::close_inherited_fds()?;
+    if let Some(cgroup) = &jail.cgroup {
+        cgroup::join(cgroup)?;
+    }
+    if let Some(netns) = &jail.netns {
+        process::join_netns(netns)?;
+    }
+    match process::unshare_and_fork()? {
+        process::Forked::Parent { child, parent_end } => {
+            tracing::info!(id = %jail.id, vmm_pid = child.as_raw(), "jailed VMM started");
+            seccomp::install(ThreadKind::Waiter, &seccomp::waiter_filter(child.as_raw())?)?;
+            let code = process::wait_for_vmm(child)?;
+            drop(parent_end);
+            Ok(Jailed::Exited(code))
+        }
+        process::Forked::Child(watch) => {
+            watch.arm()?;
+            root::build(jail, &host)?;
+            privileges::drop_to(jail.uid, jail.gid)?;
+            // Changing the uid cleared the parent-death signal: set it again.
+            watch.arm()?;
+            tracing::info!(id = %jail.id, uid = jail.uid, gid = jail.gid, "jailed");
+            Ok(Jailed::Vmm)
+        }
+    }
+}
