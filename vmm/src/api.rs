@@ -53,7 +53,16 @@ pub struct VmController {
 }
 
 impl VmController {
-    pub fn handle(&self, req: Request) -> Response {
+    /// The answer to `req`, and the stop it asks for, to signal once the client has the answer
+    /// (the process may end as soon as the event loop sees it).
+    pub fn handle(&self, req: Request) -> (Response, Option<ExitReason>) {
+        if req == Request::Shutdown {
+            return (Response::ok(), Some(ExitReason::ApiShutdown));
+        }
+        (self.answer(req), None)
+    }
+
+    fn answer(&self, req: Request) -> Response {
         let ok = Response::ok();
         match req {
             Request::Pause => {
@@ -67,10 +76,7 @@ impl VmController {
                 self.control.resume();
                 ok
             }
-            Request::Shutdown => {
-                self.exit.signal(ExitReason::ApiShutdown);
-                ok
-            }
+            Request::Shutdown => ok,
             Request::Info => Response {
                 info: Some(VmInfo {
                     state: self.control.state(),
@@ -193,11 +199,15 @@ impl ApiServer {
         client.buf.extend_from_slice(&chunk[..n]);
         while let Some(pos) = client.buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = client.buf.drain(..=pos).collect();
-            let resp = match parse_request(&line[..line.len() - 1]) {
+            let (resp, stop) = match parse_request(&line[..line.len() - 1]) {
                 Ok(req) => self.controller.handle(req),
-                Err(e) => Response::error(e.to_string()),
+                Err(e) => (Response::error(e.to_string()), None),
             };
-            if client.stream.write_all(&encode_line(&resp)).is_err() {
+            let written = client.stream.write_all(&encode_line(&resp));
+            if let Some(reason) = stop {
+                self.controller.exit.signal(reason);
+            }
+            if written.is_err() {
                 return false;
             }
         }
@@ -465,12 +475,14 @@ mod tests {
             snapshots: None,
             restore: None,
         };
-        let info = c.handle(Request::Info).info.unwrap();
+        let info = c.handle(Request::Info).0.info.unwrap();
         assert_eq!((info.state, info.vcpus, info.first_kvm_run_unix_ns), (RunState::Running, 2, None));
-        assert!(!c.handle(Request::Snapshot { dir: "/tmp/x".into() }).ok, "no snapshotter here");
-        assert!(!c.handle(Request::Restore { config: Default::default() }).ok, "only for --prepare");
-        assert!(c.handle(Request::Shutdown).ok);
-        assert_eq!(c.exit.reason(), Some(ExitReason::ApiShutdown));
+        assert!(!c.handle(Request::Snapshot { dir: "/tmp/x".into() }).0.ok, "no snapshotter here");
+        assert!(!c.handle(Request::Restore { config: Default::default() }).0.ok, "only for --prepare");
+        let (answer, stop) = c.handle(Request::Shutdown);
+        assert!(answer.ok);
+        assert_eq!(stop, Some(ExitReason::ApiShutdown), "signalled once the client has the answer");
+        assert_eq!(c.exit.reason(), None);
         // No vCPU threads exist, so a pause cannot be acknowledged.
         assert!(!c.control.pause(1, Duration::from_millis(20)));
         c.control.resume();
