@@ -1,7 +1,8 @@
 //! KVM integration: snapshot a running test guest, restore it in new `bulkhead-vmm` processes
 //! (at once with `--restore`, or on request with `--prepare`), and check it carries on where it
-//! stopped, that restores share nothing writable, that damaged snapshots are refused, and that a
-//! restored vsock device tells the guest its transport was reset.
+//! stopped, that restores share nothing writable, that damaged snapshots are refused, that a
+//! restored vsock device tells the guest its transport was reset, and that a template with a
+//! probed virtio-fs device serves FUSE from a fresh virtiofsd once restored.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
@@ -9,6 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::virtiofsd::Virtiofsd;
 use common::*;
 use serde_json::json;
 
@@ -260,4 +262,80 @@ fn restored_vsock_tells_the_guest_its_transport_was_reset() {
     let run = vmm.wait();
     assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
     assert_eq!(run.serial, "event 0 len 4\n", "stderr:\n{}", run.stderr);
+}
+
+const FS_TAG: &str = "shared";
+
+/// A directory to share holding `hello.txt` with `content`.
+fn share(dir: &Path, content: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("hello.txt"), content).unwrap();
+    dir.to_owned()
+}
+
+#[test]
+fn a_template_with_virtio_fs_restores_against_a_fresh_virtiofsd_and_serves_fuse() {
+    let Some(guest) = guest_or_skip("fs") else { return };
+    // The template: the fs driver has probed the device (its virtiofsd connected), nothing is
+    // mounted; the guest waits for the transport reset a restore brings.
+    let work = tempfile::tempdir().unwrap();
+    let template_share = share(&work.path().join("template-share"), "the template's bytes\n");
+    let template_fsd =
+        Virtiofsd::start(&template_share, &work.path().join("fs.sock"), &work.path().join("virtiofsd.log"));
+    let extra = json!({
+        "fs": [{ "tag": FS_TAG, "socket": template_fsd.socket }],
+        "vsock": { "uds_path": work.path().join("v.sock"), "guest_cid": 3 },
+    });
+    let s = boot_and_snapshot(&guest, extra, "waiting for restore\n");
+    drop(template_fsd);
+
+    // A pod: its own virtiofsd sharing its own directory, its own sockets.
+    let run_dir = s.dir.path().join("restored");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let pod_share = share(&work.path().join("pod-share"), "the pod's own bytes\n");
+    let pod_fsd = Virtiofsd::start(&pod_share, &run_dir.join("fs.sock"), &run_dir.join("virtiofsd.log"));
+    let no_fs = restore(&s.snap, &s.dir.path().join("no-fs"), json!({"vsock_uds_path": run_dir.join("x.sock")})).wait();
+    assert!(no_fs.stderr.contains("the run names 0 fs sockets, the snapshot has 1"), "{}", no_fs.stderr);
+
+    let vmm =
+        restore(&s.snap, &run_dir, json!({"vsock_uds_path": run_dir.join("v.sock"), "fs_sockets": [pod_fsd.socket]}));
+    let api = run_dir.join("api.sock");
+    wait_for_path(&api, Duration::from_secs(10));
+    let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
+    let phases: Vec<&str> =
+        info["info"]["restore"]["phases"].as_array().unwrap().iter().filter_map(|p| p["name"].as_str()).collect();
+    assert!(phases.contains(&"copy memory file into a memfd (virtio-fs)"), "shared memory for virtiofsd: {phases:?}");
+    resume(&run_dir);
+    let run = vmm.wait();
+    let log = pod_fsd.log_text();
+    assert!(run.status.success(), "{:?}\nstderr:\n{}\nvirtiofsd:\n{log}", run.status, run.stderr);
+    assert!(run.serial.starts_with("restored\ninit 7."), "FUSE began after the restore:\n{}", run.serial);
+    assert!(run.serial.contains("data<the pod's own bytes\n>\n"), "serial:\n{}\nvirtiofsd:\n{log}", run.serial);
+    assert!(run.serial.ends_with("fs done\n"), "serial:\n{}", run.serial);
+    assert!(!run.stderr.contains("virtio-fs backend failed"), "{}", run.stderr);
+}
+
+#[test]
+fn a_snapshot_is_refused_once_the_guest_has_a_fuse_session() {
+    let Some(guest) = guest_or_skip("fs") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let shared = share(&dir.path().join("share"), "bytes\n");
+    std::fs::write(shared.join("loop"), "").unwrap(); // the guest keeps reading
+    let fsd = Virtiofsd::start(&shared, &dir.path().join("fs.sock"), &dir.path().join("virtiofsd.log"));
+    let api = dir.path().join("api.sock");
+    let mut cfg = raw_config(dir.path(), &guest);
+    cfg["fs"] = json!([{ "tag": FS_TAG, "socket": fsd.socket }]);
+    cfg["api_socket"] = json!(api);
+    let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
+    wait_for_serial(dir.path(), "looping\n", GUEST_TIMEOUT);
+
+    let snap = dir.path().join("snap");
+    let refused = api_request(&api, &json!({"cmd": "snapshot", "dir": snap}), API_TIMEOUT);
+    let why = refused["error"].as_str().unwrap_or_default();
+    assert!(why.contains("the VM stays paused") && why.contains("FUSE") && why.contains(FS_TAG), "{refused}");
+    assert!(!snap.exists(), "nothing was written");
+    assert_eq!(api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "paused");
+    assert_eq!(api_request(&api, &json!({"cmd": "shutdown"}), API_TIMEOUT)["ok"], true);
+    let run = vmm.wait();
+    assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
 }

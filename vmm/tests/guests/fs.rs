@@ -3,6 +3,10 @@
 //! through it. If the shared directory holds `reset`, it then resets the device, sets it up again
 //! and looks the file up once more. If it holds `loop`, it re-reads the file until the device
 //! fails (the test kills the backend) and prints heartbeats, showing it still runs.
+//!
+//! With a vsock device too, it is a template: once the fs driver is ready (and nothing sent),
+//! it posts vsock event buffers, says `waiting for restore` and sends FUSE only after the
+//! device reports a transport reset, which a restored VM's vsock does.
 #![no_std]
 #![no_main]
 
@@ -24,6 +28,11 @@ const ROOT: u64 = 1;
 const POLLS: u32 = 100;
 const ROUNDS: u32 = 100_000;
 const LOOP_READS: u32 = 1_000_000;
+const TYPE_VSOCK: u32 = 19;
+const VSOCK_QUEUES: u64 = 0x44_0000;
+const EV_BUF: u64 = 0x45_0000;
+/// Polls of the vsock event queue before giving up (tens of seconds under the PVM emulator).
+const RESTORE_SPINS: u32 = 2_000_000;
 
 enum Reply {
     /// The FUSE error (0 or a negative errno) and the reply's length.
@@ -108,6 +117,28 @@ impl Fuse {
     }
 }
 
+/// Sets vsock up with two event buffers posted and waits (bounded) for an event: the transport
+/// reset a restored VM's vsock sends. Stops the VM if none comes.
+fn wait_for_restore(base: u64) {
+    let rx = Vq::new(base, 0, VSOCK_QUEUES, 8);
+    let tx = Vq::new(base, 1, VSOCK_QUEUES + 0x1000, 8);
+    let mut ev = Vq::new(base, 2, VSOCK_QUEUES + 0x2000, 8);
+    if !negotiate(base) || !rx.setup() || !tx.setup() || !ev.setup() || !driver_ok(base) {
+        puts("vsock setup failed\n");
+        reset();
+    }
+    for i in 0..2u16 {
+        ev.set_desc(i, EV_BUF + i as u64 * 0x100, 8, F_WRITE, 0);
+        ev.publish(i);
+    }
+    puts("waiting for restore\n");
+    if ev.wait_used(RESTORE_SPINS).is_none() {
+        puts("never restored\n");
+        reset();
+    }
+    puts("restored\n");
+}
+
 fn device_failed(base: u64, what: &str, status: u32) -> ! {
     puts(what);
     puts(": device failed status ");
@@ -183,6 +214,10 @@ pub extern "C" fn _start() -> ! {
         device_failed(base, "driver ok", status);
     }
     puts("driver ok\n");
+    let vsock = find_device(TYPE_VSOCK);
+    if vsock != 0 {
+        wait_for_restore(vsock);
+    }
     let mut fuse = Fuse { base, rq, unique: 0 };
 
     w32(BODY, 7); // major
