@@ -3,7 +3,8 @@
 //! and looks at the VMM from the host: unprivileged, in its chroot, cgroup and netns; killed with
 //! SIGSYS when any thread kind makes a forbidden syscall; refused before anything changes when
 //! the jail document is bad; nothing left mounted on the host afterwards; and virtio-fs served
-//! by a virtiofsd whose socket sits in the chroot, laid out as the shim lays it out.
+//! by a virtiofsd whose socket sits in the chroot, laid out as the shim lays it out; and a
+//! snapshot taken in one jail restored in others (`--prepare` and `--restore`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
@@ -145,6 +146,29 @@ impl Jail {
         });
         vmm.serial = self.host("/run/serial.log");
         vmm
+    }
+
+    /// Runs `bulkhead-vmm <args> --jail jail.json --log-json` (a restore: no VM config).
+    fn spawn_jailed(&self, document: &serde_json::Value, args: &[&OsStr]) -> VmmProcess {
+        let jail_json = self.dir.path().join("jail.json");
+        std::fs::write(&jail_json, serde_json::to_vec_pretty(document).unwrap()).unwrap();
+        let mut all = args.to_vec();
+        all.extend([OsStr::new("--jail"), jail_json.as_os_str(), OsStr::new("--log-json")]);
+        let mut vmm = VmmProcess::spawn_args(self.dir.path(), &all, GUEST_TIMEOUT);
+        vmm.serial = self.host("/run/serial.log");
+        vmm
+    }
+
+    /// The names and seccomp modes of the jailed VMM's threads (KVM's kernel workers left out).
+    fn threads(pid: i32) -> Vec<(String, String)> {
+        let dir = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        let mut t: Vec<(String, String)> = dir
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .map(|tid| (status_field(tid, "Name"), status_field(tid, "Seccomp")))
+            .filter(|(name, _)| !name.starts_with("kvm-"))
+            .collect();
+        t.sort();
+        t
     }
 
     fn cgroup_dirs(&self) -> Vec<PathBuf> {
@@ -485,4 +509,119 @@ fn jailed_vmm_reads_a_host_file_through_virtiofsd_on_a_socket_in_its_chroot() {
     assert!(sock.file_type().is_socket());
     assert_eq!((sock.uid(), sock.gid(), sock.mode() & 0o7777), (UID, GID, 0o600));
     assert!(host_mounts_under(&jail.chroot).is_empty());
+}
+
+/// The counts a counter guest printed (complete `count <hex>` lines).
+fn counts(text: &str) -> Vec<u64> {
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete.lines().filter_map(|l| l.strip_prefix("count ")).filter_map(|h| u64::from_str_radix(h, 16).ok()).collect()
+}
+
+/// A restored counter carries on from the snapshot: its first count follows the template's last.
+fn assert_counts_on(template: &str, restored: &str) {
+    let (before, after) = (counts(template), counts(restored));
+    assert!(!after.is_empty(), "the restored guest printed no count: {restored:?}");
+    assert_eq!(after[0], before.last().unwrap() + 1, "template {template:?}\nrestored {restored:?}");
+    assert!(after.windows(2).all(|w| w[1] == w[0] + 1), "{restored:?}");
+}
+
+/// The template and the pods as the shim runs them: the template VMM, jailed, writes its
+/// snapshot into a writable dir of its chroot; the shim keeps the files in its template cache
+/// (root-owned, readable by the pods' uids) and lists them read-only in each pod's jail; a pod
+/// restores them (`--prepare` then `restore`, or `--restore`) with paths inside its chroot.
+#[test]
+fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
+    if skip_unless_root("a_snapshot_taken_in_a_jail_restores_in_other_jails") {
+        return;
+    }
+    let Some(guest) = guest_or_skip("counter") else { return };
+    let api_timeout = Duration::from_secs(30);
+    let template = Jail::new(false);
+    let vmm = template.spawn(&guest, &[]);
+    template.wait_for_serial("count 3\n");
+    let api = template.host("/run/api.sock");
+    let resp = api_request(&api, &serde_json::json!({"cmd": "snapshot", "dir": "/run/snap"}), api_timeout);
+    assert_eq!(resp["ok"], true, "{resp}");
+    let snap = template.host("/run/snap");
+    for f in ["state", "memory"] {
+        let meta = std::fs::metadata(snap.join(f)).unwrap();
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (UID, GID, 0o600), "{f}");
+    }
+    let template_serial = std::fs::read_to_string(template.host("/run/serial.log")).unwrap();
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "shutdown"}), api_timeout)["ok"], true);
+    let run = vmm.wait();
+    assert_eq!(run.status.code(), Some(0), "{}", run.stderr);
+
+    // The shim's template cache.
+    let cache = template.dir.path().join("template");
+    std::fs::create_dir(&cache).unwrap();
+    for f in ["state", "memory"] {
+        std::fs::copy(snap.join(f), cache.join(f)).unwrap();
+        std::fs::set_permissions(cache.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let memory = std::fs::read(cache.join("memory")).unwrap();
+    let pod_document = |pod: &Jail| {
+        let mut doc = pod.document(&guest);
+        doc["read_only"] = serde_json::json!([
+            { "host": cache.join("state"), "jail": "/snapshot/state" },
+            { "host": cache.join("memory"), "jail": "/snapshot/memory" },
+        ]);
+        doc
+    };
+
+    // A pod prepared ahead: the API thread answers (filtered) before the VM exists.
+    let pod = Jail::new(false);
+    let args = ["--prepare", "/snapshot", "--api-socket", "/run/api.sock"].map(OsStr::new);
+    let vmm = pod.spawn_jailed(&pod_document(&pod), &args);
+    let api = pod.host("/run/api.sock");
+    wait_for_path(&api, Duration::from_secs(10));
+    let info = api_request(&api, &serde_json::json!({"cmd": "info"}), api_timeout);
+    assert_eq!(info["info"]["state"], "prepared", "{info}");
+    let pid = vmm_pid(vmm.pid());
+    assert!(Jail::threads(pid).contains(&("api".into(), "2".into())), "{:?}", Jail::threads(pid));
+    let restore = serde_json::json!({"cmd": "restore", "config": {"serial_log": "/run/serial.log"}});
+    let restored = api_request(&api, &restore, api_timeout);
+    assert_eq!(restored["ok"], true, "{restored}");
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
+    pod.wait_for_serial("count ");
+    wait_until(GUEST_TIMEOUT, "three restored counts", || {
+        counts(&std::fs::read_to_string(pod.host("/run/serial.log")).unwrap_or_default()).len() >= 3
+    });
+    // Every thread filtered, the snapshot files mounted read-only, nothing else of the host.
+    wait_until(Duration::from_secs(10), "a filter on every thread", || {
+        Jail::threads(pid).iter().all(|(_, mode)| mode == "2")
+    });
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let mounts: Vec<(&str, &str)> =
+        mountinfo.lines().map(|l| l.split(' ').collect::<Vec<_>>()).map(|f| (f[4], f[5])).collect();
+    assert_eq!(mounts.iter().map(|m| m.0).collect::<Vec<_>>(), ["/", "/snapshot/state", "/snapshot/memory"]);
+    assert!(mounts[1..].iter().all(|m| m.1.split(',').any(|f| f == "ro")), "{mountinfo}");
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "shutdown"}), api_timeout)["ok"], true);
+    let run = vmm.wait();
+    assert_eq!(run.status.code(), Some(0), "{}", run.stderr);
+    assert_counts_on(&template_serial, &run.serial);
+
+    // A pod restored at once; its run config is read on the host, its paths are the jail's.
+    let pod = Jail::new(false);
+    let run_config = pod.dir.path().join("restore.json");
+    let run = serde_json::json!({"api_socket": "/run/api.sock", "serial_log": "/run/serial.log"});
+    std::fs::write(&run_config, run.to_string()).unwrap();
+    let args =
+        [OsStr::new("--restore"), OsStr::new("/snapshot"), OsStr::new("--restore-config"), run_config.as_os_str()];
+    let vmm = pod.spawn_jailed(&pod_document(&pod), &args);
+    let api = pod.host("/run/api.sock");
+    wait_for_path(&api, Duration::from_secs(10));
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
+    wait_until(GUEST_TIMEOUT, "three restored counts", || {
+        counts(&std::fs::read_to_string(pod.host("/run/serial.log")).unwrap_or_default()).len() >= 3
+    });
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "shutdown"}), api_timeout)["ok"], true);
+    let run = vmm.wait();
+    assert_eq!(run.status.code(), Some(0), "{}", run.stderr);
+    assert_counts_on(&template_serial, &run.serial);
+
+    assert_eq!(std::fs::read(cache.join("memory")).unwrap(), memory, "no restore wrote the memory file");
+    for jail in [&template, &pod] {
+        assert!(host_mounts_under(&jail.chroot).is_empty(), "jail mounts leaked to the host");
+    }
 }
