@@ -6,14 +6,13 @@
 
 use std::ffi::CString;
 use std::fs::File;
-use std::io::{Seek, SeekFrom};
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
-    Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+    Address, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
 };
 
 use crate::layout;
@@ -86,20 +85,15 @@ fn open_memory_file(path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
 
 /// Copies a snapshot's memory file into fresh memfd-backed guest memory, for a VM whose memory a
 /// vhost-user backend must map (a private file mapping cannot be shared with another process).
-/// Only the file's data is read (SEEK_DATA/SEEK_HOLE): holes stay untouched zero pages. Unlike
-/// [`map_snapshot_memory`], every page read becomes this VM's own.
+/// The memfd has the memory file's layout, so each data extent (SEEK_DATA/SEEK_HOLE; holes stay
+/// unallocated) is copied to the same offset in the kernel (sendfile), without faulting the
+/// mapping in: the guest's first touch of a page maps it. Unlike [`map_snapshot_memory`], every
+/// page copied is this VM's own.
 pub fn copy_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
     let p = path.display().to_string();
     let err = |source: std::io::Error| MemoryError::File { path: p.clone(), source };
-    let mut file = open_memory_file(path, mem_bytes)?;
-    let mem = create_guest_memory(mem_bytes)?;
-    // The file holds the RAM ranges one after the other: file offset -> guest address.
-    let mut ranges = Vec::new();
-    let mut file_offset = 0u64;
-    for (start, len) in layout::ram_ranges(mem_bytes) {
-        ranges.push((file_offset, start, len));
-        file_offset += len;
-    }
+    let file = open_memory_file(path, mem_bytes)?;
+    let memfd = new_memfd(mem_bytes)?;
     let mut pos = 0u64;
     while pos < mem_bytes {
         let data = match nix::unistd::lseek(&file, pos as i64, nix::unistd::Whence::SeekData) {
@@ -109,20 +103,25 @@ pub fn copy_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMm
         };
         let hole = nix::unistd::lseek(&file, data as i64, nix::unistd::Whence::SeekHole).map_err(|e| err(e.into()))?;
         let end = (hole as u64).min(mem_bytes);
-        for &(file_start, guest_start, len) in &ranges {
-            let (from, to) = (data.max(file_start), end.min(file_start + len));
-            if from >= to {
-                continue;
+        nix::unistd::lseek(&memfd, data as i64, nix::unistd::Whence::SeekSet).map_err(|e| err(e.into()))?;
+        let mut from = data as libc::off64_t;
+        while (from as u64) < end {
+            let left = (end - from as u64).min(SENDFILE_MAX) as usize;
+            // SAFETY: both fds are open for the call; `from` is a valid, exclusive offset cell.
+            let n = unsafe { libc::sendfile64(memfd.as_raw_fd(), file.as_raw_fd(), &mut from, left) };
+            match n {
+                n if n > 0 => {}
+                0 => return Err(err(std::io::ErrorKind::UnexpectedEof.into())),
+                _ => return Err(err(std::io::Error::last_os_error())),
             }
-            file.seek(SeekFrom::Start(from)).map_err(err)?;
-            let addr = GuestAddress(guest_start + (from - file_start));
-            mem.read_exact_volatile_from(addr, &mut file, (to - from) as usize)
-                .map_err(|e| err(std::io::Error::other(e.to_string())))?;
         }
         pos = end;
     }
-    Ok(mem)
+    map_memfd(memfd, mem_bytes)
 }
+
+/// Most bytes one sendfile call moves (the kernel caps a call at 2 GiB minus a page).
+const SENDFILE_MAX: u64 = 1 << 30;
 
 /// Maps a snapshot's memory file as guest memory of `mem_bytes`: read-only file, private
 /// copy-on-write mapping, so the guest's writes stay in this process.
@@ -149,6 +148,11 @@ pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMma
 
 /// Creates guest memory of `mem_bytes`, laid out around the MMIO hole, in one memfd.
 pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    map_memfd(new_memfd(mem_bytes)?, mem_bytes)
+}
+
+/// An empty memfd of `mem_bytes`: the RAM ranges one after the other.
+fn new_memfd(mem_bytes: u64) -> Result<File, MemoryError> {
     let name = CString::new("bulkhead-guest-mem").map_err(|e| MemoryError::Memfd(e.into()))?;
     // SAFETY: name is a valid NUL-terminated string; the return value is checked.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
@@ -158,6 +162,11 @@ pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryErro
     // SAFETY: fd was just created and is owned by nobody else.
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(mem_bytes).map_err(|source| MemoryError::Truncate { size: mem_bytes, source })?;
+    Ok(file)
+}
+
+/// Maps a memfd made by [`new_memfd`] shared, as guest memory.
+fn map_memfd(file: File, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut ranges = Vec::new();
@@ -171,6 +180,7 @@ pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vm_memory::Bytes;
 
     #[test]
     fn saved_memory_maps_back_privately_and_sparsely() {
