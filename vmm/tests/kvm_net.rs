@@ -2,7 +2,8 @@
 //! own with a tap in it (the tap has the guest's peer address and a static neighbour entry for
 //! the guest, so no ARP is needed), runs `bulkhead-vmm` inside that namespace and binds a UDP
 //! echo listener there. Traffic never leaves the namespace; a Drop guard deletes the tap and the
-//! namespace, also when the test fails.
+//! namespace, also when the test fails. A snapshot of a VM with a net device restores in another
+//! namespace on the run's own tap.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
@@ -31,6 +32,7 @@ const GUEST_PORT: u16 = 5555;
 /// A network namespace holding one configured tap; deleted on drop.
 struct TestNetns {
     name: String,
+    tap: String,
     /// `/run/netns/<name>`, for setns.
     handle: File,
 }
@@ -42,6 +44,10 @@ fn run(cmd: &str, args: &[&str]) {
 
 impl TestNetns {
     fn create() -> Self {
+        Self::create_with_tap(TAP)
+    }
+
+    fn create_with_tap(tap: &str) -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let name = format!("bhtest-net-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
         run("ip", &["netns", "add", &name]);
@@ -52,14 +58,14 @@ impl TestNetns {
                 panic!("netns {name} has no handle: {e}");
             }
         };
-        let ns = Self { name, handle };
-        ns.ip(&["tuntap", "add", "dev", TAP, "mode", "tap"]);
-        ns.ip(&["link", "set", "dev", TAP, "address", HOST_MAC]);
+        let ns = Self { name, tap: tap.to_string(), handle };
+        ns.ip(&["tuntap", "add", "dev", tap, "mode", "tap"]);
+        ns.ip(&["link", "set", "dev", tap, "address", HOST_MAC]);
         // No IPv6 chatter on the link: the guest should see only what the test sends.
-        run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", &format!("net.ipv6.conf.{TAP}.disable_ipv6=1")]);
-        ns.ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", TAP]);
-        ns.ip(&["link", "set", "dev", TAP, "up"]);
-        ns.ip(&["neigh", "replace", &GUEST_IP.to_string(), "lladdr", GUEST_MAC, "dev", TAP, "nud", "permanent"]);
+        run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", &format!("net.ipv6.conf.{tap}.disable_ipv6=1")]);
+        ns.ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", tap]);
+        ns.ip(&["link", "set", "dev", tap, "up"]);
+        ns.ip(&["neigh", "replace", &GUEST_IP.to_string(), "lladdr", GUEST_MAC, "dev", tap, "nud", "permanent"]);
         ns
     }
 
@@ -83,26 +89,34 @@ impl TestNetns {
 
     /// Starts the VMM inside the namespace.
     fn spawn_vmm(&self, dir: &Path, cfg: &serde_json::Value) -> VmmProcess {
+        VmmProcess::spawn_with(dir, cfg, GUEST_TIMEOUT, |cmd| self.enter(cmd))
+    }
+
+    /// Starts the VMM with `args` inside the namespace.
+    fn spawn_vmm_args(&self, dir: &Path, args: &[&std::ffi::OsStr]) -> VmmProcess {
+        VmmProcess::spawn_args_with(dir, args, GUEST_TIMEOUT, |cmd| self.enter(cmd))
+    }
+
+    /// Makes `cmd` run inside the namespace.
+    fn enter(&self, cmd: &mut Command) {
         let fd = self.handle.as_raw_fd();
-        VmmProcess::spawn_with(dir, cfg, GUEST_TIMEOUT, |cmd| {
-            // SAFETY: between fork and exec we only call setns, which is async-signal-safe, on
-            // an fd the parent keeps open until spawn returns.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if libc::setns(fd, libc::CLONE_NEWNET) == 0 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                });
-            }
-        })
+        // SAFETY: between fork and exec we only call setns, which is async-signal-safe, on an
+        // fd the parent keeps open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
     }
 }
 
 impl Drop for TestNetns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["-n", &self.name, "link", "del", TAP]).output();
+        let _ = Command::new("ip").args(["-n", &self.name, "link", "del", &self.tap]).output();
         match Command::new("ip").args(["netns", "del", &self.name]).output() {
             Ok(o) if o.status.success() => {}
             other => eprintln!("warning: could not delete netns {}: {other:?}", self.name),
@@ -250,4 +264,70 @@ fn a_missing_tap_is_a_clear_startup_error() {
     let run = VmmProcess::spawn(dir.path(), &cfg, Duration::from_secs(10)).wait();
     assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
     assert!(run.stderr.contains(&format!("tap {tap} does not exist in this network namespace")), "{}", run.stderr);
+}
+
+/// Binds the echo listener in `ns` and answers the guest's datagram; returns what it received.
+fn echo_in(ns: &TestNetns) -> std::thread::JoinHandle<Vec<(Vec<u8>, SocketAddr)>> {
+    let sock = ns.bind_udp(SocketAddr::V4(SocketAddrV4::new(HOST_IP, ECHO_PORT)));
+    std::thread::spawn(move || {
+        let got = collect_until(&sock, b"hello from guest", GUEST_TIMEOUT);
+        if let Some((payload, peer)) = got.last() {
+            let mut reply = b"echo: ".to_vec();
+            reply.extend_from_slice(payload);
+            sock.send_to(&reply, peer).unwrap();
+        }
+        got
+    })
+}
+
+#[test]
+fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
+    let Some(guest) = netns_guest_or_skip("net") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let api_timeout = Duration::from_secs(30);
+    // The template: net up, RX buffers posted, waiting for the transport reset of a restore.
+    let template_ns = TestNetns::create();
+    let api = dir.path().join("api.sock");
+    let mut cfg = net_config(dir.path(), &guest);
+    cfg["api_socket"] = serde_json::json!(api);
+    cfg["vsock"] = serde_json::json!({"uds_path": dir.path().join("v.sock"), "guest_cid": 3});
+    let vmm = template_ns.spawn_vmm(dir.path(), &cfg);
+    wait_for_serial(dir.path(), "waiting for restore\n");
+    let snap = dir.path().join("snap");
+    let resp = api_request(&api, &serde_json::json!({"cmd": "snapshot", "dir": snap}), api_timeout);
+    assert_eq!(resp["ok"], true, "{resp}");
+    assert_eq!(api_request(&api, &serde_json::json!({"cmd": "shutdown"}), api_timeout)["ok"], true);
+    let run = vmm.wait();
+    assert!(run.status.success() && !run.serial.contains("sent"), "{}\n{}", run.serial, run.stderr);
+    drop(template_ns); // the template's tap is gone with its namespace
+
+    // A pod: its own namespace and tap, named in its run config.
+    let pod_tap = "bhpod0";
+    let pod_ns = TestNetns::create_with_tap(pod_tap);
+    let echo = echo_in(&pod_ns);
+    let run_dir = dir.path().join("pod");
+    std::fs::create_dir(&run_dir).unwrap();
+    let pod_api = run_dir.join("api.sock");
+    let run_cfg = run_dir.join("restore.json");
+    let run = serde_json::json!({
+        "api_socket": pod_api,
+        "serial_log": run_dir.join("serial.log"),
+        "vsock_uds_path": run_dir.join("v.sock"),
+        "net_taps": [pod_tap],
+    });
+    std::fs::write(&run_cfg, run.to_string()).unwrap();
+    let args = [std::ffi::OsStr::new("--restore"), snap.as_os_str(), "--restore-config".as_ref(), run_cfg.as_os_str()];
+    let vmm = pod_ns.spawn_vmm_args(&run_dir, &args);
+    wait_for_path(&pod_api, Duration::from_secs(10));
+    assert_eq!(api_request(&pod_api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
+    let run = vmm.wait();
+    let got = echo.join().unwrap();
+    let ctx = format!("serial:\n{}\nstderr:\n{}", run.serial, run.stderr);
+    assert!(run.status.success(), "{:?}\n{ctx}", run.status);
+    assert_eq!(
+        got,
+        vec![(b"hello from guest".to_vec(), SocketAddr::V4(SocketAddrV4::new(GUEST_IP, GUEST_PORT)))],
+        "{ctx}"
+    );
+    assert_eq!(run.serial, "restored\nsent\nreply: echo: hello from guest\n", "{ctx}");
 }

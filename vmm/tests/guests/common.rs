@@ -203,3 +203,37 @@ pub fn driver_ok(base: u64) -> bool {
     w32(base + STATUS, 0xf);
     r32(base + STATUS) & 0x4 != 0
 }
+
+pub const TYPE_VSOCK: u32 = 19;
+/// Where `wait_for_restore` keeps vsock's queues and event buffers (no other guest uses them).
+const VSOCK_QUEUES: u64 = 0x44_0000;
+const EV_BUF: u64 = 0x45_0000;
+/// Polls of the vsock event queue before giving up (tens of seconds under the PVM emulator).
+const RESTORE_SPINS: u32 = 2_000_000;
+
+/// A template's wait: if the VM has vsock, sets it up with two event buffers posted, says
+/// `waiting for restore` and waits (bounded) for an event, the transport reset a restored VM's
+/// vsock sends; stops the VM if none comes. Without vsock, returns at once.
+pub fn wait_for_restore() {
+    let base = find_device(TYPE_VSOCK);
+    if base == 0 {
+        return;
+    }
+    let rx = Vq::new(base, 0, VSOCK_QUEUES, 8);
+    let tx = Vq::new(base, 1, VSOCK_QUEUES + 0x1000, 8);
+    let mut ev = Vq::new(base, 2, VSOCK_QUEUES + 0x2000, 8);
+    if !negotiate(base) || !rx.setup() || !tx.setup() || !ev.setup() || !driver_ok(base) {
+        puts("vsock setup failed\n");
+        reset();
+    }
+    for i in 0..2u16 {
+        ev.set_desc(i, EV_BUF + i as u64 * 0x100, 8, F_WRITE, 0);
+        ev.publish(i);
+    }
+    puts("waiting for restore\n");
+    if ev.wait_used(RESTORE_SPINS).is_none() {
+        puts("never restored\n");
+        reset();
+    }
+    puts("restored\n");
+}

@@ -28,11 +28,6 @@ const ROOT: u64 = 1;
 const POLLS: u32 = 100;
 const ROUNDS: u32 = 100_000;
 const LOOP_READS: u32 = 1_000_000;
-const TYPE_VSOCK: u32 = 19;
-const VSOCK_QUEUES: u64 = 0x44_0000;
-const EV_BUF: u64 = 0x45_0000;
-/// Polls of the vsock event queue before giving up (tens of seconds under the PVM emulator).
-const RESTORE_SPINS: u32 = 2_000_000;
 
 enum Reply {
     /// The FUSE error (0 or a negative errno) and the reply's length.
@@ -117,28 +112,6 @@ impl Fuse {
     }
 }
 
-/// Sets vsock up with two event buffers posted and waits (bounded) for an event: the transport
-/// reset a restored VM's vsock sends. Stops the VM if none comes.
-fn wait_for_restore(base: u64) {
-    let rx = Vq::new(base, 0, VSOCK_QUEUES, 8);
-    let tx = Vq::new(base, 1, VSOCK_QUEUES + 0x1000, 8);
-    let mut ev = Vq::new(base, 2, VSOCK_QUEUES + 0x2000, 8);
-    if !negotiate(base) || !rx.setup() || !tx.setup() || !ev.setup() || !driver_ok(base) {
-        puts("vsock setup failed\n");
-        reset();
-    }
-    for i in 0..2u16 {
-        ev.set_desc(i, EV_BUF + i as u64 * 0x100, 8, F_WRITE, 0);
-        ev.publish(i);
-    }
-    puts("waiting for restore\n");
-    if ev.wait_used(RESTORE_SPINS).is_none() {
-        puts("never restored\n");
-        reset();
-    }
-    puts("restored\n");
-}
-
 fn device_failed(base: u64, what: &str, status: u32) -> ! {
     puts(what);
     puts(": device failed status ");
@@ -214,10 +187,7 @@ pub extern "C" fn _start() -> ! {
         device_failed(base, "driver ok", status);
     }
     puts("driver ok\n");
-    let vsock = find_device(TYPE_VSOCK);
-    if vsock != 0 {
-        wait_for_restore(vsock);
-    }
+    wait_for_restore();
     let mut fuse = Fuse { base, rq, unique: 0 };
 
     w32(BODY, 7); // major

@@ -1,5 +1,6 @@
 //! Brings up virtio-net, prints the MAC and MTU from the config space, sends one UDP datagram
-//! through the device and the tap to the test's echo listener, and prints the reply.
+//! through the device and the tap to the test's echo listener, and prints the reply. With a
+//! vsock device too, it is a template: it sends only once restored (`wait_for_restore`).
 #![no_std]
 #![no_main]
 
@@ -24,6 +25,7 @@ pub extern "C" fn _start() -> ! {
     puts(" mtu=");
     put_hex(r16(base + CONFIG + 10) as u64);
     puts("\n");
+    wait_for_restore();
     let len = net.build_udp(b"hello from guest");
     if !net.send(len) {
         puts("tx timeout\n");
