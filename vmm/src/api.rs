@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{
-    encode_line, parse_request, Request, Response, RestoreReport, RunState, VmInfo, MAX_REQUEST_LINE,
+    encode_line, parse_request, Request, Response, RestoreReport, RunState, SnapshotReport, VmInfo, MAX_REQUEST_LINE,
 };
 use bulkhead_vmm_api::restore::RestoreConfig;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
@@ -113,10 +113,7 @@ impl VmController {
         }
         let pause_us = started.elapsed().as_micros() as u64;
         match snapshots.take(&dir) {
-            Ok(report) => Response {
-                snapshot: Some(bulkhead_vmm_api::api::SnapshotReport { pause_us, ..report }),
-                ..Response::ok()
-            },
+            Ok(report) => Response { snapshot: Some(SnapshotReport { pause_us, ..report }), ..Response::ok() },
             Err(e) => failed(e),
         }
     }

@@ -2,7 +2,9 @@
 //! builds them from a config and loads the guest; a restore builds the same things around a
 //! snapshot's memory and state. Restoring is split in two so a VMM can do the host-heavy half
 //! (`prepare`: KVM VM, memory slots, irqchip, vCPU fds) ahead of time and the rest
-//! (`Prepared::restore`: per-run devices and guest state) when a pod asks.
+//! (`Prepared::restore`: per-run devices and guest state) when a pod asks. Both run on the main
+//! thread before any seccomp filter: the per-run files, sockets and taps are opened here, and
+//! the virtio-fs backend threads are started (confined) here, as no thread can start later.
 
 use std::fs::OpenOptions;
 use std::io::Write;

@@ -1,5 +1,8 @@
 //! The API thread parses requests from outside the VM, so it gets the smallest list: its own
-//! epoll loop over the listener and its clients, and what pause/resume/info/shutdown do.
+//! epoll loop over the listener and its clients, and what pause/resume/info/shutdown do. Work
+//! that needs more is handed over through a futex and an eventfd write (both in `common`): a
+//! snapshot to the event loop (after this thread paused the vCPUs), a `--prepare`d VMM's
+//! restore to the main thread. A prepared VMM's API thread blocks in accept4 instead of epoll.
 
 use super::{always, when, Arg, Syscall};
 
