@@ -22,8 +22,8 @@ pub enum Request {
     Resume,
     Shutdown,
     Info,
-    /// Pauses every vCPU and writes the snapshot files into `dir` (created if missing; files are
-    /// replaced atomically). The VM stays paused: `resume` or `shutdown` it afterwards.
+    /// Pauses every vCPU and writes the snapshot files into `dir` (created, one level, if missing;
+    /// files are replaced atomically). The VM stays paused: `resume` or `shutdown` it afterwards.
     Snapshot {
         dir: PathBuf,
     },
