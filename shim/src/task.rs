@@ -171,9 +171,17 @@ impl TaskService {
             )
             .await?;
         let agent = sandbox.agent();
+        let resolv_conf = match crate::network::dns::pod_resolv_conf(spec) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = sandbox.destroy().await;
+                return Err(TaskError::Internal(e.to_string()));
+            }
+        };
         let setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),
             sysctls: spec.sysctls().into_iter().collect(),
+            resolv_conf,
             ..Default::default()
         };
         if let Err(e) = agent.setup_sandbox(setup).await {
