@@ -150,6 +150,7 @@ impl TaskService {
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox()?;
+        let resolv_conf = crate::network::dns::pod_resolv_conf(spec).map_err(|e| TaskError::Internal(e.to_string()))?;
         // The pod's config is known from here on; it sets the shim's log level.
         crate::logging::set_config_level(&config.log_level);
         let mut slot = self.sandbox.lock().await;
@@ -171,13 +172,6 @@ impl TaskService {
             )
             .await?;
         let agent = sandbox.agent();
-        let resolv_conf = match crate::network::dns::pod_resolv_conf(spec) {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                let _ = sandbox.destroy().await;
-                return Err(TaskError::Internal(e.to_string()));
-            }
-        };
         let setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),
             sysctls: spec.sysctls().into_iter().collect(),
