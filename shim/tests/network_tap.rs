@@ -377,6 +377,10 @@ async fn vm_tap_redirects_both_ways_drops_metadata_and_tears_down() {
     let tap = net.open_tap_as("bhtap0", VMM_ID, VMM_ID).expect("the VMM's uid attaches to its tap");
     set_nonblocking(&tap);
     let peer = net.peer_socket();
+    // With the VMM attached the tap has carrier; the namespace's own stack still says nothing to
+    // the guest: no IPv6 (link-local) address on the tap.
+    let v6 = net.ip_pod(&["-6", "addr", "show", "dev", "bhtap0"]);
+    assert!(v6.trim().is_empty(), "{v6}");
 
     // Guest -> pod interface -> out.
     write_tap(&tap, &from_guest(0x0800, &ipv4(17, PEER_IP, &udp(9, b"bh-guest-out"))));
