@@ -157,8 +157,9 @@ impl TestNet {
         })
     }
 
-    /// Opens tap `name` as the jailed VMM does, as `uid`/`gid` (no capabilities), with a
-    /// 12-byte vnet header; the error when the kernel refuses.
+    /// Opens tap `name` as the jailed VMM does (vmm/src/devices/virtio/net/tap.rs), as
+    /// `uid`/`gid` (no capabilities), with a 12-byte vnet header; the error when the kernel
+    /// refuses the attach.
     fn open_tap_as(&self, name: &str, uid: u32, gid: u32) -> std::io::Result<OwnedFd> {
         let name = name.to_string();
         self.in_netns(&self.pod, move || {
@@ -184,6 +185,12 @@ impl TestNet {
             let len = VNET_HDR_LEN as libc::c_int;
             // SAFETY: TUNSETVNETHDRSZ reads one int through the pointer.
             assert_eq!(unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETVNETHDRSZ, &len) }, 0);
+            // The VMM probes offloads, then sets none until the guest negotiates them.
+            for offloads in [libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6, 0] {
+                // SAFETY: TUNSETOFFLOAD takes its argument by value; the fd is open.
+                let rc = unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETOFFLOAD, libc::c_ulong::from(offloads)) };
+                assert_eq!(rc, 0, "TUNSETOFFLOAD {offloads:#x}: {}", std::io::Error::last_os_error());
+            }
             Ok(OwnedFd::from(tun))
         })
     }
