@@ -5,6 +5,7 @@ mod cgroups;
 mod cli;
 mod console;
 mod container;
+mod dns;
 mod error;
 mod guest_init;
 mod mount;

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use futures::TryStreamExt;
-use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
+use rtnetlink::{packet_route::route::RouteScope, Handle, LinkUnspec, RouteMessageBuilder};
 
 use crate::error::{AgentError, Result};
 
@@ -172,8 +172,12 @@ pub async fn apply(interfaces: &[InterfaceConfig], routes: &[RouteConfig]) -> Re
                 (None, _) => (IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0),
             };
             b = b.destination_prefix(dest, len).map_err(|e| nl("route", e))?;
-            if let Some(g) = r.gateway {
-                b = b.gateway(g).map_err(|e| nl("route gateway", e))?;
+            match r.gateway {
+                Some(g) => b = b.gateway(g).map_err(|e| nl("route gateway", e))?,
+                // On-link (as `ip route add <dst> dev <dev>` makes it): a later route may use a
+                // gateway reachable only through it (CNIs such as Calico do).
+                None if dest.is_ipv4() => b = b.scope(RouteScope::Link),
+                None => {}
             }
             let msg = b.output_interface(idx).build();
             h.route()

@@ -1,6 +1,6 @@
 //! The sandbox: the agent's containers and the operations the service exposes. One method
 //! per RPC; the ttrpc layer (service.rs) only converts messages. A create is composed from
-//! spec.rs, bundle.rs, rootfs.rs, process_io.rs and runtime/, each step undone by a
+//! spec.rs, dns.rs, bundle.rs, rootfs.rs, process_io.rs and runtime/, each step undone by a
 //! [`Rollback`] if a later one fails.
 
 use std::{
@@ -18,6 +18,7 @@ use crate::{
     cgroups::{Cgroup, Hierarchy},
     cli::{AgentOpts, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
+    dns,
     error::{AgentError, Result},
     guest_init::{self, SandboxSettings},
     mount::GuestMount,
@@ -108,7 +109,7 @@ impl Sandbox {
     }
 
     pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
-        guest_init::apply_setup(s, self.mode, &self.sys)
+        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir))
     }
 
     // ---- create / exec ---------------------------------------------------------------
@@ -120,6 +121,10 @@ impl Sandbox {
         let mut spec = spec::parse_spec(&req.spec_json)?;
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
+        let pod_dns = dns::pod_file(&self.state_dir);
+        if pod_dns.exists() {
+            dns::point_at_pod_file(&mut spec, &pod_dns);
+        }
         let seccomp = spec::take_seccomp(&mut spec)?;
         // Declared after the reservation, so the id stays reserved until the undo is done.
         let mut undo = Rollback::default();

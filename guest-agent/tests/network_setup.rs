@@ -1,12 +1,14 @@
-//! SetupSandbox's interfaces and routes, applied by the agent in its own network namespace.
+//! SetupSandbox's network part, in the agent's namespace mode: interfaces and routes applied in
+//! its own network namespace, and the pod's resolv.conf served to containers.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
 
 use std::process::Command;
 
-use bulkhead_protocol::agent::*;
+use bulkhead_protocol::{agent::*, stream::StreamKind};
 use common::*;
+use serde_json::json;
 
 fn in_netns(pid: i32, args: &[&str]) -> String {
     let out =
@@ -48,6 +50,15 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
                 ..Default::default()
             },
             Route { destination: "192.168.50.0/24".into(), device: "eth0".into(), ..Default::default() },
+            // A gateway outside every address's prefix, reachable through an on-link route
+            // given before it (Calico's shape; the shim sends gateway-less routes first).
+            Route { destination: "169.254.1.1/32".into(), device: "eth0".into(), ..Default::default() },
+            Route {
+                destination: "172.31.0.0/16".into(),
+                gateway: "169.254.1.1".into(),
+                device: "eth0".into(),
+                ..Default::default()
+            },
         ],
         ..Default::default()
     };
@@ -61,6 +72,8 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
     let routes = in_netns(pid, &["ip", "route"]);
     assert!(routes.contains("default via 10.88.0.1 dev eth0"), "{routes}");
     assert!(routes.contains("192.168.50.0/24 dev eth0"), "{routes}");
+    assert!(routes.lines().any(|l| l.starts_with("169.254.1.1 dev eth0") && l.contains("scope link")), "{routes}");
+    assert!(routes.contains("172.31.0.0/16 via 169.254.1.1 dev eth0"), "{routes}");
     let lo = in_netns(pid, &["ip", "-o", "link", "show", "lo"]);
     assert!(lo.contains("UP"), "lo not up: {lo}");
 
@@ -84,4 +97,30 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
     };
     let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_sandbox_resolv_conf_reaches_containers() {
+    if !can_run("setup_sandbox_resolv_conf_reaches_containers") {
+        return;
+    }
+    let agent = Agent::start("dns").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let pod_dns = "nameserver 10.96.0.10\nsearch default.svc.cluster.local svc.cluster.local\noptions ndots:5\n";
+    let req = SetupSandboxRequest { resolv_conf: pod_dns.as_bytes().to_vec(), ..Default::default() };
+    agent.client.setup_sandbox(ctx(), &req).await.unwrap_or_else(|e| panic!("setup: {e}\n{}", agent.log()));
+
+    // As containerd writes it: a bind of the sandbox's resolv.conf, a host path the agent's side
+    // (a guest, on the vm backend) does not have.
+    let resolv = json!({
+        "destination": "/etc/resolv.conf", "type": "bind",
+        "source": "/var/lib/containerd/io.containerd.grpc.v1.cri/sandboxes/nowhere/resolv.conf",
+        "options": ["rbind", "rprivate", "ro"]
+    });
+    agent.create_ok("dns", &spec(&rootfs, &["cat", "/etc/resolv.conf"], vec![resolv], json!({}))).await;
+    let mut out = agent.stream("dns", None, StreamKind::Stdout).await;
+    agent.start_ctr("dns").await;
+    assert_eq!(read_all(&mut out).await, pod_dns);
+    assert_eq!(agent.wait("dns", "").await.exit_code, 0);
+    agent.remove("dns").await;
 }

@@ -53,6 +53,8 @@ pub struct Config {
     pub namespace: NamespaceConfig,
     #[serde(default)]
     pub vm: VmConfig,
+    #[serde(default)]
+    pub network: NetworkConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -94,6 +96,15 @@ pub struct VmConfig {
     pub jailer_gid: u32,
     #[serde(default = "default_template_cache_dir")]
     pub template_cache_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Let pods reach the cloud metadata endpoint (169.254.169.254, fd00:ec2::254). Off by
+    /// default: the shim drops that traffic in the pod's network namespace.
+    #[serde(default)]
+    pub allow_metadata: bool,
 }
 
 fn default_backend() -> Backend {
@@ -288,5 +299,14 @@ mod tests {
         let text = include_str!("../config.example.toml");
         let config = parse(text).unwrap();
         assert_eq!(config.backend, Backend::Namespace);
+        assert!(!config.network.allow_metadata);
+    }
+
+    #[test]
+    fn metadata_is_blocked_unless_allowed_explicitly() {
+        assert!(!parse("").unwrap().network.allow_metadata);
+        assert!(parse("[network]\nallow_metadata = true\n").unwrap().network.allow_metadata);
+        let err = parse("[network]\nallow_metadata = \"yes\"\n").unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
     }
 }

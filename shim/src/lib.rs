@@ -19,6 +19,8 @@
 //! - Shared vocabulary, below all of the above: [`error`] (the Task error), [`exit`] (how a
 //!   process ended) and [`trans`] (every protobuf <-> domain conversion).
 //! - [`sandbox`]: the backend trait, `namespace` and `vm`.
+//! - [`network`]: the host side of the pod's network (taps and redirects for the VM, the
+//!   metadata block) and the pod's DNS config.
 
 pub mod agent;
 pub mod config;
@@ -28,6 +30,7 @@ pub mod events;
 pub mod exit;
 pub mod io;
 pub mod logging;
+pub mod network;
 pub mod options;
 pub mod process;
 pub mod sandbox;

@@ -150,6 +150,7 @@ impl TaskService {
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox()?;
+        let resolv_conf = crate::network::dns::pod_resolv_conf(spec).map_err(|e| TaskError::Internal(e.to_string()))?;
         // The pod's config is known from here on; it sets the shim's log level.
         crate::logging::set_config_level(&config.log_level);
         let mut slot = self.sandbox.lock().await;
@@ -174,6 +175,7 @@ impl TaskService {
         let setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),
             sysctls: spec.sysctls().into_iter().collect(),
+            resolv_conf,
             ..Default::default()
         };
         if let Err(e) = agent.setup_sandbox(setup).await {

@@ -22,10 +22,11 @@ pub struct SandboxSettings {
 const MAX_RESOLV_CONF: usize = 64 << 10;
 const MAX_ENTROPY: usize = 4096;
 
-/// Applies the settings. In namespace mode the host owns the clock, the entropy pool and
-/// /etc/resolv.conf (the container's resolv.conf arrives as a spec mount), so those are
-/// skipped and logged.
-pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result<()> {
+/// Applies the settings. The pod's resolv.conf goes to `pod_dns_file`, which every
+/// container's `/etc/resolv.conf` mount is pointed at (crate::dns), and in guest mode also to
+/// the guest's own /etc/resolv.conf. In namespace mode the host owns the clock, the entropy pool
+/// and its /etc/resolv.conf, so those are skipped and logged.
+pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall, pod_dns_file: &Path) -> Result<()> {
     validate(s)?;
     if !s.hostname.is_empty() {
         sys.sethostname(&s.hostname).map_err(|e| AgentError::internal("sethostname", e))?;
@@ -40,6 +41,13 @@ pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result
         m.mount_on(sys, &m.destination).map_err(|e| {
             AgentError::FailedPrecondition(format!("mount {} on {}: {e}", m.source, m.destination.display()))
         })?;
+    }
+    if !s.resolv_conf.is_empty() {
+        if let Some(dir) = pod_dns_file.parent() {
+            sys.mkdir_all(dir).map_err(|e| AgentError::internal("mkdir for the pod's resolv.conf", e))?;
+        }
+        sys.write_file(pod_dns_file, &s.resolv_conf)
+            .map_err(|e| AgentError::internal("write the pod's resolv.conf", e))?;
     }
     match mode {
         Mode::Guest => {
@@ -57,7 +65,7 @@ pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result
             }
         }
         Mode::Namespace => {
-            tracing::info!("namespace mode: host provides clock, entropy and resolv.conf; skipped");
+            tracing::info!("namespace mode: the host provides clock, entropy and its own resolv.conf; skipped");
         }
     }
     Ok(())
@@ -109,6 +117,12 @@ mod tests {
     use super::*;
     use crate::syscall::test::{Call, RecordingSyscall};
 
+    const POD_DNS: &str = "/run/bulkhead-agent/resolv.conf";
+
+    fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result<()> {
+        super::apply_setup(s, mode, sys, Path::new(POD_DNS))
+    }
+
     fn settings() -> SandboxSettings {
         SandboxSettings {
             hostname: "pod-a".into(),
@@ -133,6 +147,7 @@ mod tests {
         assert!(calls.contains(&Call::Hostname("pod-a".into())));
         assert!(calls.contains(&Call::Write("/proc/sys/net/ipv4/ip_forward".into(), b"1".to_vec())));
         assert!(calls.contains(&Call::Write("/etc/resolv.conf".into(), b"nameserver 10.0.0.10\n".to_vec())));
+        assert!(calls.contains(&Call::Write(POD_DNS.into(), b"nameserver 10.0.0.10\n".to_vec())));
         assert!(calls.contains(&Call::Clock(1_700_000_000_123_456_789)));
         assert!(calls.contains(&Call::Entropy(32)));
         assert!(calls.iter().any(|c| matches!(c, Call::Mount { fstype: Some(t), flags, .. }
@@ -146,6 +161,8 @@ mod tests {
         let calls = sys.calls();
         assert!(!calls.iter().any(|c| matches!(c, Call::Clock(_) | Call::Entropy(_))));
         assert!(!calls.iter().any(|c| matches!(c, Call::Write(p, _) if p == Path::new("/etc/resolv.conf"))));
+        // The containers' copy is written in both modes.
+        assert!(calls.contains(&Call::Write(POD_DNS.into(), b"nameserver 10.0.0.10\n".to_vec())));
         assert!(calls.contains(&Call::Hostname("pod-a".into())));
     }
 

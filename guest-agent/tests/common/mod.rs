@@ -25,8 +25,8 @@ pub const T: Duration = Duration::from_secs(20);
 
 /// Returns false (after printing the SKIPPED line) when the test cannot run here.
 pub fn can_run(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
     let missing = |reason: &str| !bulkhead_integration::skip::missing_prerequisite(test, reason);
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return missing("needs root (namespaces, mounts, cgroups)");
     }

@@ -32,6 +32,8 @@ pub enum SandboxError {
     AgentStart(String),
     #[error(transparent)]
     Agent(#[from] AgentError),
+    #[error(transparent)]
+    Network(#[from] crate::network::NetworkError),
 }
 
 /// What a backend needs to start a pod.

@@ -12,6 +12,8 @@
 //! the agent performs containerd's rootfs mounts (overlay over snapshot directories, which
 //! are plain directories both sides see) at `rootfs/<id>` itself, or bind-mounts the bundle's
 //! `rootfs` directory when containerd prepared it. The shim mounts nothing on the host.
+//! Unless `[network] allow_metadata` is set, traffic to the cloud metadata endpoint is dropped
+//! on the pod interfaces' egress before the agent starts ([`crate::network::block_metadata`]).
 //! The pause container is not run: the agent is the pod's PID 1, and its launcher (already in
 //! the pod's net/ipc/uts namespaces) is the sandbox task's process.
 
@@ -37,6 +39,7 @@ use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
+use crate::network::MetadataAccess;
 
 /// `sun_path` of a Unix socket address, NUL included.
 const SUN_PATH_MAX: usize = 108;
@@ -85,6 +88,13 @@ impl NamespaceSandbox {
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
         std::fs::create_dir_all(paths.rootfs_dir()).map_err(io(format!("create {}", paths.rootfs_dir().display())))?;
+        // Before the agent (and so any container) runs; host-network pods are the node's network.
+        if let (Some(netns), MetadataAccess::Blocked) = (&req.netns, MetadataAccess::from_config(&config.network)) {
+            if let Err(e) = crate::network::block_metadata(netns, &paths.network_record()).await {
+                cleanup(&paths).await;
+                return Err(e.into());
+            }
+        }
 
         let agent_path = &config.namespace.agent_path;
         if !agent_path.is_file() {
@@ -363,6 +373,9 @@ pub async fn cleanup(paths: &PodPaths) {
         std::fs::read(paths.cgroup_file()).ok().and_then(|bytes| serde_json::from_slice::<PodCgroup>(&bytes).ok());
     if let Some(cgroup) = cgroup {
         cgroup.remove(CGROUP_TEARDOWN_BUDGET).await;
+    }
+    if let Err(e) = crate::network::teardown(&paths.network_record()).await {
+        warn!("pod network teardown: {e}");
     }
     unmount_all(&paths.dir);
     if let Err(e) = std::fs::remove_dir_all(&paths.dir) {

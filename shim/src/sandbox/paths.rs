@@ -36,6 +36,11 @@ impl PodPaths {
         self.dir.join("cgroup.json")
     }
 
+    /// What the shim added to the pod's network namespace, for teardown (also after a crash).
+    pub fn network_record(&self) -> PathBuf {
+        self.dir.join("network.json")
+    }
+
     /// Parent of the containers' rootfs mount points.
     pub fn rootfs_dir(&self) -> PathBuf {
         self.dir.join("rootfs")

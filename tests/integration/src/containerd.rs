@@ -63,6 +63,8 @@ pub struct ContainerdConfig {
     pub handlers: Vec<RuntimeHandler>,
     /// A bridge CNI network for pod-network pods (host-network pods need none).
     pub cni_bridge: bool,
+    /// Extra routes CNI gives every pod-network pod (with `cni_bridge`).
+    pub cni_routes: Vec<CniRoute>,
     /// Raw TOML appended to the generated config.
     pub extra_toml: String,
 }
@@ -73,8 +75,40 @@ impl Default for ContainerdConfig {
         Self {
             handlers: vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(None)],
             cni_bridge: false,
+            cni_routes: Vec::new(),
             extra_toml: String::new(),
         }
+    }
+}
+
+/// A route for pod-network pods: `dst` (CIDR) via host `gateway_host` of the pod subnet, an
+/// address a test's own namespace on the bridge holds (hosts 200-254 are never given to pods).
+#[derive(Clone, Debug)]
+pub struct CniRoute {
+    pub dst: String,
+    pub gateway_host: u8,
+}
+
+/// The harness's CNI bridge network: a /24, its hosts up to .199 given to pods, the rest left for
+/// test stand-ins attached to the bridge.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CniNetwork {
+    /// The Linux bridge in the host namespace (made by the bridge plugin with the first pod,
+    /// removed when the harness stops).
+    pub bridge: String,
+    /// The first three octets of the /24.
+    pub subnet: [u8; 3],
+}
+
+impl CniNetwork {
+    fn for_port(port: u16) -> Self {
+        Self { bridge: format!("bkt{port}"), subnet: [10, (200 + port % 50) as u8, (port % 250) as u8] }
+    }
+
+    /// Host `n` of the subnet.
+    pub fn host(&self, n: u8) -> std::net::Ipv4Addr {
+        let [a, b, c] = self.subnet;
+        std::net::Ipv4Addr::new(a, b, c, n)
     }
 }
 
@@ -86,6 +120,7 @@ pub struct Containerd {
     socket: PathBuf,
     log: PathBuf,
     stream_port: u16,
+    cni: Option<CniNetwork>,
 }
 
 impl Containerd {
@@ -104,6 +139,7 @@ impl Containerd {
             log: dir.join("containerd.log"),
             dir,
             stream_port,
+            cni: config.cni_bridge.then(|| CniNetwork::for_port(stream_port)),
         };
         // From here on, `this` cleans up after itself if anything below fails.
         this.write_config(&config)?;
@@ -121,6 +157,11 @@ impl Containerd {
     /// The directory holding this instance's config, root, state and logs.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The CNI bridge network, when the config asked for one.
+    pub fn cni_network(&self) -> Option<&CniNetwork> {
+        self.cni.as_ref()
     }
 
     /// containerd's own log (stdout and stderr), for failure messages.
@@ -219,14 +260,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         toml.push_str(&config.extra_toml);
 
         std::fs::create_dir_all(self.dir.join("cni"))?;
-        if config.cni_bridge {
-            let subnet = format!("10.{}.{}.0/24", 200 + (self.stream_port % 50), self.stream_port % 250);
+        if let Some(cni) = &self.cni {
+            let range = serde_json::json!({
+                "subnet": format!("{}/24", cni.host(0)),
+                "rangeEnd": cni.host(199).to_string(),
+            });
+            let routes: Vec<serde_json::Value> = config
+                .cni_routes
+                .iter()
+                .map(|r| serde_json::json!({ "dst": r.dst, "gw": cni.host(r.gateway_host).to_string() }))
+                .collect();
             let conflist = serde_json::json!({
                 "cniVersion": "0.4.0",
                 "name": "bulkhead-test",
                 "plugins": [
-                    { "type": "bridge", "bridge": format!("bkt{}", self.stream_port), "isGateway": false, "ipMasq": false,
-                      "ipam": { "type": "host-local", "ranges": [[{ "subnet": subnet }]] } },
+                    { "type": "bridge", "bridge": cni.bridge, "isGateway": false, "ipMasq": false,
+                      "ipam": { "type": "host-local", "ranges": [[range]], "routes": routes } },
                     { "type": "loopback" }
                 ]
             });
@@ -347,6 +396,10 @@ impl Drop for Containerd {
             self.remove_pods_blocking();
         }
         self.stop_daemon();
+        if let Some(cni) = &self.cni {
+            // The bridge plugin never removes its bridge; with the pods gone it is ours to remove.
+            let _ = Command::new("ip").args(["link", "del", &cni.bridge]).output();
+        }
         unmount_under(&self.dir);
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             eprintln!("harness: removing {}: {e}", self.dir.display());
@@ -417,6 +470,13 @@ mod tests {
         assert_eq!(unescape_mount_path(r"/a\040b/c"), PathBuf::from("/a b/c"));
         assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
         assert_eq!(unescape_mount_path(r"/trail\04"), PathBuf::from(r"/trail\04"));
+    }
+
+    #[test]
+    fn cni_network_is_a_slash_24_with_room_for_stand_ins() {
+        let net = CniNetwork::for_port(35335);
+        assert_eq!(net.bridge, "bkt35335");
+        assert_eq!(net.host(250), std::net::Ipv4Addr::new(10, 235, 85, 250));
     }
 
     #[test]

@@ -44,10 +44,17 @@ fn ensure(
     }
     let layer = layer(dir)?;
     let tarball = oci_layout_tar(&layer, image_name, cmd)?;
-    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    let tmp = dir.join(format!(".{}", unique(name)));
     std::fs::write(&tmp, tarball).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &out).with_context(|| format!("renaming to {}", out.display()))?;
     Ok(out)
+}
+
+/// `stem.<pid>.<n>`: a scratch name no other build shares (tests of one binary build
+/// concurrently, in one process).
+fn unique(stem: &str) -> String {
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    format!("{stem}.{}.{}", std::process::id(), SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst))
 }
 
 /// A layer with `/bin/busybox`, a symlink per applet, and the usual empty directories.
@@ -78,8 +85,8 @@ fn build_busybox_layer(_dir: &Path) -> Result<Vec<u8>> {
 
 /// A layer with a statically linked `/pause`, compiled from `images/pause.c`.
 fn build_pause_layer(dir: &Path) -> Result<Vec<u8>> {
-    let src = dir.join(format!("pause.{}.c", std::process::id()));
-    let bin = dir.join(format!("pause.{}", std::process::id()));
+    let bin = dir.join(unique("pause"));
+    let src = bin.with_extension("c");
     std::fs::write(&src, PAUSE_SOURCE)?;
     let status = Command::new("cc")
         .args(["-static", "-Os", "-o"])

@@ -9,7 +9,7 @@ pub mod containerd;
 pub mod cri;
 pub mod images;
 
-pub use containerd::{Containerd, ContainerdConfig, RuntimeHandler};
+pub use containerd::{CniNetwork, CniRoute, Containerd, ContainerdConfig, RuntimeHandler};
 pub use cri::{container_config, pod_config, Cri};
 
 use std::path::PathBuf;

@@ -1,0 +1,301 @@
+//! Pod networking end to end on the `namespace` backend (issue 10), through a private containerd
+//! and CRI: pods on the harness's CNI bridge reach each other over TCP at their PodSandboxStatus
+//! IPs (bulkhead <-> bulkhead, bulkhead <-> runc), containers get the pod's DNS config, and the
+//! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it.
+//!
+//! The metadata endpoint is a stand-in: a network namespace this test creates and attaches to the
+//! test's own bridge, holding 169.254.169.254 and a bridge address through which CNI routes
+//! 169.254.169.254/32 for the test's pods. Traffic never leaves that bridge; the namespace and its
+//! veth are deleted on drop, the bridge by the harness.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::fs::File;
+use std::io::Write;
+use std::net::{IpAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::{
+    container_config, pod_config, skip, skip_if_unready, workspace_bin, CniNetwork, CniRoute, Containerd,
+    ContainerdConfig, Cri, RuntimeHandler,
+};
+use k8s_cri::v1 as cri;
+
+/// The stand-in's host number on the pod subnet (CNI gives pods .2 to .199).
+const STANDIN_HOST: u8 = 250;
+const METADATA_IP: &str = "169.254.169.254";
+const STANDIN_REPLY: &str = "metadata-standin";
+
+struct Env {
+    containerd: Containerd,
+    cri: Cri,
+    _state_dir: tempfile::TempDir,
+    _config_dir: tempfile::TempDir,
+}
+
+/// Handlers `runc`, `bulkhead` (metadata blocked, the default) and `bulkhead-md`
+/// (`[network] allow_metadata = true`), all on one CNI bridge.
+async fn setup(test: &str) -> Result<Option<Env>> {
+    if skip_if_unready(test) {
+        return Ok(None);
+    }
+    let agent = workspace_bin("bulkhead-agent");
+    let shim = workspace_bin("containerd-shim-bulkhead-v2");
+    for bin in [&agent, &shim] {
+        if !bin.is_file() {
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
+            return Ok(None);
+        }
+    }
+    assert!(bulkhead_integration::which("ip").is_some(), "ip (iproute2) is not installed: run `make setup`");
+    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let base = format!(
+        "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+        state_dir.path().display(),
+        agent.display()
+    );
+    let blocked = config_dir.path().join("bulkhead.toml");
+    std::fs::write(&blocked, &base)?;
+    let allowed = config_dir.path().join("bulkhead-md.toml");
+    std::fs::write(&allowed, format!("{base}[network]\nallow_metadata = true\n"))?;
+    let handlers = vec![
+        RuntimeHandler::runc(),
+        RuntimeHandler::bulkhead(Some(&blocked)),
+        RuntimeHandler { name: "bulkhead-md".into(), ..RuntimeHandler::bulkhead(Some(&allowed)) },
+    ];
+    let containerd = Containerd::start(ContainerdConfig {
+        handlers,
+        cni_bridge: true,
+        cni_routes: vec![CniRoute { dst: format!("{METADATA_IP}/32"), gateway_host: STANDIN_HOST }],
+        ..Default::default()
+    })
+    .await?;
+    let cri = containerd.cri().await?;
+    Ok(Some(Env { containerd, cri, _state_dir: state_dir, _config_dir: config_dir }))
+}
+
+impl Env {
+    /// A pod-network pod config named `name`.
+    fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
+        let mut pod = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let ns = pod
+            .linux
+            .as_mut()
+            .and_then(|l| l.security_context.as_mut())
+            .and_then(|s| s.namespace_options.as_mut())
+            .context("pod config has namespace options")?;
+        ns.network = cri::NamespaceMode::Pod as i32;
+        pod.hostname = name.into();
+        Ok(pod)
+    }
+
+    /// Runs `pod` with `handler` and one started container running `command`; returns
+    /// (pod id, container id, pod IP).
+    async fn run(
+        &self,
+        pod: &cri::PodSandboxConfig,
+        handler: &str,
+        command: &[&str],
+    ) -> Result<(String, String, String)> {
+        let name = pod.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
+        let pod_id = self.cri.run_pod_sandbox(pod, handler).await.with_context(|| self.fail_context())?;
+        let ctr = self.cri.create_container(&pod_id, &container_config(&name, command), pod).await?;
+        self.cri.start_container(&ctr).await.with_context(|| self.fail_context())?;
+        let ip = self.cri.pod_sandbox_status(&pod_id).await?.network.map(|n| n.ip).unwrap_or_default();
+        if ip.is_empty() {
+            bail!("pod {name} has no IP from CNI");
+        }
+        Ok((pod_id, ctr, ip))
+    }
+
+    /// A TCP connection from container `ctr` to `ip`:`port` (busybox `nc`, 3 s connect
+    /// timeout): (exit code, what the server sent). busybox's static `wget` cannot be used: it
+    /// crashes in the resolver even for an address.
+    async fn fetch(&self, ctr: &str, ip: &str, port: u16) -> Result<(i32, String)> {
+        let out = self.cri.exec_sync(ctr, &["nc", "-w", "3", ip, &port.to_string()], 10).await?;
+        Ok((out.exit_code, String::from_utf8_lossy(&out.stdout).into_owned()))
+    }
+
+    /// Connects until the server sends `want` (it may still be starting), bounded.
+    async fn fetch_eventually(&self, ctr: &str, ip: &str, port: u16, want: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let (code, got) = self.fetch(ctr, ip, port).await?;
+            if code == 0 && got == want {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("{ip}:{port} from {ctr}: exit {code}, got {got:?}; want {want:?}\n{}", self.fail_context());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn fail_context(&self) -> String {
+        format!("containerd log tail:\n{}", self.containerd.log_tail(30))
+    }
+}
+
+/// A container answering every TCP connection on port 8080 with `pong-<name>\n`.
+fn server(name: &str) -> Vec<String> {
+    ["nc", "-ll", "-p", "8080", "-e", "echo", &format!("pong-{name}")].map(String::from).to_vec()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[tokio::test]
+async fn pods_reach_each_other_over_tcp_and_see_the_pod_dns() -> Result<()> {
+    let Some(env) = setup("pods_reach_each_other_over_tcp_and_see_the_pod_dns").await? else { return Ok(()) };
+    let mut a_pod = env.pod("net-a")?;
+    a_pod.dns_config = Some(cri::DnsConfig {
+        servers: vec!["10.96.0.10".into()],
+        searches: vec!["default.svc.cluster.local".into(), "svc.cluster.local".into()],
+        options: vec!["ndots:5".into()],
+    });
+    let (_, a, a_ip) = env.run(&a_pod, "bulkhead", &strs(&server("a"))).await?;
+    let (_, b, b_ip) = env.run(&env.pod("net-b")?, "bulkhead", &strs(&server("b"))).await?;
+    let (_, r, r_ip) = env.run(&env.pod("net-r")?, "runc", &strs(&server("r"))).await?;
+
+    // bulkhead <-> bulkhead, bulkhead <-> runc, at the addresses CRI reports.
+    env.fetch_eventually(&a, &b_ip, 8080, "pong-b\n").await?;
+    env.fetch_eventually(&b, &a_ip, 8080, "pong-a\n").await?;
+    env.fetch_eventually(&a, &r_ip, 8080, "pong-r\n").await?;
+    env.fetch_eventually(&r, &a_ip, 8080, "pong-a\n").await?;
+
+    // The container sees the pod's DNS config (served by the agent from SetupSandbox).
+    let out = env.cri.exec_sync(&a, &["cat", "/etc/resolv.conf"], 10).await?;
+    let resolv = String::from_utf8_lossy(&out.stdout);
+    assert!(resolv.contains("nameserver 10.96.0.10"), "{resolv}");
+    assert!(resolv.contains("search default.svc.cluster.local svc.cluster.local"), "{resolv}");
+    assert!(resolv.contains("options ndots:5"), "{resolv}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn metadata_endpoint_is_blocked_unless_allowed() -> Result<()> {
+    let Some(env) = setup("metadata_endpoint_is_blocked_unless_allowed").await? else { return Ok(()) };
+    let want = format!("{STANDIN_REPLY}\n");
+    let sleep = ["sleep", "3600"];
+    // The control pod first: CNI makes the bridge the stand-in attaches to.
+    let (_, control, _) = env.run(&env.pod("md-control")?, "runc", &sleep).await?;
+    let standin = MetadataStandIn::start(env.containerd.cni_network().context("CNI bridge")?)?;
+    env.fetch_eventually(&control, METADATA_IP, 80, &want).await.context("runc control pod")?;
+
+    let (_, blocked, blocked_ip) = env.run(&env.pod("md-blocked")?, "bulkhead", &sleep).await?;
+    let (code, got) = env.fetch(&blocked, METADATA_IP, 80).await?;
+    assert!(code != 0 && got.is_empty(), "a bulkhead pod reached the metadata endpoint: exit {code}, {got:?}");
+    let peers = standin.peers();
+    assert!(!peers.contains(&blocked_ip.parse::<IpAddr>()?), "the stand-in saw {blocked_ip}: {peers:?}");
+
+    let (_, allowed, _) = env.run(&env.pod("md-allowed")?, "bulkhead-md", &sleep).await?;
+    env.fetch_eventually(&allowed, METADATA_IP, 80, &want).await.context("allow_metadata = true")?;
+    Ok(())
+}
+
+/// The stand-in metadata endpoint: a namespace of the test's own on the CNI bridge, with a TCP
+/// listener on 169.254.169.254:80 that answers every connection and records who connected.
+struct MetadataStandIn {
+    netns: String,
+    host_end: String,
+    stop: Arc<AtomicBool>,
+    server: Option<std::thread::JoinHandle<()>>,
+    peers: Arc<Mutex<Vec<IpAddr>>>,
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip").args(args).output().context("running ip")?;
+    if !out.status.success() {
+        bail!("ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+impl MetadataStandIn {
+    fn start(cni: &CniNetwork) -> Result<Self> {
+        let pid = std::process::id();
+        let mut standin = Self {
+            netns: format!("bhmd-{pid}"),
+            host_end: format!("bhmd{}", pid % 1_000_000),
+            stop: Arc::new(AtomicBool::new(false)),
+            server: None,
+            peers: Arc::default(),
+        };
+        ip(&["netns", "add", &standin.netns])?;
+        let ns = standin.netns.clone();
+        ip(&["link", "add", &standin.host_end, "type", "veth", "peer", "name", "md0", "netns", &ns])?;
+        ip(&["link", "set", &standin.host_end, "master", &cni.bridge, "up"])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", &ns, "link", "set", "md0", "up"])?;
+        ip(&["-n", &ns, "addr", "add", &format!("{METADATA_IP}/32"), "dev", "md0"])?;
+        ip(&["-n", &ns, "addr", "add", &format!("{}/24", cni.host(STANDIN_HOST)), "dev", "md0"])?;
+
+        let handle = File::open(PathBuf::from("/run/netns").join(&ns))?;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop, peers) = (standin.stop.clone(), standin.peers.clone());
+        standin.server = Some(std::thread::spawn(move || serve(handle, ready_tx, stop, peers)));
+        ready_rx.recv_timeout(Duration::from_secs(5)).context("stand-in listener")??;
+        Ok(standin)
+    }
+
+    fn peers(&self) -> Vec<IpAddr> {
+        self.peers.lock().unwrap().clone()
+    }
+}
+
+/// The listener thread: joins the stand-in's namespace (this thread only), answers every
+/// connection with a fixed line until told to stop.
+fn serve(
+    netns: File,
+    ready: std::sync::mpsc::Sender<Result<()>>,
+    stop: Arc<AtomicBool>,
+    peers: Arc<Mutex<Vec<IpAddr>>>,
+) {
+    // SAFETY: setns on a namespace fd we hold; it changes only this thread.
+    if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        let _ = ready.send(Err(std::io::Error::last_os_error().into()));
+        return;
+    }
+    let listener = match TcpListener::bind((METADATA_IP, 80)).and_then(|l| l.set_nonblocking(true).map(|()| l)) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    while !stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((mut conn, peer)) => {
+                peers.lock().unwrap().push(peer.ip());
+                let _ = conn.set_nonblocking(false);
+                let _ = conn.write_all(format!("{STANDIN_REPLY}\n").as_bytes());
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+impl Drop for MetadataStandIn {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(server) = self.server.take() {
+            let _ = server.join();
+        }
+        // Deleting either end of a veth deletes both.
+        let _ = Command::new("ip").args(["link", "del", &self.host_end]).output();
+        if let Err(e) = ip(&["netns", "del", &self.netns]) {
+            eprintln!("warning: {e}");
+        }
+    }
+}
