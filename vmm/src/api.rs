@@ -56,6 +56,8 @@ impl VmController {
     /// The answer to `req`, and the stop it asks for, to signal once the client has the answer
     /// (the process may end as soon as the event loop sees it).
     pub fn handle(&self, req: Request) -> (Response, Option<ExitReason>) {
+        #[cfg(debug_assertions)]
+        crate::crash::probe::on_api_request();
         if req == Request::Shutdown {
             return (Response::ok(), Some(ExitReason::ApiShutdown));
         }
