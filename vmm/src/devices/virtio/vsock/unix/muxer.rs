@@ -79,8 +79,11 @@ pub struct VsockMuxer {
 struct MuxerLogs {
     /// Guest packets that are dropped or reset a connection (wrong CIDs, wrong state).
     guest_packets: LogThrottle,
-    /// Guest connects that did not reach a host listener.
-    connects: LogThrottle,
+    /// Guest connects to a port nobody listens on (or that fail outright).
+    connects_refused: LogThrottle,
+    /// Guest connects refused or reset for want of room: too many connections, a busy host
+    /// listener that did not take one in time, too many waiting for busy listeners.
+    connects_busy: LogThrottle,
     /// Connections reset because a side failed (host write error, guest credit overrun).
     resets: LogThrottle,
     /// Host clients refused (too many, bad CONNECT line, silent).
@@ -376,12 +379,12 @@ impl VsockMuxer {
             }
             Ok(Attempt::Busy) if now < deadline => {}
             Ok(Attempt::Busy) => {
-                throttled!(self.logs.connects, warn, path = %path.display(),
+                throttled!(self.logs.connects_busy, warn, path = %path.display(),
                     "vsock: host listener did not take the guest's connection in time; resetting it");
                 self.kill(key, true);
             }
             Err(e) => {
-                throttled!(self.logs.connects, info, path = %path.display(), error = %e,
+                throttled!(self.logs.connects_refused, info, path = %path.display(), error = %e,
                     "vsock: guest connection refused while waiting for the host listener");
                 self.kill(key, true);
             }
@@ -486,7 +489,7 @@ impl VsockMuxer {
         let key = (hdr.dst_port, hdr.src_port);
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
             throttled!(
-                self.logs.connects,
+                self.logs.connects_busy,
                 warn,
                 port = hdr.dst_port,
                 connections = self.conns.len(),
@@ -504,14 +507,14 @@ impl VsockMuxer {
                 (s, ConnState::HostConnecting { deadline: Instant::now() + HOST_CONNECT_TIMEOUT })
             }
             Ok((_, Attempt::Busy)) => {
-                throttled!(self.logs.connects, warn, path = %path.display(), waiting = self.connecting,
+                throttled!(self.logs.connects_busy, warn, path = %path.display(), waiting = self.connecting,
                     "vsock: host listener is busy and too many guest connects wait for one; refusing");
                 let rst = self.rst_for(hdr);
                 self.push_control(rst);
                 return;
             }
             Err(e) => {
-                throttled!(self.logs.connects, info, path = %path.display(), error = %e,
+                throttled!(self.logs.connects_refused, info, path = %path.display(), error = %e,
                     "vsock: guest connection refused (no host listener)");
                 let rst = self.rst_for(hdr);
                 self.push_control(rst);
