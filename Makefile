@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt fuzz initramfs kernel clean help
+.PHONY: all setup build test demo bench lint fmt fuzz fuzz-smoke initramfs kernel clean help
 
 all: build
 
@@ -17,6 +17,7 @@ help:
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
 	@echo "make bench  - micro-benchmarks and the CRI pod-start benchmark against runc"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
+	@echo "make fuzz-smoke - every fuzz target for 30 s (make fuzz: FUZZ_TIME s each, default 60)"
 
 setup:
 	@scripts/setup.sh
@@ -65,6 +66,10 @@ fuzz:
 			| grep -E '^(Done|==[0-9]+==|SUMMARY|thread|Failing input|Reproduce with)|artifacts/'; \
 		test $${PIPESTATUS[0]} -eq 0 || exit 1; \
 	done
+
+# A quick pass over every fuzz target (not part of `make test`).
+fuzz-smoke:
+	@$(MAKE) --no-print-directory fuzz FUZZ_TIME=30
 
 clean:
 	$(CARGO) clean

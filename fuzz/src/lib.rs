@@ -807,3 +807,75 @@ pub fn snapshot_state(data: &[u8]) {
         assert!(state_file::decode(&again, FUZZ_CPU).is_ok(), "re-encoded state does not decode");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// VMM: the API socket's request handling.
+
+/// The snapshot a prepared VMM holds in the `api_request` target: vsock, a disk, a virtio-fs
+/// and a net device, so a `restore`'s run settings have something to fit.
+fn api_saved_config() -> bulkhead_vmm::config::ValidConfig {
+    use bulkhead_vmm::config::{BootSource, FsConfig, RawFormat, RawGuestConfig, ValidConfig, VsockConfig};
+    ValidConfig {
+        boot: BootSource::Raw(RawGuestConfig { image: "/g".into(), format: RawFormat::Elf, load_addr: 0x10_0000 }),
+        vcpus: 1,
+        mem_bytes: 32 << 20,
+        serial_log: None,
+        vsock: Some(VsockConfig { uds_path: "/run/v.sock".into(), guest_cid: GUEST_CID }),
+        block: vec![BlockConfig { path: "/snap/disk".into(), read_only: true }],
+        fs: vec![FsConfig { tag: "rootfs".into(), socket: "/run/fs.sock".into(), queue_size: 1024 }],
+        net: vec![NetConfig { tap: "tap0".into(), mac: "02:00:00:00:00:01".into(), mtu: None, rate_limiter: None }],
+        api_socket: None,
+    }
+}
+
+/// The API socket's request handling, as a client's bytes arrive (the first byte picks the read
+/// size): cut into bounded lines, each answered by a running VM's controller (no vCPUs, no
+/// snapshotter, so nothing blocks) and decided on by a prepared VMM, whose `restore` run settings
+/// are checked against a saved config. Every line gets exactly one answer line that a client's
+/// parser accepts within its limit; only `shutdown` stops the VM.
+pub fn api_request(data: &[u8]) {
+    use bulkhead_vmm::api::{prepared_request, PreparedRequest, RequestLines, VmController};
+    use bulkhead_vmm::builder::restored_config;
+    use bulkhead_vmm::exit::{ExitReason, ExitSignal};
+    use bulkhead_vmm::vcpu::VcpuControl;
+    use bulkhead_vmm_api::api::{parse_request, parse_response, Request, MAX_RESPONSE_LINE};
+
+    let Some((&mode, rest)) = data.split_first() else { return };
+    let Ok(exit) = ExitSignal::new() else { return };
+    let controller = VmController {
+        control: Arc::new(VcpuControl::new()),
+        exit: Arc::new(exit),
+        vcpus: 0,
+        mem_mib: 32,
+        irqchip: true,
+        start_unix_ns: 1,
+        snapshots: None,
+        restore: None,
+    };
+    let saved = api_saved_config();
+    let mut lines = RequestLines::default();
+    for piece in rest.chunks(usize::from(mode % 64) + 1) {
+        lines.push(piece);
+        while let Some(line) = lines.next_line() {
+            let (answer, stop) = controller.answer_line(&line);
+            assert!(answer.len() <= MAX_RESPONSE_LINE && answer.ends_with(b"\n"), "answer of {} bytes", answer.len());
+            let response = parse_response(&answer[..answer.len() - 1]).expect("an answer the client parses");
+            let shutdown = parse_request(&line) == Ok(Request::Shutdown);
+            assert_eq!(stop, shutdown.then_some(ExitReason::ApiShutdown), "only `shutdown` stops the VM");
+            assert!(!shutdown || response.ok);
+            match prepared_request(&line, lines.pending() > 0) {
+                PreparedRequest::Restore(run) => {
+                    if let Ok(cfg) = restored_config(&saved, &run) {
+                        assert_eq!((cfg.net.len(), cfg.fs.len(), cfg.vcpus), (1, 1, 1), "the snapshot's shape");
+                        assert!(cfg.vsock.is_some_and(|v| Some(v.uds_path) == run.vsock_uds_path));
+                    }
+                }
+                PreparedRequest::Answer(r) => assert!(!r.ok, "a prepared VMM only refuses at once"),
+                PreparedRequest::Info | PreparedRequest::Shutdown => {}
+            }
+        }
+        if lines.overlong() {
+            return;
+        }
+    }
+}

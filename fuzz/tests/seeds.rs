@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 11] = [
+const BODIES: [(&str, Body); 12] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -18,6 +18,7 @@ const BODIES: [(&str, Body); 11] = [
     ("snapshot_state", bulkhead_fuzz::snapshot_state),
     ("net_packet", bulkhead_fuzz::net_packet),
     ("virtio_net", bulkhead_fuzz::virtio_net),
+    ("api_request", bulkhead_fuzz::api_request),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -32,6 +33,23 @@ fn seeds() -> Vec<Vec<u8>> {
         // snapshot_state: a valid sample state as is, and with one byte of its body changed.
         vec![2],
         vec![5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+        // api_request: read 8 bytes at a time; every request kind, a restore that fits, junk.
+        [
+            &b"\x07"[..],
+            br#"{"cmd":"info"}"#,
+            b"\n",
+            br#"{"cmd":"pause"}"#,
+            b"\n",
+            br#"{"cmd":"resume"}"#,
+            b"\n",
+            br#"{"cmd":"snapshot","dir":"/tmp/s"}"#,
+            b"\n",
+            br#"{"cmd":"restore","config":{"vsock_uds_path":"/r/v.sock","net_taps":["tap1"],"fs_sockets":["/r/f"]}}"#,
+            b"\n\xff\x00\n",
+            br#"{"cmd":"shutdown"}"#,
+            b"\n",
+        ]
+        .concat(),
     ];
     s.push(StreamHeader::new("ctr", Some("exec-1"), StreamKind::Tty).encode().expect("valid header"));
     s

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{
-    encode_line, parse_request, Request, Response, RestoreReport, RunState, SnapshotReport, VmInfo, MAX_REQUEST_LINE,
+    encode_line, parse_request, MessageError, Request, Response, RestoreReport, RunState, SnapshotReport, VmInfo,
+    MAX_REQUEST_LINE,
 };
 use bulkhead_vmm_api::restore::RestoreConfig;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
@@ -53,9 +54,20 @@ pub struct VmController {
 }
 
 impl VmController {
+    /// The encoded answer to one request line (without its newline), and the stop it asks for.
+    pub fn answer_line(&self, line: &[u8]) -> (Vec<u8>, Option<ExitReason>) {
+        let (resp, stop) = match parse_request(line) {
+            Ok(req) => self.handle(req),
+            Err(e) => (malformed(&e), None),
+        };
+        (encode_line(&resp), stop)
+    }
+
     /// The answer to `req`, and the stop it asks for, to signal once the client has the answer
     /// (the process may end as soon as the event loop sees it).
     pub fn handle(&self, req: Request) -> (Response, Option<ExitReason>) {
+        #[cfg(debug_assertions)]
+        crate::crash::probe::on_api_request();
         if req == Request::Shutdown {
             return (Response::ok(), Some(ExitReason::ApiShutdown));
         }
@@ -136,7 +148,39 @@ impl ApiEndpoint {
 
 struct Client {
     stream: UnixStream,
+    lines: RequestLines,
+}
+
+/// A client's bytes cut into request lines. Bounded: once more than [`MAX_REQUEST_LINE`] bytes
+/// wait without a newline, the client is dropped.
+#[derive(Debug, Default)]
+pub struct RequestLines {
     buf: Vec<u8>,
+}
+
+impl RequestLines {
+    /// Adds bytes the client sent.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete line, without its newline.
+    pub fn next_line(&mut self) -> Option<Vec<u8>> {
+        let pos = self.buf.iter().position(|&b| b == b'\n')?;
+        let mut line: Vec<u8> = self.buf.drain(..=pos).collect();
+        line.pop();
+        Some(line)
+    }
+
+    /// Bytes already received after the last complete line.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The client sent an overlong line: drop it.
+    pub fn overlong(&self) -> bool {
+        self.buf.len() > MAX_REQUEST_LINE
+    }
 }
 
 struct ApiServer {
@@ -165,7 +209,7 @@ impl ApiServer {
         if let Some(stream) = first {
             stream.set_read_timeout(Some(IO_TIMEOUT))?;
             stream.set_write_timeout(Some(IO_TIMEOUT))?;
-            clients.insert(stream.as_raw_fd(), Client { stream, buf: Vec::new() });
+            clients.insert(stream.as_raw_fd(), Client { stream, lines: RequestLines::default() });
         }
         Ok(Self { listener, clients, controller })
     }
@@ -180,7 +224,7 @@ impl ApiServer {
             let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
             let fd = stream.as_raw_fd();
             if ops.add(Events::new(&stream, EventSet::IN)).is_ok() {
-                self.clients.insert(fd, Client { stream, buf: Vec::new() });
+                self.clients.insert(fd, Client { stream, lines: RequestLines::default() });
             }
         }
     }
@@ -193,14 +237,10 @@ impl ApiServer {
             Ok(0) | Err(_) => return false,
             Ok(n) => n,
         };
-        client.buf.extend_from_slice(&chunk[..n]);
-        while let Some(pos) = client.buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = client.buf.drain(..=pos).collect();
-            let (resp, stop) = match parse_request(&line[..line.len() - 1]) {
-                Ok(req) => self.controller.handle(req),
-                Err(e) => (Response::error(e.to_string()), None),
-            };
-            let written = client.stream.write_all(&encode_line(&resp));
+        client.lines.push(&chunk[..n]);
+        while let Some(line) = client.lines.next_line() {
+            let (answer, stop) = self.controller.answer_line(&line);
+            let written = client.stream.write_all(&answer);
             if let Some(reason) = stop {
                 self.controller.exit.signal(reason);
             }
@@ -208,7 +248,7 @@ impl ApiServer {
                 return false;
             }
         }
-        client.buf.len() <= MAX_REQUEST_LINE
+        !client.lines.overlong()
     }
 }
 
@@ -261,6 +301,49 @@ impl MutEventSubscriber for ApiServer {
             }
         }
     }
+}
+
+/// What a prepared VMM does with one request line.
+#[derive(Debug)]
+pub enum PreparedRequest {
+    /// Answered at once (refused or malformed).
+    Answer(Response),
+    Info,
+    /// To check against the snapshot, then hand to the main thread.
+    Restore(RestoreConfig),
+    Shutdown,
+}
+
+/// Decides what a prepared VMM does with `line` (without its newline); `more_pending` says the
+/// client already sent bytes after it, which a `restore` must not have (its answer comes first).
+pub fn prepared_request(line: &[u8], more_pending: bool) -> PreparedRequest {
+    match parse_request(line) {
+        Ok(Request::Restore { config }) if !more_pending => PreparedRequest::Restore(config),
+        Ok(Request::Restore { .. }) => {
+            PreparedRequest::Answer(Response::error("send nothing after `restore` before its answer"))
+        }
+        Ok(Request::Info) => PreparedRequest::Info,
+        Ok(Request::Shutdown) => PreparedRequest::Shutdown,
+        Ok(_) => PreparedRequest::Answer(Response::error("this VMM is prepared and waits for `restore`")),
+        Err(e) => PreparedRequest::Answer(malformed(&e)),
+    }
+}
+
+/// The answer to a line that is not a request. The parser's message may quote the line (an
+/// unknown command, say), and JSON escaping can make that up to six times longer: bounded, so
+/// the answer always fits a client's response limit.
+fn malformed(e: &MessageError) -> Response {
+    const MAX_ERROR_TEXT: usize = 512;
+    let mut text = e.to_string();
+    if text.len() > MAX_ERROR_TEXT {
+        let mut end = MAX_ERROR_TEXT;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("...");
+    }
+    Response::error(text)
 }
 
 /// What a prepared VMM's API thread tells the main thread.
@@ -379,25 +462,20 @@ impl<C: Fn(&RestoreConfig) -> Result<(), String>> PreparedServer<C> {
             {
                 continue;
             }
-            let mut buf = Vec::new();
+            let mut lines = RequestLines::default();
             'client: loop {
                 let mut chunk = [0u8; 1024];
                 let n = match client.read(&mut chunk) {
                     Ok(0) | Err(_) => break 'client,
                     Ok(n) => n,
                 };
-                buf.extend_from_slice(&chunk[..n]);
-                while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-                    let line: Vec<u8> = buf.drain(..=pos).collect();
-                    let step = match parse_request(&line[..line.len() - 1]) {
-                        Ok(Request::Restore { config }) if buf.is_empty() => self.restore(config),
-                        Ok(Request::Restore { .. }) => {
-                            answer(Response::error("send nothing after `restore` before its answer"))
-                        }
-                        Ok(Request::Info) => answer(Response { info: Some(self.info.clone()), ..Response::ok() }),
-                        Ok(Request::Shutdown) => Step::Stop,
-                        Ok(_) => answer(Response::error("this VMM is prepared and waits for `restore`")),
-                        Err(e) => answer(Response::error(e.to_string())),
+                lines.push(&chunk[..n]);
+                while let Some(line) = lines.next_line() {
+                    let step = match prepared_request(&line, lines.pending() > 0) {
+                        PreparedRequest::Answer(response) => answer(response),
+                        PreparedRequest::Info => answer(Response { info: Some(self.info.clone()), ..Response::ok() }),
+                        PreparedRequest::Restore(config) => self.restore(config),
+                        PreparedRequest::Shutdown => Step::Stop,
                     };
                     match step {
                         Step::Answer(line) => {
@@ -416,7 +494,7 @@ impl<C: Fn(&RestoreConfig) -> Result<(), String>> PreparedServer<C> {
                         }
                     }
                 }
-                if buf.len() > MAX_REQUEST_LINE {
+                if lines.overlong() {
                     break 'client;
                 }
             }
@@ -483,6 +561,43 @@ mod tests {
         // No vCPU threads exist, so a pause cannot be acknowledged.
         assert!(!c.control.pause(1, Duration::from_millis(20)));
         c.control.resume();
+    }
+
+    #[test]
+    fn request_lines_are_cut_bounded_and_every_line_gets_an_answer() {
+        let mut lines = RequestLines::default();
+        lines.push(b"{\"cmd\":\"info\"}\n\xff\n{\"cmd\":");
+        let c = VmController {
+            control: Arc::new(VcpuControl::new()),
+            exit: Arc::new(ExitSignal::new().unwrap()),
+            vcpus: 0,
+            mem_mib: 64,
+            irqchip: true,
+            start_unix_ns: 5,
+            snapshots: None,
+            restore: None,
+        };
+        let answers: Vec<Response> = std::iter::from_fn(|| lines.next_line())
+            .map(|line| {
+                let (answer, stop) = c.answer_line(&line);
+                assert_eq!((answer.last(), stop), (Some(&b'\n'), None));
+                bulkhead_vmm_api::api::parse_response(&answer[..answer.len() - 1]).unwrap()
+            })
+            .collect();
+        assert_eq!(answers.iter().map(|a| a.ok).collect::<Vec<_>>(), [true, false], "info, then a malformed line");
+        assert_eq!(lines.pending(), 7);
+        assert!(!lines.overlong());
+        lines.push(&[b' '; MAX_REQUEST_LINE]);
+        assert!(lines.overlong(), "no newline within the limit");
+        assert!(matches!(prepared_request(br#"{"cmd":"restore","config":{}}"#, true), PreparedRequest::Answer(_)));
+        assert!(matches!(prepared_request(br#"{"cmd":"restore","config":{}}"#, false), PreparedRequest::Restore(_)));
+        assert!(matches!(prepared_request(br#"{"cmd":"pause"}"#, false), PreparedRequest::Answer(r) if !r.ok));
+        // An unknown command of control characters: the error quotes it, escaped six times longer.
+        let mut evil = br#"{"cmd":""#.to_vec();
+        evil.extend(std::iter::repeat_n(1u8, MAX_REQUEST_LINE - 20));
+        evil.extend_from_slice(br#""}"#);
+        let (answer, _) = c.answer_line(&evil);
+        assert!(answer.len() < 1024, "{} bytes", answer.len());
     }
 
     fn call(stream: &mut UnixStream, line: &str) -> Response {

@@ -340,6 +340,11 @@ fn build_devices(
     };
     let i8042 = Arc::new(Mutex::new(i8042));
     pio.insert(i8042.clone(), I8042_PORT, I8042_PORT_LEN)?;
+    #[cfg(debug_assertions)]
+    if let Some((port, watcher)) = crate::crash::probe::devices().map_err(dev_err("panic probe"))? {
+        pio.insert(port, crate::crash::probe::PROBE_PORT, 1)?;
+        subscribers.push(watcher);
+    }
 
     // Virtio devices, one MMIO slot each: block devices first, then vsock, fs, net.
     let mut virtio = VirtioSlots::new(saved.map(|s| s.virtio.as_slice()));

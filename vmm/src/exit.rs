@@ -20,13 +20,18 @@ pub enum ExitReason {
     },
     /// The API thread could not start or keep serving.
     ApiFailed(String),
+    /// A VMM thread panicked (`crash.rs`): which, where and what it said.
+    Panicked(String),
 }
 
 impl ExitReason {
     /// Process exit status: 0 for every orderly stop, 1 when the guest crashed or a VMM thread failed.
     pub fn exit_code(&self) -> i32 {
         match self {
-            ExitReason::VcpuError { .. } | ExitReason::ApiFailed(_) | ExitReason::GuestTripleFault => 1,
+            ExitReason::VcpuError { .. }
+            | ExitReason::ApiFailed(_)
+            | ExitReason::GuestTripleFault
+            | ExitReason::Panicked(_) => 1,
             _ => 0,
         }
     }
@@ -42,10 +47,15 @@ impl ExitSignal {
         Ok(Self { reason: Mutex::new(None), evt: EventFd::new(libc::EFD_NONBLOCK)? })
     }
 
-    /// Records `reason` unless an earlier reason won, and wakes the main loop.
+    /// Records `reason` unless an earlier reason won, and wakes the main loop. A panic wins over
+    /// an orderly stop that came first: the process must not exit 0 after a bug.
     pub fn signal(&self, reason: ExitReason) {
         let mut r = crate::devices::bus::lock(&self.reason);
-        if r.is_none() {
+        let replaces = match r.as_ref() {
+            None => true,
+            Some(earlier) => matches!(reason, ExitReason::Panicked(_)) && earlier.exit_code() == 0,
+        };
+        if replaces {
             *r = Some(reason);
         }
         let _ = self.evt.write(1);

@@ -16,6 +16,7 @@ use clap::Parser;
 use bulkhead_vmm::api::{self, bind_api_socket, prepared_info, ApiEndpoint, PreparedApi, PreparedEvent};
 use bulkhead_vmm::builder::{self, restored_config};
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::crash;
 use bulkhead_vmm::exit::ExitReason;
 use bulkhead_vmm::jail::{self, Jailed};
 use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
@@ -63,12 +64,23 @@ fn main() {
         std::process::exit(probe());
     }
     init_logging(args.log_json);
-    log_panics_without_backtrace();
-    match run(args, start) {
-        Ok(code) => std::process::exit(code),
-        Err(e) => {
+    if let Err(e) = crash::install_hook() {
+        eprintln!("bulkhead-vmm: error: cannot install the panic hook: {e}");
+        std::process::exit(1);
+    }
+    // A panic on this thread (the event loop, once the VM runs) unwinds to here; other threads'
+    // panics stop the VM through the event loop (`crash.rs`).
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(args, start))) {
+        Ok(Ok(code)) => std::process::exit(code),
+        Ok(Err(e)) => {
             tracing::error!("{e:#}");
             eprintln!("bulkhead-vmm: error: {e:#}");
+            std::process::exit(1);
+        }
+        Err(_) => {
+            let why = crash::report().unwrap_or("the main thread panicked");
+            tracing::error!(reason = why, "VM failed");
+            eprintln!("bulkhead-vmm: VM failed: {why}");
             std::process::exit(1);
         }
     }
@@ -224,8 +236,10 @@ fn wait_for_restore(api: &PreparedApi, signal_fd: &OwnedFd) -> anyhow::Result<Wa
         let mut fds = [
             libc::pollfd { fd: api.wake_fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: signal_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            // The API thread panicked (-1: no hook, poll skips it).
+            libc::pollfd { fd: crash::wake_fd().unwrap_or(-1), events: libc::POLLIN, revents: 0 },
         ];
-        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
+        // SAFETY: fds is a valid array of pollfd for the duration of the call.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
@@ -237,6 +251,9 @@ fn wait_for_restore(api: &PreparedApi, signal_fd: &OwnedFd) -> anyhow::Result<Wa
         if fds[1].revents != 0 {
             tracing::info!("termination signal while prepared; shutting down");
             return Ok(Waited::Stop(ExitReason::Signal(libc::SIGTERM)));
+        }
+        if let Some(reason) = crash::reason() {
+            return Ok(Waited::Stop(reason));
         }
         for event in api.events() {
             match event {
@@ -252,15 +269,6 @@ fn wait_for_restore(api: &PreparedApi, signal_fd: &OwnedFd) -> anyhow::Result<Wa
             }
         }
     }
-}
-
-/// Panics are logged without a backtrace: capturing one reads the binary from disk, which the
-/// seccomp filters forbid, so the default hook would turn a panic into SIGSYS.
-fn log_panics_without_backtrace() {
-    std::panic::set_hook(Box::new(|info| {
-        let thread = std::thread::current();
-        tracing::error!(thread = thread.name().unwrap_or("unnamed"), "thread panicked: {info}");
-    }));
 }
 
 fn init_logging(json: bool) {

@@ -1,7 +1,6 @@
 //! vCPU setup and the per-vCPU thread: KVM_RUN, exit dispatch to the buses, pause/resume, and
 //! saving a parked vCPU's state for a snapshot (only the owning thread may touch its `VcpuFd`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -12,6 +11,7 @@ use crate::arch::{cpuid, msr, regs};
 use crate::boot::EntryPoint;
 use crate::devices::bus::{lock, Bus};
 use crate::exit::{ExitReason, ExitSignal};
+use crate::log_throttle::LogThrottle;
 use crate::snapshot::kvm::{restore_vcpu, save_vcpu, KvmStateError};
 use crate::snapshot::state::VcpuState;
 
@@ -45,6 +45,9 @@ struct Shared {
 pub struct VcpuControl {
     shared: Mutex<Shared>,
     cvar: Condvar,
+    /// The vCPU threads a pause may kick. Each thread lists itself while it runs (a
+    /// [`KickRegistration`]) and leaves before it ends, under this lock, which the kicks hold: a
+    /// kick never reaches a thread that has exited (`pthread_kill` on one is undefined behaviour).
     threads: Mutex<Vec<libc::pthread_t>>,
     /// Wall-clock ns of the first KVM_RUN (for the start-latency bench).
     pub first_run_unix_ns: OnceLock<u64>,
@@ -81,8 +84,18 @@ impl VcpuControl {
         self.lock().state
     }
 
-    pub fn register_thread(&self, t: libc::pthread_t) {
-        lock(&self.threads).push(t);
+    /// Lists the calling thread for kicks until the returned guard drops (at the end of the
+    /// thread's work, or while it unwinds from a panic).
+    pub fn register_current(self: &Arc<Self>) -> KickRegistration {
+        // SAFETY: pthread_self has no preconditions and always succeeds.
+        let thread = unsafe { libc::pthread_self() };
+        lock(&self.threads).push(thread);
+        KickRegistration { control: Arc::clone(self), thread }
+    }
+
+    /// How many threads a pause would kick now.
+    pub fn kickable(&self) -> usize {
+        lock(&self.threads).len()
     }
 
     /// Stops every vCPU outside KVM_RUN. Returns false if they did not all park in time.
@@ -95,7 +108,8 @@ impl VcpuControl {
             }
             // A kick can land just before KVM_RUN and be lost, so keep kicking until parked.
             for t in lock(&self.threads).iter() {
-                // SAFETY: t is a live vCPU thread of this process; the signal has a handler.
+                // SAFETY: t is listed, so its thread has not left its work yet and cannot end
+                // while we hold the lock (its registration's drop takes it); the signal has a handler.
                 unsafe { libc::pthread_kill(*t, kick_signal()) };
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -156,6 +170,18 @@ impl VcpuControl {
     }
 }
 
+/// A vCPU thread's place in the kick list; dropping it takes the thread off.
+pub struct KickRegistration {
+    control: Arc<VcpuControl>,
+    thread: libc::pthread_t,
+}
+
+impl Drop for KickRegistration {
+    fn drop(&mut self) {
+        lock(&self.control.threads).retain(|t| *t != self.thread);
+    }
+}
+
 impl Default for VcpuControl {
     fn default() -> Self {
         Self::new()
@@ -195,9 +221,8 @@ enum Step {
     Stop(ExitReason),
 }
 
-/// Unknown-MMIO warnings are rate limited so a hostile guest cannot flood the log.
-static UNKNOWN_MMIO: AtomicU64 = AtomicU64::new(0);
-const UNKNOWN_MMIO_LOUD: u64 = 32;
+/// Unknown-MMIO warnings, throttled across the vCPUs so a hostile guest cannot flood the log.
+static UNKNOWN_MMIO: Mutex<LogThrottle> = Mutex::new(LogThrottle::new());
 
 impl Vcpu {
     pub fn new(fd: VcpuFd, id: u8, features: VcpuFeatures, shared: VcpuShared) -> Self {
@@ -236,9 +261,11 @@ impl Vcpu {
         restore_vcpu(&self.fd, state)
     }
 
-    /// Runs until the VM stops; reports why through the exit signal.
+    /// Runs until the VM stops; reports why through the exit signal. Call on the vCPU's own
+    /// thread: pauses kick it from now until it returns.
     pub fn run(mut self) {
         let shared = self.shared.clone();
+        let _kickable = shared.control.register_current();
         loop {
             if shared.control.state() == RunState::Paused {
                 self.park();
@@ -341,17 +368,15 @@ impl Vcpu {
 }
 
 fn unknown_mmio(vcpu: u8, op: &str, addr: u64, len: usize) {
-    let n = UNKNOWN_MMIO.fetch_add(1, Ordering::Relaxed);
-    if n < UNKNOWN_MMIO_LOUD || n.is_multiple_of(10_000) {
-        tracing::warn!(
-            vcpu,
-            op,
-            addr = format_args!("{addr:#x}"),
-            len,
-            count = n + 1,
-            "guest accessed unknown MMIO address"
-        );
-    }
+    crate::throttled!(
+        *lock(&UNKNOWN_MMIO),
+        warn,
+        vcpu,
+        op,
+        addr = format_args!("{addr:#x}"),
+        len,
+        "guest accessed unknown MMIO address"
+    );
 }
 
 pub fn unix_ns() -> u64 {
@@ -387,6 +412,60 @@ pub fn install_kick_handler() -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vcpu_thread_leaves_the_kick_list_when_it_ends_even_by_panicking() {
+        let c = Arc::new(VcpuControl::new());
+        let seen = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let _r = c.register_current();
+                c.kickable()
+            })
+        };
+        assert_eq!(seen.join().unwrap(), 1, "listed while it runs");
+        assert_eq!(c.kickable(), 0, "gone once it returned");
+        let c2 = c.clone();
+        let panicked = std::thread::spawn(move || {
+            let _r = c2.register_current();
+            panic!("a vCPU thread panics");
+        });
+        assert!(panicked.join().is_err());
+        assert_eq!(c.kickable(), 0, "gone once it unwound");
+        // A pause with every vCPU thread gone kicks nothing and reports the failure in time.
+        assert!(!c.pause(1, Duration::from_millis(20)));
+    }
+
+    #[test]
+    fn a_pause_kicks_a_registered_thread_out_of_a_blocking_call() {
+        install_kick_handler().unwrap();
+        let c = Arc::new(VcpuControl::new());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let vcpu = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let _r = c.register_current();
+                // Unblock the kick signal here (the test harness may block it) and wait in a
+                // syscall the kick interrupts, as KVM_RUN would be.
+                // SAFETY: plain libc calls on a stack-local sigset.
+                unsafe {
+                    let mut set: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut set);
+                    libc::sigaddset(&mut set, kick_signal());
+                    libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                }
+                tx.send(()).unwrap();
+                // SAFETY: pause(2) returns on the first handled signal.
+                unsafe { libc::pause() };
+                c.park(0, |_| Err("no state".into()));
+            })
+        };
+        rx.recv().unwrap();
+        assert!(c.pause(1, Duration::from_secs(10)), "the kicked thread parked");
+        c.resume();
+        vcpu.join().unwrap();
+        assert_eq!(c.kickable(), 0);
+    }
 
     #[test]
     fn parked_vcpus_answer_save_requests_until_resumed() {

@@ -11,6 +11,7 @@ use vmm_sys_util::epoll::EventSet;
 use crate::api::{self, ApiEndpoint, VmController};
 pub use crate::builder::VmmError;
 use crate::builder::{dev_err, Subscriber, Vm};
+use crate::crash::PanicWatcher;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::seccomp::{self, Filters, ThreadKind};
 use crate::snapshotter::{self, Snapshotter};
@@ -104,6 +105,7 @@ pub fn run(
     let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
     em.add_subscriber(Arc::new(Mutex::new(ExitWatcher(exit.clone()))));
     em.add_subscriber(Arc::new(Mutex::new(SignalWatcher { fd: signal_fd, exit: exit.clone() })));
+    em.add_subscriber(Arc::new(Mutex::new(PanicWatcher(exit.clone()))));
     for s in devices.subscribers {
         em.add_subscriber(s);
     }
@@ -129,7 +131,8 @@ pub fn run(
                 Err(e) => vcpu_exit.signal(ExitReason::VcpuError { vcpu: id as u8, message: e.to_string() }),
             })
             .map_err(dev_err("vcpu thread"))?;
-        control.register_thread(std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle));
+        // Detached: the thread lists itself for pause kicks while it runs (`Vcpu::run`).
+        drop(handle);
     }
     if let Some(endpoint) = api {
         let path = endpoint.path().to_owned();

@@ -12,6 +12,9 @@ ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
 ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
 ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
 
+/// The only socket the event loop creates: a guest-initiated vsock connection's host end.
+const NONBLOCKING_STREAM: i32 = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+
 pub(super) fn list() -> Vec<Syscall> {
     vec![
         // The loop itself, and vsock host connections joining and leaving it.
@@ -21,12 +24,14 @@ pub(super) fn list() -> Vec<Syscall> {
         always(libc::SYS_read),
         // Host side of the vsock: accept host connections, read and write them (std's socket I/O
         // is recvfrom and sendto; sendto only on connected streams, no address), connect to host
-        // listeners for guest-initiated connections (Unix only), make each stream non-blocking,
-        // half-close it when the guest shuts down its sending side, and close it.
+        // listeners for guest-initiated connections (a Unix stream socket created non-blocking,
+        // so a listener that does not accept never stalls the loop: connect fails with EAGAIN
+        // and is retried on the same socket), make each accepted stream non-blocking, half-close
+        // a stream when the guest shuts down its sending side, and close it.
         always(libc::SYS_accept4),
         always(libc::SYS_recvfrom),
         when(libc::SYS_sendto, &[&[Arg::Eq(4, 0)]]),
-        arg_in(libc::SYS_socket, 0, &[libc::AF_UNIX as u64]),
+        when(libc::SYS_socket, &[&[Arg::Eq(0, libc::AF_UNIX as u64), Arg::Eq(1, NONBLOCKING_STREAM as u64)]]),
         always(libc::SYS_connect),
         // FIONBIO: vsock streams. A snapshot (the API thread paused the vCPUs and posted it here,
         // so no device works meanwhile) reads the VM-wide irqchip, PIT and kvmclock.

@@ -412,6 +412,32 @@ mod tests {
     }
 
     #[test]
+    fn the_event_loop_creates_only_non_blocking_unix_streams() {
+        let filters = Filters::compile().unwrap();
+        let non_blocking = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+        for (domain, kind, killed) in [
+            (libc::AF_UNIX, non_blocking, false),
+            (libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, true),
+            (libc::AF_INET, non_blocking, true),
+        ] {
+            let status = status_of_filtered_child(
+                filters.event_loop(),
+                || {
+                    let (domain, kind) = (libc::c_long::from(domain), libc::c_long::from(kind));
+                    // SAFETY: socket(2) with plain integer arguments.
+                    unsafe { libc::syscall(libc::SYS_socket, domain, kind, 0 as libc::c_long) };
+                },
+                libc::SYS_exit_group,
+            );
+            if killed {
+                assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS, "{kind:#x}: {status:#x}");
+            } else {
+                assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{kind:#x}: {status:#x}");
+            }
+        }
+    }
+
+    #[test]
     fn a_filtered_child_dies_of_sigsys_on_a_forbidden_syscall_and_lives_on_allowed_ones() {
         // SAFETY: getpid has no preconditions.
         let program = waiter_filter(unsafe { libc::getpid() }).unwrap();

@@ -95,7 +95,7 @@ impl Persist for SerialDevice {
         let s = state.to_state().ok_or(LegacyPersistError::SerialInBuffer(state.in_buffer.len()))?;
         let serial = Serial::from_state(&s, args.irq, NoEvents, args.out)
             .map_err(|e| LegacyPersistError::Serial(format!("{e:?}")))?;
-        Ok(Self { serial })
+        Ok(Self { serial, write_errors: Default::default() })
     }
 }
 

@@ -6,6 +6,7 @@ use vm_superio::Serial;
 
 use super::EventFdTrigger;
 use crate::devices::bus::BusDevice;
+use crate::log_throttle::LogThrottle;
 
 pub const SERIAL_PORT: u64 = 0x3f8;
 pub const SERIAL_PORT_LEN: u64 = 8;
@@ -46,11 +47,13 @@ impl<W: Write> Write for CappedWriter<W> {
 
 pub struct SerialDevice {
     pub(super) serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
+    /// Failed writes of guest output (a full disk fails every byte the guest sends).
+    pub(super) write_errors: LogThrottle,
 }
 
 impl SerialDevice {
     pub fn new(irq: EventFdTrigger, out: Box<dyn Write + Send>) -> Self {
-        Self { serial: Serial::new(irq, out) }
+        Self { serial: Serial::new(irq, out), write_errors: LogThrottle::new() }
     }
 }
 
@@ -66,7 +69,7 @@ impl BusDevice for SerialDevice {
     fn write(&mut self, offset: u64, data: &[u8]) {
         if data.len() == 1 && offset < SERIAL_PORT_LEN {
             if let Err(e) = self.serial.write(offset as u8, data[0]) {
-                tracing::warn!(error = %e, "serial write failed");
+                crate::throttled!(self.write_errors, warn, error = ?e, "serial write failed; guest output lost");
             }
             // Line-oriented logs: flush on newline so readers see whole lines promptly.
             if offset == 0 && data[0] == b'\n' {

@@ -9,6 +9,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{IrqTrigger, VirtioDevice};
 use crate::devices::bus::{lock, BusDevice};
+use crate::log_throttle::LogThrottle;
+use crate::throttled;
 
 pub const MMIO_MAGIC: u32 = 0x7472_6976; // "virt"
 pub const MMIO_VERSION: u32 = 2;
@@ -109,6 +111,19 @@ pub struct MmioTransport {
     pub(super) queue_sel: u32,
     pub(super) config_generation: u32,
     pub(super) name: String,
+    pub(super) logs: TransportLogs,
+}
+
+/// The transport's guest-triggered log lines, throttled per kind.
+#[derive(Default)]
+pub(super) struct TransportLogs {
+    /// Odd-sized or unknown register accesses, writes in the wrong state, bad queue sizes and
+    /// notifies.
+    access: LogThrottle,
+    /// Illegal status transitions and failed feature negotiations.
+    status: LogThrottle,
+    /// Activations the device refused.
+    activation: LogThrottle,
 }
 
 impl MmioTransport {
@@ -137,6 +152,7 @@ impl MmioTransport {
             queue_sel: 0,
             config_generation: 0,
             name,
+            logs: TransportLogs::default(),
         })
     }
 
@@ -177,14 +193,16 @@ impl MmioTransport {
             return;
         }
         let Some(next) = self.state.next(status) else {
-            tracing::warn!(device = %self.name, from = ?self.state, status, "illegal virtio status transition ignored");
+            throttled!(self.logs.status, warn, device = %self.name, from = ?self.state, status,
+                "illegal virtio status transition ignored");
             return;
         };
         if next == DriverState::FeaturesOk && self.state != DriverState::FeaturesOk {
             let offered = lock(&self.device).avail_features();
             if self.driver_features & !offered != 0 || self.driver_features & super::VIRTIO_F_VERSION_1 == 0 {
                 // Leave FEATURES_OK clear: the driver sees negotiation failed.
-                tracing::warn!(device = %self.name, acked = self.driver_features, offered, "feature negotiation failed");
+                throttled!(self.logs.status, warn, device = %self.name, acked = self.driver_features, offered,
+                    "feature negotiation failed");
                 return;
             }
             lock(&self.device).set_acked_features(self.driver_features);
@@ -193,7 +211,7 @@ impl MmioTransport {
             let queues = std::mem::take(&mut self.queues);
             let res = lock(&self.device).activate(self.mem.clone(), queues, self.irq.clone());
             if let Err(e) = res {
-                tracing::error!(device = %self.name, error = %e, "device activation failed");
+                throttled!(self.logs.activation, error, device = %self.name, error = %e, "device activation failed");
                 self.state = DriverState::Failed;
                 return;
             }
@@ -228,7 +246,8 @@ impl BusDevice for MmioTransport {
             return;
         }
         if data.len() != 4 {
-            tracing::warn!(device = %self.name, offset, len = data.len(), "non-32-bit virtio-mmio register read");
+            throttled!(self.logs.access, warn, device = %self.name, offset, len = data.len(),
+                "non-32-bit virtio-mmio register read");
             data.fill(0);
             return;
         }
@@ -251,7 +270,7 @@ impl BusDevice for MmioTransport {
             reg::STATUS => self.status(),
             reg::CONFIG_GENERATION => self.config_generation,
             _ => {
-                tracing::warn!(device = %self.name, offset, "read of unknown virtio-mmio register");
+                throttled!(self.logs.access, warn, device = %self.name, offset, "read of unknown virtio-mmio register");
                 0
             }
         };
@@ -267,7 +286,8 @@ impl BusDevice for MmioTransport {
             return;
         }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
-            tracing::warn!(device = %self.name, offset, len = data.len(), "non-32-bit virtio-mmio register write ignored");
+            throttled!(self.logs.access, warn, device = %self.name, offset, len = data.len(),
+                "non-32-bit virtio-mmio register write ignored");
             return;
         };
         let v = u32::from_le_bytes(bytes);
@@ -283,10 +303,10 @@ impl BusDevice for MmioTransport {
             reg::QUEUE_SEL => self.queue_sel = v,
             reg::QUEUE_NUM if configuring => {
                 let size = u16::try_from(v).ok();
-                if let Some(q) = self.selected_queue() {
-                    if size.is_none_or(|size| q.try_set_size(size).is_err()) {
-                        tracing::warn!(size = v, "invalid queue size ignored");
-                    }
+                let refused =
+                    self.selected_queue().is_some_and(|q| size.is_none_or(|size| q.try_set_size(size).is_err()));
+                if refused {
+                    throttled!(self.logs.access, warn, device = %self.name, size = v, "invalid queue size ignored");
                 }
             }
             reg::QUEUE_READY if configuring => {
@@ -327,14 +347,17 @@ impl BusDevice for MmioTransport {
             reg::QUEUE_NOTIFY if self.state == DriverState::Live => match self.queue_evts.get(v as usize) {
                 Some(evt) => {
                     if let Err(e) = evt.write(1) {
-                        tracing::warn!(device = %self.name, error = %e, "queue notify failed");
+                        throttled!(self.logs.access, warn, device = %self.name, error = %e, "queue notify failed");
                     }
                 }
-                None => tracing::warn!(device = %self.name, queue = v, "notify for a queue that does not exist"),
+                None => {
+                    throttled!(self.logs.access, warn, device = %self.name, queue = v,
+                        "notify for a queue that does not exist")
+                }
             },
             reg::INTERRUPT_ACK => self.irq.ack(v),
             reg::STATUS => self.set_status(v),
-            _ => tracing::warn!(device = %self.name, offset, value = v, state = ?self.state,
+            _ => throttled!(self.logs.access, warn, device = %self.name, offset, value = v, state = ?self.state,
                 "virtio-mmio write ignored (unknown register or wrong state)"),
         }
     }

@@ -19,6 +19,8 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::log_throttle::LogThrottle;
+
 pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
@@ -131,6 +133,16 @@ impl<A> DeviceState<A> {
     pub fn is_broken(&self) -> bool {
         matches!(self, DeviceState::Broken(_))
     }
+}
+
+/// A device's guest-triggered log lines, throttled per kind: the guest can repeat either at will
+/// (break the device, reset it, break it again).
+#[derive(Debug, Default)]
+pub struct DeviceLogs {
+    /// The device stopped serving on a malformed chain or request.
+    pub faults: LogThrottle,
+    /// A write to a read-only config space.
+    pub config_writes: LogThrottle,
 }
 
 /// Copies `data.len()` bytes of a read-only config space starting at `offset`. Bytes past the end

@@ -191,6 +191,7 @@ impl Persist for MmioTransport {
             queue_sel: s.queue_select,
             config_generation: s.config_generation,
             name: args.name,
+            logs: Default::default(),
         })
     }
 }

@@ -13,9 +13,10 @@ use super::packet::{
 use crate::config::BlockConfig;
 use crate::devices::virtio::chain::{self, Desc};
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_BLOCK,
-    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
+    read_config_bytes, validate_queues, DeviceError, DeviceLogs, DeviceState, IrqTrigger, PendingReset, VirtioDevice,
+    TYPE_BLOCK, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
+use crate::throttled;
 
 pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
@@ -37,6 +38,7 @@ pub struct Block {
     pub(super) acked_features: u64,
     pub(super) queue_evts: [EventFd; 1],
     pub(super) state: DeviceState<Active>,
+    pub(super) logs: DeviceLogs,
 }
 
 impl Block {
@@ -52,6 +54,7 @@ impl Block {
             acked_features: 0,
             queue_evts: [EventFd::new(libc::EFD_NONBLOCK)?],
             state: DeviceState::Inactive,
+            logs: DeviceLogs::default(),
         })
     }
 
@@ -70,7 +73,8 @@ impl Block {
             Ok(0) => {}
             Ok(_) => active.irq.trigger(VIRTIO_MMIO_INT_VRING),
             Err(e) => {
-                tracing::error!(device = %self.name, error = %e, "guest sent a malformed request; device stops serving until reset");
+                throttled!(self.logs.faults, error, device = %self.name, error = %e,
+                    "guest sent a malformed request; device stops serving until reset");
                 self.state = DeviceState::Broken(e);
             }
         }
@@ -194,7 +198,7 @@ impl VirtioDevice for Block {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::warn!(device = %self.name, offset, "write to read-only block config ignored");
+        throttled!(self.logs.config_writes, warn, device = %self.name, offset, "write to read-only block config ignored");
     }
 
     fn activate(&mut self, mem: GuestMemoryMmap, mut queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {

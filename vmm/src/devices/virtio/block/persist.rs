@@ -81,6 +81,7 @@ impl Persist for Block {
             acked_features: 0,
             queue_evts: [EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VirtioPersistError::Backend(e.to_string()))?],
             state: DeviceState::Inactive,
+            logs: Default::default(),
         };
         let offered = dev.avail_features();
         if s.acked_features & !offered != 0 {

@@ -16,7 +16,6 @@ use super::packet::{read_tx, rx_capacity, write_rx, TxOffloads, ETH_HLEN, MAX_BU
 use super::persist::NetSnapshot;
 use super::rate_limiter::RateLimiter;
 use super::tap::{FrameIo, Tap, TapError};
-use super::LogThrottle;
 use crate::config::{parse_mac, NetConfig};
 use crate::devices::virtio::chain;
 use crate::devices::virtio::persist::QueueSnapshot;
@@ -24,6 +23,7 @@ use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_NET,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
+use crate::log_throttle::LogThrottle;
 
 pub const RXQ: usize = 0;
 pub const TXQ: usize = 1;
@@ -252,20 +252,16 @@ impl Net {
     }
 
     fn fail(&mut self, e: DeviceError) {
-        if self.faults.tick() {
-            tracing::error!(device = %self.name, tap = %self.tap_name, error = %e, faults = self.faults.count(),
-                "guest sent a malformed chain; device stops serving until the driver resets it");
-        }
+        crate::throttled!(self.faults, error, device = %self.name, tap = %self.tap_name, error = %e,
+            "guest sent a malformed chain; device stops serving until the driver resets it");
         self.rx_pending = None;
         self.state = DeviceState::Broken(e);
     }
 }
 
 fn note_drop(name: &str, drops: &mut LogThrottle, why: &'static str, error: Option<&io::Error>) {
-    if drops.tick() {
-        let error = error.map(|e| e.to_string());
-        tracing::warn!(device = %name, why, error, dropped = drops.count(), "frame dropped");
-    }
+    let error = error.map(|e| e.to_string());
+    crate::throttled!(*drops, warn, device = %name, why, error, "frame dropped");
 }
 
 type DropFn<'a> = dyn FnMut(&'static str, Option<&io::Error>) + 'a;
@@ -409,10 +405,7 @@ impl VirtioDevice for Net {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        if self.config_writes.tick() {
-            tracing::warn!(device = %self.name, offset, writes = self.config_writes.count(),
-                "write to read-only net config ignored");
-        }
+        crate::throttled!(self.config_writes, warn, device = %self.name, offset, "write to read-only net config ignored");
     }
 
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {

@@ -12,9 +12,10 @@ use super::unix::VsockMuxer;
 use super::MAX_PKT_PAYLOAD;
 use crate::devices::virtio::chain;
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_VSOCK,
-    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
+    read_config_bytes, validate_queues, DeviceError, DeviceLogs, DeviceState, IrqTrigger, PendingReset, VirtioDevice,
+    TYPE_VSOCK, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
+use crate::throttled;
 
 pub const RXQ: usize = 0;
 pub const TXQ: usize = 1;
@@ -46,6 +47,7 @@ pub struct Vsock {
     pub(super) muxer: VsockMuxer,
     pub(super) state: DeviceState<Active>,
     pub(super) timer: Option<vmm_sys_util::timerfd::TimerFd>,
+    pub(super) logs: DeviceLogs,
 }
 
 impl Vsock {
@@ -62,6 +64,7 @@ impl Vsock {
             muxer: VsockMuxer::new(guest_cid, uds_path)?,
             state: DeviceState::Inactive,
             timer: None,
+            logs: DeviceLogs::default(),
         })
     }
 
@@ -70,7 +73,8 @@ impl Vsock {
     }
 
     fn fail(&mut self, e: DeviceError) {
-        tracing::error!(device = "vsock", error = %e, "guest sent a malformed packet; device stops serving until reset");
+        throttled!(self.logs.faults, error, device = "vsock", error = %e,
+            "guest sent a malformed packet; device stops serving until reset");
         self.muxer.reset();
         self.state = DeviceState::Broken(e);
     }
@@ -212,7 +216,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::warn!(device = "vsock", offset, "write to read-only vsock config ignored");
+        throttled!(self.logs.config_writes, warn, device = "vsock", offset, "write to read-only vsock config ignored");
     }
 
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {

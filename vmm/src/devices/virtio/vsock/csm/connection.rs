@@ -16,6 +16,11 @@ pub const CONN_BUF_ALLOC: u32 = 256 * 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConnState {
+    /// The guest asked for a host port whose listener's backlog was full; the connect is retried
+    /// until `deadline`, then the guest gets RST.
+    HostConnecting {
+        deadline: Instant,
+    },
     /// Host connected and sent CONNECT; we sent REQUEST and wait for the guest's RESPONSE.
     LocalInit {
         deadline: Instant,

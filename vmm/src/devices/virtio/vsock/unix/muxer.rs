@@ -3,7 +3,11 @@
 //! - Host-initiated: a client connects to `uds_path` and sends `CONNECT <port>\n` (bounded to
 //!   `MAX_HANDSHAKE_LINE` bytes and `HANDSHAKE_TIMEOUT`); we ask the guest (REQUEST) and answer
 //!   `OK <local port>\n` once it accepts.
-//! - Guest-initiated: a REQUEST to port P connects to `<uds_path>_<P>`.
+//! - Guest-initiated: a REQUEST to port P connects to `<uds_path>_<P>`, without blocking: a
+//!   listener whose backlog is full is retried on the sweep until `HOST_CONNECT_TIMEOUT`, then
+//!   the guest gets RST (`connect.rs`).
+//!
+//! Every log line a guest (or a host client) can repeat at will is throttled (`MuxerLogs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -12,6 +16,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::connect::{stream_socket, try_connect, Attempt};
 use crate::devices::virtio::vsock::csm::connection::HostRead;
 use crate::devices::virtio::vsock::csm::{ConnState, VsockConnection};
 use crate::devices::virtio::vsock::packet::{
@@ -19,12 +24,18 @@ use crate::devices::virtio::vsock::packet::{
     SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM,
 };
 use crate::devices::virtio::vsock::HOST_CID;
+use crate::log_throttle::LogThrottle;
+use crate::throttled;
 
 pub const MAX_HANDSHAKE_LINE: usize = 32;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the guest has to answer a host-initiated REQUEST, or a SHUTDOWN with RST.
 pub const GUEST_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HANDSHAKES: usize = 64;
+/// How long a guest-initiated connect may wait for room in a host listener's backlog.
+pub const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Guest-initiated connects waiting for a busy host listener; more are refused at once.
+pub const MAX_HOST_CONNECTING: usize = 64;
 const MAX_CONNECTIONS: usize = 1024;
 /// Header-only packets queued for a guest that is not reading its RX queue.
 pub const MAX_CONTROL_BACKLOG: usize = 1024;
@@ -58,7 +69,29 @@ pub struct VsockMuxer {
     fd_ops: Vec<FdOp>,
     /// Sockets whose fd must leave epoll before they close.
     graveyard: Vec<UnixStream>,
-    dropped_control: u64,
+    /// Connections in `HostConnecting`.
+    connecting: usize,
+    logs: MuxerLogs,
+}
+
+/// The muxer's log lines that a guest or a host client can repeat at will, throttled per kind.
+#[derive(Default)]
+struct MuxerLogs {
+    /// Guest packets that are dropped or reset a connection (wrong CIDs, wrong state).
+    guest_packets: LogThrottle,
+    /// Guest connects to a port nobody listens on (or that fail outright).
+    connects_refused: LogThrottle,
+    /// Guest connects refused or reset for want of room: too many connections, a busy host
+    /// listener that did not take one in time, too many waiting for busy listeners.
+    connects_busy: LogThrottle,
+    /// Connections reset because a side failed (host write error, guest credit overrun).
+    resets: LogThrottle,
+    /// Host clients refused (too many, bad CONNECT line, silent).
+    host_clients: LogThrottle,
+    /// Connections dropped because the guest did not answer in time.
+    timeouts: LogThrottle,
+    /// Control packets dropped because the guest does not drain its RX queue.
+    backlog: LogThrottle,
 }
 
 /// Parses `CONNECT <port>` (the newline already stripped).
@@ -89,7 +122,8 @@ impl VsockMuxer {
             next_local_port: FIRST_LOCAL_PORT,
             fd_ops: Vec::new(),
             graveyard: Vec::new(),
-            dropped_control: 0,
+            connecting: 0,
+            logs: MuxerLogs::default(),
         })
     }
 
@@ -117,11 +151,16 @@ impl VsockMuxer {
             self.graveyard.push(h.stream);
         }
         for (_, c) in self.conns.drain() {
-            self.fd_ops.push(FdOp::Remove(c.stream.as_raw_fd()));
+            let fd = c.stream.as_raw_fd();
+            // A connect still waiting for its listener was never watched.
+            if self.fd_conn.remove(&fd).is_some() {
+                self.fd_ops.push(FdOp::Remove(fd));
+            }
             self.graveyard.push(c.stream);
         }
         self.fd_conn.clear();
         self.control.clear();
+        self.connecting = 0;
     }
 
     pub fn accept(&mut self) {
@@ -129,7 +168,11 @@ impl VsockMuxer {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     if self.handshakes.len() >= MAX_HANDSHAKES || stream.set_nonblocking(true).is_err() {
-                        tracing::warn!("vsock: too many pending host connections; dropping one");
+                        throttled!(
+                            self.logs.host_clients,
+                            warn,
+                            "vsock: too many pending host connections; dropping one"
+                        );
                         continue;
                     }
                     let fd = stream.as_raw_fd();
@@ -160,7 +203,7 @@ impl VsockMuxer {
         }
         if writable {
             if let Err(e) = conn.flush_to_host() {
-                tracing::warn!(port = key.0, error = %e, "vsock: host write failed; resetting connection");
+                throttled!(self.logs.resets, warn, port = key.0, error = %e, "vsock: host write failed; resetting connection");
                 self.kill(key, true);
                 return;
             }
@@ -200,14 +243,14 @@ impl VsockMuxer {
         let port = match line.map(|l| parse_connect(&l).ok_or("malformed CONNECT line".to_string())) {
             Ok(Ok(port)) => port,
             Ok(Err(e)) | Err(e) => {
-                tracing::warn!(error = %e, "vsock: rejecting host connection");
+                throttled!(self.logs.host_clients, warn, error = %e, "vsock: rejecting host connection");
                 self.fd_ops.push(FdOp::Remove(fd));
                 self.graveyard.push(h.stream);
                 return;
             }
         };
         if self.conns.len() >= MAX_CONNECTIONS {
-            tracing::warn!("vsock: connection limit reached");
+            throttled!(self.logs.host_clients, warn, "vsock: connection limit reached; refusing a host connection");
             self.fd_ops.push(FdOp::Remove(fd));
             self.graveyard.push(h.stream);
             return;
@@ -230,14 +273,7 @@ impl VsockMuxer {
     /// Queues a packet for the guest; a guest that never reads cannot grow the backlog forever.
     fn push_control(&mut self, hdr: VsockHeader) {
         if self.control.len() >= MAX_CONTROL_BACKLOG {
-            self.dropped_control += 1;
-            // Rate-limited: log at 1, 2, 4, 8, ... drops.
-            if self.dropped_control.is_power_of_two() {
-                tracing::warn!(
-                    dropped = self.dropped_control,
-                    "vsock: guest is not draining its RX queue; dropping control packets"
-                );
-            }
+            throttled!(self.logs.backlog, warn, "vsock: guest is not draining its RX queue; dropping control packets");
             return;
         }
         self.control.push_back(hdr);
@@ -256,13 +292,18 @@ impl VsockMuxer {
     /// Removes a connection; optionally tells the guest with RST.
     fn kill(&mut self, key: ConnKey, tell_guest: bool) {
         if let Some(mut c) = self.conns.remove(&key) {
+            if matches!(c.state, ConnState::HostConnecting { .. }) {
+                self.connecting -= 1;
+            }
             if tell_guest {
                 let rst = c.header(OP_RST, 0, 0);
                 self.push_control(rst);
             }
             let fd = c.stream.as_raw_fd();
-            self.fd_conn.remove(&fd);
-            self.fd_ops.push(FdOp::Remove(fd));
+            // A connect still waiting for its listener was never watched.
+            if self.fd_conn.remove(&fd).is_some() {
+                self.fd_ops.push(FdOp::Remove(fd));
+            }
             self.graveyard.push(c.stream);
         }
     }
@@ -279,13 +320,13 @@ impl VsockMuxer {
         }
     }
 
-    /// Expires stuck handshakes and connections.
+    /// Expires stuck handshakes and connections; retries connects to busy host listeners.
     pub fn sweep(&mut self, now: Instant) {
         let expired: Vec<RawFd> =
             self.handshakes.iter().filter(|(_, h)| h.deadline <= now).map(|(fd, _)| *fd).collect();
         for fd in expired {
             if let Some(h) = self.handshakes.remove(&fd) {
-                tracing::warn!("vsock: host connection sent no CONNECT line in time");
+                throttled!(self.logs.host_clients, warn, "vsock: host connection sent no CONNECT line in time");
                 self.fd_ops.push(FdOp::Remove(fd));
                 self.graveyard.push(h.stream);
             }
@@ -300,16 +341,79 @@ impl VsockMuxer {
             })
             .collect();
         for (key, tell) in stale {
-            tracing::warn!(port = key.1, "vsock: guest did not answer in time; dropping connection");
+            throttled!(
+                self.logs.timeouts,
+                warn,
+                port = key.1,
+                "vsock: guest did not answer in time; dropping connection"
+            );
             self.kill(key, tell);
         }
+        let connecting: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| matches!(c.state, ConnState::HostConnecting { .. }))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in connecting {
+            self.retry_connect(key, now);
+        }
+    }
+
+    /// `<uds_path>_<port>`: where the host listens for guest connections to `port`.
+    fn host_port_path(&self, port: u32) -> PathBuf {
+        let mut path = self.uds_path.clone().into_os_string();
+        path.push(format!("_{port}"));
+        path.into()
+    }
+
+    /// Tries a waiting guest-initiated connect again; past its deadline the guest gets RST.
+    fn retry_connect(&mut self, key: ConnKey, now: Instant) {
+        let Some(conn) = self.conns.get(&key) else { return };
+        let ConnState::HostConnecting { deadline } = conn.state else { return };
+        let path = self.host_port_path(key.0);
+        match try_connect(&conn.stream, &path) {
+            Ok(Attempt::Connected) => {
+                self.connecting -= 1;
+                self.establish(key);
+            }
+            Ok(Attempt::Busy) if now < deadline => {}
+            Ok(Attempt::Busy) => {
+                throttled!(self.logs.connects_busy, warn, path = %path.display(),
+                    "vsock: host listener did not take the guest's connection in time; resetting it");
+                self.kill(key, true);
+            }
+            Err(e) => {
+                throttled!(self.logs.connects_refused, info, path = %path.display(), error = %e,
+                    "vsock: guest connection refused while waiting for the host listener");
+                self.kill(key, true);
+            }
+        }
+    }
+
+    /// A guest-initiated connection reached its host listener: answer the guest, watch the socket.
+    fn establish(&mut self, key: ConnKey) {
+        let Some(conn) = self.conns.get_mut(&key) else { return };
+        conn.state = ConnState::Established;
+        let resp = conn.response();
+        let fd = conn.stream.as_raw_fd();
+        self.push_control(resp);
+        self.fd_ops.push(FdOp::Add(fd));
+        self.fd_conn.insert(fd, key);
+        tracing::debug!(port = key.0, "vsock: guest connected to host listener");
     }
 
     /// A packet from the guest.
     pub fn send_from_guest(&mut self, pkt: TxPacket) {
         let hdr = pkt.hdr;
         if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
-            tracing::warn!(src = hdr.src_cid, dst = hdr.dst_cid, "vsock: dropping packet with wrong CIDs");
+            throttled!(
+                self.logs.guest_packets,
+                warn,
+                src = hdr.src_cid,
+                dst = hdr.dst_cid,
+                "vsock: dropping packet with wrong CIDs"
+            );
             return;
         }
         if hdr.type_ != TYPE_STREAM {
@@ -342,7 +446,7 @@ impl VsockMuxer {
             }
             (OP_RW, ConnState::Established) | (OP_RW, ConnState::LocalClosed { .. }) => {
                 if let Err(e) = conn.send_to_host(&pkt.data) {
-                    tracing::warn!(port = key.0, error = %e, "vsock: resetting connection");
+                    throttled!(self.logs.resets, warn, port = key.0, error = %e, "vsock: resetting connection");
                     self.kill(key, true);
                     return;
                 }
@@ -366,38 +470,66 @@ impl VsockMuxer {
             }
             (OP_RST, _) => self.kill(key, false),
             (op, state) => {
-                tracing::warn!(op, ?state, "vsock: unexpected packet for connection state; resetting");
+                throttled!(
+                    self.logs.guest_packets,
+                    warn,
+                    op,
+                    ?state,
+                    "vsock: unexpected packet for connection state; resetting"
+                );
                 self.kill(key, true);
             }
         }
     }
 
+    /// A guest REQUEST for a host port: connect to its listener without blocking. A full
+    /// backlog leaves the connection waiting (retried on the sweep); anything else that fails
+    /// gets the guest an RST.
     fn guest_connect(&mut self, hdr: &VsockHeader) {
         let key = (hdr.dst_port, hdr.src_port);
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
+            throttled!(
+                self.logs.connects_busy,
+                warn,
+                port = hdr.dst_port,
+                connections = self.conns.len(),
+                "vsock: guest connection refused (already open, or too many connections)"
+            );
             let rst = self.rst_for(hdr);
             self.push_control(rst);
             return;
         }
-        let path = format!("{}_{}", self.uds_path.display(), hdr.dst_port);
-        let stream = match UnixStream::connect(&path).and_then(|s| s.set_nonblocking(true).map(|_| s)) {
-            Ok(s) => s,
+        let path = self.host_port_path(hdr.dst_port);
+        let attempt = stream_socket().and_then(|s| try_connect(&s, &path).map(|a| (s, a)));
+        let (stream, state) = match attempt {
+            Ok((s, Attempt::Connected)) => (s, ConnState::Established),
+            Ok((s, Attempt::Busy)) if self.connecting < MAX_HOST_CONNECTING => {
+                (s, ConnState::HostConnecting { deadline: Instant::now() + HOST_CONNECT_TIMEOUT })
+            }
+            Ok((_, Attempt::Busy)) => {
+                throttled!(self.logs.connects_busy, warn, path = %path.display(), waiting = self.connecting,
+                    "vsock: host listener is busy and too many guest connects wait for one; refusing");
+                let rst = self.rst_for(hdr);
+                self.push_control(rst);
+                return;
+            }
             Err(e) => {
-                tracing::info!(%path, error = %e, "vsock: guest connection refused (no host listener)");
+                throttled!(self.logs.connects_refused, info, path = %path.display(), error = %e,
+                    "vsock: guest connection refused (no host listener)");
                 let rst = self.rst_for(hdr);
                 self.push_control(rst);
                 return;
             }
         };
-        let fd = stream.as_raw_fd();
-        let mut conn = VsockConnection::new(self.guest_cid, hdr.dst_port, hdr.src_port, stream, ConnState::Established);
+        let mut conn = VsockConnection::new(self.guest_cid, hdr.dst_port, hdr.src_port, stream, state);
         conn.update_peer_credit(hdr);
-        let resp = conn.response();
-        self.push_control(resp);
-        self.fd_ops.push(FdOp::Add(fd));
-        self.fd_conn.insert(fd, key);
         self.conns.insert(key, conn);
-        tracing::debug!(port = hdr.dst_port, "vsock: guest connected to host listener");
+        if state == ConnState::Established {
+            self.establish(key);
+        } else {
+            self.connecting += 1;
+            tracing::debug!(port = hdr.dst_port, "vsock: host listener busy; the guest's connect waits");
+        }
     }
 
     pub fn has_rx(&self) -> bool {
@@ -593,6 +725,85 @@ mod tests {
             m.send_from_guest(guest(OP_RW, port, 6000, b"x"));
         }
         assert_eq!(m.control.len(), MAX_CONTROL_BACKLOG);
+    }
+
+    /// A listener with the smallest backlog (one waiting connection) that never accepts.
+    fn stalled_listener(path: &Path) -> std::os::fd::OwnedFd {
+        use nix::sys::socket::{bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        bind(fd.as_raw_fd(), &UnixAddr::new(path).unwrap()).unwrap();
+        listen(&fd, Backlog::new(0).unwrap()).unwrap();
+        fd
+    }
+
+    fn accept_one(listener: &std::os::fd::OwnedFd) -> UnixStream {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        // SAFETY: accept4 on our listening fd; the result is checked and owned at once.
+        let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: fd is a fresh fd nobody else owns.
+        UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    #[test]
+    fn a_listener_that_does_not_accept_never_blocks_a_guest_connect() {
+        let (mut m, dir) = muxer();
+        let listener = stalled_listener(&dir.path().join("v.sock_7000"));
+        let started = Instant::now();
+        // The backlog takes one or two; the rest wait without blocking, bounded in number.
+        for src in 0..(MAX_HOST_CONNECTING as u32 + 10) {
+            m.send_from_guest(guest(OP_REQUEST, 100 + src, 7000, b""));
+        }
+        assert!(started.elapsed() < Duration::from_secs(2), "a connect blocked");
+        let mut ops = Vec::new();
+        while let Some((h, _)) = m.next_rx(4096) {
+            ops.push(h.op);
+        }
+        let answered = ops.iter().filter(|op| **op == OP_RESPONSE).count();
+        assert!((1..=2).contains(&answered), "{ops:?}");
+        assert_eq!(m.connecting, MAX_HOST_CONNECTING);
+        assert_eq!(ops.iter().filter(|op| **op == OP_RST).count(), 10 - answered, "beyond the cap: RST at once");
+        let watched = m.take_fd_ops().len();
+        assert_eq!(watched, answered, "only connected sockets are watched");
+
+        // Room in the backlog: the next sweep connects a waiting one and answers its guest.
+        let _first = accept_one(&listener);
+        m.sweep(Instant::now());
+        assert_eq!(m.next_rx(4096).map(|(h, _)| h.op), Some(OP_RESPONSE));
+        assert_eq!(m.connecting, MAX_HOST_CONNECTING - 1);
+
+        // Past the deadline the rest get RST; nothing was watched for them, so nothing is unwatched.
+        m.take_fd_ops();
+        m.sweep(Instant::now() + HOST_CONNECT_TIMEOUT + Duration::from_millis(1));
+        let mut rst = 0;
+        while let Some((h, _)) = m.next_rx(4096) {
+            assert_eq!(h.op, OP_RST);
+            rst += 1;
+        }
+        assert_eq!(rst, MAX_HOST_CONNECTING - 1);
+        assert_eq!(m.connecting, 0);
+        assert!(m.take_fd_ops().is_empty());
+        assert_eq!(m.connection_count(), answered + 1);
+    }
+
+    #[test]
+    fn a_guest_rst_or_reset_drops_a_waiting_connect() {
+        let (mut m, dir) = muxer();
+        let _listener = stalled_listener(&dir.path().join("v.sock_7001"));
+        for src in 0..4 {
+            m.send_from_guest(guest(OP_REQUEST, 200 + src, 7001, b""));
+        }
+        while m.next_rx(4096).is_some() {}
+        m.take_fd_ops();
+        let waiting = m.connecting;
+        assert!(waiting >= 2, "{waiting}");
+        let key = *m.conns.iter().find(|(_, c)| matches!(c.state, ConnState::HostConnecting { .. })).unwrap().0;
+        m.send_from_guest(guest(OP_RST, key.1, key.0, b""));
+        assert_eq!(m.connecting, waiting - 1);
+        assert!(m.take_fd_ops().is_empty(), "a waiting connect was never watched");
+        m.reset();
+        assert_eq!((m.connecting, m.connection_count()), (0, 0));
+        assert!(m.take_fd_ops().len() <= 2, "only the connected ones leave epoll");
     }
 
     #[test]

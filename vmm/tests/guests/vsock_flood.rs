@@ -1,0 +1,64 @@
+//! Floods the host with vsock connection requests, 64 per notify, never reading its RX queue:
+//! even source ports ask for host port 5000 (a listener that never accepts), odd ones for 5001
+//! (no listener). Says when it starts and when every request was consumed, then resets.
+#![no_std]
+#![no_main]
+
+mod common;
+use common::*;
+
+const BATCH: u16 = 64;
+const ROUNDS: u32 = 400;
+const HDRS: u64 = 0x42_0000;
+const OP_REQUEST: u16 = 1;
+
+#[no_mangle]
+pub extern "C" fn _start() -> ! {
+    let base = find_device(TYPE_VSOCK);
+    if base == 0 || !negotiate(base) {
+        puts("no vsock\n");
+        reset();
+    }
+    let rx = Vq::new(base, 0, 0x40_0000, 8);
+    let tx = Vq::new(base, 1, 0x40_1000, BATCH);
+    let ev = Vq::new(base, 2, 0x40_2000, 8);
+    if !rx.setup() || !tx.setup() || !ev.setup() || !driver_ok(base) {
+        puts("vsock setup failed\n");
+        reset();
+    }
+    let cid = r64(base + CONFIG);
+    for i in 0..BATCH {
+        let b = HDRS + i as u64 * 64;
+        w64(b, cid);
+        w64(b + 8, 2);
+        w32(b + 20, if i % 2 == 0 { 5000 } else { 5001 });
+        w32(b + 24, 0);
+        w16(b + 28, 1);
+        w16(b + 30, OP_REQUEST);
+        w32(b + 32, 0);
+        w32(b + 36, 65536);
+        w32(b + 40, 0);
+        tx.set_desc(i, b, 44, 0, 0);
+    }
+    puts("flood start\n");
+    let mut idx: u16 = 0;
+    for round in 0..ROUNDS {
+        for i in 0..BATCH {
+            w32(HDRS + i as u64 * 64 + 16, 10_000 + round * BATCH as u32 + i as u32);
+            w16(tx.avail + 4 + 2 * (idx % BATCH) as u64, i);
+            idx = idx.wrapping_add(1);
+        }
+        w16(tx.avail + 2, idx);
+        w32(base + QUEUE_NOTIFY, 1);
+        let mut spins = 0u32;
+        while r16(tx.used + 2) != idx {
+            spins += 1;
+            if spins > 2_000_000 {
+                puts("tx stuck\n");
+                reset();
+            }
+        }
+    }
+    puts("flood done\n");
+    reset()
+}
