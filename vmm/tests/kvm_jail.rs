@@ -370,10 +370,9 @@ fn a_forbidden_syscall_kills_every_thread_kind_with_sigsys() {
 fn seccomp_applies_without_the_jail() {
     let Some(guest) = guest_or_skip("idle") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let vmm =
-        VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), GUEST_TIMEOUT, |cmd| {
-            cmd.env(PROBE_ENV, "vcpu");
-        });
+    let vmm = VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), GUEST_TIMEOUT, |cmd| {
+        cmd.env(PROBE_ENV, "vcpu");
+    });
     let run = vmm.wait();
     assert_eq!(run.status.signal(), Some(libc::SIGSYS), "{}", run.stderr);
     assert!(run.stderr.contains("seccomp probe: calling a forbidden syscall"), "{}", run.stderr);

@@ -29,7 +29,10 @@ pub fn can_run_containerd() -> bool {
     }
     for bin in [CONTAINERD, "/usr/bin/ctr"] {
         if !Path::new(bin).exists() {
-            return !bulkhead_integration::skip::missing_prerequisite(&test, &format!("{bin} not installed (make setup)"));
+            return !bulkhead_integration::skip::missing_prerequisite(
+                &test,
+                &format!("{bin} not installed (make setup)"),
+            );
         }
     }
     true

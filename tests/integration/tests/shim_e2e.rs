@@ -55,7 +55,10 @@ async fn setup_config(
     let shim = workspace_bin("containerd-shim-bulkhead-v2");
     for bin in [&agent, &shim] {
         if !bin.is_file() {
-            skip::missing_prerequisite(test, &format!("{} is not built (run `cargo build --workspace`)", bin.display()));
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
             return Ok(None);
         }
     }
@@ -753,21 +756,24 @@ async fn shim_pods_without_cgroup_parent_stop_alone_and_quickly() -> Result<()> 
 /// The config's `log_level` sets the shim's level (containerd here runs without -debug).
 #[tokio::test]
 async fn shim_log_level_comes_from_the_config() -> Result<()> {
-    let Some(env) = setup_config("shim_log_level_comes_from_the_config", vec![], false, "log_level = \"debug\"").await?
+    let Some(env) =
+        setup_config("shim_log_level_comes_from_the_config", vec![], false, "log_level = \"debug\"").await?
     else {
         return Ok(());
     };
     let pod = env.pod("loglevel")?;
-    let (pod_id, ctr) = env
-        .pod_with(&pod, &container_config("once", &["echo", "hello"]))
-        .await
-        .with_context(|| env.fail_context())?;
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &container_config("once", &["echo", "hello"])).await.with_context(|| env.fail_context())?;
     env.cri.wait_container(&ctr, Duration::from_secs(15), |s| s.state == EXITED).await?;
     // io.rs logs a drained output stream at debug level only.
     eventually_nothing("a debug line of the shim", Duration::from_secs(10), || {
         let log = std::fs::read_to_string(env.containerd.log_path()).unwrap_or_default();
         let seen = log.lines().any(|l| l.contains("output closed") && l.contains(&ctr));
-        if seen { Vec::new() } else { vec![format!("no debug line for {ctr} of {pod_id}")] }
+        if seen {
+            Vec::new()
+        } else {
+            vec![format!("no debug line for {ctr} of {pod_id}")]
+        }
     })
     .await
 }
