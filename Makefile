@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt fuzz initramfs kernel clean help
+.PHONY: all setup build test demo bench lint fmt fuzz initramfs kernel image clean help
 
 all: build
 
@@ -17,6 +17,7 @@ help:
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
 	@echo "make bench  - micro-benchmarks and the CRI pod-start benchmark against runc"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
+	@echo "make image  - the node installer image as an OCI archive (no container engine needed)"
 
 setup:
 	@scripts/setup.sh
@@ -31,6 +32,29 @@ kernel:
 # The static musl agent and its initramfs (guest-kernel/Makefile).
 initramfs:
 	$(MAKE) -C guest-kernel initramfs
+
+# The node installer image (node-installer/mkimage.py; the same layout as node-installer/Containerfile), built
+# without a container engine: static musl release binaries, the cached guest kernel, the initramfs, virtiofsd from
+# `make setup` and busybox-static (nsenter). Reproducible: file times are the last commit's. Push it with skopeo or
+# ctr (README, "Installing on a cluster").
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+IMAGE_REF ?= ghcr.io/bulkhead-dev/bulkhead-node-installer:$(VERSION)
+IMAGE ?= $(CURDIR)/target/image/bulkhead-node-installer.oci.tar
+MUSL := x86_64-unknown-linux-musl
+RELEASE_BIN = $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)/$(MUSL)/release
+image: setup initramfs
+	$(CARGO) build --release --locked --target $(MUSL) \
+		-p bulkhead-node-installer -p bulkhead-shim -p bulkhead-vmm
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) python3 node-installer/mkimage.py \
+		--out $(IMAGE) --ref $(IMAGE_REF) --busybox /bin/busybox \
+		--installer $(RELEASE_BIN)/bulkhead-node-installer \
+		--artifact containerd-shim-bulkhead-v2=$(RELEASE_BIN)/containerd-shim-bulkhead-v2 \
+		--artifact bulkhead-ctl=$(RELEASE_BIN)/bulkhead-ctl \
+		--artifact bulkhead-vmm=$(RELEASE_BIN)/bulkhead-vmm \
+		--artifact bulkhead-agent=guest-kernel/build/bulkhead-agent \
+		--artifact virtiofsd=$(BULKHEAD_CACHE)/bin/virtiofsd \
+		--artifact vmlinux=$$(guest-kernel/build-kernel.sh) \
+		--artifact initramfs.cpio.gz=guest-kernel/build/initramfs.cpio.gz
 
 lint:
 	$(CARGO) fmt --all -- --check

@@ -14,7 +14,7 @@ use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::jail::JailConfig;
 
 #[derive(Parser)]
-#[command(name = "bulkhead-vmm", about = "bulkhead's microVM monitor")]
+#[command(name = "bulkhead-vmm", version, about = "bulkhead's microVM monitor")]
 struct Args {
     /// VM configuration (JSON).
     #[arg(long, required_unless_present = "probe")]
