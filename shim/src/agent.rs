@@ -123,7 +123,8 @@ impl AgentClient {
     }
 
     /// A Version call on the open connection: the agent still answers (metrics, health).
-    pub async fn ping(&self) -> Result<(), AgentError> {
+    /// Returns the output bytes the agent has dropped so far.
+    pub async fn ping(&self) -> Result<u64, AgentError> {
         let req = pb::VersionRequest {
             protocol_version: PROTOCOL_VERSION,
             client: format!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION")),
@@ -133,7 +134,7 @@ impl AgentClient {
         if reply.protocol_version != PROTOCOL_VERSION {
             return Err(AgentError::Version { agent: reply.protocol_version });
         }
-        Ok(())
+        Ok(reply.dropped_output_bytes)
     }
 
     fn ctx(&self) -> ttrpc::context::Context {

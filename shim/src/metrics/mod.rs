@@ -9,19 +9,19 @@
 //! - `bulkhead_sandbox_up`, `bulkhead_agent_up`: the sandbox's process runs; the agent answered a
 //!   Version call on the shim's own connection during this scrape.
 //! - `bulkhead_sandbox_info{backend,agent_version,agent_mode}`.
+//! - `bulkhead_output_dropped_bytes_total`: container output the agent dropped because no shim
+//!   stream was attached while its backlog overflowed (reported in the agent's Version answer).
 //! - `bulkhead_restarts_total{component="agent"|"vmm"}`: restarts by a supervisor
 //!   ([`PodMetrics::record_restart`]); neither backend restarts anything yet, so they stay 0.
 //! - `bulkhead_sandbox_resident_memory_bytes{process}`, `bulkhead_sandbox_cpu_seconds_total{process}`:
 //!   from /proc, per host process tree: `vmm` and `virtiofsd` on the `vm` backend; on the
 //!   `namespace` backend `sandbox`, the launcher with the agent and every container process.
-//!
-//! Dropped output bytes are not exported: the agent counts what it drops (its stdio backlog) but
-//! the protocol does not report it to the shim yet.
 
 pub mod http;
 pub mod rpc;
 pub mod server;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +72,8 @@ struct Attached {
 #[derive(Default)]
 struct SandboxCollector {
     attached: Mutex<Option<Attached>>,
+    /// The agent's count at its last answer.
+    dropped_output: AtomicU64,
 }
 
 impl std::fmt::Debug for SandboxCollector {
@@ -131,6 +133,14 @@ impl Collector for SandboxCollector {
             info.metric_type(),
         )?;
         info.encode(family.encode_family(&labels)?)?;
+
+        let dropped = ConstCounter::new(self.dropped_output.load(Ordering::Relaxed));
+        dropped.encode(encoder.encode_descriptor(
+            "bulkhead_output_dropped_bytes",
+            "Container output the agent dropped (backlog full, no stream attached)",
+            None,
+            dropped.metric_type(),
+        )?)?;
 
         let usage: Vec<(&str, procfs::Usage)> =
             process_trees(a.backend, a.pids).into_iter().map(|(name, pid)| (name, procfs::usage(&[pid]))).collect();
@@ -231,10 +241,14 @@ impl PodMetrics {
     /// One scrape: asks the agent, then encodes everything as OpenMetrics text.
     pub async fn scrape(&self) -> String {
         let agent = self.sandbox.lock().as_ref().map(|a| a.agent.clone());
-        let up = match agent {
-            Some(agent) => matches!(tokio::time::timeout(AGENT_PING_TIMEOUT, agent.ping()).await, Ok(Ok(()))),
-            None => false,
+        let answer = match agent {
+            Some(agent) => tokio::time::timeout(AGENT_PING_TIMEOUT, agent.ping()).await.ok().and_then(Result::ok),
+            None => None,
         };
+        if let Some(dropped) = answer {
+            self.sandbox.dropped_output.store(dropped, Ordering::Relaxed);
+        }
+        let up = answer.is_some();
         self.agent_up.set(i64::from(up));
         self.encode()
     }

@@ -318,6 +318,7 @@ async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     assert!(gauge(&first, &pod_id, "bulkhead_sandbox_resident_memory_bytes").unwrap() > 0.0);
     assert!(gauge(&first, &pod_id, "bulkhead_sandbox_cpu_seconds_total").is_some());
     assert_eq!(gauge(&first, &pod_id, "bulkhead_restarts_total"), Some(0.0));
+    assert_eq!(gauge(&first, &pod_id, "bulkhead_output_dropped_bytes_total"), Some(0.0));
     let creates = rpc_count(&first, &pod_id, "create");
     assert_eq!(creates, 2.0, "sandbox and container creates");
     let starts = rpc_count(&first, &pod_id, "start");
