@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt fuzz fuzz-smoke initramfs kernel clean help
+.PHONY: all setup build test demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
 
 all: build
 
@@ -18,6 +18,7 @@ help:
 	@echo "make bench  - micro-benchmarks and the CRI pod-start benchmark against runc"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
 	@echo "make fuzz-smoke - every fuzz target for 30 s (make fuzz: FUZZ_TIME s each, default 60)"
+	@echo "make image  - the node installer image as an OCI archive (no container engine needed)"
 
 setup:
 	@scripts/setup.sh
@@ -32,6 +33,34 @@ kernel:
 # The static musl agent and its initramfs (guest-kernel/Makefile).
 initramfs:
 	$(MAKE) -C guest-kernel initramfs
+
+# The node installer image (node-installer/mkimage.py; the same layout as node-installer/Containerfile), built
+# without a container engine: static release binaries (musl; the VMM static glibc), the cached guest kernel, the initramfs, virtiofsd from
+# `make setup` and busybox-static (nsenter). Reproducible: file times are the last commit's. Push it with skopeo or
+# ctr (README, "Installing on a cluster").
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+IMAGE_REF ?= ghcr.io/bulkhead-dev/bulkhead-node-installer:$(VERSION)
+IMAGE ?= $(CURDIR)/target/image/bulkhead-node-installer.oci.tar
+MUSL := x86_64-unknown-linux-musl
+GNU := x86_64-unknown-linux-gnu
+RELEASE_BIN = $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)/$(MUSL)/release
+VMM_BIN = $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)/$(GNU)/release/bulkhead-vmm
+image: setup initramfs
+	$(CARGO) build --release --locked --target $(MUSL) -p bulkhead-node-installer -p bulkhead-shim
+	@# The VMM does not build for musl yet (the libc crate's musl pthread_t and ioctl types): glibc, linked statically.
+	CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+		$(CARGO) build --release --locked --target $(GNU) -p bulkhead-vmm
+	@file -L $(VMM_BIN) | grep -Eq 'statically linked|static-pie linked' || { file -L $(VMM_BIN); exit 1; }
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) python3 node-installer/mkimage.py \
+		--out $(IMAGE) --ref $(IMAGE_REF) --busybox /bin/busybox \
+		--installer $(RELEASE_BIN)/bulkhead-node-installer \
+		--artifact containerd-shim-bulkhead-v2=$(RELEASE_BIN)/containerd-shim-bulkhead-v2 \
+		--artifact bulkhead-ctl=$(RELEASE_BIN)/bulkhead-ctl \
+		--artifact bulkhead-vmm=$(VMM_BIN) \
+		--artifact bulkhead-agent=guest-kernel/build/bulkhead-agent \
+		--artifact virtiofsd=$(BULKHEAD_CACHE)/bin/virtiofsd \
+		--artifact vmlinux=$$(guest-kernel/build-kernel.sh) \
+		--artifact initramfs.cpio.gz=guest-kernel/build/initramfs.cpio.gz
 
 lint:
 	$(CARGO) fmt --all -- --check

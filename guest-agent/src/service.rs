@@ -74,6 +74,7 @@ impl Agent for AgentService {
             protocol_version: PROTOCOL_VERSION,
             agent_version: env!("CARGO_PKG_VERSION").into(),
             mode: self.sandbox.mode.as_str().into(),
+            dropped_output_bytes: crate::stdio::dropped_output_bytes(),
             ..Default::default()
         })
     }

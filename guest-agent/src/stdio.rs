@@ -19,7 +19,10 @@ use std::{
     io,
     os::fd::{AsRawFd, OwnedFd},
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -58,6 +61,13 @@ impl OutputStream {
     }
 }
 
+/// Output bytes every pump of this agent dropped (one agent per pod): reported in Version.
+static DROPPED_OUTPUT_BYTES: AtomicU64 = AtomicU64::new(0);
+
+pub fn dropped_output_bytes() -> u64 {
+    DROPPED_OUTPUT_BYTES.load(Ordering::Relaxed)
+}
+
 struct Backlog {
     buf: VecDeque<u8>,
     cap: usize,
@@ -71,6 +81,7 @@ impl Backlog {
             let excess = self.buf.len() - self.cap;
             self.buf.drain(..excess);
             self.dropped += excess as u64;
+            DROPPED_OUTPUT_BYTES.fetch_add(excess as u64, Ordering::Relaxed);
         }
     }
 }
@@ -342,6 +353,7 @@ mod tests {
 
     #[tokio::test]
     async fn backlog_keeps_the_newest_bytes_until_a_reader_attaches() {
+        let dropped_before = dropped_output_bytes();
         let (mut proc_w, proc_r) = tokio::io::duplex(64);
         let out = OutputStream::spawn(proc_r, OPTS, "t".into());
         proc_w.write_all(b"0123456789abcdef").await.unwrap();
@@ -354,6 +366,8 @@ mod tests {
         let mut got = Vec::new();
         tokio::time::timeout(Duration::from_secs(5), shim.read_to_end(&mut got)).await.unwrap().unwrap();
         assert_eq!(got, b"89abcdef");
+        // Other tests' pumps count into the same agent-wide total.
+        assert!(dropped_output_bytes() >= dropped_before + 8);
     }
 
     #[tokio::test]

@@ -19,6 +19,9 @@ pub enum Need {
     VmBackend,
     /// Shipped when the image carries it; otherwise the installer writes a default.
     Optional,
+    /// For operators and the `namespace` backend (dev/CI): copied when the image carries it;
+    /// nothing in the install depends on it.
+    Tool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +39,8 @@ pub const ARTIFACTS: &[Artifact] = &[
     Artifact { name: "vmlinux", mode: 0o644, need: Need::VmBackend },
     Artifact { name: "initramfs.cpio.gz", mode: 0o644, need: Need::VmBackend },
     Artifact { name: SHIM_CONFIG, mode: 0o644, need: Need::Optional },
+    Artifact { name: "bulkhead-ctl", mode: 0o755, need: Need::Tool },
+    Artifact { name: "bulkhead-agent", mode: 0o755, need: Need::Tool },
 ];
 
 #[derive(Debug, Default)]
@@ -62,6 +67,7 @@ pub fn install(layout: &Layout, src: &Path, version: &str, fp: &FailPoints) -> R
                     tracing::warn!(artifact = a.name, src = %src.display(), "artifact missing from image; vm backend unavailable");
                     report.missing.push(a.name);
                 }
+                Need::Tool => tracing::info!(artifact = a.name, src = %src.display(), "tool not in image; skipped"),
                 Need::Optional => {
                     let text = default_shim_config(layout, version);
                     if fsutil::read_opt(&to)?.as_deref() != Some(text.as_bytes()) {
@@ -113,14 +119,15 @@ fn prune_old_versions(root: &Path, keep: &str) -> Result<()> {
     Ok(())
 }
 
-/// Shim config used when the image ships none. Paths point into this version's directory, so a shim always
-/// pairs with the VMM, kernel and initramfs of its own release, even while `current` flips.
+/// Shim config used when the image ships none, in the shim's own keys (a test parses it with the shim's parser).
+/// Paths point into this version's directory, so a shim always pairs with the VMM, kernel and initramfs of its own
+/// release, even while `current` flips. virtiofsd sits beside the VMM.
 pub fn default_shim_config(layout: &Layout, version: &str) -> String {
     let d = layout.view(&layout.prefix.join(version));
     format!(
         "# Written by bulkhead-node-installer {version}. Ship config.toml in the image to override.\n\
-         backend = \"vm\"\n\n[vm]\nvmm = \"{d}/bulkhead-vmm\"\nkernel = \"{d}/vmlinux\"\n\
-         initramfs = \"{d}/initramfs.cpio.gz\"\nvirtiofsd = \"{d}/virtiofsd\"\n",
+         backend = \"vm\"\n\n[vm]\nvmm_path = \"{d}/bulkhead-vmm\"\nkernel_path = \"{d}/vmlinux\"\n\
+         initramfs_path = \"{d}/initramfs.cpio.gz\"\n",
         d = d.display()
     )
 }
@@ -135,5 +142,21 @@ pub fn remove_all(layout: &Layout) -> Result<()> {
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(io("remove dir", &root)(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_shim_config_is_read_by_the_shims_parser() {
+        let layout = Layout::new("/host", "/");
+        let text = default_shim_config(&layout, "1.2.3");
+        let config = bulkhead_shim::config::Config::parse(Path::new("config.toml"), &text).unwrap();
+        assert_eq!(config.backend, bulkhead_shim::config::Backend::Vm);
+        assert_eq!(config.vm.vmm_path, PathBuf::from("/opt/bulkhead/1.2.3/bulkhead-vmm"));
+        assert_eq!(config.vm.kernel_path, PathBuf::from("/opt/bulkhead/1.2.3/vmlinux"));
+        assert_eq!(config.vm.initramfs_path, PathBuf::from("/opt/bulkhead/1.2.3/initramfs.cpio.gz"));
     }
 }

@@ -1,70 +1,19 @@
 //! The installer binary as the DaemonSet runs it: killed midway (abort at a fail point, like `kill -9`), rerun to
 //! convergence, then `run` mode uninstalling on SIGTERM. containerd is restarted through the injectable
-//! `--restart-command`, here a script that restarts the test's own containerd by PID file.
+//! `--restart-command`, here a script that restarts the test's own containerd by PID file (`support::Script`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod support;
 
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_bulkhead-node-installer");
 
-struct Script {
-    path: PathBuf,
-    pidfile: PathBuf,
-    count: PathBuf,
-}
-
-impl Script {
-    fn new(node: &support::Node) -> Self {
-        let a = node.artifacts.path();
-        let (path, pidfile, count) = (a.join("ctd.sh"), a.join("containerd.pid"), a.join("restarts"));
-        let text = format!(
-            "#!/bin/sh\nPIDFILE={pid}\nif [ \"$1\" = restart ] && [ -s $PIDFILE ]; then\n  pid=$(cat $PIDFILE)\n  kill $pid 2>/dev/null\n  i=0\n  \
-             while [ -d /proc/$pid ] && [ \"$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null)\" != Z ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done\n  \
-             echo restart >> {count}\nfi\n{ctd} --config {cfg} >>{log} 2>&1 </dev/null &\necho $! > $PIDFILE\n",
-            pid = pidfile.display(),
-            count = count.display(),
-            ctd = support::CONTAINERD,
-            cfg = node.config().display(),
-            log = a.join("containerd.log").display(),
-        );
-        support::write_exec(&path, &text);
-        Self { path, pidfile, count }
-    }
-
-    fn run(&self, mode: &str) {
-        assert!(Command::new(&self.path).arg(mode).status().expect("script").success());
-    }
-
-    fn restarts(&self) -> usize {
-        fs::read_to_string(&self.count).map(|s| s.lines().count()).unwrap_or(0)
-    }
-}
-
-impl Drop for Script {
-    fn drop(&mut self) {
-        // Stop the containerd this test started, by its PID.
-        if let Some(pid) = fs::read_to_string(&self.pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
-            // SAFETY: plain kill(2) on a PID this test's script started.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
-                let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                if stat.split(' ').nth(2) == Some("Z") {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-}
-
-fn installer(node: &support::Node, script: &Script, cmd: &str) -> Command {
+fn installer(node: &support::Node, script: &support::Script, cmd: &str) -> Command {
     let mut c = Command::new(BIN);
     c.arg(cmd)
         .arg("--no-kube")
@@ -106,7 +55,7 @@ fn killed_midway_rerun_converges_then_sigterm_uninstalls() {
     let node = support::node(true);
     let original = fs::read(node.config()).unwrap();
     let before = node.snapshot();
-    let script = Script::new(&node);
+    let script = support::Script::new(&node);
     script.run("start");
 
     // Killed while writing the first artifact: a temp file is left, nothing is on the final path.

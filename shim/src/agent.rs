@@ -122,6 +122,21 @@ impl AgentClient {
         Ok(Self { raw, socket: socket.into(), timeouts, agent_version: reply.agent_version, mode: reply.mode })
     }
 
+    /// A Version call on the open connection: the agent still answers (metrics, health).
+    /// Returns the output bytes the agent has dropped so far.
+    pub async fn ping(&self) -> Result<u64, AgentError> {
+        let req = pb::VersionRequest {
+            protocol_version: PROTOCOL_VERSION,
+            client: format!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION")),
+            ..Default::default()
+        };
+        let reply = self.raw.version(self.ctx(), &req).await.map_err(rpc_err("Version"))?;
+        if reply.protocol_version != PROTOCOL_VERSION {
+            return Err(AgentError::Version { agent: reply.protocol_version });
+        }
+        Ok(reply.dropped_output_bytes)
+    }
+
     fn ctx(&self) -> ttrpc::context::Context {
         ttrpc::context::with_timeout(self.timeouts.rpc.as_nanos() as i64)
     }

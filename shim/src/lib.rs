@@ -18,21 +18,30 @@
 //! - [`config`]: the TOML config.
 //! - Shared vocabulary, below all of the above: [`error`] (the Task error), [`exit`] (how a
 //!   process ended) and [`trans`] (every protobuf <-> domain conversion).
-//! - [`sandbox`]: the backend trait, `namespace` and `vm`.
 //! - [`network`]: the host side of the pod's network (taps and redirects for the VM, the
 //!   metadata block) and the pod's DNS config.
+//! - [`sandbox`]: the backend trait, `namespace` and `vm`; [`logrelay`] carries their helper
+//!   processes' output into the shim log.
+//! - For operators: [`metrics`] (per-pod Prometheus endpoint, RPC timing), [`observe`] (the pod
+//!   record), [`procfs`] (process usage), and [`ctl`], the library of the `bulkhead-ctl` binary,
+//!   which reads the same config and state.
 
 pub mod agent;
 pub mod config;
 pub mod container;
+pub mod ctl;
 pub mod error;
 pub mod events;
 pub mod exit;
 pub mod io;
 pub mod logging;
 pub mod network;
+pub mod logrelay;
+pub mod metrics;
+pub mod observe;
 pub mod options;
 pub mod process;
+pub mod procfs;
 pub mod sandbox;
 pub mod service;
 pub mod spec;

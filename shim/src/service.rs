@@ -19,6 +19,7 @@ use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{DeleteResponse, ExitSignal, Flags, StartOpts};
 
 use crate::events::{timestamp, EventSink};
+use crate::metrics::rpc::MeasuredTask;
 use crate::sandbox::namespace::{cleanup, unmount_all};
 use crate::sandbox::paths::{BundleRecord, PodPaths};
 use crate::spec::{BundleSpec, Role};
@@ -41,6 +42,10 @@ pub fn main() {
             std::process::exit(1);
         }
     };
+    if flags.version {
+        println!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION"));
+        return;
+    }
     let result = match flags.action.as_str() {
         "start" => runtime.block_on(start(&flags)).map(|address| {
             // containerd 1.6 takes stdout (and stderr) as the address: print nothing else.
@@ -120,12 +125,10 @@ async fn serve(flags: &Flags) -> anyhow::Result<()> {
     let ttrpc_address = std::env::var("TTRPC_ADDRESS").context("TTRPC_ADDRESS is not set")?;
     let publisher = RemotePublisher::new(&ttrpc_address).await.context("connect to containerd's event service")?;
     let exit = Arc::new(ExitSignal::default());
-    let task: Arc<dyn containerd_shim::Task + Send + Sync> = Arc::new(TaskService::new(
-        &flags.namespace,
-        &flags.id,
-        EventSink::new(publisher, &flags.namespace),
-        exit.clone(),
-    ));
+    let service =
+        TaskService::new(&flags.namespace, &flags.id, EventSink::new(publisher, &flags.namespace), exit.clone());
+    let metrics = service.metrics();
+    let task: Arc<dyn containerd_shim::Task + Send + Sync> = Arc::new(MeasuredTask::new(service, metrics));
     let mut v2 = containerd_shim::protos::shim_async::create_task(task.clone());
     let mut services = containerd_shim::protos::shim_async::create_task(task);
     if let Some(service) = v2.remove(TASK_SERVICE_V3) {

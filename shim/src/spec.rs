@@ -12,6 +12,9 @@ use serde_json::{Map, Value};
 pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 /// CRI annotation: the pod sandbox id of a container.
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+/// CRI annotations: the Kubernetes name and namespace of the pod.
+pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
+pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
 
 /// Upper bound for a bundle's config.json.
 const MAX_SPEC_BYTES: u64 = 4 << 20;
@@ -90,6 +93,15 @@ impl BundleSpec {
     /// `linux.cgroupsPath`, if set.
     pub fn cgroups_path(&self) -> Option<&str> {
         self.value.pointer("/linux/cgroupsPath")?.as_str()
+    }
+
+    /// The Kubernetes pod's name and namespace, as CRI annotates the sandbox.
+    pub fn pod_name(&self) -> Option<&str> {
+        self.annotation(SANDBOX_NAME)
+    }
+
+    pub fn pod_namespace(&self) -> Option<&str> {
+        self.annotation(SANDBOX_NAMESPACE)
     }
 
     pub fn hostname(&self) -> Option<&str> {
@@ -251,6 +263,13 @@ mod tests {
         assert_eq!(c.role(), Role::Container { sandbox_id: "sb1".into() });
         assert_eq!(c.role().group("c1"), "sb1");
         assert_eq!(spec(json!({})).role(), Role::Sandbox);
+    }
+
+    #[test]
+    fn pod_name_and_namespace_come_from_cri_annotations() {
+        let s = spec(json!({"annotations": {SANDBOX_NAME: "web", SANDBOX_NAMESPACE: "shop"}}));
+        assert_eq!((s.pod_name(), s.pod_namespace()), (Some("web"), Some("shop")));
+        assert_eq!(spec(json!({})).pod_name(), None);
     }
 
     #[test]

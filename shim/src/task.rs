@@ -27,6 +27,7 @@ use crate::container::{Container, ContainerKind};
 use crate::error::TaskError;
 use crate::events::{timestamp, EventSink};
 use crate::io::{IoSession, Stdio, StdioPaths};
+use crate::metrics::PodMetrics;
 use crate::process::{
     ContainerInit, ExecProcess, ExitInfo, Process, ProcessCore, ProcessEvent, ProcessState, SandboxInit,
 };
@@ -59,6 +60,7 @@ pub struct TaskService {
     /// Parent of every RPC's span: the pod this shim serves.
     pod_span: tracing::Span,
     backends: Arc<dyn sandbox::Backends>,
+    metrics: Arc<PodMetrics>,
 }
 
 fn status_of(state: ProcessState) -> Status {
@@ -92,7 +94,13 @@ impl TaskService {
             oom_reported: Default::default(),
             pod_workloads: Default::default(),
             exit,
+            metrics: Arc::new(PodMetrics::new()),
         }
+    }
+
+    /// The pod's metrics, for the RPC timing around this service ([`crate::metrics::rpc`]).
+    pub fn metrics(&self) -> Arc<PodMetrics> {
+        self.metrics.clone()
     }
 
     async fn container_process(&self, id: &str, exec_id: &str) -> Result<(ContainerKind, Arc<dyn Process>), TaskError> {
@@ -184,6 +192,7 @@ impl TaskService {
         }
         *slot = PodSandbox::Running(sandbox.clone());
         drop(slot);
+        crate::observe::pod_started(&self.metrics, config, &self.namespace, &req.id, spec, &sandbox);
         tokio::spawn(
             crate::watch::oom_watch(
                 agent,
@@ -345,6 +354,7 @@ impl TaskService {
             ContainerKind::Sandbox => {
                 let mut slot = self.sandbox.lock().await;
                 if let PodSandbox::Running(sandbox) = &*slot {
+                    self.metrics.detach();
                     sandbox.destroy().await?;
                 }
                 *slot = PodSandbox::None;
@@ -605,6 +615,7 @@ impl Task for TaskService {
             return Ok(Empty::new());
         }
         if let Some(sandbox) = self.running_sandbox().await {
+            self.metrics.detach();
             let _ = sandbox.destroy().await;
         }
         info!(namespace = %self.namespace, "no containers left; shim exits");

@@ -26,7 +26,7 @@ use bulkhead_vmm_api::jail::JailConfig;
 use bulkhead_vmm_api::restore::RestoreConfig;
 
 #[derive(Parser)]
-#[command(name = "bulkhead-vmm", about = "bulkhead's microVM monitor")]
+#[command(name = "bulkhead-vmm", version, about = "bulkhead's microVM monitor")]
 struct Args {
     /// VM configuration (JSON).
     #[arg(long, required_unless_present_any = ["probe", "restore", "prepare"], conflicts_with_all = ["restore", "prepare"])]

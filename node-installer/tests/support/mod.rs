@@ -168,6 +168,59 @@ pub fn write_exec(p: &Path, text: &str) {
     fs::set_permissions(p, fs::Permissions::from_mode(0o755)).expect("chmod");
 }
 
+/// Starts and restarts the scratch node's containerd by PID file: the installer binary's `--restart-command`
+/// (`<path> restart`). Dropping it stops that containerd, by its PID.
+pub struct Script {
+    pub path: PathBuf,
+    pidfile: PathBuf,
+    count: PathBuf,
+}
+
+impl Script {
+    pub fn new(node: &Node) -> Self {
+        let a = node.artifacts.path();
+        let (path, pidfile, count) = (a.join("ctd.sh"), a.join("containerd.pid"), a.join("restarts"));
+        let text = format!(
+            "#!/bin/sh\nPIDFILE={pid}\nif [ \"$1\" = restart ] && [ -s $PIDFILE ]; then\n  pid=$(cat $PIDFILE)\n  kill $pid 2>/dev/null\n  i=0\n  \
+             while [ -d /proc/$pid ] && [ \"$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null)\" != Z ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done\n  \
+             echo restart >> {count}\nfi\n{ctd} --config {cfg} >>{log} 2>&1 </dev/null &\necho $! > $PIDFILE\n",
+            pid = pidfile.display(),
+            count = count.display(),
+            ctd = CONTAINERD,
+            cfg = node.config().display(),
+            log = a.join("containerd.log").display(),
+        );
+        write_exec(&path, &text);
+        Self { path, pidfile, count }
+    }
+
+    pub fn run(&self, mode: &str) {
+        assert!(Command::new(&self.path).arg(mode).status().expect("script").success());
+    }
+
+    pub fn restarts(&self) -> usize {
+        fs::read_to_string(&self.count).map(|s| s.lines().count()).unwrap_or(0)
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        // Stop the containerd this test started, by its PID.
+        if let Some(pid) = fs::read_to_string(&self.pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+            // SAFETY: plain kill(2) on a PID this test's script started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+                let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                if stat.split(' ').nth(2) == Some("Z") {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
 /// A containerd the test owns; `restart` is the installer's injected restart.
 pub struct Containerd {
     config: PathBuf,

@@ -71,6 +71,12 @@ pub trait Sandbox: Send + Sync {
     /// The agent of this pod, connected and version-checked.
     fn agent(&self) -> Arc<AgentClient>;
 
+    /// The host processes behind the sandbox, for `bulkhead-ctl ps` and the metrics. A backend
+    /// with helper processes (the `vm` backend: VMM, virtiofsd) names them here.
+    fn host_pids(&self) -> paths::HostPids {
+        paths::HostPids { sandbox: self.pid(), ..Default::default() }
+    }
+
     /// Prepares the host side of a new container (its rootfs, and what teardown must find
     /// after a crash) and plans how the agent assembles the rootfs from containerd's rootfs
     /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared).

@@ -7,7 +7,8 @@
 //! `backend = "namespace"`; every sandbox start logs a warning saying so.
 //!
 //! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, the pod's cgroup record,
-//! the agent's own state dir, and `rootfs/<id>`, an empty directory per container. The agent's mount namespace is private (the agent makes `/`
+//! the agent's own state dir, the console log (the agent's output, also relayed into the shim
+//! log by [`crate::logrelay`]), and `rootfs/<id>`, an empty directory per container. The agent's mount namespace is private (the agent makes `/`
 //! rprivate at boot), so host mounts made after it started never appear inside it; instead
 //! the agent performs containerd's rootfs mounts (overlay over snapshot directories, which
 //! are plain directories both sides see) at `rootfs/<id>` itself, or bind-mounts the bundle's
@@ -28,7 +29,6 @@ use containerd_shim::protos::types::mount::Mount;
 use nix::mount::{umount2, MntFlags};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 
@@ -40,6 +40,7 @@ use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
 use crate::network::MetadataAccess;
+use crate::logrelay::{relay, Component, ConsoleLog, Source};
 
 /// `sun_path` of a Unix socket address, NUL included.
 const SUN_PATH_MAX: usize = 108;
@@ -159,13 +160,16 @@ impl NamespaceSandbox {
         std::fs::write(paths.pid_file(), pid.to_string()).map_err(io("write pid file"))?;
         info!(sandbox = %req.sandbox_id, pid, netns = ?req.netns, "agent launched");
 
-        for (pipe, name) in [
-            (child.stdout.take().map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), "stdout"),
-            (child.stderr.take().map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), "stderr"),
-        ] {
-            if let Some(pipe) = pipe {
-                tokio::spawn(forward_agent_log(pipe, name).instrument(life_span.clone()));
-            }
+        // The agent's output is this backend's console (in a VM it is the serial line).
+        let console = ConsoleLog::create(&paths.console_log())
+            .map_err(|e| warn!("console log {}: {e}", paths.console_log().display()))
+            .ok();
+        let source = |stream| Source { pod: req.sandbox_id.clone(), component: Component::Agent, stream };
+        if let Some(pipe) = child.stdout.take() {
+            tokio::spawn(relay(pipe, source("stdout"), console.clone()).instrument(life_span.clone()));
+        }
+        if let Some(pipe) = child.stderr.take() {
+            tokio::spawn(relay(pipe, source("stderr"), console).instrument(life_span.clone()));
         }
 
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -259,23 +263,6 @@ async fn dial_agent(
             )));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Relays the agent's own log lines into the shim log, a bounded chunk at a time.
-async fn forward_agent_log(mut pipe: Box<dyn tokio::io::AsyncRead + Send + Unpin>, name: &'static str) {
-    let mut buf = vec![0u8; 8192];
-    loop {
-        match pipe.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                for line in String::from_utf8_lossy(&buf[..n]).lines() {
-                    if !line.is_empty() {
-                        info!(target: "bulkhead_agent", stream = name, "{line}");
-                    }
-                }
-            }
-        }
     }
 }
 

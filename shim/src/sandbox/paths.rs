@@ -1,4 +1,5 @@
-//! Host paths of a pod's state, shared by the running shim and `delete` after a crash.
+//! Host paths of a pod's state, shared by the running shim, `delete` after a crash, and
+//! `bulkhead-ctl` (which reads the [`PodRecord`], the console log and the metrics socket).
 
 use std::path::{Path, PathBuf};
 
@@ -50,6 +51,68 @@ impl PodPaths {
     pub fn rootfs(&self, container_id: &str) -> PathBuf {
         self.rootfs_dir().join(container_id)
     }
+
+    /// What the shim recorded about the pod for `bulkhead-ctl` ([`PodRecord`]).
+    pub fn record_file(&self) -> PathBuf {
+        self.dir.join("pod.json")
+    }
+
+    /// The guest console: the VM's serial output (`vm`), the agent's own output (`namespace`).
+    pub fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+
+    /// The shim's Prometheus endpoint for this pod (HTTP over a Unix socket).
+    pub fn metrics_socket(&self) -> PathBuf {
+        self.dir.join("metrics.sock")
+    }
+}
+
+/// The host processes behind a running sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HostPids {
+    /// The process reported as the sandbox task (namespace: the launcher; vm: the VMM).
+    pub sandbox: u32,
+    pub vmm: Option<u32>,
+    pub virtiofsd: Option<u32>,
+}
+
+/// What the pod's shim writes into the pod directory once its sandbox runs, so that
+/// `bulkhead-ctl` can name and find the pod's processes without asking the shim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PodRecord {
+    pub sandbox_id: String,
+    /// The Kubernetes pod name and namespace (CRI annotations; empty outside CRI).
+    pub pod_name: String,
+    pub pod_namespace: String,
+    /// containerd's namespace (`k8s.io` under CRI).
+    pub containerd_namespace: String,
+    /// `vm` or `namespace`.
+    pub backend: String,
+    pub shim_pid: u32,
+    pub pids: HostPids,
+    pub started_at_unix: u64,
+}
+
+impl PodRecord {
+    /// Upper bound for a record file: anything larger was not written by a shim.
+    const MAX_BYTES: usize = 64 * 1024;
+
+    /// Writes the record atomically (a reader never sees half of it).
+    pub fn write(&self, paths: &PodPaths) -> std::io::Result<()> {
+        let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        let tmp = paths.record_file().with_extension("json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, paths.record_file())
+    }
+
+    pub fn read(paths: &PodPaths) -> std::io::Result<Self> {
+        let bytes = std::fs::read(paths.record_file())?;
+        if bytes.len() > Self::MAX_BYTES {
+            return Err(std::io::Error::other("pod record too large"));
+        }
+        serde_json::from_slice(&bytes).map_err(std::io::Error::other)
+    }
 }
 
 /// What the shim records in each bundle at Create, so that `delete` (which gets no runtime
@@ -91,6 +154,29 @@ mod tests {
     }
 
     #[test]
+    fn pod_record_round_trips_and_rejects_junk() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PodPaths::new(dir.path(), "sb1").unwrap();
+        std::fs::create_dir_all(&paths.dir).unwrap();
+        let record = PodRecord {
+            sandbox_id: "sb1".into(),
+            pod_name: "web".into(),
+            pod_namespace: "default".into(),
+            containerd_namespace: "k8s.io".into(),
+            backend: "namespace".into(),
+            shim_pid: 10,
+            pids: HostPids { sandbox: 11, vmm: None, virtiofsd: None },
+            started_at_unix: 1_700_000_000,
+        };
+        record.write(&paths).unwrap();
+        assert_eq!(PodRecord::read(&paths).unwrap(), record);
+        std::fs::write(paths.record_file(), b"{not json").unwrap();
+        assert!(PodRecord::read(&paths).is_err());
+        std::fs::write(paths.record_file(), vec![b' '; 100_000]).unwrap();
+        assert!(PodRecord::read(&paths).is_err());
+    }
+
+    #[test]
     fn pod_dirs_stay_inside_the_state_dir() {
         let state = Path::new("/run/bulkhead");
         for bad in ["", ".", "..", "../x", "a/b", "/abs"] {
@@ -104,5 +190,6 @@ mod tests {
         let id = "a".repeat(64);
         let paths = PodPaths::new(Path::new("/run/bulkhead"), &id).unwrap();
         assert!(paths.agent_socket().as_os_str().len() < 108);
+        assert!(paths.metrics_socket().as_os_str().len() < 108);
     }
 }

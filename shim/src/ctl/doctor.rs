@@ -1,0 +1,327 @@
+//! `bulkhead-ctl doctor`: one pass/fail line per thing a bulkhead pod depends on on this node:
+//! - the host probe (`bulkhead_vmm_api::probe`, the one probe): can the `vm` backend run here;
+//! - containerd, asked over CRI (`Status` with the effective CRI config): does it answer, does it
+//!   know the handler, which shim does it run and with which `ConfigPath`;
+//! - the shim config, parsed with the shim's own parser (the config containerd passes unless
+//!   `--config` names another);
+//! - the artifacts that config names, present and with their versions.
+//!
+//! Any failing line makes the exit code 1.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::StatusRequest;
+use serde::Serialize;
+use serde_json::Value;
+use tonic::transport::{Endpoint, Uri};
+
+use super::{default_config_path, Outcome};
+use crate::config::{Backend, Config};
+use bulkhead_vmm_api::probe::KvmKind;
+
+/// Upper bound for a CRI call and for running an artifact's `--version`.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// containerd's config JSON is a few KiB; more is not a config.
+const MAX_CONFIG_JSON: usize = 1 << 20;
+/// How much of a kernel image is searched for its version string.
+const MAX_KERNEL_SCAN: u64 = 128 << 20;
+
+#[derive(Debug, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+fn check(name: impl Into<String>, result: Result<String, String>) -> Check {
+    match result {
+        Ok(detail) => Check { name: name.into(), ok: true, detail },
+        Err(detail) => Check { name: name.into(), ok: false, detail },
+    }
+}
+
+/// What containerd's CRI plugin says about the handler.
+#[derive(Debug, Default, PartialEq)]
+struct Handler {
+    runtime_type: String,
+    config_path: Option<String>,
+}
+
+pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handler_name: &str) -> Outcome {
+    let mut checks = Vec::new();
+    let handler = match cri_config(containerd_socket).await {
+        Ok(config) => {
+            checks.push(Check {
+                name: "containerd".into(),
+                ok: true,
+                detail: format!("answers CRI at {}", containerd_socket.display()),
+            });
+            let handler = find_handler(&config, handler_name);
+            checks.push(check(
+                "containerd handler",
+                handler.as_ref().map_or_else(
+                    || Err(format!("containerd's CRI config has no runtime {handler_name:?} (is the node installed?)")),
+                    |h| {
+                        Ok(format!(
+                            "{handler_name}: runtime_type {}, ConfigPath {}",
+                            h.runtime_type,
+                            h.config_path.as_deref().unwrap_or("(none: the shim reads /etc/bulkhead/config.toml)")
+                        ))
+                    },
+                ),
+            ));
+            if let Some(h) = &handler {
+                checks.push(check("shim binary", shim_binary(&h.runtime_type).await));
+            }
+            handler
+        }
+        Err(e) => {
+            checks.push(Check { name: "containerd".into(), ok: false, detail: e });
+            None
+        }
+    };
+
+    let containerd_path = handler.as_ref().and_then(|h| h.config_path.as_ref()).map(PathBuf::from);
+    let path =
+        explicit_config.map(Path::to_path_buf).or_else(|| containerd_path.clone()).unwrap_or_else(default_config_path);
+    if let (Some(theirs), Some(ours)) = (&containerd_path, explicit_config) {
+        if theirs != ours {
+            checks.push(Check {
+                name: "config path".into(),
+                ok: false,
+                detail: format!(
+                    "containerd passes ConfigPath {}, but {} was checked",
+                    theirs.display(),
+                    ours.display()
+                ),
+            });
+        }
+    }
+    let config = Config::load(&path);
+    checks.push(check(
+        "shim config",
+        config
+            .as_ref()
+            .map(|c| format!("{}: backend {:?}, state_dir {}", path.display(), c.backend, c.state_dir.display()))
+            .map_err(|e| e.to_string()),
+    ));
+    let backend = config.as_ref().ok().map(|c| c.backend);
+    checks.push(probe_check(KvmKind::probe(), backend));
+    if let Ok(config) = &config {
+        checks.extend(artifacts(config).await);
+    }
+
+    let ok = checks.iter().all(|c| c.ok);
+    let text: String =
+        checks.iter().map(|c| format!("[{}] {}: {}\n", if c.ok { "pass" } else { "FAIL" }, c.name, c.detail)).collect();
+    Outcome { json: serde_json::json!({ "ok": ok, "checks": checks }), text, ok }
+}
+
+/// The vm backend needs ordinary guests; the namespace backend runs anywhere.
+fn probe_check(kind: KvmKind, backend: Option<Backend>) -> Check {
+    let result = match (kind.ordinary_guests(), backend) {
+        (Ok(()), _) => Ok(format!("/dev/kvm is {}: the vm backend can run here", kind.name())),
+        (Err(why), Some(Backend::Namespace)) => {
+            Ok(format!("{} ({why}); the config selects the namespace backend (no VM isolation)", kind.name()))
+        }
+        (Err(why), _) => Err(format!("{}: {why}; the vm backend cannot start pods here", kind.name())),
+    };
+    check("host probe", result)
+}
+
+async fn cri_config(socket: &Path) -> Result<Value, String> {
+    let path = socket.to_path_buf();
+    // The URI is a placeholder: the connector always dials the Unix socket.
+    let channel = Endpoint::try_from("http://[::1]:1")
+        .map_err(|e| e.to_string())?
+        .connect_timeout(CALL_TIMEOUT)
+        .timeout(CALL_TIMEOUT)
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+        }))
+        .await
+        .map_err(|e| format!("cannot reach containerd's CRI at {}: {}", socket.display(), chain(&e)))?;
+    let status = RuntimeServiceClient::new(channel)
+        .status(StatusRequest { verbose: true })
+        .await
+        .map_err(|e| format!("CRI Status at {}: {}", socket.display(), e.message()))?
+        .into_inner();
+    let json = status.info.get("config").ok_or("CRI Status has no verbose config (is this containerd?)")?;
+    if json.len() > MAX_CONFIG_JSON {
+        return Err(format!("containerd's config JSON is over {MAX_CONFIG_JSON} bytes"));
+    }
+    serde_json::from_str(json).map_err(|e| format!("containerd's config JSON: {e}"))
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn find_handler(config: &Value, name: &str) -> Option<Handler> {
+    let runtime = config.pointer("/containerd/runtimes")?.get(name)?;
+    Some(Handler {
+        runtime_type: runtime.get("runtimeType").and_then(Value::as_str).unwrap_or_default().into(),
+        config_path: runtime.pointer("/options/ConfigPath").and_then(Value::as_str).map(str::to_string),
+    })
+}
+
+/// The shim containerd runs: an absolute `runtime_type`, or the binary containerd finds on its PATH.
+async fn shim_binary(runtime_type: &str) -> Result<String, String> {
+    let path = if runtime_type.starts_with('/') {
+        PathBuf::from(runtime_type)
+    } else if runtime_type == crate::RUNTIME_ID {
+        let on_path = std::env::var_os("PATH").and_then(|p| {
+            std::env::split_paths(&p).map(|d| d.join("containerd-shim-bulkhead-v2")).find(|p| p.is_file())
+        });
+        on_path.ok_or("runtime_type io.containerd.bulkhead.v2 but no containerd-shim-bulkhead-v2 on PATH")?
+    } else {
+        return Err(format!("runtime_type {runtime_type:?} is not bulkhead's shim"));
+    };
+    executable(&path)?;
+    Ok(format!("{} ({})", path.display(), version_of(&path, "-v").await?))
+}
+
+fn executable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(format!("{} is not an executable file", path.display()));
+    }
+    Ok(())
+}
+
+/// The first line a binary prints for its version flag.
+async fn version_of(path: &Path, flag: &str) -> Result<String, String> {
+    let run = tokio::process::Command::new(path).arg(flag).kill_on_drop(true).output();
+    let out = tokio::time::timeout(CALL_TIMEOUT, run)
+        .await
+        .map_err(|_| format!("{} {flag}: no answer within {CALL_TIMEOUT:?}", path.display()))?
+        .map_err(|e| format!("{} {flag}: {e}", path.display()))?;
+    let line = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or_default().trim().to_string();
+    if !out.status.success() || line.is_empty() {
+        return Err(format!("{} {flag} failed ({})", path.display(), out.status));
+    }
+    Ok(line.chars().take(200).collect())
+}
+
+/// The artifacts the config's backend uses.
+async fn artifacts(config: &Config) -> Vec<Check> {
+    match config.backend {
+        Backend::Namespace => {
+            let agent = &config.namespace.agent_path;
+            let result = match executable(agent) {
+                Ok(()) => version_of(agent, "--version").await.map(|v| format!("{} ({v})", agent.display())),
+                Err(e) => Err(e),
+            };
+            vec![check("agent", result)]
+        }
+        Backend::Vm => {
+            let vmm = &config.vm.vmm_path;
+            let vmm_result = match executable(vmm) {
+                Ok(()) => version_of(vmm, "--version").await.map(|v| format!("{} ({v})", vmm.display())),
+                Err(e) => Err(e),
+            };
+            // The installer puts virtiofsd beside the VMM.
+            let virtiofsd = vmm.with_file_name("virtiofsd");
+            let virtiofsd_result = match executable(&virtiofsd) {
+                Ok(()) => version_of(&virtiofsd, "--version").await.map(|v| format!("{} ({v})", virtiofsd.display())),
+                Err(e) => Err(e),
+            };
+            vec![
+                check("vmm", vmm_result),
+                check("virtiofsd", virtiofsd_result),
+                check("kernel", kernel_version(&config.vm.kernel_path)),
+                check("initramfs", initramfs(&config.vm.initramfs_path)),
+            ]
+        }
+    }
+}
+
+/// The `Linux version ...` banner a kernel image carries.
+fn kernel_version(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_KERNEL_SCAN).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(format!("{} ({})", path.display(), banner(&bytes).unwrap_or_else(|| "no version banner found".into())))
+}
+
+fn banner(bytes: &[u8]) -> Option<String> {
+    let needle = b"Linux version ";
+    let start = bytes.windows(needle.len()).position(|w| w == needle)?;
+    let rest = &bytes[start..];
+    let end = rest.iter().take(200).position(|b| *b == 0 || *b == b'\n').unwrap_or(rest.len().min(200));
+    let text = String::from_utf8_lossy(&rest[..end]);
+    Some(text.split(" (").next().unwrap_or_default().trim().to_string())
+}
+
+fn initramfs(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if meta.len() == 0 {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(format!("{} ({} bytes)", path.display(), meta.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_vmm_api::probe::HwVirt;
+
+    #[test]
+    fn probe_line_depends_on_the_backend() {
+        assert!(probe_check(KvmKind::Hardware(HwVirt::Vmx), Some(Backend::Vm)).ok);
+        let pvm_vm = probe_check(KvmKind::Pvm, Some(Backend::Vm));
+        assert!(!pvm_vm.ok && pvm_vm.detail.contains("kvm_pvm"), "{pvm_vm:?}");
+        let pvm_ns = probe_check(KvmKind::Pvm, Some(Backend::Namespace));
+        assert!(pvm_ns.ok && pvm_ns.detail.contains("namespace backend"), "{pvm_ns:?}");
+        assert!(!probe_check(KvmKind::Absent, None).ok);
+    }
+
+    #[test]
+    fn handler_is_read_from_containerds_config() {
+        let config = serde_json::json!({"containerd": {"runtimes": {
+            "bulkhead": {"runtimeType": "/opt/bulkhead/current/containerd-shim-bulkhead-v2",
+                         "options": {"ConfigPath": "/opt/bulkhead/current/config.toml"}},
+            "runc": {"runtimeType": "io.containerd.runc.v2"}}}});
+        let h = find_handler(&config, "bulkhead").unwrap();
+        assert_eq!(h.config_path.as_deref(), Some("/opt/bulkhead/current/config.toml"));
+        assert_eq!(find_handler(&config, "runc").unwrap().config_path, None);
+        assert_eq!(find_handler(&config, "kata"), None);
+    }
+
+    #[test]
+    fn kernel_banner_is_found() {
+        let mut image = vec![0u8; 100];
+        image.extend_from_slice(b"Linux version 6.12.57 (root@build) (gcc 12) #1\0rest");
+        assert_eq!(banner(&image).as_deref(), Some("Linux version 6.12.57"));
+        assert_eq!(banner(b"nothing here"), None);
+    }
+
+    #[tokio::test]
+    async fn unreachable_containerd_and_broken_config_are_failing_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, "backend = \"namespace\"\nbakend = 1\n").unwrap();
+        let outcome = run(Some(&config), &dir.path().join("no.sock"), "bulkhead").await;
+        assert!(!outcome.ok);
+        let checks = outcome.json["checks"].as_array().unwrap();
+        let line = |name: &str| checks.iter().find(|c| c["name"] == name).unwrap().clone();
+        assert_eq!(line("containerd")["ok"], false);
+        let shim_config = line("shim config");
+        assert_eq!(shim_config["ok"], false);
+        assert!(shim_config["detail"].as_str().unwrap().contains("bakend"), "{shim_config}");
+        assert!(outcome.text.contains("[FAIL] shim config"), "{}", outcome.text);
+    }
+}

@@ -1,0 +1,237 @@
+//! `bulkhead-ctl metrics`: every pod's metrics as one OpenMetrics exposition, each sample
+//! labelled with `pod`, `namespace` (Kubernetes) and `pod_id` (the sandbox id), plus
+//! `bulkhead_pod_scrape_up` per pod. Printed once, or served as `GET /metrics` on `--listen`
+//! (the node's exporter: the DaemonSet runs it as a sidecar). A removed pod's socket is gone
+//! with its state directory, so its series disappear from the next scrape.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixStream};
+
+use super::pods::{self, Pod};
+use super::{io_err, CtlError};
+use crate::metrics::http;
+
+/// Upper bound for one pod's exposition.
+const MAX_POD_EXPOSITION: usize = 4 << 20;
+/// Upper bound for scraping one pod.
+const POD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Upper bound for answering one request to the node endpoint.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One metric family of the merged output, in order of first appearance.
+#[derive(Default)]
+struct Family {
+    meta: Vec<String>,
+    samples: Vec<String>,
+}
+
+#[derive(Default)]
+struct Merged {
+    order: Vec<String>,
+    families: HashMap<String, Family>,
+}
+
+impl Merged {
+    fn family(&mut self, name: &str) -> &mut Family {
+        if !self.families.contains_key(name) {
+            self.order.push(name.to_string());
+        }
+        self.families.entry(name.to_string()).or_default()
+    }
+
+    /// Adds one pod's exposition, with `labels` (already rendered `k="v"` pairs) on every sample.
+    fn add(&mut self, exposition: &str, labels: &str) {
+        let mut current: Option<String> = None;
+        for line in exposition.lines() {
+            if line == "# EOF" {
+                break;
+            }
+            if let Some(meta) = line.strip_prefix("# ") {
+                let mut parts = meta.splitn(3, ' ');
+                let (Some(kind @ ("HELP" | "TYPE" | "UNIT")), Some(name)) = (parts.next(), parts.next()) else {
+                    continue;
+                };
+                let prefix = format!("# {kind} {name} ");
+                let family = self.family(name);
+                if !family.meta.iter().any(|m| m.starts_with(&prefix)) {
+                    family.meta.push(line.to_string());
+                }
+                current = Some(name.to_string());
+                continue;
+            }
+            if line.trim().is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let sample = with_labels(line, labels);
+            let name = match &current {
+                Some(name) => name.clone(),
+                None => sample_name(line).to_string(),
+            };
+            self.family(&name).samples.push(sample);
+        }
+    }
+
+    fn render(&self) -> String {
+        let mut out = String::new();
+        for name in &self.order {
+            let family = &self.families[name];
+            for line in family.meta.iter().chain(&family.samples) {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out.push_str("# EOF\n");
+        out
+    }
+}
+
+fn sample_name(line: &str) -> &str {
+    let end = line.find(['{', ' ']).unwrap_or(line.len());
+    &line[..end]
+}
+
+/// Puts `labels` first in a sample line's label set.
+fn with_labels(line: &str, labels: &str) -> String {
+    let name = sample_name(line);
+    let rest = &line[name.len()..];
+    match rest.strip_prefix('{') {
+        Some(inner) if inner.starts_with('}') => format!("{name}{{{labels}{inner}"),
+        Some(inner) => format!("{name}{{{labels},{inner}"),
+        None => format!("{name}{{{labels}}}{rest}"),
+    }
+}
+
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn pod_labels(pod: &Pod) -> String {
+    let (name, namespace) =
+        pod.record.as_ref().map_or((String::new(), String::new()), |r| (r.pod_name.clone(), r.pod_namespace.clone()));
+    format!("pod=\"{}\",namespace=\"{}\",pod_id=\"{}\"", escape(&name), escape(&namespace), escape(&pod.id))
+}
+
+async fn scrape(socket: &Path) -> Result<String, String> {
+    let mut stream = tokio::time::timeout(POD_TIMEOUT, UnixStream::connect(socket))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    http::get(&mut stream, "/metrics", MAX_POD_EXPOSITION, POD_TIMEOUT).await.map_err(|e| e.to_string())
+}
+
+/// Scrapes every pod that serves metrics and merges the expositions.
+pub async fn gather(state_dir: &Path) -> String {
+    let pods = match pods::list(state_dir) {
+        Ok(pods) => pods,
+        Err(e) => {
+            tracing::warn!("{e}");
+            Vec::new()
+        }
+    };
+    let mut merged = Merged::default();
+    let mut up = Vec::new();
+    for pod in &pods {
+        let socket = pod.paths.metrics_socket();
+        if !socket.exists() {
+            continue;
+        }
+        let labels = pod_labels(pod);
+        match scrape(&socket).await {
+            Ok(text) => {
+                merged.add(&text, &labels);
+                up.push(format!("bulkhead_pod_scrape_up{{{labels}}} 1"));
+            }
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, "scrape {}: {e}", socket.display());
+                up.push(format!("bulkhead_pod_scrape_up{{{labels}}} 0"));
+            }
+        }
+    }
+    let own = merged.family("bulkhead_pod_scrape_up");
+    own.meta = vec![
+        "# HELP bulkhead_pod_scrape_up Whether the pod's shim answered this scrape".into(),
+        "# TYPE bulkhead_pod_scrape_up gauge".into(),
+    ];
+    own.samples = up;
+    merged.render()
+}
+
+/// Serves the node's `/metrics` on `addr` until SIGTERM or SIGINT. Prints the bound address
+/// first (`listening on ...`), so `--listen 127.0.0.1:0` can be used.
+pub async fn serve(state_dir: PathBuf, addr: &str) -> Result<(), CtlError> {
+    let listener = TcpListener::bind(addr).await.map_err(io_err(format!("listen on {addr}")))?;
+    let local = listener.local_addr().map_err(io_err("local address"))?;
+    println!("listening on {local}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
+    let mut int =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_err("SIGINT handler"))?;
+    loop {
+        let (mut stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+        };
+        let state_dir = state_dir.clone();
+        tokio::spawn(async move {
+            let answer = http::serve_one(&mut stream, gather(&state_dir));
+            if tokio::time::timeout(REQUEST_TIMEOUT, answer).await.is_err() {
+                tracing::warn!("metrics request not answered within {REQUEST_TIMEOUT:?}");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD_A: &str = "# HELP m_seconds Latency.\n# TYPE m_seconds histogram\n\
+                         m_seconds_bucket{le=\"0.1\",rpc=\"create\"} 1\nm_seconds_count{rpc=\"create\"} 1\n\
+                         # HELP up Up.\n# TYPE up gauge\nup 1\n# EOF\n";
+
+    #[test]
+    fn labels_go_first_in_every_sample() {
+        assert_eq!(with_labels("up 1", "pod=\"a\""), "up{pod=\"a\"} 1");
+        assert_eq!(with_labels("m{} 2", "pod=\"a\""), "m{pod=\"a\"} 2");
+        assert_eq!(with_labels("m{x=\"1\"} 2", "pod=\"a\""), "m{pod=\"a\",x=\"1\"} 2");
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn pods_merge_into_one_family_each() {
+        let mut merged = Merged::default();
+        merged.add(POD_A, "pod=\"a\"");
+        merged.add(POD_A, "pod=\"b\"");
+        let text = merged.render();
+        assert_eq!(text.matches("# TYPE m_seconds histogram").count(), 1, "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        let family: Vec<&str> = text.lines().skip_while(|l| !l.contains("TYPE m_seconds")).skip(1).take(4).collect();
+        assert!(family.iter().all(|l| l.starts_with("m_seconds")), "samples stay with their family: {text}");
+        assert!(text.contains("up{pod=\"b\"} 1"), "{text}");
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[tokio::test]
+    async fn an_empty_node_exposes_only_the_scrape_family() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = gather(dir.path()).await;
+        assert_eq!(
+            text,
+            "# HELP bulkhead_pod_scrape_up Whether the pod's shim answered this scrape\n\
+                          # TYPE bulkhead_pod_scrape_up gauge\n# EOF\n"
+        );
+    }
+}
