@@ -156,9 +156,14 @@ impl TaskService {
         if let PodSandbox::Running(_) = &*slot {
             return Err(TaskError::AlreadyExists(format!("a sandbox in the shim of {}", req.id)));
         }
-        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: req.id.clone(), is_sandbox: true }
-            .write(Path::new(&req.bundle))
-            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+        BundleRecord {
+            state_dir: config.state_dir.clone(),
+            sandbox_id: req.id.clone(),
+            is_sandbox: true,
+            backend: config.backend,
+        }
+        .write(Path::new(&req.bundle))
+        .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
         let sandbox = self
             .backends
             .start(
@@ -167,6 +172,8 @@ impl TaskService {
                     sandbox_id: req.id.clone(),
                     netns,
                     cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, &self.namespace, spec.cgroups_path()),
+                    resources: spec.pod_resources(),
+                    log_dir: spec.log_directory(),
                 },
             )
             .await?;
@@ -220,9 +227,14 @@ impl TaskService {
         let sandbox = self.running_sandbox().await.ok_or_else(not_here)?;
         let spec_json = spec.translate_container(sandbox.pid())?;
         let bundle = Path::new(&req.bundle);
-        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: sandbox_id.into(), is_sandbox: false }
-            .write(bundle)
-            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+        BundleRecord {
+            state_dir: config.state_dir.clone(),
+            sandbox_id: sandbox_id.into(),
+            is_sandbox: false,
+            backend: sandbox.backend(),
+        }
+        .write(bundle)
+        .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
         let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
         let agent = sandbox.agent();
@@ -399,12 +411,12 @@ impl TaskService {
 
     async fn do_pause(&self, id: &str, pause: bool) -> Result<(), TaskError> {
         let (_, init) = self.container_process(id, "").await?;
-        if let Some(agent) = self.workload_agent(id).await? {
-            if pause {
-                agent.pause_container(id).await?;
-            } else {
-                agent.resume_container(id).await?;
-            }
+        match (self.workload_agent(id).await?, pause) {
+            (Some(agent), true) => agent.pause_container(id).await?,
+            (Some(agent), false) => agent.resume_container(id).await?,
+            // The sandbox task stands for the whole pod: its backend pauses the pod (or says it cannot).
+            (None, true) => self.sandbox_for(id).await?.pause().await?,
+            (None, false) => self.sandbox_for(id).await?.resume().await?,
         }
         let event = if pause { ProcessEvent::Paused } else { ProcessEvent::Resumed };
         init.core().transition(event)?;
@@ -417,11 +429,19 @@ impl TaskService {
     }
 
     async fn do_stats(&self, id: &str) -> Result<Metrics, TaskError> {
-        let Some(agent) = self.workload_agent(id).await? else {
-            return Ok(Metrics::default());
+        let stats = match self.workload_agent(id).await? {
+            Some(agent) => agent.stats(id).await?,
+            // The sandbox's own usage on the host: the VMM, or the launcher and agent.
+            None => self.sandbox_for(id).await?.stats().await?,
         };
-        let stats = agent.stats(id).await?;
         Ok(crate::trans::metrics(&stats))
+    }
+
+    /// The running sandbox, for the sandbox task `id`.
+    async fn sandbox_for(&self, id: &str) -> Result<Arc<dyn Sandbox>, TaskError> {
+        self.running_sandbox()
+            .await
+            .ok_or_else(|| TaskError::FailedPrecondition(format!("the pod sandbox {id} is not running")))
     }
 }
 

@@ -26,6 +26,8 @@ use tracing::{debug, warn};
 const OWN_ROOT: &str = "/bulkhead";
 /// Most containers recorded per pod (pods restart containers; the record stays small).
 const MAX_RECORDED: usize = 4096;
+/// Largest cgroup record read back (4096 ids of up to 128 bytes, with room to spare).
+const MAX_RECORD_BYTES: u64 = 1 << 20;
 
 /// Who removes the pod's cgroup parent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -128,6 +130,26 @@ impl PodCgroup {
         }
     }
 
+    /// Writes the record `delete` reads after a crash, atomically (never half a record).
+    pub fn write_record(&self, file: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        let tmp = file.with_extension("json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, file)
+    }
+
+    /// Reads what [`PodCgroup::write_record`] wrote; `None` if there is no (valid) record.
+    pub fn read_record(file: &Path) -> Option<Self> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(file).ok()?.take(MAX_RECORD_BYTES + 1).read_to_end(&mut bytes).ok()?;
+        if bytes.len() as u64 > MAX_RECORD_BYTES {
+            warn!(file = %file.display(), "cgroup record too large; ignored");
+            return None;
+        }
+        serde_json::from_slice(&bytes).ok()
+    }
+
     /// Removes the cgroups this pod owns in every mounted hierarchy, retrying while the last
     /// processes of a killed pod exit, for at most `budget`. Returns what is still there (and
     /// logs it once) instead of waiting longer.
@@ -204,7 +226,7 @@ fn remove_tree(dir: &Path) -> usize {
 }
 
 /// Mount points of every cgroup hierarchy (v1 controllers, named, and v2), from mountinfo.
-fn cgroup_mounts() -> Vec<PathBuf> {
+pub fn cgroup_mounts() -> Vec<PathBuf> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
     info.lines()
         .filter_map(|line| {
@@ -287,8 +309,13 @@ mod tests {
     fn the_record_round_trips() {
         let mut cg = caller("/kubepods/pod1", "sb1");
         cg.add_container("c1");
-        let json = serde_json::to_vec(&cg).unwrap();
-        assert_eq!(serde_json::from_slice::<PodCgroup>(&json).unwrap(), cg);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("cgroup.json");
+        cg.write_record(&file).unwrap();
+        assert_eq!(PodCgroup::read_record(&file), Some(cg));
+        std::fs::write(&file, vec![b' '; MAX_RECORD_BYTES as usize + 1]).unwrap();
+        assert_eq!(PodCgroup::read_record(&file), None, "an oversized record is ignored");
+        assert_eq!(PodCgroup::read_record(&dir.path().join("missing")), None);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! End-to-end harness for bulkhead: a private containerd (`containerd`), local OCI images
-//! (`images`) and a CRI client (`cri`). Every end-to-end test in the workspace uses it.
+//! (`images`), a CRI client (`cri`), the VMM's test guests (`guests`) and host leftovers checks
+//! (`host`). Every end-to-end test in the workspace uses it.
 //!
 //! Tests that need root or containerd call [`skip_reason`] first and print one
 //! `SKIPPED: <reason>` line when it returns `Some`.
@@ -7,6 +8,8 @@
 pub mod cgroups;
 pub mod containerd;
 pub mod cri;
+pub mod guests;
+pub mod host;
 pub mod images;
 
 pub use containerd::{Containerd, ContainerdConfig, RuntimeHandler};

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
     cgroups, container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
     RuntimeHandler,
@@ -55,7 +56,10 @@ async fn setup_config(
     let shim = workspace_bin("containerd-shim-bulkhead-v2");
     for bin in [&agent, &shim] {
         if !bin.is_file() {
-            skip::missing_prerequisite(test, &format!("{} is not built (run `cargo build --workspace`)", bin.display()));
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
             return Ok(None);
         }
     }
@@ -109,41 +113,6 @@ fn unique(tag: &str) -> String {
     format!("bhmark-{tag}-{}-{nanos}", std::process::id())
 }
 
-/// Host pids whose command line contains `needle`.
-fn processes_with(needle: &str) -> Vec<(u32, String)> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
-    for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        if pid == std::process::id() {
-            continue;
-        }
-        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push((pid, cmdline));
-        }
-    }
-    found
-}
-
-fn mounts_with(needle: &str) -> Vec<String> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_string)
-        .collect()
-}
-
-/// containerd's shim socket for `group` (same hash as the shim computes).
-fn shim_socket(containerd: &Containerd, group: &str) -> PathBuf {
-    use sha2::{Digest, Sha256};
-    let key = containerd.address().join("k8s.io").join(group);
-    let hash = hex::encode(Sha256::digest(key.display().to_string().as_bytes()));
-    PathBuf::from(format!("/run/containerd/s/{hash}"))
-}
-
 /// Waits until a process with `marker` in its command line runs: CRI reports Running when
 /// Start returns, a moment before the container's init has exec'd its command.
 async fn wait_for_process(marker: &str) -> Result<()> {
@@ -154,21 +123,6 @@ async fn wait_for_process(marker: &str) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     bail!("no process with {marker} in its command line")
-}
-
-/// Polls `check` (which returns what is still left over) until it is empty or `within` passes.
-async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -> Vec<String>) -> Result<()> {
-    let deadline = Instant::now() + within;
-    loop {
-        let left = check();
-        if left.is_empty() {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            bail!("{what} still present after {within:?}: {left:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Nothing of the pod may remain: processes, mounts, sockets, state.
@@ -196,7 +150,7 @@ async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str
     })
     .await?;
     let pod_state = env.state_dir.path().join(pod_id);
-    let socket = shim_socket(&env.containerd, pod_id);
+    let socket = bulkhead_integration::host::shim_socket(&env.containerd, pod_id);
     eventually_nothing("sockets and state", within, || {
         [&pod_state, &socket].into_iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
     })
@@ -753,21 +707,24 @@ async fn shim_pods_without_cgroup_parent_stop_alone_and_quickly() -> Result<()> 
 /// The config's `log_level` sets the shim's level (containerd here runs without -debug).
 #[tokio::test]
 async fn shim_log_level_comes_from_the_config() -> Result<()> {
-    let Some(env) = setup_config("shim_log_level_comes_from_the_config", vec![], false, "log_level = \"debug\"").await?
+    let Some(env) =
+        setup_config("shim_log_level_comes_from_the_config", vec![], false, "log_level = \"debug\"").await?
     else {
         return Ok(());
     };
     let pod = env.pod("loglevel")?;
-    let (pod_id, ctr) = env
-        .pod_with(&pod, &container_config("once", &["echo", "hello"]))
-        .await
-        .with_context(|| env.fail_context())?;
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &container_config("once", &["echo", "hello"])).await.with_context(|| env.fail_context())?;
     env.cri.wait_container(&ctr, Duration::from_secs(15), |s| s.state == EXITED).await?;
     // io.rs logs a drained output stream at debug level only.
     eventually_nothing("a debug line of the shim", Duration::from_secs(10), || {
         let log = std::fs::read_to_string(env.containerd.log_path()).unwrap_or_default();
         let seen = log.lines().any(|l| l.contains("output closed") && l.contains(&ctr));
-        if seen { Vec::new() } else { vec![format!("no debug line for {ctr} of {pod_id}")] }
+        if seen {
+            Vec::new()
+        } else {
+            vec![format!("no debug line for {ctr} of {pod_id}")]
+        }
     })
     .await
 }

@@ -63,14 +63,7 @@ async fn vm_backend_pod_runs_and_execs() -> Result<()> {
     .await?;
     let cri = containerd.cri().await?;
     let pod = pod_config("vm-e2e", &containerd.new_log_dir("vm-e2e")?);
-    let pod_id = match cri.run_pod_sandbox(&pod, "bulkhead").await {
-        // Until the shim's vm backend lands, a capable host reports that plainly instead of failing.
-        Err(e) if format!("{e:#}").contains("the VMM integration is not built yet") => {
-            println!("SKIPPED: vm_backend_pod_runs_and_execs: the shim's vm backend is not implemented yet");
-            return Ok(());
-        }
-        other => other?,
-    };
+    let pod_id = cri.run_pod_sandbox(&pod, "bulkhead").await?;
     let ctr = cri.create_container(&pod_id, &container_config("c", &["sleep", "3600"]), &pod).await?;
     cri.start_container(&ctr).await?;
     let out = cri.exec_sync(&ctr, &["uname", "-r"], 30).await?;
