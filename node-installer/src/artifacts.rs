@@ -113,14 +113,15 @@ fn prune_old_versions(root: &Path, keep: &str) -> Result<()> {
     Ok(())
 }
 
-/// Shim config used when the image ships none. Paths point into this version's directory, so a shim always
-/// pairs with the VMM, kernel and initramfs of its own release, even while `current` flips.
+/// Shim config used when the image ships none, in the shim's own keys (`shim/config.example.toml`). Paths point
+/// into this version's directory, so a shim always pairs with the VMM, kernel and initramfs of its own release,
+/// even while `current` flips.
 pub fn default_shim_config(layout: &Layout, version: &str) -> String {
     let d = layout.view(&layout.prefix.join(version));
     format!(
         "# Written by bulkhead-node-installer {version}. Ship config.toml in the image to override.\n\
-         backend = \"vm\"\n\n[vm]\nvmm = \"{d}/bulkhead-vmm\"\nkernel = \"{d}/vmlinux\"\n\
-         initramfs = \"{d}/initramfs.cpio.gz\"\nvirtiofsd = \"{d}/virtiofsd\"\n",
+         backend = \"vm\"\n\n[vm]\nvmm_path = \"{d}/bulkhead-vmm\"\nkernel_path = \"{d}/vmlinux\"\n\
+         initramfs_path = \"{d}/initramfs.cpio.gz\"\n",
         d = d.display()
     )
 }

@@ -22,14 +22,17 @@ pub const PAUSE_IMAGE: &str = "bulkhead.test/pause:1";
 
 /// Prints one SKIPPED line and returns false when this host cannot run the real-containerd tests.
 pub fn can_run_containerd() -> bool {
-    // SAFETY: geteuid has no preconditions.
     let test = std::thread::current().name().unwrap_or("real containerd test").to_string();
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return !bulkhead_integration::skip::missing_prerequisite(&test, "real containerd tests need root");
     }
     for bin in [CONTAINERD, "/usr/bin/ctr"] {
         if !Path::new(bin).exists() {
-            return !bulkhead_integration::skip::missing_prerequisite(&test, &format!("{bin} not installed (make setup)"));
+            return !bulkhead_integration::skip::missing_prerequisite(
+                &test,
+                &format!("{bin} not installed (make setup)"),
+            );
         }
     }
     true

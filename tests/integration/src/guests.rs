@@ -1,7 +1,8 @@
-//! The VMM's tiny `no_std` test guests (`vmm/tests/guests/*.rs`), compiled with rustc for
-//! `x86_64-unknown-none` into static ELFs. The VMM's KVM tests boot them as raw guests; the
-//! shim's `vm` backend tests boot them in place of a kernel (the ELF loader takes them like a
-//! vmlinux). The one builder both use.
+//! What VMs in tests boot. The VMM's tiny `no_std` test guests (`vmm/tests/guests/*.rs`),
+//! compiled with rustc for `x86_64-unknown-none` into static ELFs: the VMM's KVM tests boot them
+//! as raw guests, the shim's `vm` backend tests in place of a kernel (the ELF loader takes them
+//! like a vmlinux); the one builder both use. And the real guest kernel and initramfs, for hosts
+//! that run ordinary guests (the full-VM test, `make demo`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,4 +45,26 @@ pub fn build(name: &str, out_dir: &Path) -> Result<PathBuf, String> {
     std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
     let _ = std::fs::remove_dir_all(&tmp_dir);
     Ok(out)
+}
+
+/// The real guest: the kernel `guest-kernel/build-kernel.sh` builds (cached by content hash) and
+/// the initramfs of `make -C guest-kernel initramfs` (the static agent as /init).
+pub fn kernel_and_initramfs() -> anyhow::Result<(PathBuf, PathBuf)> {
+    use anyhow::{bail, Context};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out =
+        Command::new(root.join("guest-kernel/build-kernel.sh")).output().context("guest-kernel/build-kernel.sh")?;
+    if !out.status.success() {
+        bail!("building the guest kernel failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let kernel = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let status = Command::new("make").arg("-C").arg(root.join("guest-kernel")).arg("initramfs").status()?;
+    if !status.success() {
+        bail!("make -C guest-kernel initramfs failed");
+    }
+    let initramfs = root.join("guest-kernel/build/initramfs.cpio.gz");
+    if !initramfs.exists() {
+        bail!("{} was not produced", initramfs.display());
+    }
+    Ok((kernel, initramfs))
 }

@@ -553,8 +553,19 @@ fn task_status(list: &str, id: &str) -> Option<String> {
 async fn shim_task_api_pause_resume_pids_metrics() -> Result<()> {
     let Some(env) = setup("shim_task_api_pause_resume_pids_metrics", vec![]).await? else { return Ok(()) };
     let pod = env.pod("taskapi")?;
-    let (_pod_id, ctr_id) =
+    let (pod_id, ctr_id) =
         env.pod_with(&pod, &sleeper("sleeper", &unique("taskapi"))).await.with_context(|| env.fail_context())?;
+
+    // The sandbox task: the namespace backend cannot pause a whole pod and says so; its stats are
+    // the sandbox cgroup's (launcher and agent), not empty numbers.
+    let err = ctr(&env, &["task", "pause", &pod_id]).await.unwrap_err();
+    assert!(format!("{err:#}").contains("does not support pausing the pod sandbox"), "{err:#}");
+    let list = ctr(&env, &["task", "ls"]).await?;
+    assert_eq!(task_status(&list, &pod_id).as_deref(), Some("RUNNING"), "{list}");
+    let metrics = ctr(&env, &["task", "metrics", "--format", "json", &pod_id]).await?;
+    let value: serde_json::Value = serde_json::from_str(&metrics).with_context(|| format!("metrics: {metrics}"))?;
+    let usage = value.pointer("/memory/usage/usage").and_then(serde_json::Value::as_u64).unwrap_or_default();
+    assert!(usage > 0, "sandbox memory usage in metrics: {metrics}");
 
     // Pids: the container's processes, as the agent lists them.
     let ps = ctr(&env, &["task", "ps", &ctr_id]).await?;

@@ -18,8 +18,12 @@ fn log(fail_after_skip: bool) -> String {
          running 3 tests\ntest plain ... ok\ntest skipping ... ok\n",
     );
     if fail_after_skip {
-        text.push_str("test broken ... FAILED\n\nsuccesses:\n\n---- skipping stdout ----\nSKIPPED: skipping: no vmx\n\n\n");
-        text.push_str("successes:\n    plain\n    skipping\n\nfailures:\n\n---- broken stdout ----\nSKIPPED: broken: x\n");
+        text.push_str(
+            "test broken ... FAILED\n\nsuccesses:\n\n---- skipping stdout ----\nSKIPPED: skipping: no vmx\n\n\n",
+        );
+        text.push_str(
+            "successes:\n    plain\n    skipping\n\nfailures:\n\n---- broken stdout ----\nSKIPPED: broken: x\n",
+        );
         text.push_str("thread 'broken' panicked\n\nfailures:\n    broken\n\n");
         text.push_str("test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n");
     } else {
@@ -65,7 +69,11 @@ fn an_unlisted_skip_fails_the_run() {
     // Listed, but for another host kind.
     let run = summarize(&log(false), "pvm vm_e2e::skipping no ordinary guests on PVM\n", "vmx", 0);
     assert_eq!(run.code, 1, "{}", run.out);
-    assert!(run.out.contains("unlisted skip on a vmx host: vm_e2e::skipping: SKIPPED: skipping: no vmx"), "{}", run.out);
+    assert!(
+        run.out.contains("unlisted skip on a vmx host: vm_e2e::skipping: SKIPPED: skipping: no vmx"),
+        "{}",
+        run.out
+    );
     let run = summarize(&log(false), "# nothing allowed\n", "pvm", 0);
     assert_eq!(run.code, 1, "{}", run.out);
 }
