@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 8] = [
+const BODIES: [(&str, Body); 10] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -15,6 +15,8 @@ const BODIES: [(&str, Body); 8] = [
     ("virtio_blk", bulkhead_fuzz::virtio_blk),
     ("virtio_vsock", bulkhead_fuzz::virtio_vsock),
     ("vsock_muxer", bulkhead_fuzz::vsock_muxer),
+    ("net_packet", bulkhead_fuzz::net_packet),
+    ("virtio_net", bulkhead_fuzz::virtio_net),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {

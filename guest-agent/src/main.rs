@@ -1,18 +1,28 @@
 //! `bulkhead-agent`: PID 1 of a bulkhead sandbox. See the crate README for the job and boundaries.
 
+mod bundle;
 mod cgroups;
 mod cli;
+mod console;
 mod container;
 mod error;
 mod guest_init;
+mod mount;
 mod network;
 mod oom;
+mod process_io;
 mod reaper;
+mod rollback;
+mod rootfs;
 mod runtime;
 mod sandbox;
 mod seccomp;
+mod serve;
 mod service;
+mod spec;
 mod stdio;
+mod stream_attach;
+mod syscall;
 mod transport;
 
 use clap::Parser;
@@ -44,7 +54,7 @@ fn main() -> std::process::ExitCode {
 fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
     cli::init_tracing(&opts);
     // Mounts and subreaper status come before any thread exists.
-    guest_init::prepare(opts.mode, &guest_init::LinuxSyscall)?;
+    guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(sandbox::serve(opts))
+    rt.block_on(serve::serve(opts))
 }

@@ -1,49 +1,44 @@
 //! The sandbox: the agent's containers and the operations the service exposes. One method
-//! per RPC; the ttrpc layer (service.rs) only converts messages.
+//! per RPC; the ttrpc layer (service.rs) only converts messages. A create is composed from
+//! spec.rs, bundle.rs, rootfs.rs, process_io.rs and runtime/, each step undone by a
+//! [`Rollback`] if a later one fails.
 
 use std::{
     collections::{HashMap, HashSet},
-    os::fd::OwnedFd,
     path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use bulkhead_protocol::stream::{validate_id, StreamAck, StreamHeader};
-use oci_spec::runtime::{LinuxResources, Process as OciProcess, Spec};
+use bulkhead_protocol::stream::validate_id;
+use oci_spec::runtime::Spec;
 
 use crate::{
+    bundle,
     cgroups::{Cgroup, Hierarchy},
-    cli::{AgentOpts, Listen, Mode},
+    cli::{AgentOpts, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
     error::{AgentError, Result},
-    guest_init::{self, LinuxSyscall, SandboxSettings, Syscall},
+    guest_init::{self, SandboxSettings},
+    mount::GuestMount,
     oom::OomEvents,
+    process_io::{ProcessIoSetup, StdioRequest},
     reaper::Reaper,
-    runtime::{ChildIo, Runtime},
-    stdio::{OutputStream, ProcessIo, PtyMaster, PumpOpts, StdinSink},
-    transport::{self, Conn, Dispatch},
+    rollback::Rollback,
+    rootfs,
+    runtime::Runtime,
+    spec,
+    stdio::PumpOpts,
+    syscall::{LinuxSyscall, Syscall},
 };
 
-/// Largest OCI spec / process JSON accepted (ttrpc caps the frame at 4 MiB anyway).
-const MAX_SPEC_JSON: usize = 1 << 20;
-const STREAM_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-const CONSOLE_TIMEOUT: Duration = Duration::from_secs(30);
 const OOM_POLL: Duration = Duration::from_millis(200);
-
-pub struct StdioRequest {
-    pub terminal: bool,
-    pub stdin: bool,
-}
 
 pub struct CreateRequest {
     pub id: String,
     pub spec_json: Vec<u8>,
     pub rootfs_path: String,
-    pub rootfs_mounts: Vec<guest_init::GuestMount>,
+    pub rootfs_mounts: Vec<GuestMount>,
     pub stdio: StdioRequest,
 }
 
@@ -51,14 +46,13 @@ pub struct Sandbox {
     pub mode: Mode,
     state_dir: PathBuf,
     cgroup_parent: PathBuf,
-    pump: PumpOpts,
+    io: ProcessIoSetup,
     reaper: Reaper,
     runtime: Runtime,
     pub oom: Arc<OomEvents>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
     /// Ids between reservation and insertion (create in progress), and exec ids likewise.
     reserved: Mutex<HashSet<String>>,
-    sock_seq: AtomicU64,
     sys: LinuxSyscall,
 }
 
@@ -78,26 +72,23 @@ impl Drop for Reservation<'_> {
     }
 }
 
-fn bad_json(what: &str, e: impl std::fmt::Display) -> AgentError {
-    AgentError::InvalidArgument(format!("malformed {what}: {e}"))
-}
-
 impl Sandbox {
     pub fn new(opts: &AgentOpts, reaper: Reaper) -> anyhow::Result<Self> {
         std::fs::create_dir_all(opts.state_dir.join("bundles"))?;
-        std::fs::create_dir_all(opts.state_dir.join("sock"))?;
         let runtime = Runtime::new(opts.state_dir.join("libcontainer"), reaper.clone())?;
         Ok(Self {
             mode: opts.mode,
             state_dir: opts.state_dir.clone(),
             cgroup_parent: opts.cgroup_parent.clone(),
-            pump: PumpOpts { backlog: opts.stream_backlog_bytes, stall: opts.stream_stall_ms },
+            io: ProcessIoSetup::new(
+                opts.state_dir.join("sock"),
+                PumpOpts { backlog: opts.stream_backlog_bytes, stall: opts.stream_stall_ms },
+            )?,
             reaper,
             runtime,
             oom: Arc::new(OomEvents::default()),
             containers: Mutex::new(HashMap::new()),
             reserved: Mutex::new(HashSet::new()),
-            sock_seq: AtomicU64::new(0),
             sys: LinuxSyscall,
         })
     }
@@ -126,71 +117,28 @@ impl Sandbox {
         validate_id(&req.id)?;
         let _res = self.reserve(req.id.clone(), "container")?;
         let hierarchy = Hierarchy::detect()?;
-        let mut spec = parse_spec(&req.spec_json)?;
-        let bundle = self.state_dir.join("bundles").join(&req.id);
-        if bundle.exists() {
-            // Left over from a failed create: start clean.
-            let _ = std::fs::remove_dir_all(&bundle);
-        }
-        std::fs::create_dir_all(&bundle).map_err(|e| AgentError::internal("mkdir bundle", e))?;
-
+        let mut spec = spec::parse_spec(&req.spec_json)?;
         let cgroup_path = self.cgroup_parent.join(&req.id);
-        let rootfs = prepare_spec(&mut spec, &req, &cgroup_path)?;
-        let seccomp = take_seccomp(&mut spec)?;
-        let seccomp_file = match seccomp {
-            Some(bytes) => {
-                let f = bundle.join("seccomp.bpf");
-                std::fs::write(&f, bytes).map_err(|e| AgentError::internal("write seccomp.bpf", e))?;
-                Some(f)
-            }
-            None => None,
-        };
-        let mut mounted = Vec::new();
-        let result = async {
-            for m in &req.rootfs_mounts {
-                let target = rootfs.join(m.destination.strip_prefix("/").unwrap_or(&m.destination));
-                let opts = guest_init::parse_mount_options(&m.options);
-                self.sys.mkdir_all(&target).map_err(|e| AgentError::internal("mkdir rootfs mount", e))?;
-                self.sys
-                    .mount(
-                        Some(&m.source),
-                        &target,
-                        (!m.fstype.is_empty()).then_some(m.fstype.as_str()),
-                        opts.flags,
-                        opts.data.as_deref(),
-                    )
-                    .map_err(|e| AgentError::FailedPrecondition(format!("rootfs mount {}: {e}", m.source)))?;
-                mounted.push(target);
-            }
-            if !rootfs.is_dir() {
-                return Err(AgentError::InvalidArgument(format!("rootfs {} is not a directory", rootfs.display())));
-            }
-            let json = serde_json::to_vec_pretty(&spec).map_err(|e| AgentError::internal("spec", e))?;
-            std::fs::write(bundle.join("config.json"), json)
-                .map_err(|e| AgentError::internal("write config.json", e))?;
-            let (child_io, pending) = self.child_stdio(&req.stdio).await?;
-            let pid = self.runtime.create(&req.id, &bundle, child_io, seccomp_file.as_deref()).await?;
-            let io = self.finish_stdio(pending, &format!("{}/init", req.id)).await?;
-            Ok((pid, io))
-        }
-        .await;
-        let (pid, io) = match result {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = self.runtime.delete(&req.id, true).await;
-                for m in mounted.iter().rev() {
-                    let _ = self.sys.umount(m);
-                }
-                let _ = std::fs::remove_dir_all(&bundle);
-                return Err(e);
-            }
-        };
+        let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
+        let seccomp = spec::take_seccomp(&mut spec)?;
+        // Declared after the reservation, so the id stays reserved until the undo is done.
+        let mut undo = Rollback::default();
+        let bundle = self.state_dir.join("bundles").join(&req.id);
+        let laid_out = lay_out(&self.sys, &bundle, &spec, seccomp.as_deref(), &rootfs, &req.rootfs_mounts, &mut undo)?;
+        let (child_io, pending) = self.io.prepare(&req.stdio)?;
+        let runtime = &self.runtime;
+        let id = req.id.clone();
+        // A failed create may leave libcontainer state (and a waiting init) behind.
+        undo.push(format!("delete libcontainer container {id}"), move || runtime.delete_blocking(&id, true));
+        let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref()).await?;
+        let io = self.io.finish(pending, &format!("{}/init", req.id)).await?;
+        undo.disarm();
         let c = Container::new(
             NewContainer {
                 id: req.id.clone(),
                 bundle,
                 cgroup: Cgroup::new(cgroup_path, hierarchy),
-                rootfs_mounts: mounted,
+                rootfs_mounts: laid_out.rootfs_mounts,
                 init_pid: pid,
                 init_io: io,
             },
@@ -232,128 +180,15 @@ impl Sandbox {
         if c.has_exec(exec_id) {
             return Err(AgentError::AlreadyExists(format!("exec {exec_id} in container {id}")));
         }
-        if process_json.len() > MAX_SPEC_JSON {
-            return Err(AgentError::InvalidArgument(format!(
-                "process JSON is {} bytes, limit {MAX_SPEC_JSON}",
-                process_json.len()
-            )));
-        }
-        let mut process: OciProcess = serde_json::from_slice(process_json).map_err(|e| bad_json("OCI process", e))?;
-        if process.args().as_ref().is_none_or(|a| a.is_empty()) {
-            return Err(AgentError::InvalidArgument("process.args is empty".into()));
-        }
-        process.set_terminal(Some(stdio.terminal));
-        // The container's seccomp profile covers its execs too, and needs no_new_privs.
-        let seccomp_file = c.bundle.join("seccomp.bpf");
-        let seccomp_file = seccomp_file.exists().then_some(seccomp_file);
-        if seccomp_file.is_some() {
-            process.set_no_new_privileges(Some(true));
-        }
-        let path = c.bundle.join(format!("exec-{exec_id}.json"));
-        std::fs::write(&path, serde_json::to_vec(&process).map_err(|e| AgentError::internal("process", e))?)
-            .map_err(|e| AgentError::internal("write process.json", e))?;
-        let (child_io, pending) = self.child_stdio(&stdio).await?;
+        let seccomp_file = bundle::seccomp_file(&c.bundle);
+        let process = spec::exec_process(process_json, stdio.terminal, seccomp_file.is_some())?;
+        let path = bundle::write_exec_process(&c.bundle, exec_id, &process)?;
+        let (child_io, pending) = self.io.prepare(&stdio)?;
         let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;
-        let io = self.finish_stdio(pending, &format!("{id}/{exec_id}")).await?;
+        let io = self.io.finish(pending, &format!("{id}/{exec_id}")).await?;
         c.add_exec(exec_id, pid, io, &self.reaper);
         tracing::info!(container = id, exec = exec_id, pid, "exec started");
         Ok(pid)
-    }
-
-    // ---- stdio plumbing -----------------------------------------------------------------
-
-    async fn child_stdio(&self, req: &StdioRequest) -> Result<(ChildIo, PendingIo)> {
-        if req.terminal {
-            let n = self.sock_seq.fetch_add(1, Ordering::Relaxed);
-            let path = self.state_dir.join("sock").join(format!("c{n}.sock"));
-            let _ = std::fs::remove_file(&path);
-            let listener =
-                tokio::net::UnixListener::bind(&path).map_err(|e| AgentError::internal("console socket", e))?;
-            let accept = tokio::spawn(recv_console_master(listener, path.clone()));
-            return Ok((ChildIo::Console(path.clone()), PendingIo::Tty(ConsoleAccept { task: accept, path })));
-        }
-        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::internal("pipe2", e));
-        let (stdin_child, stdin_ours) = if req.stdin {
-            let (r, w) = pipe()?;
-            (r, Some(w))
-        } else {
-            let null = std::fs::File::open("/dev/null").map_err(|e| AgentError::internal("open /dev/null", e))?;
-            (OwnedFd::from(null), None)
-        };
-        let (out_r, out_w) = pipe()?;
-        let (err_r, err_w) = pipe()?;
-        Ok((
-            ChildIo::Pipes([stdin_child, out_w, err_w]),
-            PendingIo::Pipes { stdin: stdin_ours, stdout: out_r, stderr: err_r },
-        ))
-    }
-
-    async fn finish_stdio(&self, p: PendingIo, label: &str) -> Result<ProcessIo> {
-        match p {
-            PendingIo::Pipes { stdin, stdout, stderr } => {
-                let rx = |fd: OwnedFd| {
-                    tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| AgentError::internal("pipe", e))
-                };
-                let stdin = match stdin {
-                    Some(w) => Some(StdinSink::new(Box::new(
-                        tokio::net::unix::pipe::Sender::from_owned_fd(w)
-                            .map_err(|e| AgentError::internal("pipe", e))?,
-                    ))),
-                    None => None,
-                };
-                Ok(ProcessIo::Pipes {
-                    stdin,
-                    stdout: OutputStream::spawn(rx(stdout)?, self.pump, format!("{label}/stdout")),
-                    stderr: OutputStream::spawn(rx(stderr)?, self.pump, format!("{label}/stderr")),
-                })
-            }
-            PendingIo::Tty(mut accept) => {
-                let master = tokio::time::timeout(CONSOLE_TIMEOUT, &mut accept.task)
-                    .await
-                    .map_err(|_| AgentError::Timeout("pty master from libcontainer".into()))?
-                    .map_err(|e| AgentError::internal("console task", e))??;
-                let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| AgentError::internal("dup pty master", e));
-                let reader = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
-                let writer = PtyMaster::new(dup(&master)?).map_err(|e| AgentError::internal("pty", e))?;
-                Ok(ProcessIo::Tty {
-                    control: master,
-                    output: OutputStream::spawn(reader, self.pump, format!("{label}/tty")),
-                    input: StdinSink::new(Box::new(writer)),
-                })
-            }
-        }
-    }
-
-    /// Serves one stream connection: header, lookup, ack, attach.
-    pub async fn accept_stream(self: Arc<Self>, mut conn: Conn) {
-        let header = match StreamHeader::read_from(&mut conn, STREAM_HEADER_TIMEOUT).await {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(error = %e, "bad stream header");
-                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
-                return;
-            }
-        };
-        let exec = header.exec_id.clone().unwrap_or_default();
-        let process = self.container(&header.container_id).and_then(|c| c.process(&exec));
-        let process = match process {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = StreamAck::Rejected(e.to_string()).write_to(&mut conn).await;
-                return;
-            }
-        };
-        if let Err(e) = process.io.check(header.kind) {
-            let _ = StreamAck::Rejected(e).write_to(&mut conn).await;
-            return;
-        }
-        if StreamAck::Attached.write_to(&mut conn).await.is_err() {
-            return;
-        }
-        if let Err(e) = process.io.attach(header.kind, conn) {
-            tracing::warn!(container = %header.container_id, exec = %exec, kind = %header.kind,
-                error = %e, "stream attach failed after ack");
-        }
     }
 
     // ---- signals, wait, tty -----------------------------------------------------------------
@@ -417,10 +252,7 @@ impl Sandbox {
     }
 
     pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<()> {
-        if resources_json.len() > MAX_SPEC_JSON {
-            return Err(AgentError::InvalidArgument("resources JSON too large".into()));
-        }
-        let r: LinuxResources = serde_json::from_slice(resources_json).map_err(|e| bad_json("linux.resources", e))?;
+        let r = spec::parse_resources(resources_json)?;
         self.container(id)?.cgroup.update(&r)
     }
 
@@ -458,12 +290,8 @@ impl Sandbox {
             )));
         }
         self.runtime.delete(id, true).await?;
-        for m in c.rootfs_mounts.iter().rev() {
-            if let Err(e) = self.sys.umount(m) {
-                tracing::warn!(path = %m.display(), error = %e, "unmount at remove");
-            }
-        }
-        let _ = std::fs::remove_dir_all(&c.bundle);
+        rootfs::unmount_all(&self.sys, &c.rootfs_mounts);
+        bundle::remove(&c.bundle);
         lock(&self.containers).remove(id);
         tracing::info!(container = id, "container removed");
         Ok(())
@@ -489,163 +317,99 @@ impl Sandbox {
     }
 }
 
-enum PendingIo {
-    Pipes { stdin: Option<OwnedFd>, stdout: OwnedFd, stderr: OwnedFd },
-    Tty(ConsoleAccept),
+/// What [`lay_out`] made that outlives the create.
+struct LaidOut {
+    rootfs_mounts: Vec<PathBuf>,
+    seccomp_file: Option<PathBuf>,
 }
 
-/// The task waiting for libcontainer's pty master; aborted (and its socket removed) if the
-/// create or exec fails before it is used.
-struct ConsoleAccept {
-    task: tokio::task::JoinHandle<Result<OwnedFd>>,
-    path: PathBuf,
+/// The synchronous first half of a create, each step registered on `undo`: the bundle with the
+/// seccomp filters, the rootfs mounts, then (the rootfs being in place) config.json.
+fn lay_out<'a>(
+    sys: &'a dyn Syscall,
+    bundle_dir: &Path,
+    spec: &Spec,
+    seccomp: Option<&[u8]>,
+    rootfs: &Path,
+    mounts: &[GuestMount],
+    undo: &mut Rollback<'a>,
+) -> Result<LaidOut> {
+    bundle::create(bundle_dir, undo)?;
+    let seccomp_file = seccomp.map(|bpf| bundle::write_seccomp(bundle_dir, bpf)).transpose()?;
+    let rootfs_mounts = rootfs::mount_all(sys, rootfs, mounts, undo)?;
+    rootfs::check_is_dir(rootfs)?;
+    bundle::write_config(bundle_dir, spec)?;
+    Ok(LaidOut { rootfs_mounts, seccomp_file })
 }
 
-impl Drop for ConsoleAccept {
-    fn drop(&mut self) {
-        self.task.abort();
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::syscall::test::{Call, RecordingSyscall};
 
-fn parse_spec(bytes: &[u8]) -> Result<Spec> {
-    if bytes.len() > MAX_SPEC_JSON {
-        return Err(AgentError::InvalidArgument(format!("OCI spec is {} bytes, limit {MAX_SPEC_JSON}", bytes.len())));
+    fn bind(source: &str, destination: &str) -> GuestMount {
+        GuestMount { source: source.into(), destination: destination.into(), fstype: String::new(), options: vec![] }
     }
-    serde_json::from_slice(bytes).map_err(|e| bad_json("OCI spec", e))
-}
 
-/// Compiles `linux.seccomp` (if any) and takes it out of the spec: libcontainer is built
-/// without libseccomp and would silently ignore it; our executor installs it instead.
-fn take_seccomp(spec: &mut Spec) -> Result<Option<Vec<u8>>> {
-    let Some(mut linux) = spec.linux().clone() else {
-        return Ok(None);
-    };
-    let Some(profile) = linux.seccomp().clone() else {
-        return Ok(None);
-    };
-    let nnp = spec.process().as_ref().and_then(|p| p.no_new_privileges()).unwrap_or(false);
-    let (filters, unknown) = crate::seccomp::compile(&profile, nnp).map_err(|e| match e {
-        crate::seccomp::SeccompError::Unsupported(m) => AgentError::Unsupported(format!("seccomp: {m}")),
-        crate::seccomp::SeccompError::Invalid(m) => AgentError::InvalidArgument(format!("seccomp: {m}")),
-    })?;
-    if unknown > 0 {
-        tracing::info!(unknown, "seccomp: syscall names unknown on x86_64 skipped");
+    #[test]
+    fn a_create_failing_midway_undoes_exactly_what_it_did() {
+        let state = tempfile::tempdir().unwrap();
+        let bundle_dir = state.path().join("bundles/c1");
+        let sys = RecordingSyscall::failing_mount("/rootfs/b", libc::EPERM);
+        let mounts = [bind("a", "/a"), bind("b", "/b"), bind("c", "/c")];
+        let mut undo = Rollback::default();
+        let err = lay_out(&sys, &bundle_dir, &Spec::default(), Some(b"bpf"), Path::new("/rootfs"), &mounts, &mut undo)
+            .err()
+            .unwrap();
+        assert!(matches!(err, AgentError::FailedPrecondition(_)), "{err}");
+        assert!(bundle_dir.join("seccomp.bpf").exists(), "done before the failure");
+        assert!(!bundle_dir.join("config.json").exists(), "never reached");
+        drop(undo);
+        assert!(!bundle_dir.exists(), "the bundle is removed");
+        assert!(state.path().join("bundles").exists(), "but nothing above it");
+        assert_eq!(
+            sys.calls(),
+            [
+                Call::Mkdir("/rootfs/a".into()),
+                Call::Mount {
+                    source: Some("a".into()),
+                    target: "/rootfs/a".into(),
+                    fstype: None,
+                    flags: nix::mount::MsFlags::empty(),
+                    data: None
+                },
+                Call::Mkdir("/rootfs/b".into()),
+                Call::Mount {
+                    source: Some("b".into()),
+                    target: "/rootfs/b".into(),
+                    fstype: None,
+                    flags: nix::mount::MsFlags::empty(),
+                    data: None
+                },
+                Call::Umount("/rootfs/a".into()),
+            ],
+            "only the mount that succeeded is undone; c is never tried"
+        );
     }
-    linux.set_seccomp(None);
-    spec.set_linux(Some(linux));
-    Ok(Some(crate::seccomp::encode(&filters)))
-}
 
-/// Adjusts the spec to this sandbox and returns the rootfs path.
-fn prepare_spec(spec: &mut Spec, req: &CreateRequest, cgroup_path: &Path) -> Result<PathBuf> {
-    let process =
-        spec.process_mut().as_mut().ok_or_else(|| AgentError::InvalidArgument("spec has no process".into()))?;
-    if process.args().as_ref().is_none_or(|a| a.is_empty()) {
-        return Err(AgentError::InvalidArgument("spec process.args is empty".into()));
+    #[test]
+    fn a_create_that_succeeds_keeps_what_it_laid_out() {
+        let state = tempfile::tempdir().unwrap();
+        let rootfs = tempfile::tempdir().unwrap();
+        let bundle_dir = state.path().join("c2");
+        std::fs::create_dir_all(&bundle_dir).unwrap();
+        std::fs::write(bundle_dir.join("stale"), b"left over from a failed create").unwrap();
+        let sys = RecordingSyscall::default();
+        let mut undo = Rollback::default();
+        let laid_out =
+            lay_out(&sys, &bundle_dir, &Spec::default(), None, rootfs.path(), &[bind("v", "/data")], &mut undo)
+                .unwrap();
+        undo.disarm();
+        assert_eq!(laid_out.rootfs_mounts, [rootfs.path().join("data")]);
+        assert_eq!(laid_out.seccomp_file, None);
+        assert!(!bundle_dir.join("stale").exists(), "the bundle starts clean");
+        let config: Spec = serde_json::from_slice(&std::fs::read(bundle_dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config, Spec::default());
+        assert!(!sys.calls().iter().any(|c| matches!(c, Call::Umount(_))));
     }
-    process.set_terminal(Some(req.stdio.terminal));
-    let rootfs = if req.rootfs_path.is_empty() {
-        spec.root()
-            .as_ref()
-            .map(|r| r.path().clone())
-            .ok_or_else(|| AgentError::InvalidArgument("no rootfs_path and no spec.root".into()))?
-    } else {
-        PathBuf::from(&req.rootfs_path)
-    };
-    if !rootfs.is_absolute() {
-        return Err(AgentError::InvalidArgument(format!("rootfs {} must be absolute", rootfs.display())));
-    }
-    let mut root = spec.root().clone().unwrap_or_default();
-    root.set_path(rootfs.clone());
-    spec.set_root(Some(root));
-    let mut linux = spec.linux().clone().unwrap_or_default();
-    linux.set_cgroups_path(Some(cgroup_path.to_path_buf()));
-    spec.set_linux(Some(linux));
-    Ok(rootfs)
-}
-
-async fn recv_console_master(listener: tokio::net::UnixListener, path: PathBuf) -> Result<OwnedFd> {
-    let (stream, _) = listener.accept().await.map_err(|e| AgentError::internal("accept console socket", e))?;
-    let _ = std::fs::remove_file(&path);
-    let std_stream = stream.into_std().map_err(|e| AgentError::internal("console socket", e))?;
-    tokio::task::spawn_blocking(move || {
-        std_stream
-            .set_nonblocking(false)
-            .and_then(|_| std_stream.set_read_timeout(Some(CONSOLE_TIMEOUT)))
-            .map_err(|e| AgentError::internal("console socket", e))?;
-        recv_fd(&std_stream)
-    })
-    .await
-    .map_err(|e| AgentError::internal("console task", e))?
-}
-
-fn recv_fd(sock: &std::os::unix::net::UnixStream) -> Result<OwnedFd> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    use std::os::fd::{AsRawFd, FromRawFd};
-    let mut buf = [0u8; 4096];
-    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
-        .map_err(|e| AgentError::internal("recvmsg pty master", e))?;
-    for c in msg.cmsgs().map_err(|e| AgentError::internal("cmsgs", e))? {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            if let Some(fd) = fds.first() {
-                // SAFETY: SCM_RIGHTS just installed this descriptor in our table.
-                return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
-            }
-        }
-    }
-    Err(AgentError::Internal("console socket sent no descriptor".into()))
-}
-
-/// Runs the agent until DestroySandbox (or a fatal listener error).
-pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
-    let reaper = Reaper::start()?;
-    let sandbox = Arc::new(Sandbox::new(&opts, reaper)?);
-    if sandbox.mode == Mode::Namespace {
-        tracing::warn!("namespace mode: containers share the host kernel (no VM isolation)");
-    }
-    let (ttrpc_tx, ttrpc_rx) = tokio::sync::mpsc::channel(16);
-    let (stream_tx, mut stream_rx) = tokio::sync::mpsc::channel::<Conn>(64);
-    let dispatch = Dispatch { ttrpc: ttrpc_tx, streams: stream_tx, frame_stall: opts.frame_stall_ms };
-    let sb = sandbox.clone();
-    tokio::spawn(async move {
-        while let Some(conn) = stream_rx.recv().await {
-            tokio::spawn(sb.clone().accept_stream(conn));
-        }
-    });
-    let (shutdown_tx, mut shutdown_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut server = crate::service::server(sandbox.clone(), ttrpc_rx, shutdown_tx)?;
-    server.start().await?;
-    let listener = match opts.listen.clone() {
-        Listen::Unix(path) => tokio::spawn(async move { transport::serve_unix(&path, dispatch).await }),
-        Listen::Vsock => tokio::spawn(async move { transport::serve_vsock(dispatch).await }),
-    };
-    tokio::select! {
-        r = listener => {
-            match r {
-                Ok(Ok(())) => anyhow::bail!("listener ended"),
-                Ok(Err(e)) => anyhow::bail!("listener: {e}"),
-                Err(e) => anyhow::bail!("listener task: {e}"),
-            }
-        }
-        _ = shutdown_rx.recv() => {
-            tracing::info!("sandbox destroyed; shutting down");
-            // Let the DestroySandbox response reach the shim.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        _ = sigterm.recv() => {
-            // The namespace backend (or an operator) asks PID 1 to stop: same as DestroySandbox
-            // with a short grace period.
-            tracing::info!("SIGTERM: destroying the sandbox");
-            sandbox.destroy(Duration::from_secs(2)).await;
-        }
-    }
-    if sandbox.mode == Mode::Guest {
-        nix::unistd::sync();
-        let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
-    }
-    Ok(())
 }

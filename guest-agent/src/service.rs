@@ -13,8 +13,10 @@ use ttrpc::r#async::{transport::Listener, Server, TtrpcContext};
 
 use crate::{
     error::AgentError,
-    guest_init::{GuestMount, SandboxSettings},
-    sandbox::{CreateRequest, Sandbox, StdioRequest},
+    guest_init::SandboxSettings,
+    mount::GuestMount,
+    process_io::StdioRequest,
+    sandbox::{CreateRequest, Sandbox},
     transport::TtrpcConn,
 };
 

@@ -12,14 +12,20 @@ use common::*;
 async fn initramfs_target_builds_a_static_musl_agent() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     if Command::new("make").arg("--version").output().is_err() {
-        bulkhead_integration::skip::missing_prerequisite("initramfs_target_builds_a_static_musl_agent", "make not installed (make setup)");
+        bulkhead_integration::skip::missing_prerequisite(
+            "initramfs_target_builds_a_static_musl_agent",
+            "make not installed (make setup)",
+        );
         return;
     }
     let out =
         Command::new("make").arg("-C").arg(root.join("guest-kernel")).arg("initramfs").output().expect("run make");
     let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if !out.status.success() && log.contains("target may not be installed") {
-        bulkhead_integration::skip::missing_prerequisite("initramfs_target_builds_a_static_musl_agent", "rust target x86_64-unknown-linux-musl missing (make setup)");
+        bulkhead_integration::skip::missing_prerequisite(
+            "initramfs_target_builds_a_static_musl_agent",
+            "rust target x86_64-unknown-linux-musl missing (make setup)",
+        );
         return;
     }
     assert!(out.status.success(), "make initramfs failed:\n{log}");

@@ -2,7 +2,7 @@
 //!
 //! Job: take a JSON [`config::VmConfig`] from the shim, build a KVM VM (memfd guest memory with
 //! an MMIO hole, 64-bit Linux boot or a raw long-mode test guest), serve its devices (8250 serial
-//! to a log file, i8042 reset, virtio-mmio block, hybrid vsock and vhost-user-fs) and an API
+//! to a log file, i8042 reset, virtio-mmio block, hybrid vsock, vhost-user-fs and net on a tap) and an API
 //! socket (pause, resume, shutdown, info), and exit 0 on an orderly stop or non-zero with a clear
 //! message.
 //!

@@ -22,8 +22,10 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_
 use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::Block;
-use crate::devices::virtio::fs::Fs;
+use crate::devices::virtio::fs::thread::Confine;
+use crate::devices::virtio::fs::{BackendThreads, Fs};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
@@ -46,6 +48,8 @@ pub enum VmmError {
     Vcpu(#[from] crate::vcpu::VcpuError),
     #[error("device {what}")]
     Device { what: String, source: std::io::Error },
+    #[error("net device on tap {tap}")]
+    Net { tap: String, source: crate::devices::virtio::net::device::NetError },
     #[error("bus")]
     Bus(#[from] crate::devices::bus::BusError),
     #[error("event loop: {0}")]
@@ -187,12 +191,21 @@ struct Devices {
     cmdline_devices: Vec<(u64, u64, u32)>,
 }
 
+/// What a new thread of `kind` runs first: installing its filter.
+fn confine(kind: ThreadKind, program: &seccompiler::BpfProgram) -> Confine {
+    let program = program.clone();
+    Box::new(move || seccomp::install(kind, &program).map_err(|e| e.to_string()))
+}
+
+/// Builds the devices. virtio-fs devices start their backend threads here (filtered), as no
+/// thread can be started once the filters are in.
 fn build_devices(
     cfg: &ValidConfig,
     vm: &VmFd,
     irqchip: bool,
     mem: &GuestMemoryMmap,
     exit: &Arc<ExitSignal>,
+    filters: &Filters,
 ) -> Result<Devices, VmmError> {
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -219,7 +232,7 @@ fn build_devices(
     })));
     pio.insert(Arc::new(Mutex::new(i8042)), I8042_PORT, I8042_PORT_LEN)?;
 
-    // Virtio devices, one MMIO slot each: block devices first, then vsock.
+    // Virtio devices, one MMIO slot each: block devices first, then vsock, then net.
     let mut virtio: Vec<(String, Arc<Mutex<dyn VirtioDevice>>)> = Vec::new();
     for (i, b) in cfg.block.iter().enumerate() {
         let blk = Arc::new(Mutex::new(Block::new(b, i).map_err(dev_err(format!("block {}", b.path.display())))?));
@@ -234,9 +247,18 @@ fn build_devices(
         virtio.push(("vsock".to_string(), vsock));
     }
     for (i, f) in cfg.fs.iter().enumerate() {
-        let fs = Arc::new(Mutex::new(Fs::new(f, i).map_err(dev_err(format!("fs {}", f.tag)))?));
+        let threads = BackendThreads {
+            worker: confine(ThreadKind::FsBackend, filters.fs_backend()),
+            watchdog: confine(ThreadKind::FsWatchdog, filters.fs_watchdog()),
+        };
+        let fs = Arc::new(Mutex::new(Fs::new(f, i, threads).map_err(dev_err(format!("fs {}", f.tag)))?));
         subscribers.push(fs.clone());
         virtio.push((format!("fs{i}"), fs));
+    }
+    for (i, n) in cfg.net.iter().enumerate() {
+        let net = Arc::new(Mutex::new(Net::new(n, i).map_err(|e| VmmError::Net { tap: n.tap.clone(), source: e })?));
+        subscribers.push(net.clone());
+        virtio.push((format!("net{i}"), net));
     }
     let mut cmdline_devices = Vec::new();
     for (i, (name, dev)) in virtio.into_iter().enumerate() {
@@ -281,7 +303,7 @@ pub fn run(
     let control = Arc::new(VcpuControl::new());
     let _bound_sockets =
         BoundSockets(cfg.vsock.iter().map(|v| v.uds_path.clone()).chain(cfg.api_socket.clone()).collect());
-    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit)?;
+    let Devices { pio, mmio, subscribers, cmdline_devices } = build_devices(&cfg, &vm, irqchip, &mem, &exit, filters)?;
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &cmdline_devices, cfg.vcpus)?;
     tracing::debug!(?entry, irqchip, "guest loaded");

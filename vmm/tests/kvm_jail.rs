@@ -2,7 +2,8 @@
 //! root-owned chroot, cgroup and (where needed) network namespace, runs a test guest in the jail
 //! and looks at the VMM from the host: unprivileged, in its chroot, cgroup and netns; killed with
 //! SIGSYS when any thread kind makes a forbidden syscall; refused before anything changes when
-//! the jail document is bad; and nothing left mounted on the host afterwards.
+//! the jail document is bad; nothing left mounted on the host afterwards; and virtio-fs served
+//! by a virtiofsd whose socket sits in the chroot, laid out as the shim lays it out.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 mod common;
@@ -10,13 +11,14 @@ mod common;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::virtiofsd::Virtiofsd;
 use common::*;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
@@ -112,24 +114,35 @@ impl Jail {
         self.chroot.join(jail_path.trim_start_matches('/'))
     }
 
-    fn spawn(&self, guest: &Path, env: &[(&str, &str)]) -> VmmProcess {
-        self.spawn_document(&self.document(guest), env)
-    }
-
-    /// Runs `bulkhead-vmm --config vm.json --jail jail.json --log-json`; the VM config names
-    /// paths inside the jail.
-    fn spawn_document(&self, document: &serde_json::Value, env: &[(&str, &str)]) -> VmmProcess {
-        let jail_json = self.dir.path().join("jail.json");
-        std::fs::write(&jail_json, serde_json::to_vec_pretty(document).unwrap()).unwrap();
-        let vm = serde_json::json!({
+    /// The VM config: the guest at /guest.elf, serial log and API socket in /run (all paths
+    /// inside the jail).
+    fn vm(&self) -> serde_json::Value {
+        serde_json::json!({
             "raw_guest": { "image": "/guest.elf" },
             "vcpus": 1,
             "mem_mib": 32,
             "serial_log": "/run/serial.log",
             "api_socket": "/run/api.sock",
-        });
+        })
+    }
+
+    fn spawn(&self, guest: &Path, env: &[(&str, &str)]) -> VmmProcess {
+        self.spawn_vm(&self.document(guest), &self.vm(), env)
+    }
+
+    fn spawn_document(&self, document: &serde_json::Value, env: &[(&str, &str)]) -> VmmProcess {
+        self.spawn_vm(document, &self.vm(), env)
+    }
+
+    /// Runs `bulkhead-vmm --config vm.json --jail jail.json --log-json`; the VM config names
+    /// paths inside the jail.
+    fn spawn_vm(&self, document: &serde_json::Value, vm: &serde_json::Value, env: &[(&str, &str)]) -> VmmProcess {
+        let jail_json = self.dir.path().join("jail.json");
+        std::fs::write(&jail_json, serde_json::to_vec_pretty(document).unwrap()).unwrap();
         let args = [OsStr::new("--jail"), jail_json.as_os_str(), OsStr::new("--log-json")];
-        let mut vmm = VmmProcess::spawn_with(self.dir.path(), &vm, &args, env, GUEST_TIMEOUT);
+        let mut vmm = VmmProcess::spawn_with(self.dir.path(), vm, GUEST_TIMEOUT, |cmd| {
+            cmd.args(&args).envs(env.iter().copied());
+        });
         vmm.serial = self.host("/run/serial.log");
         vmm
     }
@@ -211,7 +224,10 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
     }
     let Some(guest) = guest_or_skip("idle") else { return };
     let jail = Jail::new(true);
-    let vmm = jail.spawn(&guest, &[]);
+    // A virtio-fs device the idle guest never drives: its backend threads exist all the same.
+    let mut vm = jail.vm();
+    vm["fs"] = serde_json::json!([{ "tag": "shared", "socket": "/run/fs0.sock" }]);
+    let vmm = jail.spawn_vm(&jail.document(&guest), &vm, &[]);
     jail.wait_for_serial("idle guest up");
     let pid = vmm_pid(vmm.pid());
 
@@ -224,8 +240,9 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
     }
     assert_eq!(status_field(pid, "NoNewPrivs"), "1");
     assert_eq!(status_field(pid, "NSpid"), format!("{pid} 1"));
-    // Every thread (main = event loop, vCPU, API) runs under a seccomp filter; the main thread
-    // installs its own once the others exist. KVM's kernel workers (kvm-*) are not ours.
+    // Every thread (main = event loop, vCPU, API, the fs device's backend and watchdog) runs
+    // under a seccomp filter; the main thread installs its own once the others exist. KVM's
+    // kernel workers (kvm-*) are not ours.
     let tasks = || -> Vec<(String, String)> {
         let dir = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
         let mut t: Vec<(String, String)> = dir
@@ -240,7 +257,7 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
     };
     wait_until(Duration::from_secs(10), "a filter on every thread", || tasks().iter().all(|(_, mode)| mode == "2"));
     let names: Vec<String> = tasks().into_iter().map(|(name, _)| name).collect();
-    assert_eq!(names, ["api", "bulkhead-vmm", "vcpu0"]);
+    assert_eq!(names, ["api", "bulkhead-vmm", "fs0-backend", "fs0-watchdog", "vcpu0"]);
 
     // Its root is the chroot (the same directory), and its mount table holds only the chroot
     // and the read-only guest image: no host mount is reachable.
@@ -347,9 +364,12 @@ fn a_forbidden_syscall_kills_every_thread_kind_with_sigsys() {
         return;
     }
     let Some(guest) = guest_or_skip("idle") else { return };
-    for kind in ["vcpu", "event_loop", "api"] {
+    for kind in ["vcpu", "event_loop", "api", "fs_backend", "fs_watchdog"] {
         let jail = Jail::new(false);
-        let run = jail.spawn(&guest, &[(PROBE_ENV, kind)]).wait();
+        // The fs threads start with the device, whether or not the guest drives it.
+        let mut vm = jail.vm();
+        vm["fs"] = serde_json::json!([{ "tag": "shared", "socket": "/run/fs0.sock" }]);
+        let run = jail.spawn_vm(&jail.document(&guest), &vm, &[(PROBE_ENV, kind)]).wait();
         assert_eq!(run.status.code(), Some(SIGSYS_STATUS), "{kind}: the waiter relays 128+SIGSYS\n{}", run.stderr);
         assert!(run.stderr.contains("seccomp probe: calling a forbidden syscall"), "{kind}\n{}", run.stderr);
         assert!(run.stderr.contains(&format!("\"thread\":\"{kind}\"")), "{kind}\n{}", run.stderr);
@@ -368,8 +388,9 @@ fn a_forbidden_syscall_kills_every_thread_kind_with_sigsys() {
 fn seccomp_applies_without_the_jail() {
     let Some(guest) = guest_or_skip("idle") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let vmm =
-        VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), &[], &[(PROBE_ENV, "vcpu")], GUEST_TIMEOUT);
+    let vmm = VmmProcess::spawn_with(dir.path(), &raw_config(dir.path(), &guest), GUEST_TIMEOUT, |cmd| {
+        cmd.env(PROBE_ENV, "vcpu");
+    });
     let run = vmm.wait();
     assert_eq!(run.status.signal(), Some(libc::SIGSYS), "{}", run.stderr);
     assert!(run.stderr.contains("seccomp probe: calling a forbidden syscall"), "{}", run.stderr);
@@ -417,4 +438,51 @@ fn bad_jail_documents_are_refused_before_anything_changes() {
         assert_eq!(std::fs::read_dir(&jail.chroot).unwrap().count(), 0, "{case}: the chroot was touched");
         assert!(host_mounts_under(&jail.chroot).is_empty(), "{case}");
     }
+}
+
+const FS_CONTENT: &str = "bulkhead virtio-fs in a jail: these bytes came through the chroot's socket\n";
+
+/// The layout the shim uses for a jailed VMM's virtio-fs (vmm/README.md, "virtio-fs in a jail"):
+/// before either process starts, the shim binds the listening socket in a writable dir of the
+/// chroot, gives it to the jail's uid (owner, mode 0600) and hands the listener to virtiofsd
+/// (`--fd`), which runs as root outside the jail. The VM config names the socket's path inside
+/// the chroot.
+#[test]
+fn jailed_vmm_reads_a_host_file_through_virtiofsd_on_a_socket_in_its_chroot() {
+    if skip_unless_root("jailed_vmm_reads_a_host_file_through_virtiofsd_on_a_socket_in_its_chroot") {
+        return;
+    }
+    let Some(guest) = guest_or_skip("fs") else { return };
+    let jail = Jail::new(false);
+    let shared = jail.dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::write(shared.join("hello.txt"), FS_CONTENT).unwrap();
+
+    // The shim's part: /run (a writable dir of the jail document) and the socket in it.
+    let run_dir = jail.host("/run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let socket = jail.host("/run/fs0.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::os::unix::fs::lchown(&socket, Some(UID), Some(GID)).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let virtiofsd = Virtiofsd::start_on_listener(&shared, listener, &jail.dir.path().join("virtiofsd.log"));
+
+    let mut vm = jail.vm();
+    vm["fs"] = serde_json::json!([{ "tag": "shared", "socket": "/run/fs0.sock" }]);
+    let run = jail.spawn_vm(&jail.document(&guest), &vm, &[]).wait();
+    let log = virtiofsd.log_text();
+    assert_eq!(run.status.code(), Some(0), "{}\nserial:\n{}\nvirtiofsd:\n{log}", run.stderr, run.serial);
+    assert!(run.serial.contains("driver ok\ninit 7."), "serial:\n{}\nvirtiofsd:\n{log}", run.serial);
+    assert!(run.serial.contains(&format!("data<{FS_CONTENT}>\n")), "serial:\n{}", run.serial);
+    assert!(run.serial.contains("fs done\n"), "serial:\n{}\nstderr:\n{}", run.serial, run.stderr);
+    assert!(!run.stderr.contains("virtio-fs backend failed"), "{}", run.stderr);
+
+    // The jail made /run the VMM's (the socket in it stays as the shim left it), and nothing
+    // stays mounted.
+    let dir = std::fs::metadata(&run_dir).unwrap();
+    assert_eq!((dir.uid(), dir.gid(), dir.mode() & 0o7777), (UID, GID, 0o700));
+    let sock = std::fs::symlink_metadata(&socket).unwrap();
+    assert!(sock.file_type().is_socket());
+    assert_eq!((sock.uid(), sock.gid(), sock.mode() & 0o7777), (UID, GID, 0o600));
+    assert!(host_mounts_under(&jail.chroot).is_empty());
 }

@@ -1,18 +1,12 @@
 //! Guest init duties: the mounts PID 1 owes the sandbox, subreaping, and the sandbox-wide
 //! settings of SetupSandbox. All syscalls go through [`Syscall`] so the plans are unit-tested
-//! without root; the integration tests exercise [`LinuxSyscall`].
+//! without root.
 
-mod linux;
-mod mounts;
 mod setup;
-mod syscall;
 
-pub use linux::LinuxSyscall;
-pub use mounts::parse_mount_options;
-pub use setup::{apply_setup, GuestMount, SandboxSettings};
-pub use syscall::Syscall;
+pub use setup::{apply_setup, SandboxSettings};
 
-use crate::cli::Mode;
+use crate::{cli::Mode, syscall::Syscall};
 
 /// One step of the boot plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,8 +135,8 @@ fn run_step(step: &Step, sys: &dyn Syscall) -> (std::io::Result<()>, bool) {
 
 #[cfg(test)]
 mod tests {
-    use super::syscall::test::{Call, RecordingSyscall};
     use super::*;
+    use crate::syscall::test::{Call, RecordingSyscall};
 
     #[test]
     fn guest_boot_mounts_what_pid1_owes() {

@@ -2,19 +2,12 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use super::{parse_mount_options, Syscall};
 use crate::{
     cli::Mode,
     error::{AgentError, Result},
+    mount::GuestMount,
+    syscall::Syscall,
 };
-
-#[derive(Debug, Clone, Default)]
-pub struct GuestMount {
-    pub source: String,
-    pub destination: PathBuf,
-    pub fstype: String,
-    pub options: Vec<String>,
-}
 
 #[derive(Debug, Clone, Default)]
 pub struct SandboxSettings {
@@ -43,16 +36,8 @@ pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result
             .map_err(|e| AgentError::FailedPrecondition(format!("sysctl {key}={value}: {e}")))?;
     }
     for m in &s.mounts {
-        let opts = parse_mount_options(&m.options);
         sys.mkdir_all(&m.destination).map_err(|e| AgentError::internal("mkdir guest mount point", e))?;
-        sys.mount(
-            Some(&m.source),
-            &m.destination,
-            (!m.fstype.is_empty()).then_some(m.fstype.as_str()),
-            opts.flags,
-            opts.data.as_deref(),
-        )
-        .map_err(|e| {
+        m.mount_on(sys, &m.destination).map_err(|e| {
             AgentError::FailedPrecondition(format!("mount {} on {}: {e}", m.source, m.destination.display()))
         })?;
     }
@@ -121,8 +106,8 @@ fn sysctl_path(key: &str) -> Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::syscall::test::{Call, RecordingSyscall};
     use super::*;
+    use crate::syscall::test::{Call, RecordingSyscall};
 
     fn settings() -> SandboxSettings {
         SandboxSettings {

@@ -141,14 +141,11 @@ impl Runtime {
         what: &'static str,
         f: impl FnOnce(&mut Container) -> std::result::Result<T, libcontainer::error::LibcontainerError> + Send + 'static,
     ) -> Result<T> {
-        let dir = self.root.join(id);
+        let root = self.root.clone();
         let id = id.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let mut c = Container::load(dir).map_err(|e| AgentError::Internal(format!("load container {id}: {e}")))?;
-            f(&mut c).map_err(|e| AgentError::FailedPrecondition(format!("{what} {id}: {e}")))
-        })
-        .await
-        .map_err(|e| AgentError::internal("blocking task", e))?
+        tokio::task::spawn_blocking(move || apply(&root, &id, what, f))
+            .await
+            .map_err(|e| AgentError::internal("blocking task", e))?
     }
 
     pub async fn start(&self, id: &str) -> Result<()> {
@@ -169,4 +166,24 @@ impl Runtime {
         }
         self.with_container(id, "delete", move |c| c.delete(force)).await
     }
+
+    /// [`Self::delete`] on the calling thread, for an undo step (which runs in `Drop`).
+    pub fn delete_blocking(&self, id: &str, force: bool) -> Result<()> {
+        if !self.root.join(id).exists() {
+            return Ok(());
+        }
+        apply(&self.root, id, "delete", move |c| c.delete(force))
+    }
+}
+
+/// Loads container `id` from libcontainer's state under `root` and applies `f` (blocking).
+fn apply<T>(
+    root: &Path,
+    id: &str,
+    what: &str,
+    f: impl FnOnce(&mut Container) -> std::result::Result<T, libcontainer::error::LibcontainerError>,
+) -> Result<T> {
+    let mut c =
+        Container::load(root.join(id)).map_err(|e| AgentError::Internal(format!("load container {id}: {e}")))?;
+    f(&mut c).map_err(|e| AgentError::FailedPrecondition(format!("{what} {id}: {e}")))
 }

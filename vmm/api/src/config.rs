@@ -147,6 +147,71 @@ pub struct NetConfig {
     /// MTU offered to the guest in the config space.
     #[serde(default)]
     pub mtu: Option<u16>,
+    /// Token-bucket limits per direction; absent means unlimited.
+    #[serde(default)]
+    pub rate_limiter: Option<NetRateLimiterConfig>,
+}
+
+/// Rate limits of one net device, per direction.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NetRateLimiterConfig {
+    /// Frames the guest receives (tap -> guest).
+    #[serde(default)]
+    pub rx: Option<RateLimiterConfig>,
+    /// Frames the guest sends (guest -> tap).
+    #[serde(default)]
+    pub tx: Option<RateLimiterConfig>,
+}
+
+/// A bandwidth bucket (bytes) and an operations bucket (frames); either may be absent.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimiterConfig {
+    #[serde(default)]
+    pub bandwidth: Option<TokenBucketConfig>,
+    #[serde(default)]
+    pub ops: Option<TokenBucketConfig>,
+}
+
+/// A token bucket holding `size` tokens that refills completely in `refill_time_ms`, plus a
+/// one-time burst that is spent first and never refills.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenBucketConfig {
+    pub size: u64,
+    #[serde(default)]
+    pub one_time_burst: u64,
+    pub refill_time_ms: u64,
+}
+
+/// Longest refill period a token bucket may have (one hour).
+pub const MAX_REFILL_TIME_MS: u64 = 3_600_000;
+
+impl TokenBucketConfig {
+    fn check(&self, what: &str) -> Result<(), ConfigError> {
+        if self.size == 0 {
+            return Err(ConfigError::Net(format!("{what}: size must be at least 1")));
+        }
+        if !(1..=MAX_REFILL_TIME_MS).contains(&self.refill_time_ms) {
+            return Err(ConfigError::Net(format!("{what}: refill_time_ms must be 1..={MAX_REFILL_TIME_MS}")));
+        }
+        Ok(())
+    }
+}
+
+impl NetRateLimiterConfig {
+    fn check(&self) -> Result<(), ConfigError> {
+        for (dir, limiter) in [("rx", &self.rx), ("tx", &self.tx)] {
+            let Some(l) = limiter else { continue };
+            for (kind, bucket) in [("bandwidth", &l.bandwidth), ("ops", &l.ops)] {
+                if let Some(b) = bucket {
+                    b.check(&format!("rate_limiter.{dir}.{kind}"))?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn default_fs_queue_size() -> u16 {
@@ -291,6 +356,9 @@ impl VmConfig {
             if n.mtu.is_some_and(|m| !(68..=65535).contains(&m)) {
                 return Err(ConfigError::Net(format!("mtu {:?} must be 68..=65535", n.mtu)));
             }
+            if let Some(r) = &n.rate_limiter {
+                r.check()?;
+            }
         }
         if let Some(p) = &self.serial_log {
             parent_dir_exists("serial_log", p)?;
@@ -390,12 +458,32 @@ mod tests {
         let cfg = VmConfig::from_json(&ok).unwrap().validate().unwrap();
         assert_eq!(cfg.fs[0].queue_size, 1024);
         assert_eq!(cfg.net[0].tap, "tap0");
+        assert_eq!(cfg.net[0].rate_limiter, None, "rate limiting is off by default");
+        let limited = format!(
+            r#"{{"kernel":"{p}","net":[{{"tap":"tap0","mac":"02:00:00:00:00:01","rate_limiter":{{"tx":{{"bandwidth":{{"size":1000,"refill_time_ms":100}}}}}}}}]}}"#
+        );
+        let cfg = VmConfig::from_json(&limited).unwrap().validate().unwrap();
+        let tx = cfg.net[0].rate_limiter.as_ref().and_then(|r| r.tx.as_ref()).unwrap();
+        assert_eq!(tx.bandwidth, Some(TokenBucketConfig { size: 1000, one_time_burst: 0, refill_time_ms: 100 }));
+        assert_eq!(tx.ops, None);
         let cases = [
             (format!(r#"{{"kernel":"{p}","fs":[{{"tag":"","socket":"/tmp/s"}}]}}"#), "tag"),
             (format!(r#"{{"kernel":"{p}","fs":[{{"tag":"t","socket":"/tmp/s","queue_size":3}}]}}"#), "queue_size"),
             (format!(r#"{{"kernel":"{p}","net":[{{"tap":"a/b","mac":"02:00:00:00:00:01"}}]}}"#), "tap"),
             (format!(r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"01:00:00:00:00:01"}}]}}"#), "unicast"),
             (format!(r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"02:00:00:00:00"}}]}}"#), "mac"),
+            (
+                format!(
+                    r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"02:00:00:00:00:01","rate_limiter":{{"tx":{{"ops":{{"size":0,"refill_time_ms":10}}}}}}}}]}}"#
+                ),
+                "rate_limiter.tx.ops: size",
+            ),
+            (
+                format!(
+                    r#"{{"kernel":"{p}","net":[{{"tap":"t","mac":"02:00:00:00:00:01","rate_limiter":{{"rx":{{"bandwidth":{{"size":5,"refill_time_ms":0}}}}}}}}]}}"#
+                ),
+                "rate_limiter.rx.bandwidth: refill_time_ms",
+            ),
         ];
         for (json, needle) in cases {
             let err = VmConfig::from_json(&json).and_then(|c| c.validate()).unwrap_err();

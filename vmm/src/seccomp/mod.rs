@@ -2,8 +2,9 @@
 //! `seccompiler` and installed by each thread on itself before it handles guest or client input.
 //! A syscall that is not on the list kills the whole process (SIGSYS), jailed or not.
 //!
-//! The lists live one module per kind (`vcpu`, `event_loop`, `api`, `waiter`); `common` holds what
-//! every thread of the VMM process needs (allocator, locks, logging, thread exit). Each entry says
+//! The lists live one module per kind (`vcpu`, `event_loop`, `api`, `fs_backend`, `fs_watchdog`,
+//! `waiter`); `common` holds what every thread of the VMM process needs (allocator, locks,
+//! logging, thread exit). Each entry says
 //! why the thread makes the call; a new device adds its calls, one line each, to the list of the
 //! thread that makes them. Filters also check arguments where that is cheap (ioctl numbers, socket
 //! domains, no executable memory).
@@ -14,6 +15,8 @@
 mod api;
 mod common;
 mod event_loop;
+mod fs_backend;
+mod fs_watchdog;
 #[cfg(debug_assertions)]
 mod probe;
 mod vcpu;
@@ -45,6 +48,10 @@ pub enum ThreadKind {
     EventLoop,
     /// The API socket server, which parses requests from outside the VM.
     Api,
+    /// One per virtio-fs device: every exchange with its vhost-user backend (virtiofsd).
+    FsBackend,
+    /// One per virtio-fs device: ends a backend exchange that outlives its deadline.
+    FsWatchdog,
     /// The jailed VMM's parent, which only relays signals and the exit status.
     Waiter,
 }
@@ -56,6 +63,8 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::EventLoop => "event_loop",
             ThreadKind::Api => "api",
+            ThreadKind::FsBackend => "fs_backend",
+            ThreadKind::FsWatchdog => "fs_watchdog",
             ThreadKind::Waiter => "waiter",
         }
     }
@@ -123,16 +132,31 @@ fn compile(kind: ThreadKind, list: Vec<Syscall>) -> Result<BpfProgram, SeccompEr
     BpfProgram::try_from(filter).map_err(build)
 }
 
+/// What every VMM thread needs, then the kind's own calls.
+fn with_common(own: Vec<Syscall>) -> Vec<Syscall> {
+    let mut list = [common::list(), own].concat();
+    common::add_debug_fd_check(&mut list);
+    list
+}
+
 fn vcpu_list() -> Vec<Syscall> {
-    [common::list(), vcpu::list()].concat()
+    with_common(vcpu::list())
 }
 
 fn event_loop_list() -> Vec<Syscall> {
-    [common::list(), event_loop::list()].concat()
+    with_common(event_loop::list())
 }
 
 fn api_list() -> Vec<Syscall> {
-    [common::list(), api::list()].concat()
+    with_common(api::list())
+}
+
+fn fs_backend_list() -> Vec<Syscall> {
+    with_common(fs_backend::list())
+}
+
+fn fs_watchdog_list() -> Vec<Syscall> {
+    with_common(fs_watchdog::list())
 }
 
 /// The VMM threads' compiled filters, built once before any thread starts.
@@ -140,6 +164,8 @@ pub struct Filters {
     vcpu: BpfProgram,
     event_loop: BpfProgram,
     api: BpfProgram,
+    fs_backend: BpfProgram,
+    fs_watchdog: BpfProgram,
 }
 
 impl Filters {
@@ -148,6 +174,8 @@ impl Filters {
             vcpu: compile(ThreadKind::Vcpu, vcpu_list())?,
             event_loop: compile(ThreadKind::EventLoop, event_loop_list())?,
             api: compile(ThreadKind::Api, api_list())?,
+            fs_backend: compile(ThreadKind::FsBackend, fs_backend_list())?,
+            fs_watchdog: compile(ThreadKind::FsWatchdog, fs_watchdog_list())?,
         })
     }
 
@@ -161,6 +189,14 @@ impl Filters {
 
     pub fn api(&self) -> &BpfProgram {
         &self.api
+    }
+
+    pub fn fs_backend(&self) -> &BpfProgram {
+        &self.fs_backend
+    }
+
+    pub fn fs_watchdog(&self) -> &BpfProgram {
+        &self.fs_watchdog
     }
 }
 
@@ -188,6 +224,8 @@ mod tests {
             (ThreadKind::Vcpu, vcpu_list()),
             (ThreadKind::EventLoop, event_loop_list()),
             (ThreadKind::Api, api_list()),
+            (ThreadKind::FsBackend, fs_backend_list()),
+            (ThreadKind::FsWatchdog, fs_watchdog_list()),
             (ThreadKind::Waiter, waiter::list(4242)),
         ]
     }
@@ -195,7 +233,10 @@ mod tests {
     #[test]
     fn every_list_compiles_without_duplicates() {
         let filters = Filters::compile().unwrap();
-        for program in [filters.vcpu(), filters.event_loop(), filters.api(), &waiter_filter(4242).unwrap()] {
+        let waiter = waiter_filter(4242).unwrap();
+        for program in
+            [filters.vcpu(), filters.event_loop(), filters.api(), filters.fs_backend(), filters.fs_watchdog(), &waiter]
+        {
             assert!(!program.is_empty());
         }
     }
@@ -222,6 +263,34 @@ mod tests {
     }
 
     #[test]
+    fn the_backend_exchange_stays_off_the_vcpu_and_event_loop_lists() {
+        let vcpu: Vec<i64> = vcpu_list().iter().map(|s| s.nr).collect();
+        let event_loop: Vec<i64> = event_loop_list().iter().map(|s| s.nr).collect();
+        for nr in [libc::SYS_socket, libc::SYS_connect, libc::SYS_sendmsg, libc::SYS_recvmsg, libc::SYS_clock_nanosleep]
+        {
+            assert!(!vcpu.contains(&nr), "the vCPU list allows syscall {nr}");
+        }
+        for nr in [libc::SYS_sendmsg, libc::SYS_recvmsg] {
+            assert!(!event_loop.contains(&nr), "the event-loop list allows syscall {nr}");
+        }
+        // The watchdog adds one call to what every thread has.
+        assert_eq!(fs_watchdog_list().len(), with_common(vec![]).len() + 1);
+        let backend: Vec<i64> = fs_backend_list().iter().map(|s| s.nr).collect();
+        for nr in [libc::SYS_read, libc::SYS_accept4, libc::SYS_epoll_wait, libc::SYS_exit_group, libc::SYS_unlink] {
+            assert!(!backend.contains(&nr), "the fs backend list allows syscall {nr}");
+        }
+    }
+
+    #[test]
+    fn the_debug_fd_check_joins_an_existing_fcntl_entry() {
+        let list = fs_backend_list();
+        let fcntl: Vec<&Syscall> = list.iter().filter(|s| s.nr == libc::SYS_fcntl).collect();
+        assert_eq!(fcntl.len(), 1);
+        let groups = if cfg!(debug_assertions) { 2 } else { 1 };
+        assert_eq!(fcntl[0].when.len(), groups, "F_DUPFD_CLOEXEC, and F_GETFD in debug builds");
+    }
+
+    #[test]
     fn no_list_allows_what_a_vmm_never_needs() {
         for (kind, list) in lists() {
             let nrs: Vec<i64> = list.iter().map(|s| s.nr).collect();
@@ -243,33 +312,64 @@ mod tests {
         }
     }
 
+    /// Forks a child that installs `program`, runs `call` and ends with the syscall `exit_nr`
+    /// (one the filter allows); returns its wait status.
+    fn status_of_filtered_child(program: &BpfProgram, call: impl FnOnce(), exit_nr: libc::c_long) -> i32 {
+        // SAFETY: the child only makes raw syscalls and exits; it touches no lock or allocator.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            if seccompiler::apply_filter(program).is_err() {
+                // SAFETY: plain exit of the forked child.
+                unsafe { libc::_exit(2) };
+            }
+            call();
+            // SAFETY: the forked child's only thread ends, and with it the child.
+            unsafe { libc::syscall(exit_nr, 0 as libc::c_long) };
+        }
+        let mut status = 0;
+        // SAFETY: pid is our child; status is a valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        status
+    }
+
+    #[test]
+    fn the_fs_backend_may_open_unix_sockets_only() {
+        let filters = Filters::compile().unwrap();
+        let stream = libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
+        for (domain, killed) in [(libc::AF_UNIX, false), (libc::AF_INET, true), (libc::AF_NETLINK, true)] {
+            let status = status_of_filtered_child(
+                filters.fs_backend(),
+                || {
+                    // As libc's wrapper does: every argument a full 64-bit register.
+                    let (domain, kind) = (libc::c_long::from(domain), libc::c_long::from(stream));
+                    // SAFETY: socket(2) with plain integer arguments.
+                    unsafe { libc::syscall(libc::SYS_socket, domain, kind, 0 as libc::c_long) };
+                },
+                libc::SYS_exit,
+            );
+            if killed {
+                assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS, "{domain}: {status:#x}");
+            } else {
+                assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{domain}: {status:#x}");
+            }
+        }
+    }
+
     #[test]
     fn a_filtered_child_dies_of_sigsys_on_a_forbidden_syscall_and_lives_on_allowed_ones() {
         // SAFETY: getpid has no preconditions.
         let program = waiter_filter(unsafe { libc::getpid() }).unwrap();
-        for (forbidden, expect_signal) in [(false, None), (true, Some(libc::SIGSYS))] {
-            // SAFETY: the child only makes raw syscalls and exits; it touches no lock or allocator.
-            let pid = unsafe { libc::fork() };
-            assert!(pid >= 0);
-            if pid == 0 {
-                if seccompiler::apply_filter(&program).is_err() {
-                    // SAFETY: plain exit of the forked child.
-                    unsafe { libc::_exit(2) };
-                }
-                if forbidden {
-                    // SAFETY: no arguments, no side effects.
-                    unsafe { libc::syscall(libc::SYS_getppid) };
-                }
-                // SAFETY: plain exit of the forked child.
-                unsafe { libc::_exit(0) };
-            }
-            let mut status = 0;
-            // SAFETY: pid is our child; status is a valid out pointer.
-            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-            match expect_signal {
-                Some(sig) => assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == sig, "{status:#x}"),
-                None => assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{status:#x}"),
-            }
-        }
+        let status = status_of_filtered_child(&program, || {}, libc::SYS_exit_group);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{status:#x}");
+        let status = status_of_filtered_child(
+            &program,
+            || {
+                // SAFETY: no arguments, no side effects.
+                unsafe { libc::syscall(libc::SYS_getppid) };
+            },
+            libc::SYS_exit_group,
+        );
+        assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS, "{status:#x}");
     }
 }

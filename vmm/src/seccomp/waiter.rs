@@ -26,6 +26,6 @@ pub(super) fn list(child: libc::pid_t) -> Vec<Syscall> {
         always(libc::SYS_sigaltstack),
         always(libc::SYS_exit_group),
     ];
-    list.extend(super::common::debug_fd_check());
+    super::common::add_debug_fd_check(&mut list);
     list
 }

@@ -10,7 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub const VMM: &str = env!("CARGO_BIN_EXE_bulkhead-vmm");
+/// The `bulkhead-vmm` the tests run: the one cargo built with them, or `$BULKHEAD_VMM` (e.g. a
+/// release build, to check the release filters; the debug-only seccomp probe is absent there).
+pub fn vmm_binary() -> PathBuf {
+    std::env::var_os("BULKHEAD_VMM").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_bulkhead-vmm")), PathBuf::from)
+}
 
 /// Why a KVM test cannot run here, if it cannot (the shared host probe).
 pub fn kvm_unavailable() -> Option<String> {
@@ -67,29 +71,27 @@ pub struct VmmProcess {
 
 impl VmmProcess {
     pub fn spawn(dir: &Path, config: &serde_json::Value, timeout: Duration) -> Self {
-        Self::spawn_with(dir, config, &[], &[], timeout)
+        Self::spawn_with(dir, config, timeout, |_| {})
     }
 
-    /// Like `spawn`, with extra arguments (after `--config dir/vm.json`) and environment.
+    /// Like `spawn`, letting the caller adjust the command first (extra arguments after
+    /// `--config dir/vm.json`, environment, entering a network namespace).
     pub fn spawn_with(
         dir: &Path,
         config: &serde_json::Value,
-        args: &[&std::ffi::OsStr],
-        env: &[(&str, &str)],
         timeout: Duration,
+        adjust: impl FnOnce(&mut Command),
     ) -> Self {
         let cfg_path = dir.join("vm.json");
         std::fs::write(&cfg_path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
-        let child = Command::new(VMM)
-            .arg("--config")
+        let mut cmd = Command::new(vmm_binary());
+        cmd.arg("--config")
             .arg(&cfg_path)
-            .args(args)
             .env("BULKHEAD_VMM_LOG", std::env::var("BULKHEAD_VMM_LOG").unwrap_or_else(|_| "info".into()))
-            .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead-vmm");
+            .stderr(Stdio::piped());
+        adjust(&mut cmd);
+        let child = cmd.spawn().expect("spawn bulkhead-vmm");
         Self { child, dir: dir.to_owned(), serial: dir.join("serial.log"), deadline: Instant::now() + timeout }
     }
 

@@ -149,7 +149,10 @@ impl MmioTransport {
     }
 
     fn reset(&mut self) {
-        lock(&self.device).reset();
+        let pending = lock(&self.device).reset();
+        if let Some(pending) = pending {
+            pending.wait();
+        }
         self.queues = fresh_queues(lock(&self.device).queue_max_sizes());
         self.state = DriverState::Reset;
         self.driver_features = 0;
@@ -384,9 +387,10 @@ mod tests {
             self.active_queues = q.len();
             Ok(())
         }
-        fn reset(&mut self) {
+        fn reset(&mut self) -> Option<super::super::PendingReset> {
             self.resets += 1;
             self.broken = false;
+            None
         }
         fn is_broken(&self) -> bool {
             self.broken

@@ -8,6 +8,7 @@ pub mod block;
 pub mod chain;
 pub mod fs;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod vsock;
 
@@ -18,6 +19,7 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
 pub const TYPE_FS: u32 = 26;
@@ -89,10 +91,26 @@ pub trait VirtioDevice: Send {
     fn write_config(&mut self, offset: u64, data: &[u8]);
     /// DRIVER_OK: the device takes ownership of the queues and starts serving.
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError>;
-    /// Driver reset: drop queues and connections, back to the inactive state.
-    fn reset(&mut self);
+    /// Driver reset: drop queues and connections, back to the inactive state. Work that must
+    /// finish before the reset write returns but runs elsewhere (a vhost-user backend stopping
+    /// its vrings) comes back as a `PendingReset`.
+    fn reset(&mut self) -> Option<PendingReset>;
     /// The device hit a fatal guest error and no longer serves (reported as DEVICE_NEEDS_RESET).
     fn is_broken(&self) -> bool;
+}
+
+/// The rest of a reset, which the transport waits for after it released the device lock (so the
+/// event loop can still reach the device meanwhile). The wait is bounded by the device.
+pub struct PendingReset(Box<dyn FnOnce() + Send>);
+
+impl PendingReset {
+    pub fn new(wait: impl FnOnce() + Send + 'static) -> Self {
+        Self(Box::new(wait))
+    }
+
+    pub fn wait(self) {
+        (self.0)()
+    }
 }
 
 /// The life of a device between driver resets. A device stops serving on the first fatal guest

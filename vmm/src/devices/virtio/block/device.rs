@@ -15,7 +15,7 @@ use crate::config::BlockConfig;
 use crate::devices::virtio::chain::{self, Desc};
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_BLOCK,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_BLOCK,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
 
@@ -221,9 +221,10 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
-    fn reset(&mut self) {
+    fn reset(&mut self) -> Option<PendingReset> {
         self.state = DeviceState::Inactive;
         self.acked_features = 0;
+        None
     }
 
     fn is_broken(&self) -> bool {

@@ -3,14 +3,16 @@
 //! life around its vhost-user backend.
 //!
 //! The backend is connected on the first DRIVER_OK (so the pod's virtiofsd may start alongside
-//! the VMM) and kept across driver resets, which only stop the vrings. Activation runs on the
-//! vCPU thread that wrote DRIVER_OK, so every backend exchange is bounded by `BACKEND_TIMEOUT`.
-//! A backend that fails, refuses a message or hangs up breaks the device
-//! (DEVICE_NEEDS_RESET); the rest of the VM carries on.
+//! the VMM) and kept across driver resets, which only stop the vrings. Every exchange with it
+//! runs on the device's backend thread (`worker.rs`), bounded by `BACKEND_TIMEOUT`: DRIVER_OK
+//! only asks for the start and returns, the event loop applies the outcome, and a reset waits
+//! (bounded, outside the device lock) until the rings are stopped. A backend that fails,
+//! refuses a message or hangs up breaks the device (DEVICE_NEEDS_RESET); the rest of the VM
+//! carries on.
 
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use virtio_queue::{Queue, QueueT};
@@ -18,11 +20,13 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::persist::FsSnapshot;
-use super::vhost_user::{Backend, BackendError, Deadline, Vring};
+use super::thread::Slot;
+use super::vhost_user::{BackendError, Deadline};
+use super::worker::{BackendThreads, Report, Request, Start, Watch, Worker};
 use crate::config::FsConfig;
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_FS,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_FS,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
 
@@ -39,21 +43,33 @@ pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 pub const AVAIL_FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX;
 /// Bound on each activation (connect, handshake, vring setup) and each reset, start to end.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long past its deadline a reset waits for the backend thread's word: the watchdog ends the
+/// exchange at the deadline, so this only covers the thread reporting it.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 /// Backend failures are logged at error level at most this often; a guest that resets and
 /// re-activates in a loop gets the rest at debug level.
 const FAILURE_LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// Where the backend is with the current activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// DRIVER_OK was written; the backend thread is connecting or setting the vrings up.
+    Starting,
+    Serving,
+}
 
 pub struct Active {
     mem: GuestMemoryMmap,
     queues: Vec<Queue>,
     irq: IrqTrigger,
+    phase: Phase,
 }
 
-/// The event loop's own handle on a backend connection, registered for hang-up.
-pub struct Watch {
-    /// Which connection (see `Fs::backend_id`).
-    pub id: u64,
-    pub sock: UnixStream,
+/// What a report means for the event loop's hang-up watch.
+pub enum WatchUpdate {
+    Keep,
+    Watch(Watch),
+    Unwatch,
 }
 
 pub struct Fs {
@@ -63,16 +79,17 @@ pub struct Fs {
     config: [u8; CONFIG_LEN],
     queue_sizes: [u16; NUM_QUEUES],
     acked_features: u64,
-    /// Kicks: the transport signals them on QueueNotify and the backend reads them.
+    /// Kicks: the transport signals them on QueueNotify and the backend reads them. Until the
+    /// backend has them, an eventfd keeps counting, so no kick is lost.
     queue_evts: [EventFd; NUM_QUEUES],
     /// Calls: the backend signals them when it used buffers; the event loop turns them into
     /// interrupts.
     pub(super) call_evts: [EventFd; NUM_QUEUES],
-    /// Signalled whenever the connection comes or goes, so the event loop re-syncs its watch.
-    pub(super) conn_evt: EventFd,
-    backend: Option<Backend>,
-    /// Numbers connections, so the event loop can tell whether its watch is on the current one.
-    backend_id: u64,
+    /// The device's backend thread, which owns the connection.
+    pub(super) worker: Worker,
+    /// Counts activations and resets: a report about an earlier one is stale.
+    activation: u64,
+    /// The connection the backend thread reported, registered with the event loop for hang-up.
     pub(super) watch: Option<Watch>,
     state: DeviceState<Active>,
     timeout: Duration,
@@ -80,7 +97,8 @@ pub struct Fs {
 }
 
 impl Fs {
-    pub fn new(cfg: &FsConfig, index: usize) -> std::io::Result<Self> {
+    /// The device and its backend threads (confined by `threads`); nothing is connected yet.
+    pub fn new(cfg: &FsConfig, index: usize, threads: BackendThreads) -> std::io::Result<Self> {
         let tag = cfg.tag.as_bytes();
         if tag.is_empty() || tag.len() > TAG_LEN {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "virtio-fs tag must be 1..=36 bytes"));
@@ -89,18 +107,21 @@ impl Fs {
         config[..tag.len()].copy_from_slice(tag);
         config[TAG_LEN..].copy_from_slice(&NUM_REQUEST_QUEUES.to_le_bytes());
         let evt = || EventFd::new(libc::EFD_NONBLOCK);
+        let name = format!("fs{index}");
+        let queue_evts = [evt()?, evt()?];
+        let call_evts = [evt()?, evt()?];
+        let worker = Worker::spawn(&name, cfg.socket.clone(), &queue_evts, &call_evts, threads)?;
         Ok(Self {
-            name: format!("fs{index}"),
+            name,
             tag: cfg.tag.clone(),
             socket: cfg.socket.clone(),
             config,
             queue_sizes: [cfg.queue_size; NUM_QUEUES],
             acked_features: 0,
-            queue_evts: [evt()?, evt()?],
-            call_evts: [evt()?, evt()?],
-            conn_evt: evt()?,
-            backend: None,
-            backend_id: 0,
+            queue_evts,
+            call_evts,
+            worker,
+            activation: 0,
             watch: None,
             state: DeviceState::Inactive,
             timeout: BACKEND_TIMEOUT,
@@ -118,13 +139,19 @@ impl Fs {
         &self.name
     }
 
-    /// Which connection is current, if any (the event loop compares its watch against it).
-    pub fn backend_id(&self) -> Option<u64> {
-        self.backend.as_ref().map(|_| self.backend_id)
+    /// Which connection the event loop watches, if any.
+    #[cfg(test)]
+    pub fn connection_id(&self) -> Option<u64> {
+        self.watch.as_ref().map(|w| w.id)
     }
 
-    pub fn backend_socket(&self) -> Option<std::io::Result<UnixStream>> {
-        self.backend.as_ref().map(Backend::try_clone_socket)
+    /// Where the backend is with the current activation (None: the device is not active).
+    #[cfg(test)]
+    pub fn phase(&self) -> Option<Phase> {
+        match &self.state {
+            DeviceState::Active(a) => Some(a.phase),
+            _ => None,
+        }
     }
 
     /// The backend owns the ring positions. Each vring is saved at the used index the backend
@@ -152,82 +179,73 @@ impl Fs {
         }
     }
 
-    /// The event loop saw the backend close the current connection.
-    pub fn backend_hung_up(&mut self) {
-        if self.backend.is_none() {
-            return;
-        }
-        if matches!(self.state, DeviceState::Active(_)) {
-            self.fail(BackendError::HungUp);
-        } else {
-            self.report(&BackendError::HungUp, false);
-            self.drop_backend();
-        }
-    }
-
-    /// Connects if needed, then hands the backend guest memory and the vrings. One deadline
-    /// bounds the whole exchange. The event loop hears of a new connection only afterwards
-    /// (`activate`), so it never waits on this device's lock while a backend is slow.
-    /// A connection that fails to start is dropped.
-    fn start(&mut self, mem: &GuestMemoryMmap, queues: &[Queue]) -> Result<(), BackendError> {
-        let deadline = Deadline::after(self.timeout);
-        let mut backend = match self.backend.take() {
-            Some(b) => b,
-            None => {
-                self.backend_id += 1;
-                Backend::connect(&self.socket, NUM_QUEUES, deadline)?
+    /// The event loop saw the backend close connection `id` (and stopped watching it).
+    pub fn backend_hung_up(&mut self, id: u64) {
+        self.worker.post(Request::Disconnect { id });
+        match self.state {
+            DeviceState::Active(_) => self.fail(BackendError::HungUp),
+            DeviceState::Inactive => self.report(&BackendError::HungUp, None),
+            DeviceState::Broken(_) => {
+                tracing::debug!(device = %self.name, "virtio-fs backend hung up after the device failed")
             }
-        };
-        let vrings: Vec<Vring<'_>> = queues
-            .iter()
-            .zip(&self.queue_evts)
-            .zip(&self.call_evts)
-            .map(|((queue, kick), call)| Vring { queue, kick, call })
-            .collect();
-        backend.start(mem, self.acked_features, &vrings, deadline)?;
-        self.backend = Some(backend);
-        Ok(())
+        }
     }
 
-    /// Stops serving until the driver resets the device, and tells the driver so.
-    fn fail(&mut self, err: BackendError) {
-        self.report(&err, true);
-        if let DeviceState::Active(a) = &self.state {
-            a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+    /// Applies what the backend thread reported (on the event loop). Only a report about the
+    /// current activation moves the device; any report may change the connection.
+    pub fn apply(&mut self, report: Report) -> WatchUpdate {
+        match report {
+            Report::Serving { activation, connection } => {
+                if let (true, DeviceState::Active(a)) = (activation == self.activation, &mut self.state) {
+                    a.phase = Phase::Serving;
+                    tracing::debug!(device = %self.name, tag = %self.tag, "virtio-fs backend serving");
+                }
+                connection.map_or(WatchUpdate::Keep, WatchUpdate::Watch)
+            }
+            Report::StartFailed { activation, error } => {
+                match (activation == self.activation, &self.state) {
+                    (true, DeviceState::Active(_)) => self.fail(error),
+                    (true, _) => tracing::debug!(device = %self.name, error = %error,
+                        "virtio-fs backend start failed after the device failed"),
+                    // The driver reset the device meanwhile.
+                    (false, _) => self.report(&error, None),
+                }
+                WatchUpdate::Unwatch
+            }
+            Report::StopFailed { error } => {
+                self.report(&error, None);
+                WatchUpdate::Unwatch
+            }
         }
-        self.drop_backend();
+    }
+
+    /// Stops serving until the driver resets the device, and tells the driver so. Only an
+    /// active device fails.
+    fn fail(&mut self, err: BackendError) {
+        let DeviceState::Active(a) = &self.state else { return };
+        a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+        let phase = a.phase;
+        self.report(&err, Some(phase));
         self.state = DeviceState::Broken(DeviceError::Backend(err.to_string()));
     }
 
-    /// The one log line of a backend failure, naming tag and socket. `broken`: the device
-    /// stopped serving (otherwise it was inactive and the next activation reconnects).
-    fn report(&mut self, err: &BackendError, broken: bool) {
+    /// The one log line of a backend failure, naming tag and socket. `broke`: the phase the
+    /// device stopped serving in; None: it was inactive, and the next activation reconnects.
+    fn report(&mut self, err: &BackendError, broke: Option<Phase>) {
         let now = Instant::now();
         let loud = self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD);
         let (device, tag, socket) = (&self.name, &self.tag, self.socket.display());
-        match (loud, broken) {
-            (true, true) => tracing::error!(%device, %tag, %socket, error = %err,
+        match (loud, broke) {
+            (true, Some(phase)) => tracing::error!(%device, %tag, %socket, error = %err, ?phase,
                 "virtio-fs backend failed; the device needs a reset"),
-            (true, false) => tracing::error!(%device, %tag, %socket, error = %err,
+            (true, None) => tracing::error!(%device, %tag, %socket, error = %err,
                 "virtio-fs backend failed while the device was inactive; the next activation reconnects"),
             (false, _) => {
-                tracing::debug!(%device, %tag, %socket, error = %err, broken, "virtio-fs backend failed again")
+                tracing::debug!(%device, %tag, %socket, error = %err, ?broke, "virtio-fs backend failed again")
             }
         }
         if loud {
             self.last_failure_log = Some(now);
-        }
-    }
-
-    fn drop_backend(&mut self) {
-        if self.backend.take().is_some() {
-            self.connection_changed();
-        }
-    }
-
-    fn connection_changed(&self) {
-        if let Err(e) = self.conn_evt.write(1) {
-            tracing::warn!(device = %self.name, error = %e, "cannot wake the event loop about the backend connection");
         }
     }
 }
@@ -270,33 +288,45 @@ impl VirtioDevice for Fs {
         tracing::debug!(device = %self.name, offset, "write to read-only virtio-fs config ignored");
     }
 
-    /// Bad queues are the driver's fault (the transport fails the driver); a backend problem is
-    /// the device's, reported as DEVICE_NEEDS_RESET.
+    /// Bad queues are the driver's fault (the transport fails the driver). Otherwise the device
+    /// is live at once and the backend thread starts the backend; a backend problem comes back
+    /// later as DEVICE_NEEDS_RESET.
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {
         validate_queues(&mem, &queues)?;
         if queues.len() != NUM_QUEUES {
             return Err(DeviceError::QueueNotReady(queues.len()));
         }
-        let res = self.start(&mem, &queues);
-        self.state = DeviceState::Active(Active { mem, queues, irq });
-        match res {
-            Ok(()) => tracing::debug!(device = %self.name, tag = %self.tag, "virtio-fs backend serving"),
-            Err(e) => self.fail(e),
-        }
-        self.connection_changed();
+        self.activation += 1;
+        self.worker.post(Request::Start(Start {
+            activation: self.activation,
+            mem: mem.clone(),
+            features: self.acked_features,
+            queues: queues.iter().map(Queue::state).collect(),
+            deadline: Deadline::after(self.timeout),
+        }));
+        self.state = DeviceState::Active(Active { mem, queues, irq, phase: Phase::Starting });
         Ok(())
     }
 
-    /// Stops the vrings but keeps the connection, as a backend serves one connection only.
-    fn reset(&mut self) {
-        if matches!(self.state, DeviceState::Active(_)) {
-            if let Some(Err(e)) = self.backend.as_mut().map(|b| b.stop(NUM_QUEUES, Deadline::after(self.timeout))) {
-                self.report(&e, false);
-                self.drop_backend();
-            }
-        }
-        self.state = DeviceState::Inactive;
+    /// Stops the vrings but keeps the connection, as a backend serves one connection only. The
+    /// transport waits for the stop outside the device lock: the rings must be out of the
+    /// backend's hands before the driver may reuse their memory.
+    fn reset(&mut self) -> Option<PendingReset> {
+        let was = std::mem::replace(&mut self.state, DeviceState::Inactive);
         self.acked_features = 0;
+        if matches!(was, DeviceState::Inactive) {
+            return None;
+        }
+        self.activation += 1;
+        let deadline = Deadline::after(self.timeout);
+        let done = Slot::new();
+        self.worker.post(Request::Stop { deadline, done: Arc::clone(&done) });
+        let device = self.name.clone();
+        Some(PendingReset::new(move || {
+            if done.take_until(deadline.at() + STOP_GRACE).is_none() {
+                tracing::warn!(%device, "the virtio-fs backend thread did not confirm the reset in time; going on");
+            }
+        }))
     }
 
     fn is_broken(&self) -> bool {
@@ -314,24 +344,27 @@ mod tests {
     use crate::memory::create_guest_memory;
     use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
     use std::path::Path;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
     use vm_memory::{Bytes, GuestAddress};
 
     const STATUS: u64 = 0x070;
+    const QUEUE_NOTIFY: u64 = 0x050;
     const INTERRUPT_STATUS: u64 = 0x060;
     const INTERRUPT_ACK: u64 = 0x064;
 
     fn fs_at(socket: &Path) -> Fs {
         let cfg = FsConfig { tag: "rootfs".into(), socket: socket.to_owned(), queue_size: 256 };
-        Fs::new(&cfg, 0).unwrap().with_backend_timeout(Duration::from_millis(500))
+        Fs::new(&cfg, 0, BackendThreads::unconfined()).unwrap().with_backend_timeout(Duration::from_millis(500))
     }
 
-    /// A transport over memfd-backed guest memory (the backend maps it) and the device.
+    /// A transport over memfd-backed guest memory (the backend maps it), the device, and an
+    /// event loop for the device's events.
     struct Rig {
         t: MmioTransport,
         fs: Arc<Mutex<Fs>>,
         mem: GuestMemoryMmap,
         irq: IrqTrigger,
+        em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
     }
 
     fn rig(socket: &Path) -> Rig {
@@ -343,7 +376,24 @@ mod tests {
         let fs = Arc::new(Mutex::new(fs));
         let irq = IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
         let t = MmioTransport::new("fs0".into(), mem.clone(), fs.clone(), irq.clone()).unwrap();
-        Rig { t, fs, mem, irq }
+        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> = EventManager::new().unwrap();
+        em.add_subscriber(fs.clone());
+        Rig { t, fs, mem, irq, em }
+    }
+
+    impl Rig {
+        /// Runs the event loop until the backend thread's answer to DRIVER_OK is applied.
+        fn settle(&mut self) {
+            self.run_until("the backend's answer", |fs| fs.phase() != Some(Phase::Starting));
+        }
+
+        fn run_until(&mut self, what: &str, done: impl Fn(&Fs) -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !done(&self.fs.lock().unwrap()) {
+                assert!(Instant::now() < deadline, "timed out waiting for {what}");
+                self.em.run_with_timeout(50).unwrap();
+            }
+        }
     }
 
     fn r(t: &mut MmioTransport, off: u64) -> u32 {
@@ -371,7 +421,7 @@ mod tests {
         [TestQueue::new(0x1_0000, 8), TestQueue::new(0x2_0000, 8)]
     }
 
-    /// Sets up both queues and writes DRIVER_OK; returns the status read back.
+    /// Sets up both queues and writes DRIVER_OK; returns the status read back at once.
     fn driver_ok(t: &mut MmioTransport, features: u64) -> u32 {
         assert_eq!(negotiate(t, features), 0xb);
         for (i, q) in queues().iter().enumerate() {
@@ -384,6 +434,13 @@ mod tests {
         }
         w(t, STATUS, 0xf);
         r(t, STATUS)
+    }
+
+    /// DRIVER_OK, then the status once the backend thread's answer is in.
+    fn activate(rig: &mut Rig, features: u64) -> u32 {
+        assert_eq!(driver_ok(&mut rig.t, features), 0xf, "DRIVER_OK is taken at once");
+        rig.settle();
+        r(&mut rig.t, STATUS)
     }
 
     fn broken_reason(fs: &Mutex<Fs>) -> String {
@@ -417,11 +474,11 @@ mod tests {
     fn a_tag_the_spec_cannot_carry_is_refused() {
         for tag in ["", &"x".repeat(TAG_LEN + 1)] {
             let cfg = FsConfig { tag: tag.to_string(), socket: "/tmp/s".into(), queue_size: 8 };
-            assert!(Fs::new(&cfg, 0).is_err(), "tag {tag:?}");
+            assert!(Fs::new(&cfg, 0, BackendThreads::unconfined()).is_err(), "tag {tag:?}");
         }
         let cfg = FsConfig { tag: "t".repeat(TAG_LEN), socket: "/tmp/s".into(), queue_size: 8 };
         let mut tag = [0u8; TAG_LEN];
-        Fs::new(&cfg, 0).unwrap().read_config(0, &mut tag);
+        Fs::new(&cfg, 0, BackendThreads::unconfined()).unwrap().read_config(0, &mut tag);
         assert_eq!(tag, [b't'; TAG_LEN], "a 36-byte tag fills the field without a NUL");
     }
 
@@ -453,7 +510,7 @@ mod tests {
     fn activation_hands_the_backend_memory_and_both_vrings() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
         let vring = [fake::SET_VRING_NUM, fake::SET_VRING_ADDR, fake::SET_VRING_BASE, fake::SET_VRING_CALL];
         let mut expected = vec![
             fake::SET_OWNER,
@@ -469,38 +526,51 @@ mod tests {
             expected.extend([fake::SET_VRING_KICK, fake::SET_VRING_ENABLE]);
         }
         assert_eq!(backend.requests(), expected);
-        assert!(!rig.fs.lock().unwrap().is_broken());
-        let snap = rig.fs.lock().unwrap().snapshot();
+        let fs = rig.fs.lock().unwrap();
+        assert_eq!((fs.phase(), fs.connection_id()), (Some(Phase::Serving), Some(1)));
+        let snap = fs.snapshot();
         assert_eq!(snap.vrings.len(), NUM_QUEUES);
         assert_eq!((snap.vrings[1].desc_table, snap.vrings[1].size), (0x2_0000, 8));
+    }
+
+    #[test]
+    fn driver_ok_returns_at_once_and_kicks_meanwhile_reach_the_backend() {
+        let slow =
+            Script { slow_on: Some((fake::SET_MEM_TABLE, Duration::from_millis(300))), ..Script::virtiofsd_like() };
+        let backend = FakeBackend::start(slow);
+        let mut rig = rig_with(fs_at(&backend.path).with_backend_timeout(Duration::from_secs(5)));
+        let start = Instant::now();
+        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
+        assert!(start.elapsed() < Duration::from_millis(200), "the vCPU was held for {:?}", start.elapsed());
+        assert_eq!(rig.fs.lock().unwrap().phase(), Some(Phase::Starting));
+        // The driver kicks the request queue twice before the backend has its vrings.
+        w(&mut rig.t, QUEUE_NOTIFY, 1);
+        w(&mut rig.t, QUEUE_NOTIFY, 1);
+        assert_eq!(backend.kicks_pending(1), None, "the backend has no kick eventfd yet");
+        rig.settle();
+        assert_eq!(rig.fs.lock().unwrap().phase(), Some(Phase::Serving));
+        assert_eq!(backend.kicks_pending(1), Some(2), "both kicks wait in the eventfd the backend was given");
+        assert_eq!(backend.kicks_pending(0), Some(0));
     }
 
     #[test]
     fn backend_calls_become_vring_interrupts_and_a_hang_up_breaks_the_device() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> = EventManager::new().unwrap();
-        em.add_subscriber(rig.fs.clone());
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
-        em.run_with_timeout(100).unwrap(); // the connection watch goes on
-        assert!(rig.fs.lock().unwrap().watch.is_some());
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        assert!(rig.fs.lock().unwrap().watch.is_some(), "the connection is watched");
 
         // What the backend does after it used a buffer on the request queue.
         rig.fs.lock().unwrap().call_evts[1].write(1).unwrap();
-        em.run_with_timeout(100).unwrap();
+        rig.em.run_with_timeout(100).unwrap();
         assert_eq!(r(&mut rig.t, INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
         w(&mut rig.t, INTERRUPT_ACK, VIRTIO_MMIO_INT_VRING);
 
         backend.hang_up();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !rig.fs.lock().unwrap().is_broken() {
-            assert!(Instant::now() < deadline, "hang-up not noticed");
-            em.run_with_timeout(100).unwrap();
-        }
+        rig.run_until("the hang-up", |fs| fs.is_broken());
         assert_eq!(r(&mut rig.t, STATUS), 0xf | STATUS_NEEDS_RESET);
         assert_eq!(r(&mut rig.t, INTERRUPT_STATUS), VIRTIO_MMIO_INT_CONFIG, "the driver is told");
         assert!(broken_reason(&rig.fs).contains("closed the connection"));
-        em.run_with_timeout(100).unwrap();
         assert!(rig.fs.lock().unwrap().watch.is_none(), "the dead connection is no longer watched");
         assert!(rig.fs.lock().unwrap().snapshot().broken);
 
@@ -513,45 +583,38 @@ mod tests {
     fn a_refused_message_breaks_the_device() {
         let backend = FakeBackend::start(Script { refuse: Some(fake::SET_MEM_TABLE), ..Script::virtiofsd_like() });
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
+        assert_eq!(r(&mut rig.t, INTERRUPT_STATUS), VIRTIO_MMIO_INT_CONFIG, "the driver is told");
         assert!(broken_reason(&rig.fs).contains("SET_MEM_TABLE"), "{}", broken_reason(&rig.fs));
-        assert_eq!(rig.fs.lock().unwrap().backend_id(), None, "the connection is dropped");
+        assert_eq!(rig.fs.lock().unwrap().connection_id(), None, "the connection is dropped");
     }
 
     #[test]
-    fn a_silent_backend_breaks_the_device_within_the_timeout() {
+    fn a_silent_backend_breaks_the_device_within_the_timeout_while_the_event_loop_runs() {
         let backend = FakeBackend::start(Script { silent_on: Some(fake::SET_MEM_TABLE), ..Script::virtiofsd_like() });
         let mut rig = rig(&backend.path);
         let start = Instant::now();
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
-        assert!(start.elapsed() < Duration::from_secs(3), "vCPU held for {:?}", start.elapsed());
+        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
+        while backend.requests().len() < 7 {
+            std::thread::sleep(Duration::from_millis(5)); // handshake done, SET_MEM_TABLE unanswered
+        }
+        // Neither the event loop nor a status read waits on the exchange.
+        let looped = Instant::now();
+        rig.em.run_with_timeout(100).unwrap();
+        assert_eq!(r(&mut rig.t, STATUS), 0xf);
+        assert!(looped.elapsed() < Duration::from_millis(400), "event loop blocked for {:?}", looped.elapsed());
+        rig.settle();
+        assert!(start.elapsed() < Duration::from_secs(3), "took {:?}", start.elapsed());
+        assert_eq!(r(&mut rig.t, STATUS), 0xf | STATUS_NEEDS_RESET);
         let reason = broken_reason(&rig.fs);
         assert!(reason.contains("SET_MEM_TABLE: no answer within 500ms"), "{reason}");
-    }
-
-    #[test]
-    fn the_event_loop_never_waits_on_a_slow_activation() {
-        let backend = FakeBackend::start(Script { silent_on: Some(fake::SET_MEM_TABLE), ..Script::virtiofsd_like() });
-        let mut rig = rig_with(fs_at(&backend.path).with_backend_timeout(Duration::from_secs(1)));
-        let fs = rig.fs.clone();
-        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> = EventManager::new().unwrap();
-        em.add_subscriber(fs.clone());
-        // The vCPU thread: DRIVER_OK holds the device for the whole (silent) exchange.
-        let vcpu = std::thread::spawn(move || driver_ok(&mut rig.t, VIRTIO_F_VERSION_1));
-        while backend.requests().len() < 6 {
-            std::thread::sleep(Duration::from_millis(5)); // connected, handshake done
-        }
-        let start = Instant::now();
-        em.run_with_timeout(200).unwrap();
-        assert!(start.elapsed() < Duration::from_millis(700), "event loop blocked for {:?}", start.elapsed());
-        assert_eq!(vcpu.join().unwrap(), 0xf | STATUS_NEEDS_RESET);
     }
 
     #[test]
     fn no_backend_breaks_the_device() {
         let dir = tempfile::tempdir().unwrap();
         let mut rig = rig(&dir.path().join("absent.sock"));
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
         assert!(broken_reason(&rig.fs).contains("cannot connect"));
     }
 
@@ -563,7 +626,7 @@ mod tests {
         };
         let backend = FakeBackend::start(script);
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf | STATUS_NEEDS_RESET);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf | STATUS_NEEDS_RESET);
         assert!(broken_reason(&rig.fs).contains("lacks virtio features 0x20000000"), "{}", broken_reason(&rig.fs));
     }
 
@@ -571,25 +634,78 @@ mod tests {
     fn a_backend_with_too_few_queues_breaks_the_device() {
         let backend = FakeBackend::start(Script { queue_num: 1, ..Script::virtiofsd_like() });
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf | STATUS_NEEDS_RESET);
         assert!(broken_reason(&rig.fs).contains("serves 1 queues"));
     }
 
     #[test]
-    fn reset_stops_the_vrings_and_keeps_the_connection() {
+    fn reset_stops_the_vrings_before_it_returns_and_keeps_the_connection() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
         let before = backend.requests().len();
         w(&mut rig.t, STATUS, 0);
         let stops = &backend.requests()[before..];
         assert_eq!(stops, [fake::SET_VRING_ENABLE, fake::GET_VRING_BASE, fake::SET_VRING_ENABLE, fake::GET_VRING_BASE]);
-        assert_eq!(rig.fs.lock().unwrap().backend_id(), Some(1));
+        assert_eq!(rig.fs.lock().unwrap().connection_id(), Some(1));
 
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
-        assert_eq!(rig.fs.lock().unwrap().backend_id(), Some(1), "same connection");
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        assert_eq!(rig.fs.lock().unwrap().connection_id(), Some(1), "same connection");
         assert_eq!(backend.requests().iter().filter(|&&r| r == fake::SET_OWNER).count(), 1);
         assert_eq!(backend.requests().iter().filter(|&&r| r == fake::SET_MEM_TABLE).count(), 2);
+    }
+
+    #[test]
+    fn a_reset_during_activation_waits_for_the_start_then_stops() {
+        let slow =
+            Script { slow_on: Some((fake::SET_MEM_TABLE, Duration::from_millis(200))), ..Script::virtiofsd_like() };
+        let backend = FakeBackend::start(slow);
+        let mut rig = rig_with(fs_at(&backend.path).with_backend_timeout(Duration::from_secs(5)));
+        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
+        w(&mut rig.t, STATUS, 0);
+        // The reset returned after the start finished and both vrings were stopped again.
+        let requests = backend.requests();
+        assert_eq!(requests.iter().filter(|&&r| r == fake::GET_VRING_BASE).count(), NUM_QUEUES, "{requests:?}");
+        assert_eq!(requests.last(), Some(&fake::GET_VRING_BASE));
+        // The late "serving" is about an activation the reset ended: the device stays inactive,
+        // but the connection it made is watched.
+        rig.run_until("the connection", |fs| fs.connection_id().is_some());
+        assert_eq!(rig.fs.lock().unwrap().phase(), None);
+        assert_eq!(r(&mut rig.t, STATUS), 0);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        assert_eq!(rig.fs.lock().unwrap().connection_id(), Some(1), "same connection");
+    }
+
+    #[test]
+    fn a_reset_against_a_silent_backend_is_bounded_and_leaves_the_device_reachable() {
+        let backend = FakeBackend::start(Script { silent_on: Some(fake::GET_VRING_BASE), ..Script::virtiofsd_like() });
+        let mut rig = rig(&backend.path);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        let fs = rig.fs.clone();
+        let mut t = rig.t;
+        let start = Instant::now();
+        let vcpu = std::thread::spawn(move || {
+            w(&mut t, STATUS, 0);
+            r(&mut t, STATUS)
+        });
+        while backend.requests().last() != Some(&fake::GET_VRING_BASE) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // While the vCPU waits, the device lock is free for the event loop.
+        let locked = Instant::now();
+        drop(fs.lock().unwrap());
+        rig.em.run_with_timeout(50).unwrap();
+        assert!(locked.elapsed() < Duration::from_millis(300), "device held for {:?}", locked.elapsed());
+        assert_eq!(vcpu.join().unwrap(), 0);
+        assert!(start.elapsed() < Duration::from_secs(3), "vCPU held for {:?}", start.elapsed());
+        // The connection that failed to stop is dropped; the next activation reconnects.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while fs.lock().unwrap().connection_id().is_some() {
+            assert!(Instant::now() < deadline, "the connection was not dropped");
+            rig.em.run_with_timeout(50).unwrap();
+        }
+        assert_eq!(fs.lock().unwrap().phase(), None, "inactive, not broken");
+        assert!(!fs.lock().unwrap().is_broken());
     }
 
     #[test]
@@ -599,6 +715,7 @@ mod tests {
         assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1), 0xb);
         w(&mut rig.t, STATUS, 0xf); // no queue is ready
         assert_eq!(r(&mut rig.t, STATUS), STATUS_FAILED);
+        std::thread::sleep(Duration::from_millis(50));
         assert!(backend.requests().is_empty(), "the backend was never bothered");
     }
 
@@ -606,7 +723,7 @@ mod tests {
     fn snapshot_saves_the_used_index_the_backend_published() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
         let q = &queues()[1];
         rig.mem.write_obj(3u16, GuestAddress(q.used + 2)).unwrap(); // as the backend would
         let snap = rig.fs.lock().unwrap().snapshot();

@@ -1,40 +1,37 @@
-//! fd readiness -> virtio-fs work, on the VMM event loop: the backend's call eventfds become
-//! VRING interrupts, and the backend connection is watched for hang-up. Kicks are not watched
-//! here: the backend reads them itself.
+//! fd readiness -> virtio-fs work, on the VMM event loop: the backend thread's reports move the
+//! device, the backend's call eventfds become VRING interrupts, and the backend connection is
+//! watched for hang-up. Kicks are not watched here: the backend reads them itself.
 
 use std::os::fd::AsRawFd;
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use vmm_sys_util::epoll::EventSet;
 
-use super::device::Watch;
+use super::device::WatchUpdate;
 use super::Fs;
 
-/// Hang-up and errors only: the connection's data belongs to the frontend's exchanges.
+/// Hang-up and errors only: the connection's data belongs to the backend thread's exchanges.
 fn watch_events(sock: &impl AsRawFd) -> Events {
     Events::new(sock, EventSet::READ_HANG_UP)
 }
 
 impl Fs {
-    /// Puts the watch on the current connection (and off a gone one).
-    fn sync_watch(&mut self, ops: &mut EventOps) {
-        let current = self.backend_id();
-        if self.watch.as_ref().map(|w| w.id) == current {
-            return;
-        }
+    /// Moves the hang-up watch as a report says.
+    fn update_watch(&mut self, update: WatchUpdate, ops: &mut EventOps) {
+        let next = match update {
+            WatchUpdate::Keep => return,
+            WatchUpdate::Watch(w) => Some(w),
+            WatchUpdate::Unwatch => None,
+        };
         if let Some(old) = self.watch.take() {
             if let Err(e) = ops.remove(watch_events(&old.sock)) {
                 tracing::warn!(device = %self.name(), error = ?e, "cannot stop watching a backend connection");
             }
         }
-        let (Some(id), Some(sock)) = (current, self.backend_socket()) else { return };
-        let res = sock.map_err(|e| format!("{e}")).and_then(|sock| {
-            ops.add(watch_events(&sock)).map_err(|e| format!("{e:?}"))?;
-            Ok(sock)
-        });
-        match res {
-            Ok(sock) => self.watch = Some(Watch { id, sock }),
-            Err(e) => tracing::warn!(device = %self.name(), error = %e,
+        let Some(new) = next else { return };
+        match ops.add(watch_events(&new.sock)) {
+            Ok(()) => self.watch = Some(new),
+            Err(e) => tracing::warn!(device = %self.name(), error = ?e,
                 "cannot watch the backend connection; its hang-up will show at the next exchange"),
         }
     }
@@ -47,22 +44,26 @@ impl MutEventSubscriber for Fs {
                 tracing::error!(device = %self.name(), queue = i, error = ?e, "cannot watch the backend's call eventfd");
             }
         }
-        if let Err(e) = ops.add(Events::new(&self.conn_evt, EventSet::IN)) {
-            tracing::error!(device = %self.name(), error = ?e, "cannot watch backend connection changes");
+        if let Err(e) = ops.add(Events::new(self.worker.reports_evt(), EventSet::IN)) {
+            tracing::error!(device = %self.name(), error = ?e, "cannot watch the backend thread's reports");
         }
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let fd = events.fd();
-        if fd == self.conn_evt.as_raw_fd() {
-            let _ = self.conn_evt.read();
+        if fd == self.worker.reports_evt().as_raw_fd() {
+            let _ = self.worker.reports_evt().read();
+            for report in self.worker.take_reports() {
+                let update = self.apply(report);
+                self.update_watch(update, ops);
+            }
         } else if let Some(call) = self.call_evts.iter().find(|e| e.as_raw_fd() == fd) {
             // Drain the counter; one interrupt covers every buffer used so far.
             let _ = call.read();
             self.backend_used_buffers();
-        } else if self.watch.as_ref().is_some_and(|w| w.sock.as_raw_fd() == fd && Some(w.id) == self.backend_id()) {
-            self.backend_hung_up();
+        } else if let Some(id) = self.watch.as_ref().filter(|w| w.sock.as_raw_fd() == fd).map(|w| w.id) {
+            self.update_watch(WatchUpdate::Unwatch, ops);
+            self.backend_hung_up(id);
         }
-        self.sync_watch(ops);
     }
 }

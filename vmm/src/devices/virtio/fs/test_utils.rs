@@ -1,7 +1,9 @@
 //! A scripted vhost-user backend for unit tests: a socket peer that answers the frontend's
-//! requests (features, protocol features, queue count, vring bases), records what it was sent,
-//! and can refuse a message, go silent or hang up.
+//! requests (features, protocol features, queue count, vring bases), records what it was sent
+//! (and the kick eventfds it was handed), and can refuse a message, answer one late, go silent
+//! or hang up.
 
+use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -9,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 pub const GET_FEATURES: u32 = 1;
 pub const SET_FEATURES: u32 = 2;
@@ -39,6 +43,8 @@ pub struct Script {
     pub refuse: Option<u32>,
     /// A request after which the fake never answers again (the socket stays open).
     pub silent_on: Option<u32>,
+    /// A request answered only after this pause.
+    pub slow_on: Option<(u32, Duration)>,
 }
 
 impl Script {
@@ -50,6 +56,7 @@ impl Script {
             queue_num: 2,
             refuse: None,
             silent_on: None,
+            slow_on: None,
         }
     }
 }
@@ -57,6 +64,7 @@ impl Script {
 pub struct FakeBackend {
     pub path: PathBuf,
     requests: Arc<Mutex<Vec<u32>>>,
+    kicks: Arc<Mutex<Vec<(u64, File)>>>,
     conn: Arc<Mutex<Option<UnixStream>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -71,10 +79,12 @@ impl FakeBackend {
         let listener = UnixListener::bind(&path).unwrap();
         listener.set_nonblocking(true).unwrap();
         let requests: Arc<Mutex<Vec<u32>>> = Arc::default();
+        let kicks: Arc<Mutex<Vec<(u64, File)>>> = Arc::default();
         let conn: Arc<Mutex<Option<UnixStream>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (requests, conn, stop) = (Arc::clone(&requests), Arc::clone(&conn), Arc::clone(&stop));
+            let (requests, kicks, conn, stop) =
+                (Arc::clone(&requests), Arc::clone(&kicks), Arc::clone(&conn), Arc::clone(&stop));
             std::thread::spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 let stream = loop {
@@ -88,15 +98,26 @@ impl FakeBackend {
                 };
                 stream.set_nonblocking(false).unwrap();
                 *conn.lock().unwrap() = Some(stream.try_clone().unwrap());
-                serve(stream, &script, &requests);
+                serve(stream, &script, &requests, &kicks);
             })
         };
-        Self { path, requests, conn, stop, thread: Some(thread), _dir: dir }
+        Self { path, requests, kicks, conn, stop, thread: Some(thread), _dir: dir }
     }
 
     /// The request codes received so far, in order.
     pub fn requests(&self) -> Vec<u32> {
         self.requests.lock().unwrap().clone()
+    }
+
+    /// How many kicks the last kick eventfd handed over for `vring` holds (reading resets it).
+    pub fn kicks_pending(&self, vring: u64) -> Option<u64> {
+        let kicks = self.kicks.lock().unwrap();
+        let (_, file) = kicks.iter().rev().find(|(v, _)| *v == vring)?;
+        let mut count = [0u8; 8];
+        match (&*file).read(&mut count) {
+            Ok(8) => Some(u64::from_le_bytes(count)),
+            _ => Some(0), // EAGAIN: the counter is zero
+        }
     }
 
     /// Closes the connection, as a dying backend would.
@@ -117,11 +138,16 @@ impl Drop for FakeBackend {
     }
 }
 
-fn serve(mut s: UnixStream, script: &Script, requests: &Mutex<Vec<u32>>) {
+fn serve(mut s: UnixStream, script: &Script, requests: &Mutex<Vec<u32>>, kicks: &Mutex<Vec<(u64, File)>>) {
     let mut silent = false;
     loop {
         let mut hdr = [0u8; 12];
-        if s.read_exact(&mut hdr).is_err() {
+        // The header, with the file descriptor the message carries (if any).
+        let (n, fd) = match s.recv_with_fd(&mut hdr) {
+            Ok((0, _)) | Err(_) => return,
+            Ok(got) => got,
+        };
+        if s.read_exact(&mut hdr[n..]).is_err() {
             return;
         }
         let word = |i: usize| u32::from_le_bytes(hdr[i..i + 4].try_into().unwrap());
@@ -131,6 +157,13 @@ fn serve(mut s: UnixStream, script: &Script, requests: &Mutex<Vec<u32>>) {
             return;
         }
         requests.lock().unwrap().push(req);
+        if let (SET_VRING_KICK, Some(fd)) = (req, fd) {
+            let vring = u64::from_le_bytes(body[..8].try_into().unwrap()) & 0xff;
+            kicks.lock().unwrap().push((vring, fd));
+        }
+        if let Some((_, pause)) = script.slow_on.filter(|(r, _)| *r == req) {
+            std::thread::sleep(pause);
+        }
         silent |= script.silent_on == Some(req);
         if silent {
             continue;

@@ -4,15 +4,13 @@
 //! Boundaries: this module speaks vhost-user through the `vhost` crate. It knows nothing about
 //! the virtio-mmio transport, and nothing about FUSE, which flows between guest and backend only.
 //!
-//! Every exchange is bounded by a deadline. The `vhost` crate retries a timed-out socket call
-//! forever, so socket timeouts alone cannot bound a silent backend: a watchdog thread shuts the
-//! socket down at the deadline instead, which wakes the blocked call with an error.
+//! Every exchange is bounded by a deadline, enforced by the device's `Watchdog`. The calls here
+//! block: they run on the device's backend thread (`worker.rs`), never on a vCPU or the event
+//! loop.
 
-use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -24,6 +22,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::watchdog::Watchdog;
 use crate::devices::virtio::VIRTIO_F_VERSION_1;
 
 /// vhost-user's own feature bit: rings start disabled and are enabled one by one.
@@ -72,8 +71,8 @@ impl Deadline {
         Self { at: Instant::now() + limit, limit }
     }
 
-    fn left(&self) -> Duration {
-        self.at.saturating_duration_since(Instant::now())
+    pub fn at(&self) -> Instant {
+        self.at
     }
 }
 
@@ -97,11 +96,11 @@ pub struct Backend {
 
 impl Backend {
     /// Connects and runs the handshake (owner, features, protocol features, queue count).
-    pub fn connect(path: &Path, queues: usize, deadline: Deadline) -> Result<Self, BackendError> {
+    pub fn connect(path: &Path, queues: usize, deadline: Deadline, watchdog: &Watchdog) -> Result<Self, BackendError> {
         let stream = connect_until(path, deadline.at)?;
         let sock = stream.try_clone().map_err(BackendError::Io)?;
         let mut backend = Self { frontend: Frontend::from_stream(stream, queues as u64), sock, features: 0 };
-        backend.features = backend.bounded(deadline, |fe| handshake(fe, queues))?;
+        backend.features = backend.bounded(deadline, watchdog, |fe| handshake(fe, queues))?;
         Ok(backend)
     }
 
@@ -118,6 +117,7 @@ impl Backend {
         driver_features: u64,
         vrings: &[Vring<'_>],
         deadline: Deadline,
+        watchdog: &Watchdog,
     ) -> Result<(), BackendError> {
         let missing = driver_features & !self.features;
         if missing != 0 {
@@ -126,7 +126,7 @@ impl Backend {
         let regions = memory_regions(mem)?;
         let configs =
             vrings.iter().enumerate().map(|(i, v)| vring_config(mem, i, v.queue)).collect::<Result<Vec<_>, _>>()?;
-        self.bounded(deadline, |fe| {
+        self.bounded(deadline, watchdog, |fe| {
             step("SET_FEATURES", fe.set_features(driver_features | VHOST_USER_F_PROTOCOL_FEATURES))?;
             step("SET_MEM_TABLE", fe.set_mem_table(&regions))?;
             for (i, (v, cfg)) in vrings.iter().zip(&configs).enumerate() {
@@ -143,8 +143,8 @@ impl Backend {
 
     /// Stops the first `count` vrings; returns where the backend stopped in each (its next
     /// available index).
-    pub fn stop(&mut self, count: usize, deadline: Deadline) -> Result<Vec<u32>, BackendError> {
-        self.bounded(deadline, |fe| {
+    pub fn stop(&mut self, count: usize, deadline: Deadline, watchdog: &Watchdog) -> Result<Vec<u32>, BackendError> {
+        self.bounded(deadline, watchdog, |fe| {
             (0..count)
                 .map(|i| {
                     step("SET_VRING_ENABLE", fe.set_vring_enable(i, false))?;
@@ -160,11 +160,12 @@ impl Backend {
     fn bounded<T>(
         &mut self,
         deadline: Deadline,
+        watchdog: &Watchdog,
         f: impl FnOnce(&mut Frontend) -> Result<T, BackendError>,
     ) -> Result<T, BackendError> {
-        let watchdog = Watchdog::arm(&self.sock, deadline.left())?;
-        let res = f(&mut self.frontend);
-        if !watchdog.disarm() {
+        let frontend = &mut self.frontend;
+        let (res, fired) = watchdog.bound(&self.sock, deadline.at, || f(frontend));
+        if !fired {
             return res;
         }
         let limit = deadline.limit;
@@ -257,41 +258,16 @@ pub fn vring_config(mem: &GuestMemoryMmap, index: usize, q: &Queue) -> Result<Vr
     })
 }
 
-/// Shuts a socket down if an exchange is still running at its deadline.
-struct Watchdog {
-    stop: mpsc::Sender<()>,
-    thread: std::thread::JoinHandle<bool>,
-}
-
-impl Watchdog {
-    fn arm(sock: &UnixStream, timeout: Duration) -> Result<Self, BackendError> {
-        let sock = sock.try_clone().map_err(BackendError::Io)?;
-        let (stop, stopped) = mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("fs-watchdog".into())
-            .spawn(move || {
-                let fired = matches!(stopped.recv_timeout(timeout), Err(mpsc::RecvTimeoutError::Timeout));
-                if fired {
-                    let _ = sock.shutdown(Shutdown::Both);
-                }
-                fired
-            })
-            .map_err(BackendError::Io)?;
-        Ok(Self { stop, thread })
-    }
-
-    /// Ends the watch; true if the deadline passed first (the socket is shut down).
-    fn disarm(self) -> bool {
-        drop(self.stop);
-        self.thread.join().unwrap_or(true)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::fs::thread::unconfined;
     use crate::memory::create_guest_memory;
     use std::os::unix::net::UnixListener;
+
+    fn watchdog() -> Watchdog {
+        Watchdog::spawn("test-watchdog".into(), unconfined()).unwrap()
+    }
 
     #[test]
     fn memory_table_names_the_memfd_of_every_region() {
@@ -335,7 +311,7 @@ mod tests {
         let path = dir.path().join("fs.sock");
         let _listener = UnixListener::bind(&path).unwrap(); // never accepts, never answers
         let start = Instant::now();
-        let err = Backend::connect(&path, 2, Deadline::after(Duration::from_millis(300))).err().unwrap();
+        let err = Backend::connect(&path, 2, Deadline::after(Duration::from_millis(300)), &watchdog()).err().unwrap();
         assert_eq!(err.to_string(), "GET_FEATURES: no answer within 300ms");
         assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
@@ -344,7 +320,7 @@ mod tests {
     fn a_missing_socket_fails_after_retrying_until_the_deadline() {
         let dir = tempfile::tempdir().unwrap();
         let deadline = Deadline::after(Duration::from_millis(200));
-        let err = Backend::connect(&dir.path().join("absent.sock"), 2, deadline).err().unwrap();
+        let err = Backend::connect(&dir.path().join("absent.sock"), 2, deadline, &watchdog()).err().unwrap();
         assert!(matches!(err, BackendError::Connect(Errno::ENOENT)), "{err}");
     }
 }

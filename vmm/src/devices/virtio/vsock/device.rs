@@ -14,7 +14,7 @@ use super::MAX_PKT_PAYLOAD;
 use crate::devices::virtio::chain;
 use crate::devices::virtio::persist::QueueSnapshot;
 use crate::devices::virtio::{
-    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, VirtioDevice, TYPE_VSOCK,
+    read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_VSOCK,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
 };
 
@@ -201,7 +201,7 @@ impl VirtioDevice for Vsock {
         Ok(())
     }
 
-    fn reset(&mut self) {
+    fn reset(&mut self) -> Option<PendingReset> {
         // Host connections waiting for a guest that has not started its driver yet survive the
         // driver's initial reset; after the device was live, every connection is gone.
         if !matches!(self.state, DeviceState::Inactive) {
@@ -209,6 +209,7 @@ impl VirtioDevice for Vsock {
         }
         self.state = DeviceState::Inactive;
         self.acked_features = 0;
+        None
     }
 
     fn is_broken(&self) -> bool {

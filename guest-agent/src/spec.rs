@@ -1,0 +1,220 @@
+//! The shim's OCI JSON in, what libcontainer runs out: parses the spec, exec process and resource
+//! update under a size limit, and rewrites them for this sandbox (rootfs, cgroup path, terminal,
+//! seccomp compiled by the agent). Pure functions: no file or mount is touched here.
+
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{LinuxResources, Process, Spec};
+
+use crate::{
+    error::{AgentError, Result},
+    seccomp::{self, SeccompError},
+};
+
+/// Largest OCI spec / process / resources JSON accepted (ttrpc caps the frame at 4 MiB anyway).
+const MAX_SPEC_JSON: usize = 1 << 20;
+
+fn bad_json(what: &str, e: impl std::fmt::Display) -> AgentError {
+    AgentError::InvalidArgument(format!("malformed {what}: {e}"))
+}
+
+fn check_size(what: &str, bytes: &[u8]) -> Result<()> {
+    if bytes.len() > MAX_SPEC_JSON {
+        return Err(AgentError::InvalidArgument(format!("{what} is {} bytes, limit {MAX_SPEC_JSON}", bytes.len())));
+    }
+    Ok(())
+}
+
+pub fn parse_spec(bytes: &[u8]) -> Result<Spec> {
+    check_size("OCI spec", bytes)?;
+    serde_json::from_slice(bytes).map_err(|e| bad_json("OCI spec", e))
+}
+
+/// Points the spec at this sandbox's rootfs (`rootfs_path`, or else the spec's own root) and
+/// cgroup, and sets the terminal the shim asked for. Returns the rootfs path.
+pub fn adapt_to_sandbox(spec: &mut Spec, rootfs_path: &str, terminal: bool, cgroup_path: &Path) -> Result<PathBuf> {
+    let process =
+        spec.process_mut().as_mut().ok_or_else(|| AgentError::InvalidArgument("spec has no process".into()))?;
+    if process.args().as_ref().is_none_or(|a| a.is_empty()) {
+        return Err(AgentError::InvalidArgument("spec process.args is empty".into()));
+    }
+    process.set_terminal(Some(terminal));
+    let rootfs = if rootfs_path.is_empty() {
+        spec.root()
+            .as_ref()
+            .map(|r| r.path().clone())
+            .ok_or_else(|| AgentError::InvalidArgument("no rootfs_path and no spec.root".into()))?
+    } else {
+        PathBuf::from(rootfs_path)
+    };
+    if !rootfs.is_absolute() {
+        return Err(AgentError::InvalidArgument(format!("rootfs {} must be absolute", rootfs.display())));
+    }
+    let mut root = spec.root().clone().unwrap_or_default();
+    root.set_path(rootfs.clone());
+    spec.set_root(Some(root));
+    let mut linux = spec.linux().clone().unwrap_or_default();
+    linux.set_cgroups_path(Some(cgroup_path.to_path_buf()));
+    spec.set_linux(Some(linux));
+    Ok(rootfs)
+}
+
+/// Compiles `linux.seccomp` (if any) and takes it out of the spec: libcontainer is built
+/// without libseccomp and would silently ignore it; our executor installs it instead.
+pub fn take_seccomp(spec: &mut Spec) -> Result<Option<Vec<u8>>> {
+    let Some(mut linux) = spec.linux().clone() else {
+        return Ok(None);
+    };
+    let Some(profile) = linux.seccomp().clone() else {
+        return Ok(None);
+    };
+    let nnp = spec.process().as_ref().and_then(|p| p.no_new_privileges()).unwrap_or(false);
+    let (filters, unknown) = seccomp::compile(&profile, nnp).map_err(|e| match e {
+        SeccompError::Unsupported(m) => AgentError::Unsupported(format!("seccomp: {m}")),
+        SeccompError::Invalid(m) => AgentError::InvalidArgument(format!("seccomp: {m}")),
+    })?;
+    if unknown > 0 {
+        tracing::info!(unknown, "seccomp: syscall names unknown on x86_64 skipped");
+    }
+    linux.set_seccomp(None);
+    spec.set_linux(Some(linux));
+    Ok(Some(seccomp::encode(&filters)))
+}
+
+/// Parses an exec's OCI process and sets the terminal the shim asked for. Under a container
+/// seccomp profile (which covers its execs too) the process gets no_new_privs, which the
+/// filters need.
+pub fn exec_process(json: &[u8], terminal: bool, under_seccomp: bool) -> Result<Process> {
+    check_size("process JSON", json)?;
+    let mut process: Process = serde_json::from_slice(json).map_err(|e| bad_json("OCI process", e))?;
+    if process.args().as_ref().is_none_or(|a| a.is_empty()) {
+        return Err(AgentError::InvalidArgument("process.args is empty".into()));
+    }
+    process.set_terminal(Some(terminal));
+    if under_seccomp {
+        process.set_no_new_privileges(Some(true));
+    }
+    Ok(process)
+}
+
+pub fn parse_resources(json: &[u8]) -> Result<LinuxResources> {
+    check_size("resources JSON", json)?;
+    serde_json::from_slice(json).map_err(|e| bad_json("linux.resources", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: serde_json::Value) -> Spec {
+        parse_spec(&serde_json::to_vec(&json).unwrap()).unwrap()
+    }
+
+    fn minimal() -> serde_json::Value {
+        serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {"args": ["sh"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+            "root": {"path": "/bundle/rootfs", "readonly": true},
+        })
+    }
+
+    #[test]
+    fn adapt_points_the_spec_at_the_sandbox() {
+        let mut s = spec(minimal());
+        let rootfs = adapt_to_sandbox(&mut s, "/run/c1/rootfs", true, Path::new("/bulkhead/c1")).unwrap();
+        assert_eq!(rootfs, Path::new("/run/c1/rootfs"));
+        let root = s.root().clone().unwrap();
+        assert_eq!(root.path(), Path::new("/run/c1/rootfs"));
+        assert_eq!(root.readonly(), Some(true), "the rest of spec.root is kept");
+        assert_eq!(s.process().as_ref().unwrap().terminal(), Some(true));
+        assert_eq!(s.linux().as_ref().unwrap().cgroups_path().as_deref(), Some(Path::new("/bulkhead/c1")));
+    }
+
+    #[test]
+    fn adapt_falls_back_to_spec_root_and_keeps_linux_settings() {
+        let mut json = minimal();
+        json["linux"] = serde_json::json!({"cgroupsPath": "/elsewhere", "sysctl": {"net.ipv4.ip_forward": "1"}});
+        let mut s = spec(json);
+        let rootfs = adapt_to_sandbox(&mut s, "", false, Path::new("/bulkhead/c2")).unwrap();
+        assert_eq!(rootfs, Path::new("/bundle/rootfs"));
+        assert_eq!(s.process().as_ref().unwrap().terminal(), Some(false));
+        let linux = s.linux().clone().unwrap();
+        assert_eq!(linux.cgroups_path().as_deref(), Some(Path::new("/bulkhead/c2")), "the shim's path is replaced");
+        assert!(linux.sysctl().as_ref().is_some_and(|m| m.contains_key("net.ipv4.ip_forward")));
+    }
+
+    #[test]
+    fn adapt_refuses_specs_it_cannot_run() {
+        let cg = Path::new("/bulkhead/c");
+        let invalid = |json: serde_json::Value, rootfs: &str| {
+            matches!(adapt_to_sandbox(&mut spec(json), rootfs, false, cg), Err(AgentError::InvalidArgument(_)))
+        };
+        let mut no_process = minimal();
+        no_process.as_object_mut().unwrap().remove("process");
+        assert!(invalid(no_process, "/r"));
+        let mut empty_args = minimal();
+        empty_args["process"]["args"] = serde_json::json!([]);
+        assert!(invalid(empty_args, "/r"));
+        let mut no_root = minimal();
+        no_root.as_object_mut().unwrap().remove("root");
+        assert!(invalid(no_root, ""));
+        assert!(invalid(minimal(), "relative/rootfs"));
+        let mut relative_root = minimal();
+        relative_root["root"]["path"] = "rootfs".into();
+        assert!(invalid(relative_root, ""));
+    }
+
+    #[test]
+    fn parse_limits_size_and_rejects_malformed_json() {
+        assert!(matches!(parse_spec(b"{not json"), Err(AgentError::InvalidArgument(m)) if m.contains("malformed")));
+        let huge = vec![b' '; MAX_SPEC_JSON + 1];
+        assert!(matches!(parse_spec(&huge), Err(AgentError::InvalidArgument(m)) if m.contains("limit")));
+        assert!(
+            matches!(exec_process(&huge, false, false), Err(AgentError::InvalidArgument(m)) if m.contains("limit"))
+        );
+        assert!(matches!(parse_resources(&huge), Err(AgentError::InvalidArgument(m)) if m.contains("limit")));
+        assert!(matches!(parse_resources(br#"{"memory": 5}"#), Err(AgentError::InvalidArgument(_))));
+        let r = parse_resources(br#"{"memory": {"limit": 1048576}}"#).unwrap();
+        assert_eq!(r.memory().as_ref().and_then(|m| m.limit()), Some(1 << 20));
+    }
+
+    #[test]
+    fn seccomp_is_compiled_and_taken_out_of_the_spec() {
+        let mut json = minimal();
+        json["process"]["noNewPrivileges"] = true.into();
+        json["linux"] = serde_json::json!({"seccomp": {
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "syscalls": [{"names": ["mkdir"], "action": "SCMP_ACT_ERRNO"}],
+        }});
+        let mut s = spec(json);
+        let bpf = take_seccomp(&mut s).unwrap().expect("a compiled profile");
+        assert!(!seccomp::decode(&bpf).unwrap().is_empty());
+        assert!(s.linux().as_ref().unwrap().seccomp().is_none(), "libcontainer must not see the profile");
+
+        let mut plain = spec(minimal());
+        assert_eq!(take_seccomp(&mut plain).unwrap(), None);
+        assert_eq!(plain, spec(minimal()), "a spec without seccomp is left alone");
+    }
+
+    #[test]
+    fn seccomp_without_no_new_privs_is_refused_not_dropped() {
+        let mut json = minimal();
+        json["linux"] = serde_json::json!({"seccomp": {"defaultAction": "SCMP_ACT_ERRNO"}});
+        let mut s = spec(json);
+        assert!(matches!(take_seccomp(&mut s), Err(AgentError::Unsupported(_))));
+    }
+
+    #[test]
+    fn exec_process_gets_the_terminal_and_no_new_privs_under_seccomp() {
+        let json = br#"{"args": ["ls"], "cwd": "/", "user": {"uid": 0, "gid": 0}}"#;
+        let p = exec_process(json, true, false).unwrap();
+        assert_eq!(p.terminal(), Some(true));
+        assert_eq!(p.no_new_privileges(), None);
+        let p = exec_process(json, false, true).unwrap();
+        assert_eq!(p.terminal(), Some(false));
+        assert_eq!(p.no_new_privileges(), Some(true));
+        assert!(matches!(exec_process(br#"{"args": [], "cwd": "/", "user": {"uid": 0, "gid": 0}}"#, false, false),
+            Err(AgentError::InvalidArgument(m)) if m.contains("args")));
+        assert!(matches!(exec_process(b"[1]", false, false), Err(AgentError::InvalidArgument(_))));
+    }
+}

@@ -1,0 +1,145 @@
+//! Serialisable virtio-net state: MAC, MTU, acked features and the virtqueues. The tap, a
+//! frame waiting for a guest buffer and the rate limiters' buckets are not part of it: after a
+//! restore the device starts with full buckets on a tap the new process attached, and a frame
+//! in flight is lost, as on a real wire.
+
+use serde::{Deserialize, Serialize};
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+
+use super::device::{format_mac, Net, NetError};
+use super::tap::FrameIo;
+use crate::config::{NetConfig, NetRateLimiterConfig};
+use crate::devices::virtio::persist::QueueSnapshot;
+use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::persist::Persist;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetSnapshot {
+    pub tap: String,
+    pub mac: [u8; 6],
+    pub mtu: Option<u16>,
+    pub acked_features: u64,
+    /// rx, tx; empty while inactive.
+    pub queues: Vec<QueueSnapshot>,
+    pub broken: bool,
+}
+
+/// What a restore needs besides the snapshot.
+pub struct NetConstructorArgs {
+    pub index: usize,
+    /// The tap (or another host end), attached by the restoring process.
+    pub backend: Box<dyn FrameIo>,
+    pub rate_limiter: Option<NetRateLimiterConfig>,
+    pub mem: GuestMemoryMmap,
+    pub irq: IrqTrigger,
+}
+
+impl Persist for Net {
+    type State = NetSnapshot;
+    type ConstructorArgs = NetConstructorArgs;
+    type Error = NetError;
+
+    fn save(&self) -> NetSnapshot {
+        self.snapshot()
+    }
+
+    /// Rebuilds the device on a new host end. The snapshot is untrusted: acked features must be
+    /// ones this host end offers, and live queues must be valid in the new guest memory.
+    fn restore(args: NetConstructorArgs, state: &NetSnapshot) -> Result<Self, NetError> {
+        let cfg = NetConfig {
+            tap: state.tap.clone(),
+            mac: format_mac(&state.mac),
+            mtu: state.mtu,
+            rate_limiter: args.rate_limiter,
+        };
+        if state.mtu.is_some_and(|m| m < 68) {
+            return Err(NetError::Restore(format!("mtu {:?} is below 68", state.mtu)));
+        }
+        let mut net = Net::with_backend(&cfg, args.index, args.backend)?;
+        if state.acked_features & !net.avail_features() != 0 {
+            return Err(NetError::Restore(format!(
+                "acked features {:#x} are not all offered by tap {} ({:#x})",
+                state.acked_features,
+                state.tap,
+                net.avail_features()
+            )));
+        }
+        net.set_acked_features(state.acked_features);
+        match state.queues.as_slice() {
+            [] => {}
+            [rx, tx] => {
+                let queues = [rx, tx]
+                    .into_iter()
+                    .map(|q| Queue::try_from(*q))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| NetError::Restore(format!("bad queue: {e}")))?;
+                net.activate(args.mem, queues, args.irq).map_err(|e| NetError::Restore(e.to_string()))?;
+            }
+            other => return Err(NetError::Restore(format!("{} queues, expected 0 or 2", other.len()))),
+        }
+        if state.broken {
+            net.mark_broken();
+        }
+        Ok(net)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device::test_utils::{device, net_config, rig, SocketEnd};
+    use super::*;
+    use crate::devices::virtio::VIRTIO_F_VERSION_1;
+    use std::os::unix::net::UnixDatagram;
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn args(mem: GuestMemoryMmap, offloads: u32) -> NetConstructorArgs {
+        let (sock, _) = UnixDatagram::pair().unwrap();
+        NetConstructorArgs {
+            index: 0,
+            backend: Box::new(SocketEnd { sock, offloads, set: Default::default() }),
+            rate_limiter: None,
+            mem,
+            irq: IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()),
+        }
+    }
+
+    #[test]
+    fn live_device_roundtrips_through_json() {
+        let r = rig();
+        let snap = r.dev.save();
+        assert_eq!(snap.mac, [2, 0, 0, 0, 0, 2]);
+        assert_eq!(snap.queues.len(), 2);
+        let json = serde_json::to_string(&snap).unwrap();
+        let back: NetSnapshot = serde_json::from_str(&json).unwrap();
+        let restored = Net::restore(args(r.mem.clone(), 0), &back).unwrap();
+        assert_eq!(restored.save(), snap);
+        let mut mac = [0u8; 6];
+        restored.read_config(0, &mut mac);
+        assert_eq!(mac, snap.mac);
+    }
+
+    #[test]
+    fn untrusted_snapshots_are_refused() {
+        let r = rig();
+        let good = r.dev.save();
+        let tso_tap = libc::TUN_F_CSUM | libc::TUN_F_TSO4;
+        let (mut offloading, _h, _) = device(&net_config(), tso_tap);
+        offloading.set_acked_features(u64::MAX);
+        let needs_offloads = NetSnapshot { acked_features: offloading.save().acked_features, ..good.clone() };
+        let cases = [
+            (needs_offloads, "not all offered"),
+            (NetSnapshot { queues: vec![good.queues[0]], ..good.clone() }, "expected 0 or 2"),
+            (NetSnapshot { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac"),
+            (NetSnapshot { mtu: Some(10), ..good.clone() }, "mtu"),
+            (NetSnapshot { queues: vec![QueueSnapshot { size: 3, ..good.queues[0] }; 2], ..good.clone() }, "queue"),
+        ];
+        for (snap, needle) in cases {
+            let err = Net::restore(args(r.mem.clone(), 0), &snap).err().expect(needle).to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        let inactive = NetSnapshot { queues: vec![], acked_features: VIRTIO_F_VERSION_1, broken: true, ..good };
+        let net = Net::restore(args(r.mem.clone(), 0), &inactive).unwrap();
+        assert!(net.is_broken());
+    }
+}
