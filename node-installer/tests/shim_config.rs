@@ -36,7 +36,7 @@ fn the_rendered_shim_config_parses_and_names_only_copied_artifacts() {
         assert!(copied.contains(path), "{key} = {} is not an artifact the installer copies", path.display());
     }
     // The vm backend's files are the installed ones, not the shim's built-in defaults.
-    for path in [&config.vm.vmm_path, &config.vm.kernel_path, &config.vm.initramfs_path] {
+    for path in [&config.vm.vmm_path, &config.vm.kernel_path, &config.vm.initramfs_path, &config.vm.virtiofsd_path] {
         assert!(copied.contains(path), "{} is not an installed artifact", path.display());
     }
 }

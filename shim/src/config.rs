@@ -86,6 +86,9 @@ pub struct VmConfig {
     /// The initramfs with the agent as /init.
     #[serde(default = "default_initramfs_path")]
     pub initramfs_path: PathBuf,
+    /// virtiofsd, one per pod, serving the pod's shared directory (rootfs and volumes).
+    #[serde(default = "default_virtiofsd_path")]
+    pub virtiofsd_path: PathBuf,
     /// vCPUs of a pod that sets no CPU limit.
     #[serde(default = "default_vcpus")]
     pub vcpus: u8,
@@ -127,6 +130,9 @@ fn default_kernel_path() -> PathBuf {
 fn default_initramfs_path() -> PathBuf {
     PathBuf::from("/usr/share/bulkhead/initramfs.cpio.gz")
 }
+fn default_virtiofsd_path() -> PathBuf {
+    PathBuf::from("/usr/local/bin/virtiofsd")
+}
 fn default_vcpus() -> u8 {
     1
 }
@@ -153,6 +159,7 @@ impl Default for VmConfig {
             vmm_path: default_vmm_path(),
             kernel_path: default_kernel_path(),
             initramfs_path: default_initramfs_path(),
+            virtiofsd_path: default_virtiofsd_path(),
             vcpus: default_vcpus(),
             memory_mib: default_memory_mib(),
             jailer_uid: default_jailer_id(),
@@ -209,6 +216,7 @@ impl Config {
             ("vm.vmm_path", &self.vm.vmm_path),
             ("vm.kernel_path", &self.vm.kernel_path),
             ("vm.initramfs_path", &self.vm.initramfs_path),
+            ("vm.virtiofsd_path", &self.vm.virtiofsd_path),
         ] {
             if !path.is_absolute() {
                 return Err(invalid(field, "must be an absolute path"));

@@ -236,13 +236,13 @@ impl TaskService {
         .write(bundle)
         .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
-        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
+        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs, spec_json).await?;
         let agent = sandbox.agent();
         let create = pb::CreateContainerRequest {
             container_id: req.id.clone(),
-            oci_spec_json: spec_json,
-            rootfs_path: plan.path.display().to_string(),
-            rootfs_mounts: plan.mounts,
+            oci_spec_json: plan.spec_json,
+            rootfs_path: plan.rootfs_path.display().to_string(),
+            rootfs_mounts: plan.rootfs_mounts,
             stdio: Some(crate::trans::stdio_config(&stdio)).into(),
             ..Default::default()
         };

@@ -17,7 +17,7 @@ use bulkhead_shim::agent::{AgentClient, Timeouts};
 use bulkhead_shim::config::{Backend, Config};
 use bulkhead_shim::events::{EventSink, Publish};
 use bulkhead_shim::process::ExitInfo;
-use bulkhead_shim::sandbox::{Backends, RootfsPlan, Sandbox, SandboxError, SandboxRequest};
+use bulkhead_shim::sandbox::{Backends, ContainerPlan, Sandbox, SandboxError, SandboxRequest};
 use bulkhead_shim::task::TaskService;
 use containerd_shim::api::{
     CreateTaskRequest, DeleteRequest, ExecProcessRequest, KillRequest, PauseRequest, ResumeRequest, StartRequest,
@@ -178,10 +178,17 @@ impl Sandbox for FakeSandbox {
     fn agent(&self) -> Arc<AgentClient> {
         self.agent.clone()
     }
-    async fn prepare_container(&self, id: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
-        Ok(RootfsPlan {
-            path: self.rootfs_dir.join(id),
-            mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
+    async fn prepare_container(
+        &self,
+        id: &str,
+        _: &Path,
+        _: &[Mount],
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
+        Ok(ContainerPlan {
+            rootfs_path: self.rootfs_dir.join(id),
+            rootfs_mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
+            spec_json,
         })
     }
     async fn release_container(&self, _: &str) -> Result<(), SandboxError> {

@@ -43,6 +43,8 @@ pub enum SandboxError {
     VmStart { reason: String, console_log: PathBuf, tail: String },
     #[error("VMM API: {0}")]
     VmmApi(#[from] vm::api::ApiError),
+    #[error("sharing with the VM: {0}")]
+    Share(#[from] vm::share::ShareError),
     #[error(transparent)]
     Agent(#[from] AgentError),
 }
@@ -61,12 +63,14 @@ pub struct SandboxRequest {
     pub log_dir: Option<PathBuf>,
 }
 
-/// Where the agent finds a container's rootfs: `path` in its own mount namespace, after
-/// performing `mounts` (each relative to `path`).
+/// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)
+/// after performing `rootfs_mounts` (each relative to it), and the OCI spec to run, as the
+/// backend adapted it (the vm backend points bind-mount sources into the pod's shared directory).
 #[derive(Debug, Clone, PartialEq)]
-pub struct RootfsPlan {
-    pub path: PathBuf,
-    pub mounts: Vec<pb::Mount>,
+pub struct ContainerPlan {
+    pub rootfs_path: PathBuf,
+    pub rootfs_mounts: Vec<pb::Mount>,
+    pub spec_json: Vec<u8>,
 }
 
 /// Lifecycle of a sandbox, kept by each backend.
@@ -86,15 +90,17 @@ pub trait Sandbox: Send + Sync {
     /// The agent of this pod, connected and version-checked.
     fn agent(&self) -> Arc<AgentClient>;
 
-    /// Prepares the host side of a new container (its rootfs, and what teardown must find
-    /// after a crash) and plans how the agent assembles the rootfs from containerd's rootfs
-    /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared).
+    /// Prepares the host side of a new container (its rootfs and volumes, and what teardown
+    /// must find after a crash) and plans how the agent gets the rootfs from containerd's rootfs
+    /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared) and
+    /// which spec (`spec_json`, adapted as the backend needs) it runs.
     async fn prepare_container(
         &self,
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-    ) -> Result<RootfsPlan, SandboxError>;
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError>;
 
     /// Removes what [`Sandbox::prepare_container`] left on the host; idempotent. The agent
     /// unmounts its own mounts when it removes the container.
@@ -163,6 +169,12 @@ async fn remove_pod_state(paths: &paths::PodPaths) {
         cgroup.remove(CGROUP_TEARDOWN_BUDGET).await;
     }
     mounts::unmount_all(&paths.dir);
+    // Never recurse into a mount that stayed: it may be a volume with the user's data.
+    let left = mounts::mounts_below(&paths.dir);
+    if !left.is_empty() {
+        tracing::error!(mounts = ?left, dir = %paths.dir.display(), "mounts stayed below the pod's state; leaving it");
+        return;
+    }
     if let Err(e) = std::fs::remove_dir_all(&paths.dir) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!("remove {}: {e}", paths.dir.display());

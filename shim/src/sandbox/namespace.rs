@@ -29,7 +29,7 @@ use super::cgroups::PodCgroup;
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
 use super::paths::PodPaths;
 use super::supervise::{self, Supervised};
-use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
+use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
@@ -211,7 +211,8 @@ impl Sandbox for NamespaceSandbox {
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-    ) -> Result<RootfsPlan, SandboxError> {
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
         {
             // Recorded before the agent makes the cgroup, so a crash in between still cleans it.
             let mut cgroup = self.cgroup.lock().unwrap_or_else(|p| p.into_inner());
@@ -222,7 +223,8 @@ impl Sandbox for NamespaceSandbox {
         }
         let target = self.paths.rootfs(container_id);
         std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
-        Ok(RootfsPlan { path: target, mounts: agent_rootfs_mounts(bundle_rootfs, mounts) })
+        // The agent sees the host's paths: volumes' sources stay as they are.
+        Ok(ContainerPlan { rootfs_path: target, rootfs_mounts: agent_rootfs_mounts(bundle_rootfs, mounts), spec_json })
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {

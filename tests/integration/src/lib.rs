@@ -79,6 +79,13 @@ pub fn target_dir() -> PathBuf {
     dir
 }
 
+/// Where `make setup` puts virtiofsd (`$BULKHEAD_CACHE/bin/virtiofsd`, default cache
+/// /var/cache/bulkhead): the one place tests look for it.
+pub fn virtiofsd_path() -> PathBuf {
+    let cache = std::env::var_os("BULKHEAD_CACHE").unwrap_or_else(|| "/var/cache/bulkhead".into());
+    PathBuf::from(cache).join("bin/virtiofsd")
+}
+
 /// Path of a workspace binary (built by `cargo build --workspace` before the tests).
 pub fn workspace_bin(name: &str) -> PathBuf {
     target_dir().join(name)

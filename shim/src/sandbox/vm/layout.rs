@@ -1,20 +1,24 @@
 //! Where a pod's VM lives on the host, and the two documents the VMM reads.
 //!
 //! ```text
-//! <state_dir>/<pod>/vm/            root 0700: the shim's own files
-//!   vm.json, jail.json             the VM config (paths inside the jail) and the jail
-//!   vmm.pid                        the jailed VMM's waiter, for `delete` after a crash
-//!   root/                          root 0755: the VMM's chroot
-//!     vmlinux, initramfs.cpio.gz   read-only bind mounts (made by the VMM in its own namespace)
-//!     dev/kvm                      made by the VMM
-//!     run/                         owned by the jailer uid: v.sock (hybrid vsock), api.sock,
-//!                                  console.log (the guest's serial console)
+//! <state_dir>/<pod>/
+//!   shared/                        what virtiofsd serves (share.rs): <container>/rootfs, volumes/<n>
+//!   vm/                            root 0700: the shim's own files
+//!     vm.json, jail.json           the VM config (paths inside the jail) and the jail
+//!     vmm.pid, virtiofsd.pid       the VMM's waiter and virtiofsd, for `delete` after a crash
+//!     root/                        root 0755: the VMM's chroot
+//!       vmlinux, initramfs.cpio.gz read-only bind mounts (made by the VMM in its own namespace)
+//!       dev/kvm                    made by the VMM
+//!       run/                       made by the shim, then the jail user's: fs0.sock (virtiofsd's
+//!                                  listener, bound by the shim), v.sock (hybrid vsock),
+//!                                  api.sock, console.log (the guest's serial console)
 //! ```
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use bulkhead_vmm_api::config::{VmConfig, VsockConfig};
+use bulkhead_protocol::guest::SHARED_FS_PARAM;
+use bulkhead_vmm_api::config::{FsConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 
 use super::super::paths::PodPaths;
@@ -27,6 +31,11 @@ const RUN_DIR: &str = "/run";
 const VSOCK: &str = "/run/v.sock";
 const API: &str = "/run/api.sock";
 const CONSOLE: &str = "/run/console.log";
+const FS_SOCKET: &str = "/run/fs0.sock";
+/// The virtio-fs tag of the pod's shared directory (named on the guest's command line).
+const FS_TAG: &str = "bulkhead";
+/// Size of the virtio-fs request queue (the VMM's default).
+const FS_QUEUE_SIZE: u16 = 1024;
 /// The guest's vsock context id (the only guest on its vsock device).
 const GUEST_CID: u64 = 3;
 
@@ -50,11 +59,22 @@ pub struct VmPlan<'a> {
 pub struct VmLayout {
     /// `<state_dir>/<pod>/vm`
     pub dir: PathBuf,
+    /// `<state_dir>/<pod>/shared`
+    pub shared_dir: PathBuf,
 }
 
 impl VmLayout {
     pub fn new(paths: &PodPaths) -> Self {
-        Self { dir: paths.dir.join("vm") }
+        Self { dir: paths.dir.join("vm"), shared_dir: paths.dir.join("shared") }
+    }
+
+    pub fn virtiofsd_pid_file(&self) -> PathBuf {
+        self.dir.join("virtiofsd.pid")
+    }
+
+    /// virtiofsd's listener, which the jailed VMM connects to.
+    pub fn fs_socket(&self) -> PathBuf {
+        self.host(FS_SOCKET)
     }
 
     pub fn chroot(&self) -> PathBuf {
@@ -122,14 +142,14 @@ impl VmLayout {
         VmConfig {
             kernel: Some(KERNEL.into()),
             initramfs: Some(INITRAMFS.into()),
-            cmdline: None,
+            cmdline: Some(format!("{DEFAULT_CMDLINE} {SHARED_FS_PARAM}={FS_TAG}")),
             raw_guest: None,
             vcpus: plan.shape.vcpus,
             mem_mib: plan.shape.mem_mib,
             serial_log: Some(CONSOLE.into()),
             vsock: Some(VsockConfig { uds_path: VSOCK.into(), guest_cid: GUEST_CID }),
             block: Vec::new(),
-            fs: Vec::new(),
+            fs: vec![FsConfig { tag: FS_TAG.into(), socket: FS_SOCKET.into(), queue_size: FS_QUEUE_SIZE }],
             net: Vec::new(),
             api_socket: Some(API.into()),
         }
@@ -149,6 +169,7 @@ impl VmLayout {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir)?;
         std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))?;
         std::fs::DirBuilder::new().mode(0o755).create(self.chroot())?;
+        std::fs::DirBuilder::new().mode(0o755).create(self.host(RUN_DIR))?;
         let jail = serde_json::to_vec_pretty(&self.jail_config(plan)).map_err(std::io::Error::other)?;
         std::fs::write(self.jail_json(), jail)?;
         let vm = serde_json::to_vec_pretty(&self.vm_config(plan)).map_err(std::io::Error::other)?;
@@ -198,7 +219,14 @@ mod tests {
         for p in [vm.kernel.unwrap(), vm.initramfs.unwrap()] {
             assert!(jail.read_only.iter().any(|f| f.jail == p), "{}", p.display());
         }
-        for p in [vm.serial_log.unwrap(), vm.api_socket.unwrap(), vm.vsock.unwrap().uds_path] {
+        assert_eq!(jail.host_path(&vm.fs[0].socket), layout.fs_socket());
+        assert!(vm.cmdline.as_deref().unwrap().ends_with(" bulkhead.shared_fs=bulkhead"), "{:?}", vm.cmdline);
+        assert_eq!(
+            bulkhead_protocol::guest::shared_fs_tag(vm.cmdline.as_deref().unwrap()),
+            Some(vm.fs[0].tag.as_str()),
+            "the agent mounts the tag the VM's device has"
+        );
+        for p in [vm.serial_log.unwrap(), vm.api_socket.unwrap(), vm.vsock.unwrap().uds_path, vm.fs[0].socket.clone()] {
             assert!(jail.writable_dirs.iter().any(|d| p.starts_with(d)), "{}", p.display());
         }
 

@@ -2,20 +2,25 @@
 //! with the agent as PID 1, reached through the VMM's hybrid-vsock Unix socket with the same
 //! CONNECT handshake and `AgentClient` as the namespace backend.
 //!
-//! Start: lay out `<state_dir>/<pod>/vm/` ([`layout`]), size the VM from the pod ([`shape`]),
-//! spawn `bulkhead-vmm --config vm.json --jail jail.json` as a supervised child (it jails itself
-//! into the chroot, the pod's cgroup and netns, as the configured uid), and dial the agent until
-//! it answers, the VMM exits, or the connect timeout passes. A failure names the console log and
-//! quotes its end ([`console`]), and everything started is torn down.
+//! Start: lay out `<state_dir>/<pod>/` ([`layout`]), size the VM from the pod ([`shape`]), make
+//! the pod's shared directory ([`share`]) and start its virtiofsd on a listener in the chroot
+//! ([`virtiofsd`]), spawn `bulkhead-vmm --config vm.json --jail jail.json` as a supervised child
+//! (it jails itself into the chroot, the pod's cgroup and netns, as the configured uid), and dial
+//! the agent until it answers, the VMM exits, or the connect timeout passes. A failure names the
+//! console log and quotes its end ([`console`]), and everything started is torn down.
 //!
 //! Running: the sandbox task's pid is the VMM's waiter (the jail's parent process, which relays
 //! SIGTERM/SIGINT and dies with the shim); Pause/Resume go to the VMM's API socket ([`api`]);
-//! Stats are the VMM's cgroup.
+//! Stats are the VMM's cgroup. A container's rootfs and volumes are mounted into the shared
+//! directory and its spec points at them in the guest. virtiofsd ending while the VM runs is
+//! logged and ends the VM (the pod's sandbox fails); it is never restarted.
 
 pub mod api;
 pub mod console;
 pub mod layout;
 pub mod shape;
+pub mod share;
+pub mod virtiofsd;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -25,15 +30,16 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
-use tracing::{info, warn};
+use tracing::{error, info, warn, Instrument};
 
 use self::api::VmmApi;
 use self::layout::{VmLayout, VmPlan};
 use self::shape::VmShape;
+use self::share::SharedDir;
 use super::cgroups::PodCgroup;
 use super::paths::PodPaths;
 use super::supervise::{self, Supervised};
-use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
+use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
@@ -42,6 +48,11 @@ use crate::exit::ExitInfo;
 const STOP_GRACE: Duration = Duration::from_secs(2);
 /// Deadline of one API socket exchange.
 const API_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long virtiofsd gets to exit on SIGTERM at teardown.
+const VIRTIOFSD_GRACE: Duration = Duration::from_secs(1);
+/// How long after virtiofsd's exit the VMM may take to exit too before that counts as a crash
+/// (when the VM stops, virtiofsd sees its connection close and may exit first).
+const FOLLOW_GRACE: Duration = Duration::from_secs(1);
 
 pub struct VmSandbox {
     id: String,
@@ -49,6 +60,8 @@ pub struct VmSandbox {
     agent: Arc<AgentClient>,
     /// The VMM's waiter: the sandbox task's process.
     vmm: Supervised,
+    virtiofsd: Supervised,
+    share: SharedDir,
     api: VmmApi,
     cgroup: PodCgroup,
     state: Mutex<SandboxState>,
@@ -70,17 +83,65 @@ fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError>
     Ok(resolved)
 }
 
+/// What a start has started so far, stopped again if the start fails.
+#[derive(Default)]
+struct Started {
+    vmm: Option<Supervised>,
+    virtiofsd: Option<Supervised>,
+}
+
+impl Started {
+    async fn stop(&self) {
+        for child in [&self.vmm, &self.virtiofsd].into_iter().flatten() {
+            child.stop(Duration::ZERO).await;
+        }
+    }
+}
+
 impl VmSandbox {
     pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<Self>, SandboxError> {
         let paths = PodPaths::new(&config.state_dir, &req.sandbox_id)
             .ok_or_else(|| SandboxError::Setup(format!("sandbox id {:?} is not a plain id", req.sandbox_id)))?;
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
+        let mut started = Started::default();
+        match Self::boot(config, &req, &paths, &mut started).await {
+            Ok((agent, vmm, virtiofsd)) => {
+                let layout = VmLayout::new(&paths);
+                Ok(Arc::new(Self {
+                    id: req.sandbox_id,
+                    api: VmmApi::new(&layout.api_socket(), API_TIMEOUT),
+                    share: SharedDir::new(layout.shared_dir),
+                    paths,
+                    agent: Arc::new(agent),
+                    state: Mutex::new(SandboxState::Running { pid: vmm.pid }),
+                    vmm,
+                    virtiofsd,
+                    cgroup: req.cgroup,
+                }))
+            }
+            Err(e) => {
+                started.stop().await;
+                cleanup(&paths).await;
+                warn!("{e}");
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts virtiofsd and the VMM and dials the agent; what it started is in `started`.
+    async fn boot(
+        config: &Config,
+        req: &SandboxRequest,
+        paths: &PodPaths,
+        started: &mut Started,
+    ) -> Result<(AgentClient, Supervised, Supervised), SandboxError> {
         let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
+        let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
         let kernel = vm_file("kernel_path", &config.vm.kernel_path)?;
         let initramfs = vm_file("initramfs_path", &config.vm.initramfs_path)?;
         let shape = VmShape::for_pod(&config.vm, &req.resources)?;
-        let layout = VmLayout::new(&paths);
+        let layout = VmLayout::new(paths);
         let plan = VmPlan {
             id: &req.sandbox_id,
             kernel: &kernel,
@@ -91,68 +152,57 @@ impl VmSandbox {
             netns: req.netns.clone(),
             shape,
         };
-        let laid_out = layout
+        layout
             .create(&plan)
             .and_then(|()| req.cgroup.write_record(&paths.cgroup_file()))
-            .map_err(io(format!("lay out the VM in {}", layout.dir.display())));
-        if let Err(e) = laid_out {
-            cleanup(&paths).await;
-            return Err(e);
-        }
+            .map_err(io(format!("lay out the VM in {}", layout.dir.display())))?;
+        let share = SharedDir::new(layout.shared_dir.clone());
+        share.create()?;
+        // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
+        let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
+
+        let listener = virtiofsd::listen(&layout.fs_socket(), plan.uid, plan.gid)
+            .map_err(io(format!("listen at {}", layout.fs_socket().display())))?;
+        let fsd =
+            supervise::spawn(virtiofsd::command(&virtiofsd_path, &share.dir, &listener), "virtiofsd", &life_span)?;
+        drop(listener);
+        started.virtiofsd = Some(fsd.clone());
+        supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
 
         let mut command = tokio::process::Command::new(&vmm_path);
         command.args(layout.vmm_args());
-        // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
-        let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
-        let vmm = match supervise::spawn(command, "bulkhead-vmm", &life_span) {
-            Ok(vmm) => vmm,
-            Err(e) => {
-                cleanup(&paths).await;
-                return Err(e);
-            }
-        };
-        if let Err(e) = supervise::write_pid_file(&layout.pid_file(), vmm.pid) {
-            vmm.stop(Duration::ZERO).await;
-            cleanup(&paths).await;
-            return Err(e);
-        }
+        let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span)?;
+        started.vmm = Some(vmm.clone());
+        supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
+        tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
         info!(
-            sandbox = %req.sandbox_id, pid = vmm.pid, vcpus = shape.vcpus, mem_mib = shape.mem_mib,
-            netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
+            sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, vcpus = shape.vcpus,
+            mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
         );
 
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
             rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
         };
-        let agent = match supervise::dial_agent(&layout.vsock_socket(), timeouts, &vmm).await {
-            Ok(agent) => agent,
+        match supervise::dial_agent(&layout.vsock_socket(), timeouts, &vmm).await {
+            Ok(agent) => {
+                info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
+                Ok((agent, vmm, fsd))
+            }
             Err(failure) => {
                 vmm.stop(Duration::ZERO).await;
+                let mut reason = format!("bulkhead-vmm (pid {}): {failure}", vmm.pid);
+                // virtiofsd exits 0 when the VMM closes its connection; anything else is its own failure.
+                if let Some(exit) = fsd.exit().filter(|e| e.status != 0) {
+                    reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}", fsd.pid, exit.status));
+                }
                 let console = layout.console_log();
                 let tail = console::tail(&console);
                 // The pod's state goes; a copy of the console stays with the pod's logs.
                 let kept = req.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
-                cleanup(&paths).await;
-                let error = SandboxError::VmStart {
-                    reason: format!("bulkhead-vmm (pid {}): {failure}", vmm.pid),
-                    console_log: kept.unwrap_or(console),
-                    tail,
-                };
-                warn!("{error}");
-                return Err(error);
+                Err(SandboxError::VmStart { reason, console_log: kept.unwrap_or(console), tail })
             }
-        };
-        info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
-        Ok(Arc::new(Self {
-            id: req.sandbox_id,
-            api: VmmApi::new(&layout.api_socket(), API_TIMEOUT),
-            paths,
-            agent: Arc::new(agent),
-            state: Mutex::new(SandboxState::Running { pid: vmm.pid }),
-            vmm,
-            cgroup: req.cgroup,
-        }))
+        }
     }
 
     fn current(&self) -> SandboxState {
@@ -170,10 +220,32 @@ impl VmSandbox {
 /// start, and by `delete` after a shim crash.
 pub async fn cleanup(paths: &PodPaths) {
     let layout = VmLayout::new(paths);
-    let args = layout.vmm_args();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    supervise::kill_recorded(&layout.pid_file(), &args).await;
+    let vmm = layout.vmm_args();
+    let fsd = virtiofsd::identity(&layout.shared_dir);
+    for (pid_file, args) in [(layout.pid_file(), &vmm[..]), (layout.virtiofsd_pid_file(), &fsd[..])] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        supervise::kill_recorded(&pid_file, &args).await;
+    }
     super::remove_pod_state(paths).await;
+}
+
+/// virtiofsd must live as long as the VM: if it ends while the VM runs (crashed, killed), that
+/// is logged and the VM is ended with it, so the pod's sandbox fails instead of serving a dead
+/// filesystem. It is never restarted.
+async fn watch_virtiofsd(virtiofsd: Supervised, vmm: Supervised) {
+    let exit = virtiofsd.wait().await;
+    if tokio::time::timeout(FOLLOW_GRACE, vmm.wait()).await.is_ok() {
+        return;
+    }
+    error!(
+        virtiofsd = virtiofsd.pid,
+        status = exit.status,
+        vmm = vmm.pid,
+        "virtiofsd exited while the VM runs; ending the VM (the pod's sandbox fails, virtiofsd is not restarted)"
+    );
+    if let Err(e) = vmm.signal(Signal::SIGKILL) {
+        error!("end the VM after virtiofsd's exit: {e}");
+    }
 }
 
 #[async_trait]
@@ -192,12 +264,33 @@ impl Sandbox for VmSandbox {
         self.agent.clone()
     }
 
-    async fn prepare_container(&self, _: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
-        Err(SandboxError::Unsupported { backend: "vm", what: "container rootfs sharing yet".into() })
+    async fn prepare_container(
+        &self,
+        container_id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
+        let mut spec: serde_json::Value = serde_json::from_slice(&spec_json)
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
+        let (share, id, bundle_rootfs, mounts) =
+            (self.share.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
+        // Mounts are blocking system calls: off the runtime's workers.
+        let (rootfs, spec) = tokio::task::spawn_blocking(move || {
+            share.prepare(&id, &bundle_rootfs, &mounts, &mut spec).map(|rootfs| (rootfs, spec))
+        })
+        .await
+        .map_err(|e| SandboxError::Setup(format!("container {container_id}: share: {e}")))??;
+        let spec_json = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
+        Ok(ContainerPlan { rootfs_path: rootfs.into(), rootfs_mounts: Vec::new(), spec_json })
     }
 
-    async fn release_container(&self, _: &str) -> Result<(), SandboxError> {
-        Ok(())
+    async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
+        let (share, id) = (self.share.clone(), container_id.to_string());
+        tokio::task::spawn_blocking(move || share.release(&id))
+            .await
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: unshare: {e}")))
     }
 
     async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
@@ -228,10 +321,12 @@ impl Sandbox for VmSandbox {
     }
 
     async fn destroy(&self) -> Result<(), SandboxError> {
-        if let SandboxState::Running { .. } = self.current() {
-            if !self.vmm.stop(STOP_GRACE).await {
-                warn!(pid = self.vmm.pid, "the VMM did not exit after SIGKILL");
-            }
+        // The VM first: virtiofsd then sees its one connection close.
+        if !self.vmm.stop(STOP_GRACE).await {
+            warn!(pid = self.vmm.pid, "the VMM did not exit after SIGKILL");
+        }
+        if !self.virtiofsd.stop(VIRTIOFSD_GRACE).await {
+            warn!(pid = self.virtiofsd.pid, "virtiofsd did not exit after SIGKILL");
         }
         cleanup(&self.paths).await;
         Ok(())
