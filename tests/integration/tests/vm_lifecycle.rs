@@ -302,7 +302,12 @@ async fn vm_shim_kill9_then_delete_leaves_nothing() -> Result<()> {
     // Its virtiofsd runs sandboxed: its worker in mount, pid and net namespaces of its own,
     // under seccomp, seeing only the pod's shared directory; its listener in the chroot is the
     // jail user's alone.
-    let (_, worker) = env.virtiofsd(&pod_dir).context("the pod's virtiofsd runs")?;
+    let (main, worker) = env.virtiofsd(&pod_dir).context("the pod's virtiofsd runs")?;
+    // The VMM and virtiofsd are charged to the pod: they sit in the sandbox's cgroup.
+    let sandbox_cgroup = format!("{}/{}", env.cgroup_parent.0, pod_dir.file_name().unwrap().to_string_lossy());
+    for pid in vmms.iter().map(|(pid, _)| *pid).chain([main, worker]) {
+        assert_eq!(cgroups::of_pid(pid).as_deref(), Some(sandbox_cgroup.as_str()), "cgroup of {pid}");
+    }
     for ns in ["mnt", "pid", "net"] {
         let theirs = std::fs::read_link(format!("/proc/{worker}/ns/{ns}"))?;
         assert_ne!(theirs, std::fs::read_link(format!("/proc/self/ns/{ns}"))?, "{ns} namespace");

@@ -22,6 +22,7 @@ pub mod shape;
 pub mod share;
 pub mod virtiofsd;
 
+use std::ffi::CString;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,7 +37,7 @@ use self::api::VmmApi;
 use self::layout::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
-use super::cgroups::PodCgroup;
+use super::cgroups::{self, PodCgroup};
 use super::paths::PodPaths;
 use super::supervise::{self, Supervised};
 use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
@@ -163,8 +164,18 @@ impl VmSandbox {
 
         let listener = virtiofsd::listen(&layout.fs_socket(), plan.uid, plan.gid)
             .map_err(io(format!("listen at {}", layout.fs_socket().display())))?;
-        let fsd =
-            supervise::spawn(virtiofsd::command(&virtiofsd_path, &share.dir, &listener), "virtiofsd", &life_span)?;
+        // virtiofsd's memory is the pod's too: it joins the sandbox cgroup the VMM joins.
+        let (procs, problems) = cgroups::procs_files(&plan.cgroup);
+        if !problems.is_empty() {
+            return Err(SandboxError::Setup(format!("virtiofsd's cgroup: {}", problems.join("; "))));
+        }
+        let procs = procs
+            .iter()
+            .map(|p| CString::new(p.as_os_str().as_encoded_bytes()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| SandboxError::Setup(format!("virtiofsd's cgroup: {e}")))?;
+        let command = virtiofsd::command(&virtiofsd_path, &share.dir, &listener, procs);
+        let fsd = supervise::spawn(command, "virtiofsd", &life_span)?;
         drop(listener);
         started.virtiofsd = Some(fsd.clone());
         supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;

@@ -7,10 +7,13 @@
 //! (owner, mode 0600) and passes the listener to virtiofsd with `--fd`. virtiofsd serves the one
 //! connection the VMM makes and exits when the VMM closes it.
 
+use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
+
+use super::super::cgroups;
 
 /// Binds and listens at `socket` (in a directory only root has touched yet) and gives it to
 /// `uid:gid`, mode 0600, so the jailed VMM can connect and nobody else can.
@@ -26,9 +29,16 @@ pub fn identity(shared_dir: &Path) -> [String; 2] {
     ["--shared-dir".into(), shared_dir.display().to_string()]
 }
 
-/// virtiofsd serving `shared_dir` on `listener`, which the child inherits. The caller closes
-/// its own copy once the child is spawned.
-pub fn command(bin: &Path, shared_dir: &Path, listener: &UnixListener) -> tokio::process::Command {
+/// virtiofsd serving `shared_dir` on `listener`, which the child inherits, in the cgroups whose
+/// `cgroup.procs` are `cgroup_procs` (the pod's, so its memory is charged to the pod), joined
+/// before exec so its sandboxed worker starts there too. The caller closes its own copy of the
+/// listener once the child is spawned.
+pub fn command(
+    bin: &Path,
+    shared_dir: &Path,
+    listener: &UnixListener,
+    cgroup_procs: Vec<CString>,
+) -> tokio::process::Command {
     let fd = listener.as_raw_fd();
     let mut command = tokio::process::Command::new(bin);
     command.arg(format!("--fd={fd}")).args(identity(shared_dir)).args([
@@ -40,11 +50,14 @@ pub fn command(bin: &Path, shared_dir: &Path, listener: &UnixListener) -> tokio:
         "auto",
     ]);
     // SAFETY: between fork and exec; fcntl is async-signal-safe and touches only this fd, which
-    // stays open in the parent until the child has been spawned.
+    // stays open in the parent until the child has been spawned; join_self only opens, writes
+    // and closes files whose paths were made before the fork.
     unsafe {
-        command.pre_exec(move || match libc::fcntl(fd, libc::F_SETFD, 0) {
-            -1 => Err(std::io::Error::last_os_error()),
-            _ => Ok(()),
+        command.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            cgroups::join_self(&cgroup_procs)
         });
     }
     command
@@ -72,7 +85,7 @@ mod tests {
     fn the_command_names_the_shared_dir_and_the_sandbox() {
         let dir = tempfile::tempdir().unwrap();
         let listener = UnixListener::bind(dir.path().join("s")).unwrap();
-        let command = command(Path::new("/usr/bin/virtiofsd"), Path::new("/run/b/p/shared"), &listener);
+        let command = command(Path::new("/usr/bin/virtiofsd"), Path::new("/run/b/p/shared"), &listener, Vec::new());
         let args: Vec<String> = command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         assert_eq!(args[0], format!("--fd={}", listener.as_raw_fd()));
         assert!(args.windows(2).any(|w| w == ["--shared-dir", "/run/b/p/shared"]), "{args:?}");
