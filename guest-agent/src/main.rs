@@ -20,6 +20,7 @@ mod sandbox;
 mod seccomp;
 mod serve;
 mod service;
+mod shared_fs;
 mod spec;
 mod stdio;
 mod stream_attach;
@@ -56,6 +57,7 @@ fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
     cli::init_tracing(&opts);
     // Mounts and subreaper status come before any thread exists.
     guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
+    shared_fs::mount_shared_dir(opts.mode, &syscall::LinuxSyscall, &shared_fs::kernel_cmdline())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve::serve(opts))
 }

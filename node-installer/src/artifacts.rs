@@ -127,7 +127,7 @@ pub fn default_shim_config(layout: &Layout, version: &str) -> String {
     format!(
         "# Written by bulkhead-node-installer {version}. Ship config.toml in the image to override.\n\
          backend = \"vm\"\n\n[vm]\nvmm_path = \"{d}/bulkhead-vmm\"\nkernel_path = \"{d}/vmlinux\"\n\
-         initramfs_path = \"{d}/initramfs.cpio.gz\"\n",
+         initramfs_path = \"{d}/initramfs.cpio.gz\"\nvirtiofsd_path = \"{d}/virtiofsd\"\n",
         d = d.display()
     )
 }

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Where the config lives when containerd passes no `ConfigPath`.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/bulkhead/config.toml";
@@ -26,7 +26,7 @@ pub enum ConfigError {
 }
 
 /// Which sandbox backend runs the pod.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// The product: one microVM per pod.
@@ -79,14 +79,23 @@ pub struct NamespaceConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VmConfig {
+    /// The `bulkhead-vmm` binary, started as root; it jails itself.
     #[serde(default = "default_vmm_path")]
     pub vmm_path: PathBuf,
+    /// The guest kernel (ELF vmlinux or bzImage).
     #[serde(default = "default_kernel_path")]
     pub kernel_path: PathBuf,
+    /// The initramfs with the agent as /init.
     #[serde(default = "default_initramfs_path")]
     pub initramfs_path: PathBuf,
+    /// virtiofsd, one per pod, serving the pod's shared directory (rootfs and volumes).
+    #[serde(default = "default_virtiofsd_path")]
+    pub virtiofsd_path: PathBuf,
+    /// vCPUs of a pod that sets no CPU limit.
     #[serde(default = "default_vcpus")]
     pub vcpus: u8,
+    /// Guest memory of a pod that sets no memory limit; for a pod that does, what the guest
+    /// kernel and agent get on top of it.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u32,
     /// Unprivileged uid/gid the VMM runs as.
@@ -94,8 +103,6 @@ pub struct VmConfig {
     pub jailer_uid: u32,
     #[serde(default = "default_jailer_id")]
     pub jailer_gid: u32,
-    #[serde(default = "default_template_cache_dir")]
-    pub template_cache_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -134,6 +141,9 @@ fn default_kernel_path() -> PathBuf {
 fn default_initramfs_path() -> PathBuf {
     PathBuf::from("/usr/share/bulkhead/initramfs.cpio.gz")
 }
+fn default_virtiofsd_path() -> PathBuf {
+    PathBuf::from("/usr/local/bin/virtiofsd")
+}
 fn default_vcpus() -> u8 {
     1
 }
@@ -142,9 +152,6 @@ fn default_memory_mib() -> u32 {
 }
 fn default_jailer_id() -> u32 {
     65534
-}
-fn default_template_cache_dir() -> PathBuf {
-    PathBuf::from("/var/cache/bulkhead/templates")
 }
 
 impl Default for AgentConfig {
@@ -163,11 +170,11 @@ impl Default for VmConfig {
             vmm_path: default_vmm_path(),
             kernel_path: default_kernel_path(),
             initramfs_path: default_initramfs_path(),
+            virtiofsd_path: default_virtiofsd_path(),
             vcpus: default_vcpus(),
             memory_mib: default_memory_mib(),
             jailer_uid: default_jailer_id(),
             jailer_gid: default_jailer_id(),
-            template_cache_dir: default_template_cache_dir(),
         }
     }
 }
@@ -215,11 +222,25 @@ impl Config {
         if !self.namespace.agent_path.is_absolute() {
             return Err(invalid("namespace.agent_path", "must be an absolute path"));
         }
-        if self.vm.vcpus == 0 {
-            return Err(invalid("vm.vcpus", "must be at least 1"));
+        use bulkhead_vmm_api::config::{MAX_MEM_MIB, MAX_VCPUS};
+        for (field, path) in [
+            ("vm.vmm_path", &self.vm.vmm_path),
+            ("vm.kernel_path", &self.vm.kernel_path),
+            ("vm.initramfs_path", &self.vm.initramfs_path),
+            ("vm.virtiofsd_path", &self.vm.virtiofsd_path),
+        ] {
+            if !path.is_absolute() {
+                return Err(invalid(field, "must be an absolute path"));
+            }
         }
-        if self.vm.memory_mib < 64 {
-            return Err(invalid("vm.memory_mib", "must be at least 64"));
+        if self.vm.vcpus == 0 || self.vm.vcpus > MAX_VCPUS {
+            return Err(invalid("vm.vcpus", &format!("must be between 1 and {MAX_VCPUS}")));
+        }
+        if self.vm.memory_mib < 64 || u64::from(self.vm.memory_mib) > MAX_MEM_MIB {
+            return Err(invalid("vm.memory_mib", &format!("must be between 64 and {MAX_MEM_MIB}")));
+        }
+        if self.vm.jailer_uid == 0 || self.vm.jailer_gid == 0 {
+            return Err(invalid("vm.jailer_uid/jailer_gid", "the VMM must not run as root (0)"));
         }
         Ok(())
     }
@@ -282,6 +303,12 @@ mod tests {
     fn bad_values_name_the_field() {
         let err = parse("[vm]\nvcpus = 0\n").unwrap_err();
         assert!(err.to_string().contains("vm.vcpus"), "{err}");
+        let err = parse("[vm]\nvcpus = 33\n").unwrap_err();
+        assert!(err.to_string().contains("vm.vcpus"), "{err}");
+        let err = parse("[vm]\njailer_uid = 0\n").unwrap_err();
+        assert!(err.to_string().contains("jailer_uid"), "{err}");
+        let err = parse("[vm]\nkernel_path = \"vmlinux\"\n").unwrap_err();
+        assert!(err.to_string().contains("vm.kernel_path"), "{err}");
         let err = parse("state_dir = \"relative\"\n").unwrap_err();
         assert!(err.to_string().contains("state_dir"), "{err}");
         let err = parse("log_level = \"loud\"\n").unwrap_err();

@@ -2,7 +2,8 @@
 //! - `start`: called once per container with the bundle as cwd. The sandbox (or a bundle
 //!   without CRI annotations) spawns a new shim server; a CRI container gets the address of
 //!   its pod's shim, computed from the sandbox id, so the pod shares one shim.
-//! - `delete`: called after a shim died; kills the pod's sandbox, unmounts, removes state.
+//! - `delete`: called after a shim died; tears the pod's sandbox down through its backend (the
+//!   bundle record says which and where): processes, mounts, cgroups, state.
 //! - serve mode (no action): the ttrpc Task server until Shutdown.
 //!
 //! The bootstrap is ours rather than `containerd_shim::run`'s: that library answers `start`
@@ -20,7 +21,8 @@ use containerd_shim::{DeleteResponse, ExitSignal, Flags, StartOpts};
 
 use crate::events::{timestamp, EventSink};
 use crate::metrics::rpc::MeasuredTask;
-use crate::sandbox::namespace::{cleanup, unmount_all};
+use crate::sandbox::cleanup;
+use crate::sandbox::mounts::unmount_all;
 use crate::sandbox::paths::{BundleRecord, PodPaths};
 use crate::spec::{BundleSpec, Role};
 use crate::task::TaskService;
@@ -197,7 +199,7 @@ async fn delete_after_crash(namespace: &str, id: &str, containerd_address: &str)
     }
     let pod_shim = containerd_shim::socket_address(containerd_address, namespace, &record.sandbox_id);
     if record.is_sandbox || !socket_alive(&pod_shim) {
-        cleanup(&paths).await;
+        cleanup(record.backend, &paths).await;
         // A shim killed with SIGKILL could not remove its socket.
         let socket = pod_shim.strip_prefix("unix://").unwrap_or(&pod_shim);
         if Path::new(socket).exists() && !socket_alive(&pod_shim) {

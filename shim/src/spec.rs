@@ -16,6 +16,24 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
 pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
 
+/// CRI annotations of the pod's sandbox-level resources (containerd 1.6.7+; kubelet sums the
+/// containers' requests and limits): CFS quota and period in microseconds, memory in bytes.
+pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
+pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
+/// CRI annotation: the pod's log directory, where a sandbox may write logs of its own
+/// (kubelet removes it with the pod).
+pub const SANDBOX_LOG_DIRECTORY: &str = "io.kubernetes.cri.sandbox-log-directory";
+
+/// The pod's sandbox-level resources; `None` where containerd passes nothing (or zero: no limit).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PodResources {
+    /// CPUs the pod may use, rounded up: ceil(quota / period).
+    pub cpus: Option<u64>,
+    /// The pod's memory limit in bytes.
+    pub memory_bytes: Option<u64>,
+}
+
 /// Upper bound for a bundle's config.json.
 const MAX_SPEC_BYTES: u64 = 4 << 20;
 
@@ -88,6 +106,23 @@ impl BundleSpec {
             }
             _ => Role::Sandbox,
         }
+    }
+
+    /// The sandbox-level resources of a pod sandbox's spec. Malformed or non-positive values
+    /// count as absent: containerd writes 0 for "no limit".
+    pub fn pod_resources(&self) -> PodResources {
+        let positive = |key: &str| self.annotation(key)?.trim().parse::<u64>().ok().filter(|v| *v > 0);
+        let cpus = match (positive(SANDBOX_CPU_QUOTA), positive(SANDBOX_CPU_PERIOD)) {
+            (Some(quota), Some(period)) => Some(quota.div_ceil(period)),
+            _ => None,
+        };
+        PodResources { cpus, memory_bytes: positive(SANDBOX_MEMORY) }
+    }
+
+    /// The pod's log directory, when containerd names an absolute one.
+    pub fn log_directory(&self) -> Option<PathBuf> {
+        let dir = Path::new(self.annotation(SANDBOX_LOG_DIRECTORY)?);
+        dir.is_absolute().then(|| dir.to_path_buf())
     }
 
     /// `linux.cgroupsPath`, if set.
@@ -278,6 +313,28 @@ mod tests {
         assert_eq!(s.validate_sandbox().unwrap(), Some(PathBuf::from("/var/run/netns/cni-1")));
         assert_eq!(s.hostname(), Some("pod-a"));
         assert_eq!(s.sysctls(), vec![("net.ipv4.ip_forward".into(), "1".into())]);
+    }
+
+    #[test]
+    fn pod_resources_come_from_the_sandbox_annotations() {
+        let mut v = sandbox_spec();
+        v["annotations"][SANDBOX_CPU_QUOTA] = json!("150000");
+        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
+        v["annotations"][SANDBOX_MEMORY] = json!("268435456");
+        v["annotations"][SANDBOX_LOG_DIRECTORY] = json!("/var/log/pods/ns_pod_uid");
+        let s = spec(v);
+        assert_eq!(s.pod_resources(), PodResources { cpus: Some(2), memory_bytes: Some(256 << 20) });
+        assert_eq!(s.log_directory(), Some(PathBuf::from("/var/log/pods/ns_pod_uid")));
+        // containerd writes 0 for "no limit"; junk and a relative log dir count as absent.
+        let mut v = sandbox_spec();
+        v["annotations"][SANDBOX_CPU_QUOTA] = json!("0");
+        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
+        v["annotations"][SANDBOX_MEMORY] = json!("-5");
+        v["annotations"][SANDBOX_LOG_DIRECTORY] = json!("relative/dir");
+        let s = spec(v);
+        assert_eq!(s.pod_resources(), PodResources::default());
+        assert_eq!(s.log_directory(), None);
+        assert_eq!(spec(json!({"annotations": {SANDBOX_MEMORY: 7}})).pod_resources(), PodResources::default());
     }
 
     #[test]

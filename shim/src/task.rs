@@ -165,9 +165,14 @@ impl TaskService {
         if let PodSandbox::Running(_) = &*slot {
             return Err(TaskError::AlreadyExists(format!("a sandbox in the shim of {}", req.id)));
         }
-        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: req.id.clone(), is_sandbox: true }
-            .write(Path::new(&req.bundle))
-            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+        BundleRecord {
+            state_dir: config.state_dir.clone(),
+            sandbox_id: req.id.clone(),
+            is_sandbox: true,
+            backend: config.backend,
+        }
+        .write(Path::new(&req.bundle))
+        .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
         let sandbox = self
             .backends
             .start(
@@ -176,16 +181,19 @@ impl TaskService {
                     sandbox_id: req.id.clone(),
                     netns,
                     cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, &self.namespace, spec.cgroups_path()),
+                    resources: spec.pod_resources(),
+                    log_dir: spec.log_directory(),
                 },
             )
             .await?;
         let agent = sandbox.agent();
-        let setup = pb::SetupSandboxRequest {
+        let mut setup = pb::SetupSandboxRequest {
             hostname: spec.hostname().unwrap_or_default().into(),
             sysctls: spec.sysctls().into_iter().collect(),
             resolv_conf,
             ..Default::default()
         };
+        sandbox.guest_setup(&mut setup);
         if let Err(e) = agent.setup_sandbox(setup).await {
             let _ = sandbox.destroy().await;
             return Err(e.into());
@@ -231,17 +239,22 @@ impl TaskService {
         let sandbox = self.running_sandbox().await.ok_or_else(not_here)?;
         let spec_json = spec.translate_container(sandbox.pid())?;
         let bundle = Path::new(&req.bundle);
-        BundleRecord { state_dir: config.state_dir.clone(), sandbox_id: sandbox_id.into(), is_sandbox: false }
-            .write(bundle)
-            .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
+        BundleRecord {
+            state_dir: config.state_dir.clone(),
+            sandbox_id: sandbox_id.into(),
+            is_sandbox: false,
+            backend: sandbox.backend(),
+        }
+        .write(bundle)
+        .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
-        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs).await?;
+        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs, spec_json).await?;
         let agent = sandbox.agent();
         let create = pb::CreateContainerRequest {
             container_id: req.id.clone(),
-            oci_spec_json: spec_json,
-            rootfs_path: plan.path.display().to_string(),
-            rootfs_mounts: plan.mounts,
+            oci_spec_json: plan.spec_json,
+            rootfs_path: plan.rootfs_path.display().to_string(),
+            rootfs_mounts: plan.rootfs_mounts,
             stdio: Some(crate::trans::stdio_config(&stdio)).into(),
             ..Default::default()
         };
@@ -411,12 +424,12 @@ impl TaskService {
 
     async fn do_pause(&self, id: &str, pause: bool) -> Result<(), TaskError> {
         let (_, init) = self.container_process(id, "").await?;
-        if let Some(agent) = self.workload_agent(id).await? {
-            if pause {
-                agent.pause_container(id).await?;
-            } else {
-                agent.resume_container(id).await?;
-            }
+        match (self.workload_agent(id).await?, pause) {
+            (Some(agent), true) => agent.pause_container(id).await?,
+            (Some(agent), false) => agent.resume_container(id).await?,
+            // The sandbox task stands for the whole pod: its backend pauses the pod (or says it cannot).
+            (None, true) => self.sandbox_for(id).await?.pause().await?,
+            (None, false) => self.sandbox_for(id).await?.resume().await?,
         }
         let event = if pause { ProcessEvent::Paused } else { ProcessEvent::Resumed };
         init.core().transition(event)?;
@@ -429,11 +442,19 @@ impl TaskService {
     }
 
     async fn do_stats(&self, id: &str) -> Result<Metrics, TaskError> {
-        let Some(agent) = self.workload_agent(id).await? else {
-            return Ok(Metrics::default());
+        let stats = match self.workload_agent(id).await? {
+            Some(agent) => agent.stats(id).await?,
+            // The sandbox's own usage on the host: the VMM, or the launcher and agent.
+            None => self.sandbox_for(id).await?.stats().await?,
         };
-        let stats = agent.stats(id).await?;
         Ok(crate::trans::metrics(&stats))
+    }
+
+    /// The running sandbox, for the sandbox task `id`.
+    async fn sandbox_for(&self, id: &str) -> Result<Arc<dyn Sandbox>, TaskError> {
+        self.running_sandbox()
+            .await
+            .ok_or_else(|| TaskError::FailedPrecondition(format!("the pod sandbox {id} is not running")))
     }
 }
 

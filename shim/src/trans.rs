@@ -9,6 +9,7 @@ use containerd_shim::protos::cgroups::metrics::{
 
 use crate::error::TaskError;
 use crate::io::{Stdio, Target};
+use crate::sandbox::SandboxError;
 
 impl From<TaskError> for ttrpc::Error {
     fn from(e: TaskError) -> Self {
@@ -19,6 +20,7 @@ impl From<TaskError> for ttrpc::Error {
             TaskError::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
             TaskError::InvalidArgument(_) | TaskError::Config(_) | TaskError::Spec(_) => Code::INVALID_ARGUMENT,
             TaskError::Agent(a) => a.code().unwrap_or(Code::UNKNOWN),
+            TaskError::Sandbox(SandboxError::Unsupported { .. }) => Code::UNIMPLEMENTED,
             _ => Code::UNKNOWN,
         };
         let message = match &e {
@@ -89,6 +91,12 @@ mod tests {
         let e: ttrpc::Error = TaskError::NotFound("process already finished".into()).into();
         match e {
             ttrpc::Error::RpcStatus(s) => assert_eq!(s.code(), ttrpc::Code::NOT_FOUND),
+            other => panic!("{other:?}"),
+        }
+        let e: ttrpc::Error =
+            TaskError::Sandbox(SandboxError::Unsupported { backend: "namespace", what: "pausing".into() }).into();
+        match e {
+            ttrpc::Error::RpcStatus(s) => assert_eq!(s.code(), ttrpc::Code::UNIMPLEMENTED),
             other => panic!("{other:?}"),
         }
     }

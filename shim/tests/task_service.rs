@@ -17,10 +17,11 @@ use bulkhead_shim::agent::{AgentClient, Timeouts};
 use bulkhead_shim::config::{Backend, Config};
 use bulkhead_shim::events::{EventSink, Publish};
 use bulkhead_shim::process::ExitInfo;
-use bulkhead_shim::sandbox::{Backends, RootfsPlan, Sandbox, SandboxError, SandboxRequest};
+use bulkhead_shim::sandbox::{Backends, ContainerPlan, Sandbox, SandboxError, SandboxRequest};
 use bulkhead_shim::task::TaskService;
 use containerd_shim::api::{
-    CreateTaskRequest, DeleteRequest, ExecProcessRequest, KillRequest, StartRequest, StateRequest, WaitRequest,
+    CreateTaskRequest, DeleteRequest, ExecProcessRequest, KillRequest, PauseRequest, ResumeRequest, StartRequest,
+    StateRequest, StatsRequest, WaitRequest,
 };
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::MessageDyn;
@@ -162,6 +163,7 @@ async fn serve_fake_agent(dir: &Path, agent: Arc<FakeAgent>) -> PathBuf {
 struct FakeSandbox {
     agent: Arc<AgentClient>,
     exited: watch::Sender<Option<ExitInfo>>,
+    paused: Arc<watch::Sender<bool>>,
     rootfs_dir: PathBuf,
 }
 
@@ -176,10 +178,17 @@ impl Sandbox for FakeSandbox {
     fn agent(&self) -> Arc<AgentClient> {
         self.agent.clone()
     }
-    async fn prepare_container(&self, id: &str, _: &Path, _: &[Mount]) -> Result<RootfsPlan, SandboxError> {
-        Ok(RootfsPlan {
-            path: self.rootfs_dir.join(id),
-            mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
+    async fn prepare_container(
+        &self,
+        id: &str,
+        _: &Path,
+        _: &[Mount],
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
+        Ok(ContainerPlan {
+            rootfs_path: self.rootfs_dir.join(id),
+            rootfs_mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
+            spec_json,
         })
     }
     async fn release_container(&self, _: &str) -> Result<(), SandboxError> {
@@ -188,6 +197,17 @@ impl Sandbox for FakeSandbox {
     async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
         self.exited.send_replace(Some(ExitInfo::from_agent(128 + signal, 0, false)));
         Ok(())
+    }
+    async fn pause(&self) -> Result<(), SandboxError> {
+        self.paused.send_replace(true);
+        Ok(())
+    }
+    async fn resume(&self) -> Result<(), SandboxError> {
+        self.paused.send_replace(false);
+        Ok(())
+    }
+    async fn stats(&self) -> Result<pb::StatsResponse, SandboxError> {
+        Err(SandboxError::Unsupported { backend: "fake", what: "stats".into() })
     }
     async fn wait(&self) -> ExitInfo {
         let mut rx = self.exited.subscribe();
@@ -208,6 +228,8 @@ impl Sandbox for FakeSandbox {
 struct FakeBackends {
     socket: PathBuf,
     rootfs_dir: PathBuf,
+    /// Whether the (one) fake sandbox is paused.
+    paused: Arc<watch::Sender<bool>>,
 }
 
 #[async_trait]
@@ -215,7 +237,12 @@ impl Backends for FakeBackends {
     async fn start(&self, _: &Config, _: SandboxRequest) -> Result<Arc<dyn Sandbox>, SandboxError> {
         let timeouts = Timeouts { connect: Duration::from_secs(5), rpc: Duration::from_secs(5) };
         let agent = Arc::new(AgentClient::connect(&self.socket, timeouts).await?);
-        Ok(Arc::new(FakeSandbox { agent, exited: watch::channel(None).0, rootfs_dir: self.rootfs_dir.clone() }))
+        Ok(Arc::new(FakeSandbox {
+            agent,
+            exited: watch::channel(None).0,
+            paused: self.paused.clone(),
+            rootfs_dir: self.rootfs_dir.clone(),
+        }))
     }
 }
 
@@ -253,6 +280,7 @@ struct Harness {
     events: Recorder,
     agent: Arc<FakeAgent>,
     options: Any,
+    paused: Arc<watch::Sender<bool>>,
 }
 
 async fn harness() -> Harness {
@@ -262,7 +290,8 @@ async fn harness() -> Harness {
     let config = dir.path().join("config.toml");
     std::fs::write(&config, format!("backend = \"namespace\"\nstate_dir = \"{}\"\n", dir.path().display())).unwrap();
     let events = Recorder::default();
-    let backends = Arc::new(FakeBackends { socket, rootfs_dir: dir.path().join("rootfs") });
+    let paused = Arc::new(watch::channel(false).0);
+    let backends = Arc::new(FakeBackends { socket, rootfs_dir: dir.path().join("rootfs"), paused: paused.clone() });
     let task = TaskService::with_backends(
         "k8s.io",
         "sb1",
@@ -275,7 +304,7 @@ async fn harness() -> Harness {
     let mut value = vec![0x12, path.len() as u8];
     value.extend_from_slice(path.as_bytes());
     let options = Any { type_url: "runtimeoptions.v1.Options".into(), value, ..Default::default() };
-    Harness { dir, task, events, agent, options }
+    Harness { dir, task, events, agent, options, paused }
 }
 
 impl Harness {
@@ -465,4 +494,21 @@ async fn create_errors_and_oom_events() {
     let err = h.create("bad1", false).await.unwrap_err();
     assert!(format!("{err:?}").contains("/nope"), "{err:?}");
     assert_eq!(code(err), ttrpc::Code::FAILED_PRECONDITION);
+}
+
+#[tokio::test]
+async fn the_sandbox_task_pauses_and_measures_through_its_backend() {
+    let h = harness().await;
+    h.create("sb1", true).await.unwrap();
+    h.start("sb1", "").await.unwrap();
+    let ctx = TtrpcContext::default();
+    h.task.pause(&ctx, PauseRequest { id: "sb1".into(), ..Default::default() }).await.unwrap();
+    assert!(*h.paused.borrow(), "Pause of the sandbox task reached the backend");
+    assert_eq!(h.state("sb1", "").await, Status::PAUSED);
+    h.task.resume(&ctx, ResumeRequest { id: "sb1".into(), ..Default::default() }).await.unwrap();
+    assert!(!*h.paused.borrow());
+    assert_eq!(h.state("sb1", "").await, Status::RUNNING);
+    // A backend that cannot measure says so; nothing reports empty numbers as success.
+    let err = h.task.stats(&ctx, StatsRequest { id: "sb1".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(code(err), ttrpc::Code::UNIMPLEMENTED);
 }

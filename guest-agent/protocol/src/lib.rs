@@ -6,6 +6,7 @@
 //! - [`stream`]: the header that opens each stdio stream connection.
 //! - [`ports`] and [`PROTOCOL_VERSION`]: the well-known numbers both sides agree on.
 //! - [`frame_guard`]: size and stall limits on incoming ttrpc frames, used by both sides.
+//! - [`guest`]: where the pod's shared directory is in a VM guest, and how the agent learns its tag.
 //!
 //! This crate does no I/O policy of its own beyond bounded, timed reads of the
 //! preambles; it is the contract, not the runtime.
@@ -22,6 +23,7 @@ pub mod agent_ttrpc {
 
 pub mod client;
 pub mod frame_guard;
+pub mod guest;
 pub mod handshake;
 pub mod ports;
 pub mod stream;

@@ -26,6 +26,8 @@ use tracing::{debug, warn};
 const OWN_ROOT: &str = "/bulkhead";
 /// Most containers recorded per pod (pods restart containers; the record stays small).
 const MAX_RECORDED: usize = 4096;
+/// Largest cgroup record read back (4096 ids of up to 128 bytes, with room to spare).
+const MAX_RECORD_BYTES: u64 = 1 << 20;
 
 /// Who removes the pod's cgroup parent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -128,6 +130,26 @@ impl PodCgroup {
         }
     }
 
+    /// Writes the record `delete` reads after a crash, atomically (never half a record).
+    pub fn write_record(&self, file: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        let tmp = file.with_extension("json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, file)
+    }
+
+    /// Reads what [`PodCgroup::write_record`] wrote; `None` if there is no (valid) record.
+    pub fn read_record(file: &Path) -> Option<Self> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(file).ok()?.take(MAX_RECORD_BYTES + 1).read_to_end(&mut bytes).ok()?;
+        if bytes.len() as u64 > MAX_RECORD_BYTES {
+            warn!(file = %file.display(), "cgroup record too large; ignored");
+            return None;
+        }
+        serde_json::from_slice(&bytes).ok()
+    }
+
     /// Removes the cgroups this pod owns in every mounted hierarchy, retrying while the last
     /// processes of a killed pod exit, for at most `budget`. Returns what is still there (and
     /// logs it once) instead of waiting longer.
@@ -155,27 +177,59 @@ impl PodCgroup {
     }
 }
 
-/// Moves `pid` into the cgroup `path` of every hierarchy that accepts it, creating it as
-/// needed; returns what failed. cpuset is skipped: a new cpuset cgroup has no CPUs until
-/// configured, and the launcher needs none of its own.
-pub fn join(path: &Path, pid: u32) -> Vec<String> {
+/// The `cgroup.procs` files of cgroup `path` in every hierarchy a helper process joins, the
+/// cgroup created where missing, and what failed. cpuset is skipped: a new cpuset cgroup has no
+/// CPUs until configured, and helpers need none of their own.
+pub fn procs_files(path: &Path) -> (Vec<PathBuf>, Vec<String>) {
     if !plain_absolute(path) {
-        return vec![format!("cgroup {} is not a plain absolute path", path.display())];
+        return (Vec::new(), vec![format!("cgroup {} is not a plain absolute path", path.display())]);
     }
     let relative = path.strip_prefix("/").unwrap_or(path);
-    let mut problems = Vec::new();
+    let (mut files, mut problems) = (Vec::new(), Vec::new());
     for mount in cgroup_mounts() {
         if mount.file_name().is_some_and(|n| n.to_string_lossy().contains("cpuset")) {
             continue;
         }
         let dir = mount.join(relative);
-        let joined =
-            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(dir.join("cgroup.procs"), pid.to_string()));
-        if let Err(e) = joined {
-            problems.push(format!("join cgroup {}: {e}", dir.display()));
+        match std::fs::create_dir_all(&dir) {
+            Ok(()) => files.push(dir.join("cgroup.procs")),
+            Err(e) => problems.push(format!("create cgroup {}: {e}", dir.display())),
+        }
+    }
+    (files, problems)
+}
+
+/// Moves `pid` into the cgroup `path` of every hierarchy that accepts it ([`procs_files`]);
+/// returns what failed.
+pub fn join(path: &Path, pid: u32) -> Vec<String> {
+    let (files, mut problems) = procs_files(path);
+    for file in files {
+        if let Err(e) = std::fs::write(&file, pid.to_string()) {
+            problems.push(format!("join cgroup {}: {e}", file.display()));
         }
     }
     problems
+}
+
+/// Moves the calling process into the cgroups whose `cgroup.procs` files are `procs` (writing
+/// `0` means "me"). Only open, write and close: safe between fork and exec.
+pub fn join_self(procs: &[std::ffi::CString]) -> std::io::Result<()> {
+    for file in procs {
+        // SAFETY: a NUL-terminated path; the fd is closed before the next iteration.
+        let fd = unsafe { libc::open(file.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: writes one byte from a static buffer to the fd just opened.
+        let written = unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
+        let error = std::io::Error::last_os_error();
+        // SAFETY: closes the fd opened above, once.
+        unsafe { libc::close(fd) };
+        if written != 1 {
+            return Err(error);
+        }
+    }
+    Ok(())
 }
 
 fn rmdir(dir: &Path) -> std::io::Result<()> {
@@ -204,7 +258,7 @@ fn remove_tree(dir: &Path) -> usize {
 }
 
 /// Mount points of every cgroup hierarchy (v1 controllers, named, and v2), from mountinfo.
-fn cgroup_mounts() -> Vec<PathBuf> {
+pub fn cgroup_mounts() -> Vec<PathBuf> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
     info.lines()
         .filter_map(|line| {
@@ -287,8 +341,42 @@ mod tests {
     fn the_record_round_trips() {
         let mut cg = caller("/kubepods/pod1", "sb1");
         cg.add_container("c1");
-        let json = serde_json::to_vec(&cg).unwrap();
-        assert_eq!(serde_json::from_slice::<PodCgroup>(&json).unwrap(), cg);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("cgroup.json");
+        cg.write_record(&file).unwrap();
+        assert_eq!(PodCgroup::read_record(&file), Some(cg));
+        std::fs::write(&file, vec![b' '; MAX_RECORD_BYTES as usize + 1]).unwrap();
+        assert_eq!(PodCgroup::read_record(&file), None, "an oversized record is ignored");
+        assert_eq!(PodCgroup::read_record(&dir.path().join("missing")), None);
+    }
+
+    #[test]
+    fn a_process_joins_cgroups_by_their_procs_files() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIPPED: a_process_joins_cgroups_by_their_procs_files: creating cgroups needs root");
+            return;
+        }
+        let cgroup = PathBuf::from(format!("/bulkhead-test-join-{}", std::process::id()));
+        let (files, problems) = procs_files(&cgroup);
+        assert!(problems.is_empty() && !files.is_empty(), "{problems:?}");
+        let procs: Vec<std::ffi::CString> =
+            files.iter().map(|f| std::ffi::CString::new(f.as_os_str().as_encoded_bytes()).unwrap()).collect();
+        let mut child = std::process::Command::new("/bin/sleep");
+        child.arg("30");
+        // SAFETY: join_self only opens, writes and closes.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            child.pre_exec(move || join_self(&procs));
+        }
+        let mut child = child.spawn().unwrap();
+        let text = std::fs::read_to_string(format!("/proc/{}/cgroup", child.id())).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        for dir in cgroup_mounts().iter().map(|m| m.join(cgroup.strip_prefix("/").unwrap())) {
+            let _ = std::fs::remove_dir(dir);
+        }
+        assert!(text.lines().any(|l| l.ends_with(&cgroup.display().to_string())), "{text}");
     }
 
     #[test]

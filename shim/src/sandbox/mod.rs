@@ -1,11 +1,16 @@
 //! Sandbox backends: what runs a pod's agent. [`namespace`] (agent as PID 1 of fresh
-//! namespaces, no VM isolation) and [`vm`] (one microVM per pod; shape only for now).
-//! Everything above this trait is the same code on both backends.
+//! namespaces, no VM isolation) and [`vm`] (one jailed microVM per pod). Everything above this
+//! trait is the same code on both backends; [`supervise`] is what both do with their host
+//! processes, [`cgroups`] and [`cgroup_stats`] the pod's host cgroups, [`mounts`] and [`paths`]
+//! what teardown finds on the host.
 
+pub mod cgroup_stats;
 pub mod cgroups;
 pub mod launcher;
+pub mod mounts;
 pub mod namespace;
 pub mod paths;
+pub mod supervise;
 pub mod vm;
 
 use std::path::{Path, PathBuf};
@@ -19,17 +24,27 @@ use containerd_shim::protos::types::mount::Mount;
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
+use crate::spec::PodResources;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    #[error("{backend} backend is not implemented on this host: {reason}")]
-    NotImplemented { backend: &'static str, reason: String },
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported { backend: &'static str, what: String },
     #[error("sandbox {what}: {source}")]
     Io { what: String, source: std::io::Error },
     #[error("sandbox {what}: {source}")]
     Sys { what: String, source: nix::Error },
+    #[error("cannot set up the sandbox: {0}")]
+    Setup(String),
     #[error("agent did not come up: {0}")]
     AgentStart(String),
+    /// The VM never brought its agent up; the console log is where the guest said why.
+    #[error("VM did not start: {reason}; console log {console_log}{tail}")]
+    VmStart { reason: String, console_log: PathBuf, tail: String },
+    #[error("VMM API: {0}")]
+    VmmApi(#[from] vm::api::ApiError),
+    #[error("sharing with the VM: {0}")]
+    Share(#[from] vm::share::ShareError),
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error(transparent)]
@@ -44,14 +59,20 @@ pub struct SandboxRequest {
     pub netns: Option<PathBuf>,
     /// Where the pod's containers' cgroups go.
     pub cgroup: cgroups::PodCgroup,
+    /// The pod's sandbox-level resources, as containerd passes them (VM shape).
+    pub resources: PodResources,
+    /// The pod's log directory (kubelet's, removed with the pod), if containerd names one.
+    pub log_dir: Option<PathBuf>,
 }
 
-/// Where the agent finds a container's rootfs: `path` in its own mount namespace, after
-/// performing `mounts` (each relative to `path`).
+/// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)
+/// after performing `rootfs_mounts` (each relative to it), and the OCI spec to run, as the
+/// backend adapted it (the vm backend points bind-mount sources into the pod's shared directory).
 #[derive(Debug, Clone, PartialEq)]
-pub struct RootfsPlan {
-    pub path: PathBuf,
-    pub mounts: Vec<pb::Mount>,
+pub struct ContainerPlan {
+    pub rootfs_path: PathBuf,
+    pub rootfs_mounts: Vec<pb::Mount>,
+    pub spec_json: Vec<u8>,
 }
 
 /// Lifecycle of a sandbox, kept by each backend.
@@ -77,15 +98,21 @@ pub trait Sandbox: Send + Sync {
         paths::HostPids { sandbox: self.pid(), ..Default::default() }
     }
 
-    /// Prepares the host side of a new container (its rootfs, and what teardown must find
-    /// after a crash) and plans how the agent assembles the rootfs from containerd's rootfs
-    /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared).
+    /// Adds what this backend's guest needs to the pod's SetupSandbox (the vm backend: the
+    /// guest's NICs and routes, wall clock and entropy seed). The default adds nothing.
+    fn guest_setup(&self, _setup: &mut pb::SetupSandboxRequest) {}
+
+    /// Prepares the host side of a new container (its rootfs and volumes, and what teardown
+    /// must find after a crash) and plans how the agent gets the rootfs from containerd's rootfs
+    /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared) and
+    /// which spec (`spec_json`, adapted as the backend needs) it runs.
     async fn prepare_container(
         &self,
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-    ) -> Result<RootfsPlan, SandboxError>;
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError>;
 
     /// Removes what [`Sandbox::prepare_container`] left on the host; idempotent. The agent
     /// unmounts its own mounts when it removes the container.
@@ -93,6 +120,15 @@ pub trait Sandbox: Send + Sync {
 
     /// Sends a signal to the sandbox as a whole (SIGKILL ends the pod).
     async fn signal(&self, signal: u32) -> Result<(), SandboxError>;
+
+    /// Pauses the whole sandbox (every container with it), or says the backend cannot.
+    async fn pause(&self) -> Result<(), SandboxError>;
+
+    /// Undoes [`Sandbox::pause`].
+    async fn resume(&self) -> Result<(), SandboxError>;
+
+    /// What the sandbox itself uses on the host (its cgroup: the VMM, or launcher and agent).
+    async fn stats(&self) -> Result<pb::StatsResponse, SandboxError>;
 
     /// Resolves when the sandbox has exited.
     async fn wait(&self) -> ExitInfo;
@@ -123,4 +159,49 @@ pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<dyn Sandb
         Backend::Namespace => Ok(namespace::NamespaceSandbox::start(config, req).await?),
         Backend::Vm => Ok(vm::VmSandbox::start(config, req).await?),
     }
+}
+
+/// Removes everything a pod of `backend` left on the host (its processes, mounts, cgroups and
+/// state). Idempotent; `delete` runs it after a shim crash, with what the bundle record says.
+pub async fn cleanup(backend: Backend, paths: &paths::PodPaths) {
+    match backend {
+        Backend::Namespace => namespace::cleanup(paths).await,
+        Backend::Vm => vm::cleanup(paths).await,
+    }
+}
+
+/// How long teardown may spend removing the pod's cgroups before it reports them and moves on.
+const CGROUP_TEARDOWN_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// What every backend's teardown ends with, once the pod's processes are gone: the cgroups the
+/// pod owns (from its record: with the agent gone nobody else removes its containers'), any
+/// mount below the pod's state dir, and the state dir itself.
+async fn remove_pod_state(paths: &paths::PodPaths) {
+    if let Some(cgroup) = cgroups::PodCgroup::read_record(&paths.cgroup_file()) {
+        cgroup.remove(CGROUP_TEARDOWN_BUDGET).await;
+    }
+    // After the VMM (or launcher) is gone; from the record alone, so also after a shim crash.
+    if let Err(e) = crate::network::teardown(&paths.network_record()).await {
+        tracing::warn!("pod network teardown: {e}");
+    }
+    mounts::unmount_all(&paths.dir);
+    // Never recurse into a mount that stayed: it may be a volume with the user's data.
+    let left = mounts::mounts_below(&paths.dir);
+    if !left.is_empty() {
+        tracing::error!(mounts = ?left, dir = %paths.dir.display(), "mounts stayed below the pod's state; leaving it");
+        return;
+    }
+    if let Err(e) = std::fs::remove_dir_all(&paths.dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("remove {}: {e}", paths.dir.display());
+        }
+    }
+}
+
+/// The sandbox cgroup's usage on the host.
+fn host_stats(cgroup: &Path) -> Result<pb::StatsResponse, SandboxError> {
+    cgroup_stats::read_stats(&cgroups::cgroup_mounts(), cgroup).ok_or_else(|| SandboxError::Io {
+        what: format!("read stats of cgroup {}", cgroup.display()),
+        source: std::io::Error::from(std::io::ErrorKind::NotFound),
+    })
 }

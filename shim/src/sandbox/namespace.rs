@@ -18,29 +18,26 @@
 //! The pause container is not run: the agent is the pod's PID 1, and its launcher (already in
 //! the pod's net/ipc/uts namespaces) is the sandbox task's process.
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
-use nix::mount::{umount2, MntFlags};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-use tokio::sync::watch;
-use tracing::{debug, info, warn, Instrument};
+use nix::sys::signal::Signal;
+use tracing::{info, warn};
 
 use super::cgroups::PodCgroup;
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
 use super::paths::PodPaths;
-use super::{RootfsPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
+use super::supervise::{self, LogTo, Supervised};
+use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
 use crate::network::MetadataAccess;
-use crate::logrelay::{relay, Component, ConsoleLog, Source};
+use crate::logrelay::{Component, ConsoleLog};
 
 /// `sun_path` of a Unix socket address, NUL included.
 const SUN_PATH_MAX: usize = 108;
@@ -50,21 +47,9 @@ pub struct NamespaceSandbox {
     paths: PodPaths,
     agent: Arc<AgentClient>,
     state: Mutex<SandboxState>,
-    exited: watch::Receiver<Option<ExitInfo>>,
+    launcher: Supervised,
     /// The pod's cgroups; its record on disk lets `delete` remove them after a crash.
     cgroup: Mutex<PodCgroup>,
-}
-
-/// How long teardown may spend removing the pod's cgroups before it reports them and moves on.
-const CGROUP_TEARDOWN_BUDGET: Duration = Duration::from_millis(500);
-
-/// Writes the pod's cgroup record atomically (a crash never leaves half a record).
-fn write_cgroup_record(paths: &PodPaths, cgroup: &PodCgroup) -> Result<(), SandboxError> {
-    let json = serde_json::to_vec(cgroup).map_err(|e| io("encode cgroup record")(std::io::Error::other(e)))?;
-    let tmp = paths.cgroup_file().with_extension("json.tmp");
-    std::fs::write(&tmp, json)
-        .and_then(|()| std::fs::rename(&tmp, paths.cgroup_file()))
-        .map_err(io("write cgroup record"))
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SandboxError {
@@ -105,7 +90,7 @@ impl NamespaceSandbox {
                 agent_path.display()
             )));
         }
-        write_cgroup_record(&paths, &req.cgroup)?;
+        req.cgroup.write_record(&paths.cgroup_file()).map_err(io("write cgroup record"))?;
         let socket = paths.agent_socket();
         if socket.as_os_str().len() >= SUN_PATH_MAX {
             cleanup(&paths).await;
@@ -121,7 +106,7 @@ impl NamespaceSandbox {
             command: vec![
                 agent_path.display().to_string(),
                 "--listen".into(),
-                format!("unix:{}", socket.display()),
+                listen_arg(&socket),
                 "--mode".into(),
                 "namespace".into(),
                 // Per pod, so a killed pod's leftovers are found and removed with it.
@@ -133,137 +118,58 @@ impl NamespaceSandbox {
         };
         let exe = std::env::current_exe().map_err(io("find own executable"))?;
         let mut command = tokio::process::Command::new(exe);
-        command
-            .arg(LAUNCH_ARG)
-            .args(launch.to_args())
-            // The agent's log lines are relayed into the shim log: plain text, no colour codes.
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Own process group: a Ctrl-C or group signal aimed at the shim is not the pod's.
-            .process_group(0);
-        // SAFETY: the closure only calls prctl, which is async-signal-safe. The parent-death
-        // signal follows the spawning thread, a runtime worker that lives as long as the shim.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().map_err(io("spawn namespace launcher"))?;
-        let pid = child.id().unwrap_or_default();
+        command.arg(LAUNCH_ARG).args(launch.to_args());
         // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
         let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
-        std::fs::write(paths.pid_file(), pid.to_string()).map_err(io("write pid file"))?;
-        info!(sandbox = %req.sandbox_id, pid, netns = ?req.netns, "agent launched");
-
         // The agent's output is this backend's console (in a VM it is the serial line).
         let console = ConsoleLog::create(&paths.console_log())
             .map_err(|e| warn!("console log {}: {e}", paths.console_log().display()))
             .ok();
-        let source = |stream| Source { pod: req.sandbox_id.clone(), component: Component::Agent, stream };
-        if let Some(pipe) = child.stdout.take() {
-            tokio::spawn(relay(pipe, source("stdout"), console.clone()).instrument(life_span.clone()));
-        }
-        if let Some(pipe) = child.stderr.take() {
-            tokio::spawn(relay(pipe, source("stderr"), console).instrument(life_span.clone()));
-        }
-
-        let (exit_tx, exit_rx) = watch::channel(None);
-        tokio::spawn(
-            async move {
-                let exit = match child.wait().await {
-                    Ok(status) => {
-                        use std::os::unix::process::ExitStatusExt;
-                        let code = status
-                            .code()
-                            .map(|c| c as u32)
-                            .or_else(|| status.signal().map(|s| 128 + s as u32))
-                            .unwrap_or(255);
-                        ExitInfo::from_agent(code, 0, false)
-                    }
-                    Err(e) => {
-                        warn!("wait for namespace launcher: {e}");
-                        ExitInfo::from_agent(255, 0, false)
-                    }
-                };
-                info!(status = exit.status, "sandbox exited");
-                exit_tx.send_replace(Some(exit));
+        let log = LogTo { pod: req.sandbox_id.clone(), component: Component::Agent, console };
+        let launcher = match supervise::spawn(command, "namespace launcher", &life_span, log) {
+            Ok(launcher) => launcher,
+            Err(e) => {
+                cleanup(&paths).await;
+                return Err(e);
             }
-            .instrument(life_span),
-        );
+        };
+        supervise::write_pid_file(&paths.pid_file(), launcher.pid)?;
+        info!(sandbox = %req.sandbox_id, pid = launcher.pid, netns = ?req.netns, "agent launched");
 
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
             rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
         };
-        let agent = match dial_agent(&socket, timeouts, &exit_rx).await {
+        let agent = match supervise::dial_agent(&socket, timeouts, &launcher).await {
             Ok(agent) => agent,
             Err(e) => {
-                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                launcher.stop(Duration::ZERO).await;
                 cleanup(&paths).await;
-                return Err(e);
+                return Err(SandboxError::AgentStart(format!("namespace launcher: {e}")));
             }
         };
-        info!(
-            agent_version = %agent.agent_version,
-            mode = %agent.mode,
-            "agent connected"
-        );
+        info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
         Ok(Arc::new(Self {
             id: req.sandbox_id,
             paths,
             agent: Arc::new(agent),
-            state: Mutex::new(SandboxState::Running { pid }),
-            exited: exit_rx,
+            state: Mutex::new(SandboxState::Running { pid: launcher.pid }),
+            launcher,
             cgroup: Mutex::new(req.cgroup),
         }))
     }
 
     fn current(&self) -> SandboxState {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let (SandboxState::Running { pid }, Some(exit)) = (*state, *self.exited.borrow()) {
+        if let (SandboxState::Running { pid }, Some(exit)) = (*state, self.launcher.exit()) {
             *state = SandboxState::Exited { pid, exit };
         }
         *state
     }
 }
 
-/// Retries the dial until the agent answers, the launcher dies, or the deadline passes.
-async fn dial_agent(
-    socket: &Path,
-    timeouts: Timeouts,
-    exited: &watch::Receiver<Option<ExitInfo>>,
-) -> Result<AgentClient, SandboxError> {
-    let deadline = Instant::now() + timeouts.connect;
-    let mut last = String::from("socket never appeared");
-    loop {
-        if let Some(exit) = *exited.borrow() {
-            return Err(SandboxError::AgentStart(format!(
-                "agent exited with status {} before answering ({last})",
-                exit.status
-            )));
-        }
-        if socket.exists() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let attempt = Timeouts { connect: left.min(Duration::from_secs(1)), rpc: timeouts.rpc };
-            match AgentClient::connect(socket, attempt).await {
-                Ok(agent) => return Ok(agent),
-                Err(e) => last = e.to_string(),
-            }
-        }
-        if Instant::now() >= deadline {
-            return Err(SandboxError::AgentStart(format!(
-                "no answer within {:?} at {}: {last}",
-                timeouts.connect,
-                socket.display()
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+fn listen_arg(socket: &Path) -> String {
+    format!("unix:{}", socket.display())
 }
 
 /// containerd's rootfs mounts as the agent performs them at the rootfs path; with none, a
@@ -290,86 +196,15 @@ fn agent_rootfs_mounts(bundle_rootfs: &Path, mounts: &[Mount]) -> Vec<pb::Mount>
         .collect()
 }
 
-/// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
-fn mounts_below(dir: &Path) -> Vec<PathBuf> {
-    // Never "everything": only a real, absolute directory below the root qualifies.
-    if !dir.is_absolute() || dir.parent().is_none() {
-        return Vec::new();
-    }
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(unescape_mountinfo)
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
-    found
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape_mountinfo(field: &str) -> String {
-    field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-}
-
-/// Unmounts (lazily) everything at or below `dir`.
-pub fn unmount_all(dir: &Path) {
-    for target in mounts_below(dir) {
-        if let Err(e) = umount2(&target, MntFlags::MNT_DETACH) {
-            debug!("umount {}: {e}", target.display());
-        }
-    }
-}
-
-/// Whether `pid` is the launcher of the pod whose agent listens on `socket` (guards against
-/// pid reuse after a crash, by anyone, another pod's launcher included).
-fn is_launcher(pid: i32, socket: &Path) -> bool {
-    let listen = format!("unix:{}", socket.display());
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|cmdline| {
-            let mut args = cmdline.split(|b| *b == 0);
-            args.clone().any(|arg| arg == LAUNCH_ARG.as_bytes()) && args.any(|arg| arg == listen.as_bytes())
-        })
-        .unwrap_or(false)
-}
-
 /// Removes everything a pod left on the host: kills its launcher (the agent dies with it, and
-/// with the agent every process of its PID namespace), unmounts, removes socket and state.
-/// Safe to call repeatedly; used by `destroy` and by `delete` after a shim crash.
+/// with the agent every process of its PID namespace; the launcher is recognised by its
+/// command line, so a reused pid is never signalled), removes the cgroups the pod owns,
+/// unmounts, removes socket and state. Safe to call repeatedly; used by `destroy` and by
+/// `delete` after a shim crash.
 pub async fn cleanup(paths: &PodPaths) {
-    if let Ok(text) = std::fs::read_to_string(paths.pid_file()) {
-        if let Ok(pid) = text.trim().parse::<i32>() {
-            let socket = paths.agent_socket();
-            if pid > 1 && is_launcher(pid, &socket) {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-                // Bounded wait for it to go (it may be someone else's zombie to reap).
-                for _ in 0..200 {
-                    if !is_launcher(pid, &socket) {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-        }
-    }
-    // With the agent gone, nobody else removes its containers' cgroups.
-    let cgroup =
-        std::fs::read(paths.cgroup_file()).ok().and_then(|bytes| serde_json::from_slice::<PodCgroup>(&bytes).ok());
-    if let Some(cgroup) = cgroup {
-        cgroup.remove(CGROUP_TEARDOWN_BUDGET).await;
-    }
-    if let Err(e) = crate::network::teardown(&paths.network_record()).await {
-        warn!("pod network teardown: {e}");
-    }
-    unmount_all(&paths.dir);
-    if let Err(e) = std::fs::remove_dir_all(&paths.dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            warn!("remove {}: {e}", paths.dir.display());
-        }
-    }
+    let listen = listen_arg(&paths.agent_socket());
+    supervise::kill_recorded(&paths.pid_file(), &[LAUNCH_ARG, &listen]).await;
+    super::remove_pod_state(paths).await;
 }
 
 #[async_trait]
@@ -393,18 +228,20 @@ impl Sandbox for NamespaceSandbox {
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-    ) -> Result<RootfsPlan, SandboxError> {
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
         {
             // Recorded before the agent makes the cgroup, so a crash in between still cleans it.
             let mut cgroup = self.cgroup.lock().unwrap_or_else(|p| p.into_inner());
             if !cgroup.add_container(container_id) {
                 return Err(SandboxError::AgentStart(format!("container id {container_id:?} is not a plain id")));
             }
-            write_cgroup_record(&self.paths, &cgroup)?;
+            cgroup.write_record(&self.paths.cgroup_file()).map_err(io("write cgroup record"))?;
         }
         let target = self.paths.rootfs(container_id);
         std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
-        Ok(RootfsPlan { path: target, mounts: agent_rootfs_mounts(bundle_rootfs, mounts) })
+        // The agent sees the host's paths: volumes' sources stay as they are.
+        Ok(ContainerPlan { rootfs_path: target, rootfs_mounts: agent_rootfs_mounts(bundle_rootfs, mounts), spec_json })
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
@@ -417,32 +254,38 @@ impl Sandbox for NamespaceSandbox {
     }
 
     async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
-        let SandboxState::Running { pid } = self.current() else {
+        let SandboxState::Running { .. } = self.current() else {
             return Ok(());
         };
-        let sig = Signal::try_from(signal as i32).map_err(sys(format!("signal {signal}")))?;
-        match kill(Pid::from_raw(pid as i32), sig) {
-            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
-            Err(e) => Err(SandboxError::Sys { what: format!("kill sandbox {}", self.id), source: e }),
-        }
+        let sig = Signal::try_from(signal as i32).map_err(sys(format!("signal {signal} to sandbox {}", self.id)))?;
+        self.launcher.signal(sig)
+    }
+
+    async fn pause(&self) -> Result<(), SandboxError> {
+        // Freezing the launcher and agent would leave the containers running: no pod pause.
+        Err(SandboxError::Unsupported {
+            backend: "namespace",
+            what: "pausing the pod sandbox (pause its containers)".into(),
+        })
+    }
+
+    async fn resume(&self) -> Result<(), SandboxError> {
+        Err(SandboxError::Unsupported { backend: "namespace", what: "resuming the pod sandbox".into() })
+    }
+
+    async fn stats(&self) -> Result<pb::StatsResponse, SandboxError> {
+        let sandbox_cgroup = self.cgroup.lock().unwrap_or_else(|p| p.into_inner()).sandbox();
+        super::host_stats(&sandbox_cgroup)
     }
 
     async fn wait(&self) -> ExitInfo {
-        let mut rx = self.exited.clone();
-        loop {
-            if let Some(exit) = *rx.borrow_and_update() {
-                return exit;
-            }
-            if rx.changed().await.is_err() {
-                return ExitInfo::from_agent(255, 0, false);
-            }
-        }
+        self.launcher.wait().await
     }
 
     async fn destroy(&self) -> Result<(), SandboxError> {
         if let SandboxState::Running { .. } = self.current() {
-            self.signal(Signal::SIGKILL as u32).await?;
-            let _ = tokio::time::timeout(Duration::from_secs(5), self.wait()).await;
+            // The agent is PID 1 of its namespace: killing it ends every process of the pod.
+            self.launcher.stop(Duration::ZERO).await;
         }
         cleanup(&self.paths).await;
         Ok(())
@@ -469,27 +312,6 @@ mod tests {
         let bind = agent_rootfs_mounts(Path::new("/b/rootfs"), &[]);
         assert_eq!(bind[0].source, "/b/rootfs");
         assert_eq!(bind[0].options, vec!["rbind".to_string()]);
-    }
-
-    #[test]
-    fn unmount_scope_is_never_the_whole_host() {
-        assert!(mounts_below(Path::new("")).is_empty());
-        assert!(mounts_below(Path::new("/")).is_empty());
-        assert!(mounts_below(Path::new("relative/dir")).is_empty());
-    }
-
-    #[test]
-    fn mountinfo_escapes_are_undone() {
-        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-    }
-
-    #[test]
-    fn non_launcher_pids_are_left_alone() {
-        // Our own process is not a launcher, so cleanup would never signal it.
-        let socket = Path::new("/run/bulkhead/x/a.sock");
-        assert!(!is_launcher(std::process::id() as i32, socket));
-        assert!(!is_launcher(i32::MAX, socket));
     }
 
     #[tokio::test]

@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::config::Backend;
+
 /// `<state_dir>/<sandbox id>/...`
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodPaths {
@@ -22,7 +24,7 @@ impl PodPaths {
         self.dir.join("a.sock")
     }
 
-    /// The launcher's pid, for cleanup after a shim crash.
+    /// The namespace launcher's pid, for cleanup after a shim crash.
     pub fn pid_file(&self) -> PathBuf {
         self.dir.join("sandbox.pid")
     }
@@ -122,6 +124,8 @@ pub struct BundleRecord {
     pub state_dir: PathBuf,
     pub sandbox_id: String,
     pub is_sandbox: bool,
+    /// Which backend runs the pod, so `delete` tears down the right things.
+    pub backend: Backend,
 }
 
 impl BundleRecord {
@@ -148,7 +152,12 @@ mod tests {
     #[test]
     fn record_round_trips() {
         let dir = tempfile::tempdir().unwrap();
-        let record = BundleRecord { state_dir: "/run/bulkhead".into(), sandbox_id: "sb1".into(), is_sandbox: true };
+        let record = BundleRecord {
+            state_dir: "/run/bulkhead".into(),
+            sandbox_id: "sb1".into(),
+            is_sandbox: true,
+            backend: Backend::Vm,
+        };
         record.write(dir.path()).unwrap();
         assert_eq!(BundleRecord::read(dir.path()).unwrap(), record);
     }

@@ -24,6 +24,9 @@ pub struct ImageTarballs {
 /// Builds (or reuses) both tarballs in `dir`. Content is deterministic, so a tarball that
 /// already exists under its final name is complete: files are written then renamed.
 pub fn build_all(dir: &Path) -> Result<ImageTarballs> {
+    // Tests of one binary run in parallel threads and would write the same temporary files.
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(ImageTarballs {
         busybox: ensure(dir, "busybox.oci.tar", build_busybox_layer, BUSYBOX, &["sh"])?,

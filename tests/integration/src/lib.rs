@@ -1,5 +1,6 @@
 //! End-to-end harness for bulkhead: a private containerd (`containerd`), local OCI images
-//! (`images`) and a CRI client (`cri`). Every end-to-end test in the workspace uses it.
+//! (`images`), a CRI client (`cri`), the VMM's test guests (`guests`) and host leftovers checks
+//! (`host`). Every end-to-end test in the workspace uses it.
 //!
 //! Tests that need root or containerd call [`skip_reason`] first and print one
 //! `SKIPPED: <reason>` line when it returns `Some`.
@@ -7,6 +8,8 @@
 pub mod cgroups;
 pub mod containerd;
 pub mod cri;
+pub mod guests;
+pub mod host;
 pub mod images;
 
 pub use containerd::{CniNetwork, CniRoute, Containerd, ContainerdConfig, RuntimeHandler};
@@ -74,6 +77,13 @@ pub fn target_dir() -> PathBuf {
         dir.pop();
     }
     dir
+}
+
+/// Where `make setup` puts virtiofsd (`$BULKHEAD_CACHE/bin/virtiofsd`, default cache
+/// /var/cache/bulkhead): the one place tests look for it.
+pub fn virtiofsd_path() -> PathBuf {
+    let cache = std::env::var_os("BULKHEAD_CACHE").unwrap_or_else(|| "/var/cache/bulkhead".into());
+    PathBuf::from(cache).join("bin/virtiofsd")
 }
 
 /// Path of a workspace binary (built by `cargo build --workspace` before the tests).

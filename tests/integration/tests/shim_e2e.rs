@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
     cgroups, container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
     RuntimeHandler,
@@ -112,41 +113,6 @@ fn unique(tag: &str) -> String {
     format!("bhmark-{tag}-{}-{nanos}", std::process::id())
 }
 
-/// Host pids whose command line contains `needle`.
-fn processes_with(needle: &str) -> Vec<(u32, String)> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
-    for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        if pid == std::process::id() {
-            continue;
-        }
-        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push((pid, cmdline));
-        }
-    }
-    found
-}
-
-fn mounts_with(needle: &str) -> Vec<String> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_string)
-        .collect()
-}
-
-/// containerd's shim socket for `group` (same hash as the shim computes).
-fn shim_socket(containerd: &Containerd, group: &str) -> PathBuf {
-    use sha2::{Digest, Sha256};
-    let key = containerd.address().join("k8s.io").join(group);
-    let hash = hex::encode(Sha256::digest(key.display().to_string().as_bytes()));
-    PathBuf::from(format!("/run/containerd/s/{hash}"))
-}
-
 /// Waits until a process with `marker` in its command line runs: CRI reports Running when
 /// Start returns, a moment before the container's init has exec'd its command.
 async fn wait_for_process(marker: &str) -> Result<()> {
@@ -157,21 +123,6 @@ async fn wait_for_process(marker: &str) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     bail!("no process with {marker} in its command line")
-}
-
-/// Polls `check` (which returns what is still left over) until it is empty or `within` passes.
-async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -> Vec<String>) -> Result<()> {
-    let deadline = Instant::now() + within;
-    loop {
-        let left = check();
-        if left.is_empty() {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            bail!("{what} still present after {within:?}: {left:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Nothing of the pod may remain: processes, mounts, sockets, state.
@@ -199,7 +150,7 @@ async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str
     })
     .await?;
     let pod_state = env.state_dir.path().join(pod_id);
-    let socket = shim_socket(&env.containerd, pod_id);
+    let socket = bulkhead_integration::host::shim_socket(&env.containerd, pod_id);
     eventually_nothing("sockets and state", within, || {
         [&pod_state, &socket].into_iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect()
     })
@@ -602,8 +553,19 @@ fn task_status(list: &str, id: &str) -> Option<String> {
 async fn shim_task_api_pause_resume_pids_metrics() -> Result<()> {
     let Some(env) = setup("shim_task_api_pause_resume_pids_metrics", vec![]).await? else { return Ok(()) };
     let pod = env.pod("taskapi")?;
-    let (_pod_id, ctr_id) =
+    let (pod_id, ctr_id) =
         env.pod_with(&pod, &sleeper("sleeper", &unique("taskapi"))).await.with_context(|| env.fail_context())?;
+
+    // The sandbox task: the namespace backend cannot pause a whole pod and says so; its stats are
+    // the sandbox cgroup's (launcher and agent), not empty numbers.
+    let err = ctr(&env, &["task", "pause", &pod_id]).await.unwrap_err();
+    assert!(format!("{err:#}").contains("does not support pausing the pod sandbox"), "{err:#}");
+    let list = ctr(&env, &["task", "ls"]).await?;
+    assert_eq!(task_status(&list, &pod_id).as_deref(), Some("RUNNING"), "{list}");
+    let metrics = ctr(&env, &["task", "metrics", "--format", "json", &pod_id]).await?;
+    let value: serde_json::Value = serde_json::from_str(&metrics).with_context(|| format!("metrics: {metrics}"))?;
+    let usage = value.pointer("/memory/usage/usage").and_then(serde_json::Value::as_u64).unwrap_or_default();
+    assert!(usage > 0, "sandbox memory usage in metrics: {metrics}");
 
     // Pids: the container's processes, as the agent lists them.
     let ps = ctr(&env, &["task", "ps", &ctr_id]).await?;

@@ -35,42 +35,9 @@ pub fn skip_without_kvm() -> bool {
     }
 }
 
-fn guests_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/guests")
-}
-
 /// Compiles `tests/guests/<name>.rs` into a static ELF. Err(reason) means "cannot build here".
 pub fn build_guest(name: &str) -> Result<PathBuf, String> {
-    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests");
-    std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
-    let out = out_dir.join(format!("{name}.elf"));
-    // Tests build the same guest concurrently: compile in a private directory (rustc puts its
-    // intermediate files, named after the crate, next to the output), then rename into place.
-    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let tmp_dir = out_dir.join(format!("{name}.{}.{seq}.d", std::process::id()));
-    std::fs::create_dir_all(&tmp_dir).map_err(|e| e.to_string())?;
-    let tmp = tmp_dir.join(format!("{name}.elf"));
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    let output = Command::new(rustc)
-        .args(["--edition", "2021", "--target", "x86_64-unknown-none", "--crate-type", "bin"])
-        .args(["-C", "panic=abort", "-C", "opt-level=s", "-C", "relocation-model=static"])
-        .arg("-o")
-        .arg(&tmp)
-        .arg(guests_dir().join(format!("{name}.rs")))
-        .output()
-        .map_err(|e| format!("cannot run rustc: {e}"))?;
-    if !output.status.success() {
-        let _ = std::fs::remove_dir_all(&tmp_dir);
-        let err = String::from_utf8_lossy(&output.stderr);
-        if err.contains("can't find crate for `core`") || err.contains("target may not be installed") {
-            return Err("rust target x86_64-unknown-none is not installed".into());
-        }
-        panic!("test guest {name} failed to compile:\n{err}");
-    }
-    std::fs::rename(&tmp, &out).map_err(|e| format!("installing {name}: {e}"))?;
-    let _ = std::fs::remove_dir_all(&tmp_dir);
-    Ok(out)
+    bulkhead_integration::guests::build(name, &Path::new(env!("CARGO_TARGET_TMPDIR")).join("bulkhead-test-guests"))
 }
 
 /// Skips (prints SKIPPED) when KVM or the guest toolchain is missing; otherwise the guest path.

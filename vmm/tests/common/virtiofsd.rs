@@ -11,8 +11,7 @@ use std::time::Duration;
 
 /// Where `make setup` puts virtiofsd.
 pub fn path() -> PathBuf {
-    let cache = std::env::var_os("BULKHEAD_CACHE").unwrap_or_else(|| "/var/cache/bulkhead".into());
-    PathBuf::from(cache).join("bin/virtiofsd")
+    bulkhead_integration::virtiofsd_path()
 }
 
 /// A virtiofsd serving `shared` on `socket`, stopped (by PID) on drop.

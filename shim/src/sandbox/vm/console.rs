@@ -1,0 +1,95 @@
+//! The guest's serial console log (written by the VMM, content from the guest, so hostile):
+//! its last lines, bounded and made printable, for errors; and a bounded copy kept in the pod's
+//! log directory when the pod's own state is removed after a failed start.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// Bytes of the log's end that an error quotes at most.
+const TAIL_BYTES: u64 = 2048;
+/// Lines an error quotes at most.
+const TAIL_LINES: usize = 12;
+/// Bytes of the log's end kept in the pod's log directory.
+const KEEP_BYTES: u64 = 1 << 20;
+/// The kept copy's name in the pod's log directory.
+pub const KEPT_NAME: &str = "bulkhead-vm-console.log";
+
+/// The last `max` bytes of `path` (empty if it cannot be read).
+fn last_bytes(path: &Path, max: u64) -> Vec<u8> {
+    let Ok(mut file) = std::fs::File::open(path) else { return Vec::new() };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if file.seek(SeekFrom::Start(len.saturating_sub(max))).is_err() {
+        return Vec::new();
+    }
+    let mut bytes = Vec::new();
+    let _ = file.take(max).read_to_end(&mut bytes);
+    bytes
+}
+
+/// The console's last lines on one line: `, last lines: «a | b»`, or `, which is empty`.
+pub fn tail(path: &Path) -> String {
+    let bytes = last_bytes(path, TAIL_BYTES);
+    let text = String::from_utf8_lossy(&bytes);
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| l.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect::<String>())
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.is_empty() {
+        return ", which is empty".into();
+    }
+    let shown = &lines[lines.len().saturating_sub(TAIL_LINES)..];
+    format!(", last lines: «{}»", shown.join(" | "))
+}
+
+/// Copies the console's last `KEEP_BYTES` into `log_dir`; returns where, if it could.
+pub fn keep(path: &Path, log_dir: &Path) -> Option<PathBuf> {
+    if !log_dir.is_dir() {
+        return None;
+    }
+    let kept = log_dir.join(KEPT_NAME);
+    std::fs::write(&kept, last_bytes(path, KEEP_BYTES)).ok()?;
+    Some(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tail_is_bounded_and_printable() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("console.log");
+        assert_eq!(tail(&log), ", which is empty");
+        let mut text = "x".repeat(100_000);
+        for i in 0..40 {
+            text.push_str(&format!("\nline {i}"));
+        }
+        text.push_str("\n\u{1b}[31mred\u{7}\n\n");
+        std::fs::write(&log, text).unwrap();
+        let t = tail(&log);
+        assert!(t.starts_with(", last lines: «line 29 | "), "{t}");
+        assert!(t.ends_with("| \u{FFFD}[31mred\u{FFFD}»"), "{t}");
+        assert!(t.len() < 400, "{}", t.len());
+        // Hostile bytes that are not UTF-8 stay bounded too.
+        std::fs::write(&log, vec![0xff; 10_000]).unwrap();
+        assert!(tail(&log).len() < 3 * TAIL_BYTES as usize + 100);
+    }
+
+    #[test]
+    fn a_kept_copy_holds_the_end_of_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("console.log");
+        let mut text = vec![b'a'; KEEP_BYTES as usize];
+        text.extend_from_slice(b"the end\n");
+        std::fs::write(&log, &text).unwrap();
+        let logs = dir.path().join("pod-logs");
+        assert_eq!(keep(&log, &logs), None, "no log directory, no copy");
+        std::fs::create_dir(&logs).unwrap();
+        let kept = keep(&log, &logs).unwrap();
+        let copy = std::fs::read(&kept).unwrap();
+        assert_eq!(copy.len() as u64, KEEP_BYTES);
+        assert!(copy.ends_with(b"the end\n"));
+    }
+}

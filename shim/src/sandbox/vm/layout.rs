@@ -1,0 +1,273 @@
+//! Where a pod's VM lives on the host, and the two documents the VMM reads.
+//!
+//! ```text
+//! <state_dir>/<pod>/
+//!   shared/                        what virtiofsd serves (share.rs): <container>/rootfs, volumes/<n>
+//!   vm/                            root 0700: the shim's own files
+//!     vm.json, jail.json           the VM config (paths inside the jail) and the jail
+//!     vmm.pid, virtiofsd.pid       the VMM's waiter and virtiofsd, for `delete` after a crash
+//!     root/                        root 0755: the VMM's chroot
+//!       vmlinux, initramfs.cpio.gz read-only bind mounts (made by the VMM in its own namespace)
+//!       dev/kvm                    made by the VMM
+//!       run/                       made by the shim, then the jail user's: fs0.sock (virtiofsd's
+//!                                  listener, bound by the shim), v.sock (hybrid vsock),
+//!                                  api.sock, console.log (the guest's serial console)
+//! ```
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use bulkhead_protocol::guest::SHARED_FS_PARAM;
+use bulkhead_vmm_api::config::{FsConfig, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
+use bulkhead_vmm_api::jail::{JailConfig, JailFile};
+
+use super::super::paths::PodPaths;
+use super::shape::VmShape;
+
+/// Paths inside the jail.
+const KERNEL: &str = "/vmlinux";
+const INITRAMFS: &str = "/initramfs.cpio.gz";
+const RUN_DIR: &str = "/run";
+const VSOCK: &str = "/run/v.sock";
+const API: &str = "/run/api.sock";
+const CONSOLE: &str = "/run/console.log";
+const FS_SOCKET: &str = "/run/fs0.sock";
+/// The virtio-fs tag of the pod's shared directory (named on the guest's command line).
+const FS_TAG: &str = "bulkhead";
+/// Size of the virtio-fs request queue (the VMM's default).
+const FS_QUEUE_SIZE: u16 = 1024;
+/// The guest's vsock context id (the only guest on its vsock device).
+const GUEST_CID: u64 = 3;
+
+/// `sun_path` of a Unix socket address, NUL included.
+pub const SUN_PATH_MAX: usize = 108;
+
+/// What the jail and VM documents are made of, for one pod.
+#[derive(Debug, Clone)]
+pub struct VmPlan<'a> {
+    pub id: &'a str,
+    pub kernel: &'a Path,
+    pub initramfs: &'a Path,
+    pub uid: u32,
+    pub gid: u32,
+    pub cgroup: PathBuf,
+    pub netns: Option<PathBuf>,
+    pub shape: VmShape,
+    /// The guest's NICs, on taps the shim made in the pod's netns (`crate::network::attach_vm`).
+    pub net: Vec<NetConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmLayout {
+    /// `<state_dir>/<pod>/vm`
+    pub dir: PathBuf,
+    /// `<state_dir>/<pod>/shared`
+    pub shared_dir: PathBuf,
+}
+
+impl VmLayout {
+    pub fn new(paths: &PodPaths) -> Self {
+        Self { dir: paths.dir.join("vm"), shared_dir: paths.dir.join("shared") }
+    }
+
+    pub fn virtiofsd_pid_file(&self) -> PathBuf {
+        self.dir.join("virtiofsd.pid")
+    }
+
+    /// virtiofsd's listener, which the jailed VMM connects to.
+    pub fn fs_socket(&self) -> PathBuf {
+        self.host(FS_SOCKET)
+    }
+
+    pub fn chroot(&self) -> PathBuf {
+        self.dir.join("root")
+    }
+
+    pub fn vm_json(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+
+    pub fn jail_json(&self) -> PathBuf {
+        self.dir.join("jail.json")
+    }
+
+    pub fn pid_file(&self) -> PathBuf {
+        self.dir.join("vmm.pid")
+    }
+
+    fn host(&self, jail_path: &str) -> PathBuf {
+        self.chroot().join(jail_path.trim_start_matches('/'))
+    }
+
+    /// The hybrid-vsock socket the shim dials the agent through.
+    pub fn vsock_socket(&self) -> PathBuf {
+        self.host(VSOCK)
+    }
+
+    pub fn api_socket(&self) -> PathBuf {
+        self.host(API)
+    }
+
+    /// The guest's serial console, as the VMM writes it.
+    pub fn console_log(&self) -> PathBuf {
+        self.host(CONSOLE)
+    }
+
+    /// The arguments that start the VMM (after its path); `delete` recognises its waiter by them.
+    pub fn vmm_args(&self) -> Vec<String> {
+        vec![
+            "--config".into(),
+            self.vm_json().display().to_string(),
+            "--jail".into(),
+            self.jail_json().display().to_string(),
+        ]
+    }
+
+    pub fn jail_config(&self, plan: &VmPlan<'_>) -> JailConfig {
+        JailConfig {
+            id: plan.id.to_string(),
+            chroot: self.chroot(),
+            uid: plan.uid,
+            gid: plan.gid,
+            read_only: vec![
+                JailFile { host: plan.kernel.to_owned(), jail: KERNEL.into() },
+                JailFile { host: plan.initramfs.to_owned(), jail: INITRAMFS.into() },
+            ],
+            writable_dirs: vec![RUN_DIR.into()],
+            cgroup: Some(plan.cgroup.clone()),
+            netns: plan.netns.clone(),
+            // The VMM opens its taps through /dev/net/tun inside the chroot.
+            tun: !plan.net.is_empty(),
+        }
+    }
+
+    pub fn vm_config(&self, plan: &VmPlan<'_>) -> VmConfig {
+        VmConfig {
+            kernel: Some(KERNEL.into()),
+            initramfs: Some(INITRAMFS.into()),
+            cmdline: Some(format!("{DEFAULT_CMDLINE} {SHARED_FS_PARAM}={FS_TAG}")),
+            raw_guest: None,
+            vcpus: plan.shape.vcpus,
+            mem_mib: plan.shape.mem_mib,
+            serial_log: Some(CONSOLE.into()),
+            vsock: Some(VsockConfig { uds_path: VSOCK.into(), guest_cid: GUEST_CID }),
+            block: Vec::new(),
+            fs: vec![FsConfig { tag: FS_TAG.into(), socket: FS_SOCKET.into(), queue_size: FS_QUEUE_SIZE }],
+            net: plan.net.clone(),
+            api_socket: Some(API.into()),
+        }
+    }
+
+    /// Makes the directories and writes both documents. The chroot is root's and empty: the
+    /// VMM adds its device node, mounts and writable dirs itself.
+    pub fn create(&self, plan: &VmPlan<'_>) -> std::io::Result<()> {
+        let too_long =
+            [self.vsock_socket(), self.api_socket()].into_iter().find(|s| s.as_os_str().len() >= SUN_PATH_MAX);
+        if let Some(socket) = too_long {
+            return Err(std::io::Error::other(format!(
+                "the VM socket {} exceeds {SUN_PATH_MAX} bytes; use a shorter state_dir",
+                socket.display()
+            )));
+        }
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir)?;
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))?;
+        std::fs::DirBuilder::new().mode(0o755).create(self.chroot())?;
+        std::fs::DirBuilder::new().mode(0o755).create(self.host(RUN_DIR))?;
+        let jail = serde_json::to_vec_pretty(&self.jail_config(plan)).map_err(std::io::Error::other)?;
+        std::fs::write(self.jail_json(), jail)?;
+        let vm = serde_json::to_vec_pretty(&self.vm_config(plan)).map_err(std::io::Error::other)?;
+        std::fs::write(self.vm_json(), vm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn plan<'a>(kernel: &'a Path, initramfs: &'a Path) -> VmPlan<'a> {
+        VmPlan {
+            id: "sb1",
+            kernel,
+            initramfs,
+            uid: 40_000,
+            gid: 40_001,
+            cgroup: "/bulkhead/sb1/sb1".into(),
+            netns: Some("/var/run/netns/cni-1".into()),
+            shape: VmShape { vcpus: 2, mem_mib: 512 },
+            net: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_vm_with_nics_gets_them_and_the_tun_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PodPaths::new(dir.path(), "sb1").unwrap();
+        let layout = VmLayout::new(&paths);
+        let mut plan = plan(Path::new("/k"), Path::new("/i"));
+        assert!(!layout.jail_config(&plan).tun, "no NICs, no tun device in the chroot");
+        plan.net = vec![NetConfig { tap: "bhtap0".into(), mac: "02:00:00:00:00:01".into(), mtu: Some(1450), rate_limiter: None }];
+        layout.create(&plan).unwrap();
+        assert!(JailConfig::from_file(&layout.jail_json()).unwrap().tun);
+        let vm = VmConfig::from_file(&layout.vm_json()).unwrap();
+        assert_eq!(vm.net, plan.net);
+    }
+
+    #[test]
+    fn documents_are_what_the_vmm_accepts() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PodPaths::new(dir.path(), "sb1").unwrap();
+        let layout = VmLayout::new(&paths);
+        let plan = plan(Path::new("/usr/share/bulkhead/vmlinux"), Path::new("/usr/share/bulkhead/initramfs.cpio.gz"));
+        layout.create(&plan).unwrap();
+
+        let jail = JailConfig::from_file(&layout.jail_json()).unwrap();
+        assert_eq!(jail.chroot, layout.chroot());
+        assert_eq!((jail.uid, jail.gid), (40_000, 40_001));
+        assert_eq!(jail.cgroup.as_deref(), Some(Path::new("/bulkhead/sb1/sb1")));
+        assert_eq!(jail.host_path(Path::new(VSOCK)), layout.vsock_socket());
+        assert_eq!(jail.read_only[0].host, PathBuf::from("/usr/share/bulkhead/vmlinux"));
+
+        let vm = VmConfig::from_file(&layout.vm_json()).unwrap();
+        assert_eq!((vm.vcpus, vm.mem_mib), (2, 512));
+        assert_eq!(vm.kernel.as_deref(), Some(Path::new(KERNEL)));
+        assert_eq!(jail.host_path(vm.serial_log.as_deref().unwrap()), layout.console_log());
+        assert_eq!(jail.host_path(vm.api_socket.as_deref().unwrap()), layout.api_socket());
+        // Every path the VM config names is inside the jail: a read-only file or a writable dir.
+        for p in [vm.kernel.unwrap(), vm.initramfs.unwrap()] {
+            assert!(jail.read_only.iter().any(|f| f.jail == p), "{}", p.display());
+        }
+        assert_eq!(jail.host_path(&vm.fs[0].socket), layout.fs_socket());
+        assert!(vm.cmdline.as_deref().unwrap().ends_with(" bulkhead.shared_fs=bulkhead"), "{:?}", vm.cmdline);
+        assert_eq!(
+            bulkhead_protocol::guest::shared_fs_tag(vm.cmdline.as_deref().unwrap()),
+            Some(vm.fs[0].tag.as_str()),
+            "the agent mounts the tag the VM's device has"
+        );
+        for p in [vm.serial_log.unwrap(), vm.api_socket.unwrap(), vm.vsock.unwrap().uds_path, vm.fs[0].socket.clone()] {
+            assert!(jail.writable_dirs.iter().any(|d| p.starts_with(d)), "{}", p.display());
+        }
+
+        // The chroot is root's and not writable by others (the jail checks it).
+        let meta = std::fs::metadata(layout.chroot()).unwrap();
+        assert_eq!(meta.mode() & 0o022, 0);
+        assert_eq!(std::fs::metadata(&layout.dir).unwrap().mode() & 0o777, 0o700);
+        assert!(layout.vmm_args().contains(&layout.jail_json().display().to_string()));
+    }
+
+    #[test]
+    fn socket_paths_must_fit() {
+        let long = PathBuf::from("/").join("d".repeat(90));
+        let paths = PodPaths::new(&long, "sb1").unwrap();
+        let layout = VmLayout::new(&paths);
+        let err = layout.create(&plan(Path::new("/k"), Path::new("/i"))).unwrap_err();
+        assert!(err.to_string().contains("shorter state_dir"), "{err}");
+        assert!(!long.exists(), "nothing is created when the paths do not fit");
+    }
+
+    #[test]
+    fn default_state_dir_fits_a_64_char_pod_id() {
+        let paths = PodPaths::new(Path::new("/run/bulkhead"), &"a".repeat(64)).unwrap();
+        assert!(VmLayout::new(&paths).vsock_socket().as_os_str().len() < SUN_PATH_MAX);
+    }
+}

@@ -1,0 +1,425 @@
+//! The `vm` backend, the product: one jailed `bulkhead-vmm` per pod, running the guest kernel
+//! with the agent as PID 1, reached through the VMM's hybrid-vsock Unix socket with the same
+//! CONNECT handshake and `AgentClient` as the namespace backend.
+//!
+//! Start: lay out `<state_dir>/<pod>/` ([`layout`]), size the VM from the pod ([`shape`]), make
+//! the pod's shared directory ([`share`]) and start its virtiofsd on a listener in the chroot
+//! ([`virtiofsd`]), spawn `bulkhead-vmm --config vm.json --jail jail.json` as a supervised child
+//! (it jails itself into the chroot, the pod's cgroup and netns, as the configured uid), and dial
+//! the agent until it answers, the VMM exits, or the connect timeout passes. A failure names the
+//! console log and quotes its end ([`console`]), and everything started is torn down.
+//!
+//! Network: for a pod with a netns, the taps and redirects of [`crate::network::attach_vm`]
+//! are made before the VMM starts (it opens the taps by name, inside that netns), the guest
+//! NICs take the CNI interfaces' MACs, and SetupSandbox hands the agent their addresses and
+//! routes. A host-network pod's VM has no NIC: the node's network is not the VM's to share.
+//!
+//! Running: the sandbox task's pid is the VMM's waiter (the jail's parent process, which relays
+//! SIGTERM/SIGINT and dies with the shim); Pause/Resume go to the VMM's API socket ([`api`]);
+//! Stats are the VMM's cgroup. A container's rootfs and volumes are mounted into the shared
+//! directory and its spec points at them in the guest. virtiofsd ending while the VM runs is
+//! logged and ends the VM (the pod's sandbox fails); it is never restarted.
+
+pub mod api;
+pub mod console;
+pub mod layout;
+pub mod shape;
+pub mod share;
+pub mod virtiofsd;
+
+use std::ffi::CString;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bulkhead_protocol::agent as pb;
+use containerd_shim::protos::types::mount::Mount;
+use nix::sys::signal::Signal;
+use tracing::{error, info, warn, Instrument};
+
+use self::api::VmmApi;
+use self::layout::{VmLayout, VmPlan};
+use self::shape::VmShape;
+use self::share::SharedDir;
+use bulkhead_vmm_api::config::NetConfig;
+use super::cgroups::{self, PodCgroup};
+use super::paths::{HostPids, PodPaths};
+use super::supervise::{self, LogTo, Supervised};
+use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
+use crate::agent::{AgentClient, Timeouts};
+use crate::config::{Backend, Config};
+use crate::exit::ExitInfo;
+use crate::logrelay::Component;
+use crate::network::{MetadataAccess, VmAttach, VmNetwork};
+
+/// How long a VMM gets to shut down on SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+/// Deadline of one API socket exchange.
+const API_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long virtiofsd gets to exit on SIGTERM at teardown.
+const VIRTIOFSD_GRACE: Duration = Duration::from_secs(1);
+/// How long after virtiofsd's exit the VMM may take to exit too before that counts as a crash
+/// (when the VM stops, virtiofsd sees its connection close and may exit first).
+const FOLLOW_GRACE: Duration = Duration::from_secs(1);
+
+pub struct VmSandbox {
+    id: String,
+    paths: PodPaths,
+    agent: Arc<AgentClient>,
+    /// The VMM's waiter: the sandbox task's process.
+    vmm: Supervised,
+    virtiofsd: Supervised,
+    share: SharedDir,
+    api: VmmApi,
+    cgroup: PodCgroup,
+    /// The guest's NICs and routes (none for a host-network pod).
+    network: Option<VmNetwork>,
+    state: Mutex<SandboxState>,
+}
+
+/// What a successful boot hands the sandbox.
+struct Booted {
+    agent: AgentClient,
+    vmm: Supervised,
+    virtiofsd: Supervised,
+    network: Option<VmNetwork>,
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Io { what, source }
+}
+
+/// A file the VM needs, resolved to what it names now (an upgrade that flips a symlink later
+/// does not change a running pod's files).
+fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError> {
+    let resolved =
+        std::fs::canonicalize(path).map_err(|e| SandboxError::Setup(format!("vm.{field} {}: {e}", path.display())))?;
+    if !resolved.is_file() {
+        return Err(SandboxError::Setup(format!("vm.{field} {} is not a file", path.display())));
+    }
+    Ok(resolved)
+}
+
+/// What a start has started so far, stopped again if the start fails.
+#[derive(Default)]
+struct Started {
+    vmm: Option<Supervised>,
+    virtiofsd: Option<Supervised>,
+}
+
+impl Started {
+    async fn stop(&self) {
+        for child in [&self.vmm, &self.virtiofsd].into_iter().flatten() {
+            child.stop(Duration::ZERO).await;
+        }
+    }
+}
+
+impl VmSandbox {
+    pub async fn start(config: &Config, req: SandboxRequest) -> Result<Arc<Self>, SandboxError> {
+        let paths = PodPaths::new(&config.state_dir, &req.sandbox_id)
+            .ok_or_else(|| SandboxError::Setup(format!("sandbox id {:?} is not a plain id", req.sandbox_id)))?;
+        // A leftover of an earlier crashed attempt must not confuse this one.
+        cleanup(&paths).await;
+        let mut started = Started::default();
+        match Self::boot(config, &req, &paths, &mut started).await {
+            Ok(Booted { agent, vmm, virtiofsd, network }) => {
+                let layout = VmLayout::new(&paths);
+                Ok(Arc::new(Self {
+                    id: req.sandbox_id,
+                    api: VmmApi::new(&layout.api_socket(), API_TIMEOUT),
+                    share: SharedDir::new(layout.shared_dir),
+                    paths,
+                    agent: Arc::new(agent),
+                    state: Mutex::new(SandboxState::Running { pid: vmm.pid }),
+                    vmm,
+                    virtiofsd,
+                    network,
+                    cgroup: req.cgroup,
+                }))
+            }
+            Err(e) => {
+                started.stop().await;
+                cleanup(&paths).await;
+                warn!("{e}");
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts virtiofsd and the VMM and dials the agent; what it started is in `started`.
+    async fn boot(
+        config: &Config,
+        req: &SandboxRequest,
+        paths: &PodPaths,
+        started: &mut Started,
+    ) -> Result<Booted, SandboxError> {
+        let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
+        let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
+        let kernel = vm_file("kernel_path", &config.vm.kernel_path)?;
+        let initramfs = vm_file("initramfs_path", &config.vm.initramfs_path)?;
+        let shape = VmShape::for_pod(&config.vm, &req.resources)?;
+        let layout = VmLayout::new(paths);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&paths.dir)
+            .map_err(io(format!("create {}", paths.dir.display())))?;
+        // Recorded before anything is added, so a failed start and `delete` find what to remove.
+        let network = match &req.netns {
+            Some(netns) => {
+                let attach = VmAttach {
+                    netns,
+                    record: &paths.network_record(),
+                    tap_uid: config.vm.jailer_uid,
+                    tap_gid: config.vm.jailer_gid,
+                    metadata: MetadataAccess::from_config(&config.network),
+                };
+                Some(crate::network::attach_vm(&attach).await?)
+            }
+            None => {
+                info!(sandbox = %req.sandbox_id, "host-network pod: the VM gets no NIC");
+                None
+            }
+        };
+        let net = network
+            .iter()
+            .flat_map(|n| &n.nics)
+            .map(|nic| NetConfig { tap: nic.tap.clone(), mac: nic.mac.clone(), mtu: Some(nic.mtu), rate_limiter: None })
+            .collect();
+        let plan = VmPlan {
+            id: &req.sandbox_id,
+            kernel: &kernel,
+            initramfs: &initramfs,
+            uid: config.vm.jailer_uid,
+            gid: config.vm.jailer_gid,
+            cgroup: req.cgroup.sandbox(),
+            netns: req.netns.clone(),
+            shape,
+            net,
+        };
+        layout
+            .create(&plan)
+            .and_then(|()| req.cgroup.write_record(&paths.cgroup_file()))
+            .map_err(io(format!("lay out the VM in {}", layout.dir.display())))?;
+        let share = SharedDir::new(layout.shared_dir.clone());
+        share.create()?;
+        // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
+        let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
+
+        let listener = virtiofsd::listen(&layout.fs_socket(), plan.uid, plan.gid)
+            .map_err(io(format!("listen at {}", layout.fs_socket().display())))?;
+        // virtiofsd's memory is the pod's too: it joins the sandbox cgroup the VMM joins.
+        let (procs, problems) = cgroups::procs_files(&plan.cgroup);
+        if !problems.is_empty() {
+            return Err(SandboxError::Setup(format!("virtiofsd's cgroup: {}", problems.join("; "))));
+        }
+        let procs = procs
+            .iter()
+            .map(|p| CString::new(p.as_os_str().as_encoded_bytes()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| SandboxError::Setup(format!("virtiofsd's cgroup: {e}")))?;
+        let command = virtiofsd::command(&virtiofsd_path, &share.dir, &listener, procs);
+        let log = |component| LogTo { pod: req.sandbox_id.clone(), component, console: None };
+        let fsd = supervise::spawn(command, "virtiofsd", &life_span, log(Component::Virtiofsd))?;
+        drop(listener);
+        started.virtiofsd = Some(fsd.clone());
+        supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
+
+        let mut command = tokio::process::Command::new(&vmm_path);
+        command.args(layout.vmm_args());
+        let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span, log(Component::Vmm))?;
+        started.vmm = Some(vmm.clone());
+        supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
+        // `bulkhead-ctl console` reads the pod's console.log: here, the serial log in the jail.
+        if let Err(e) = std::os::unix::fs::symlink(layout.console_log(), paths.console_log()) {
+            warn!("link {} to the serial log: {e}", paths.console_log().display());
+        }
+        tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
+        info!(
+            sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, vcpus = shape.vcpus,
+            mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
+        );
+
+        let timeouts = Timeouts {
+            connect: Duration::from_millis(config.agent.connect_timeout_ms),
+            rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
+        };
+        match supervise::dial_agent(&layout.vsock_socket(), timeouts, &vmm).await {
+            Ok(agent) => {
+                info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
+                Ok(Booted { agent, vmm, virtiofsd: fsd, network })
+            }
+            Err(failure) => {
+                vmm.stop(Duration::ZERO).await;
+                let mut reason = format!("bulkhead-vmm (pid {}): {failure}", vmm.pid);
+                // virtiofsd exits 0 when the VMM closes its connection; anything else is its own failure.
+                if let Some(exit) = fsd.exit().filter(|e| e.status != 0) {
+                    reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}", fsd.pid, exit.status));
+                }
+                let console = layout.console_log();
+                let tail = console::tail(&console);
+                // The pod's state goes; a copy of the console stays with the pod's logs.
+                let kept = req.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
+                Err(SandboxError::VmStart { reason, console_log: kept.unwrap_or(console), tail })
+            }
+        }
+    }
+
+    fn current(&self) -> SandboxState {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let (SandboxState::Running { pid }, Some(exit)) = (*state, self.vmm.exit()) {
+            *state = SandboxState::Exited { pid, exit };
+        }
+        *state
+    }
+}
+
+/// Fills `buf` from the kernel's CSPRNG.
+fn getrandom_fill(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
+/// Removes everything a VM pod left on the host: the VMM (its waiter, recognised by its command
+/// line; the jailed VMM dies with it), the pod's cgroups, any mount, and the state dir with the
+/// chroot and its device node. Safe to call repeatedly; used by `destroy`, after a failed
+/// start, and by `delete` after a shim crash.
+pub async fn cleanup(paths: &PodPaths) {
+    let layout = VmLayout::new(paths);
+    let vmm = layout.vmm_args();
+    let fsd = virtiofsd::identity(&layout.shared_dir);
+    for (pid_file, args) in [(layout.pid_file(), &vmm[..]), (layout.virtiofsd_pid_file(), &fsd[..])] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        supervise::kill_recorded(&pid_file, &args).await;
+    }
+    super::remove_pod_state(paths).await;
+}
+
+/// virtiofsd must live as long as the VM: if it ends while the VM runs (crashed, killed), that
+/// is logged and the VM is ended with it, so the pod's sandbox fails instead of serving a dead
+/// filesystem. It is never restarted.
+async fn watch_virtiofsd(virtiofsd: Supervised, vmm: Supervised) {
+    let exit = virtiofsd.wait().await;
+    if tokio::time::timeout(FOLLOW_GRACE, vmm.wait()).await.is_ok() {
+        return;
+    }
+    error!(
+        virtiofsd = virtiofsd.pid,
+        status = exit.status,
+        vmm = vmm.pid,
+        "virtiofsd exited while the VM runs; ending the VM (the pod's sandbox fails, virtiofsd is not restarted)"
+    );
+    if let Err(e) = vmm.signal(Signal::SIGKILL) {
+        error!("end the VM after virtiofsd's exit: {e}");
+    }
+}
+
+#[async_trait]
+impl Sandbox for VmSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Vm
+    }
+
+    fn pid(&self) -> u32 {
+        match self.current() {
+            SandboxState::Running { pid } | SandboxState::Exited { pid, .. } => pid,
+        }
+    }
+
+    fn agent(&self) -> Arc<AgentClient> {
+        self.agent.clone()
+    }
+
+    fn host_pids(&self) -> HostPids {
+        HostPids { sandbox: self.pid(), vmm: Some(self.vmm.pid), virtiofsd: Some(self.virtiofsd.pid) }
+    }
+
+    fn guest_setup(&self, setup: &mut pb::SetupSandboxRequest) {
+        if let Some(network) = &self.network {
+            setup.interfaces = network.interfaces();
+            setup.routes = network.routes.clone();
+        }
+        // The guest owns its clock and entropy pool; both start from the host's.
+        setup.wall_clock_unix_nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        let mut seed = vec![0u8; 64];
+        match getrandom_fill(&mut seed) {
+            Ok(()) => setup.entropy_seed = seed,
+            Err(e) => warn!("no entropy seed for the guest: {e}"),
+        }
+    }
+
+    async fn prepare_container(
+        &self,
+        container_id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        spec_json: Vec<u8>,
+    ) -> Result<ContainerPlan, SandboxError> {
+        let mut spec: serde_json::Value = serde_json::from_slice(&spec_json)
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
+        let (share, id, bundle_rootfs, mounts) =
+            (self.share.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
+        // Mounts are blocking system calls: off the runtime's workers.
+        let (rootfs, spec) = tokio::task::spawn_blocking(move || {
+            share.prepare(&id, &bundle_rootfs, &mounts, &mut spec).map(|rootfs| (rootfs, spec))
+        })
+        .await
+        .map_err(|e| SandboxError::Setup(format!("container {container_id}: share: {e}")))??;
+        let spec_json = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
+        Ok(ContainerPlan { rootfs_path: rootfs.into(), rootfs_mounts: Vec::new(), spec_json })
+    }
+
+    async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
+        let (share, id) = (self.share.clone(), container_id.to_string());
+        tokio::task::spawn_blocking(move || share.release(&id))
+            .await
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: unshare: {e}")))
+    }
+
+    async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
+        let SandboxState::Running { .. } = self.current() else {
+            return Ok(());
+        };
+        let sig = Signal::try_from(signal as i32)
+            .map_err(|source| SandboxError::Sys { what: format!("signal {signal} to sandbox {}", self.id), source })?;
+        // The waiter relays SIGTERM/SIGINT to the VMM; any other signal ends the waiter, and the
+        // VMM with it (its parent-death signal).
+        self.vmm.signal(sig)
+    }
+
+    async fn pause(&self) -> Result<(), SandboxError> {
+        Ok(self.api.pause().await?)
+    }
+
+    async fn resume(&self) -> Result<(), SandboxError> {
+        Ok(self.api.resume().await?)
+    }
+
+    async fn stats(&self) -> Result<pb::StatsResponse, SandboxError> {
+        super::host_stats(&self.cgroup.sandbox())
+    }
+
+    async fn wait(&self) -> ExitInfo {
+        self.vmm.wait().await
+    }
+
+    async fn destroy(&self) -> Result<(), SandboxError> {
+        // The VM first: virtiofsd then sees its one connection close.
+        if !self.vmm.stop(STOP_GRACE).await {
+            warn!(pid = self.vmm.pid, "the VMM did not exit after SIGKILL");
+        }
+        if !self.virtiofsd.stop(VIRTIOFSD_GRACE).await {
+            warn!(pid = self.virtiofsd.pid, "virtiofsd did not exit after SIGKILL");
+        }
+        cleanup(&self.paths).await;
+        Ok(())
+    }
+}

@@ -1,0 +1,60 @@
+//! What a test looks at on the host to say "nothing of the pod is left": processes by their
+//! command line, mounts, containerd's shim sockets, and polling until leftovers are gone.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use crate::Containerd;
+
+/// Host pids (other than this test's) whose command line contains `needle`, with that line.
+pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if pid == std::process::id() {
+            continue;
+        }
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// Lines of this process's mountinfo that contain `needle`.
+pub fn mounts_with(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// containerd's shim socket for `group` (same hash as the shim computes).
+pub fn shim_socket(containerd: &Containerd, group: &str) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let key = containerd.address().join("k8s.io").join(group);
+    let hash = hex::encode(Sha256::digest(key.display().to_string().as_bytes()));
+    PathBuf::from(format!("/run/containerd/s/{hash}"))
+}
+
+/// Polls `check` (which returns what is still left over) until it is empty or `within` passes.
+pub async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -> Vec<String>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = check();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("{what} still present after {within:?}: {left:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

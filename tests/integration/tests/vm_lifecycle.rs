@@ -1,0 +1,337 @@
+//! The shim's `vm` backend through a real containerd, a real jailed `bulkhead-vmm` and the pod's
+//! real virtiofsd, up to the agent handshake (what this PVM host runs): a test guest stands in
+//! for the kernel. One that never answers fails RunPodSandbox at the connect timeout, one that
+//! resets at once fails it as soon as the VMM exits; both errors name the console log and quote
+//! it. The virtio-fs guest reaches the pod's sandboxed virtiofsd through the socket in the
+//! chroot. A virtiofsd killed under a running VM ends the VM. Afterwards, and after `kill -9` of
+//! the shim followed by containerd's `delete`, nothing of the pod is left.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::{
+    cgroups, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+};
+use bulkhead_integration::{guests, RuntimeHandler};
+use k8s_cri::v1 as cri;
+
+/// What the console copy kept with the pod's logs is called (shim/src/sandbox/vm/console.rs).
+const KEPT_CONSOLE: &str = "bulkhead-vm-console.log";
+/// The VMM's user and group in these tests (not `nobody`, so the checks mean something).
+const JAIL_UID: u32 = 40_223;
+const JAIL_GID: u32 = 40_224;
+
+/// A private containerd whose `bulkhead` handler runs the `vm` backend with `guest` as kernel.
+struct VmEnv {
+    containerd: Containerd,
+    cri: Cri,
+    state_dir: tempfile::TempDir,
+    connect_timeout: Duration,
+    _config_dir: tempfile::TempDir,
+    /// The pods' cgroup parent (kubelet's role here); removed after containerd is gone.
+    cgroup_parent: CgroupParent,
+}
+
+struct CgroupParent(String);
+
+impl Drop for CgroupParent {
+    fn drop(&mut self) {
+        for dir in cgroups::dirs(&self.0) {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+/// Prints `SKIPPED` and returns `None` when a prerequisite is missing (a failure under
+/// `BULKHEAD_REQUIRE_E2E`): root, containerd, /dev/kvm, the guest toolchain, the built binaries.
+async fn setup(test: &str, guest: &str, connect_timeout: Duration) -> Result<Option<VmEnv>> {
+    if skip_if_unready(test) {
+        return Ok(None);
+    }
+    if let Err(why) = bulkhead_vmm_api::probe::kvm_device_usable() {
+        skip::missing_prerequisite(test, &why);
+        return Ok(None);
+    }
+    let guest = match guests::build(guest, &bulkhead_integration::target_dir().join("bulkhead-test-guests")) {
+        Ok(path) => path,
+        Err(why) => {
+            skip::missing_prerequisite(test, &why);
+            return Ok(None);
+        }
+    };
+    let vmm = workspace_bin("bulkhead-vmm");
+    for bin in [&vmm, &workspace_bin("containerd-shim-bulkhead-v2")] {
+        if !bin.is_file() {
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
+            return Ok(None);
+        }
+    }
+    let virtiofsd = bulkhead_integration::virtiofsd_path();
+    if !virtiofsd.is_file() {
+        skip::missing_prerequisite(test, &format!("{} is missing (run `make setup`)", virtiofsd.display()));
+        return Ok(None);
+    }
+    let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    // The test guest ignores it, but the VM has one, as a pod's would.
+    let initramfs = config_dir.path().join("initramfs.cpio.gz");
+    std::fs::write(&initramfs, b"not read by the test guest")?;
+    let config = config_dir.path().join("bulkhead.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {}\n\n\
+             [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n\
+             memory_mib = 64\njailer_uid = {JAIL_UID}\njailer_gid = {JAIL_GID}\n",
+            state_dir.path().display(),
+            connect_timeout.as_millis(),
+            vmm.display(),
+            guest.display(),
+            initramfs.display(),
+            virtiofsd.display(),
+        ),
+    )?;
+    let containerd = Containerd::start(ContainerdConfig {
+        handlers: vec![RuntimeHandler::bulkhead(Some(&config))],
+        ..Default::default()
+    })
+    .await?;
+    let cri = containerd.cri().await?;
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let cgroup_parent = CgroupParent(format!("/bhtest-vm-{}-{seq}", std::process::id()));
+    Ok(Some(VmEnv { containerd, cri, state_dir, connect_timeout, _config_dir: config_dir, cgroup_parent }))
+}
+
+impl VmEnv {
+    /// A pod (host network, as kubelet sends it) in the test's cgroup parent, and its log dir.
+    fn pod(&self, name: &str) -> Result<(cri::PodSandboxConfig, PathBuf)> {
+        let log_dir = self.containerd.new_log_dir(name)?;
+        let mut pod = pod_config(name, &log_dir);
+        if let Some(linux) = pod.linux.as_mut() {
+            linux.cgroup_parent = self.cgroup_parent.0.clone();
+        }
+        Ok((pod, log_dir))
+    }
+
+    fn state(&self) -> &Path {
+        self.state_dir.path()
+    }
+
+    /// Nothing of the failed pod is left: VMM (waiter and jailed child), shim, state dir with
+    /// chroot, device node and sockets, mounts, cgroups.
+    async fn assert_nothing_left(&self) -> Result<()> {
+        let within = Duration::from_secs(20);
+        let state = self.state().display().to_string();
+        eventually_nothing("VMM processes", within, || {
+            processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+        })
+        .await?;
+        let address = self.containerd.address().display().to_string();
+        eventually_nothing("shim processes", within, || {
+            processes_with(&address)
+                .into_iter()
+                .filter(|(_, c)| c.contains("containerd-shim-bulkhead-v2"))
+                .map(|(p, c)| format!("{p} {c}"))
+                .collect()
+        })
+        .await?;
+        eventually_nothing("pod state", within, || {
+            std::fs::read_dir(self.state())
+                .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
+                .unwrap_or_default()
+        })
+        .await?;
+        eventually_nothing("mounts", within, || mounts_with(&state)).await?;
+        eventually_nothing("cgroups", within, || {
+            cgroups::dirs(&self.cgroup_parent.0)
+                .into_iter()
+                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path().display().to_string())
+                .collect()
+        })
+        .await
+    }
+}
+
+impl VmEnv {
+    /// The pod's state dir, once the shim made it.
+    fn pod_dir(&self) -> Option<PathBuf> {
+        Some(std::fs::read_dir(self.state()).ok()?.flatten().next()?.path())
+    }
+
+    /// Waits (while RunPodSandbox is under way) until the guest printed `line`.
+    async fn wait_for_console(&self, line: &str) -> Result<PathBuf> {
+        let console = || -> Option<(PathBuf, String)> {
+            let pod = self.pod_dir()?;
+            Some((pod.clone(), std::fs::read_to_string(pod.join("vm/root/run/console.log")).ok()?))
+        };
+        eventually_nothing("a guest that is not up yet", Duration::from_secs(60), || match console() {
+            Some((_, text)) if text.contains(line) => vec![],
+            other => vec![format!("console: {other:?}")],
+        })
+        .await?;
+        self.pod_dir().context("the pod's state dir")
+    }
+
+    /// The pod's virtiofsd: the process the shim started, and its sandboxed worker (its child).
+    fn virtiofsd(&self, pod_dir: &Path) -> Option<(u32, u32)> {
+        let shared = format!("--shared-dir {}", pod_dir.join("shared").display());
+        let pids: Vec<u32> = processes_with(&shared).into_iter().map(|(pid, _)| pid).collect();
+        let parent_of = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit(") ").next()?.split(' ').nth(1)?.parse::<u32>().ok())
+        };
+        let main = *pids.iter().find(|pid| !parent_of(**pid).is_some_and(|p| pids.contains(&p)))?;
+        let worker = *pids.iter().find(|pid| parent_of(**pid) == Some(main))?;
+        Some((main, worker))
+    }
+}
+
+fn status_field(pid: u32, name: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix(&format!("{name}:"))).unwrap_or_default().trim().to_string()
+}
+
+/// The error names the console log (kept with the pod's logs) and quotes the guest's line.
+fn assert_names_console(err: &str, log_dir: &Path, guest_line: &str) {
+    let kept = log_dir.join(KEPT_CONSOLE);
+    assert!(err.contains(&format!("console log {}", kept.display())), "the error names the console log: {err}");
+    assert!(err.contains(guest_line), "the error quotes the console: {err}");
+    let text = std::fs::read_to_string(&kept).unwrap_or_default();
+    assert!(text.contains(guest_line), "the kept console log has the guest's output: {text:?}");
+}
+
+#[tokio::test]
+async fn vm_guest_that_never_answers_fails_at_the_connect_timeout() -> Result<()> {
+    let test = "vm_guest_that_never_answers_fails_at_the_connect_timeout";
+    let Some(env) = setup(test, "idle", Duration::from_secs(4)).await? else { return Ok(()) };
+    let (pod, log_dir) = env.pod("silent")?;
+    let started = Instant::now();
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("a silent guest must fail")?;
+    let took = started.elapsed();
+    let err = format!("{err:#}");
+    println!("RunPodSandbox failed after {took:?}, as it must: {err}");
+    assert!(err.contains("did not answer within"), "{err}");
+    assert!(took >= env.connect_timeout, "failed after {took:?}, before the connect timeout: {err}");
+    assert!(took < env.connect_timeout + Duration::from_secs(15), "failed only after {took:?}: {err}");
+    assert_names_console(&err, &log_dir, "idle guest up");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_guest_that_exits_at_once_fails_at_once() -> Result<()> {
+    let test = "vm_guest_that_exits_at_once_fails_at_once";
+    let Some(env) = setup(test, "hello", Duration::from_secs(120)).await? else { return Ok(()) };
+    let (pod, log_dir) = env.pod("resets")?;
+    let started = Instant::now();
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("a guest that resets must fail")?;
+    let took = started.elapsed();
+    let err = format!("{err:#}");
+    println!("RunPodSandbox failed after {took:?}, as it must: {err}");
+    assert!(err.contains("exited with status 0 before the agent answered"), "{err}");
+    assert!(took < Duration::from_secs(30), "took {took:?}, the connect timeout is {:?}", env.connect_timeout);
+    assert_names_console(&err, &log_dir, "hello from the bulkhead test guest");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_guest_reaches_the_pods_virtiofsd() -> Result<()> {
+    let test = "vm_guest_reaches_the_pods_virtiofsd";
+    let Some(env) = setup(test, "fs", Duration::from_secs(120)).await? else { return Ok(()) };
+    let (pod, log_dir) = env.pod("fs")?;
+    // The fs guest speaks FUSE through the VM's virtio-fs device to the pod's virtiofsd (INIT,
+    // then a LOOKUP of hello.txt, which the pod's empty shared directory does not have), then
+    // resets; so RunPodSandbox fails, and the console shows how far it got.
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the fs guest has no agent")?;
+    let err = format!("{err:#}");
+    println!("RunPodSandbox failed, as it must: {err}");
+    let console = std::fs::read_to_string(log_dir.join(KEPT_CONSOLE))?;
+    for line in ["fs tag bulkhead ", "driver ok\n", "init 7.", "hello.txt error 2\n"] {
+        assert!(console.contains(line), "console lacks {line:?}:\n{console}");
+    }
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_virtiofsd_killed_under_a_running_vm_ends_it() -> Result<()> {
+    let test = "vm_virtiofsd_killed_under_a_running_vm_ends_it";
+    let Some(env) = setup(test, "idle", Duration::from_secs(120)).await? else { return Ok(()) };
+    let (pod, _log_dir) = env.pod("fsd-crash")?;
+    let run = {
+        let cri = env.cri.clone();
+        tokio::spawn(async move { cri.run_pod_sandbox(&pod, "bulkhead").await })
+    };
+    let pod_dir = env.wait_for_console("idle guest up").await?;
+    let (virtiofsd, _) = env.virtiofsd(&pod_dir).context("the pod's virtiofsd runs")?;
+    // A child of the shim this test's containerd started; signalled by PID only.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(virtiofsd as i32), nix::sys::signal::Signal::SIGKILL)?;
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(60), run).await.context("RunPodSandbox returns")??;
+    let err = format!("{:#}", result.err().context("the VM must end with its virtiofsd")?);
+    println!("RunPodSandbox failed after virtiofsd's kill, as it must: {err}");
+    assert!(err.contains("virtiofsd") && err.contains("had exited with status 137"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(30), "noticed after {:?}", started.elapsed());
+    let log = std::fs::read_to_string(env.containerd.log_path())?;
+    assert!(log.contains("virtiofsd exited while the VM runs"), "the shim logs the crash");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_shim_kill9_then_delete_leaves_nothing() -> Result<()> {
+    let test = "vm_shim_kill9_then_delete_leaves_nothing";
+    let Some(env) = setup(test, "idle", Duration::from_secs(120)).await? else { return Ok(()) };
+    let (pod, _log_dir) = env.pod("crash")?;
+    let run = {
+        let cri = env.cri.clone();
+        tokio::spawn(async move { cri.run_pod_sandbox(&pod, "bulkhead").await })
+    };
+    // The VM is up (jailed, its guest running) while the shim waits for the agent.
+    let pod_dir = env.wait_for_console("idle guest up").await?;
+    let vmms = processes_with(&env.state().display().to_string());
+    assert!(!vmms.is_empty(), "the VMM runs");
+
+    // Its virtiofsd runs sandboxed: its worker in mount, pid and net namespaces of its own,
+    // under seccomp, seeing only the pod's shared directory; its listener in the chroot is the
+    // jail user's alone.
+    let (main, worker) = env.virtiofsd(&pod_dir).context("the pod's virtiofsd runs")?;
+    // The VMM and virtiofsd are charged to the pod: they sit in the sandbox's cgroup.
+    let sandbox_cgroup = format!("{}/{}", env.cgroup_parent.0, pod_dir.file_name().unwrap().to_string_lossy());
+    for pid in vmms.iter().map(|(pid, _)| *pid).chain([main, worker]) {
+        assert_eq!(cgroups::of_pid(pid).as_deref(), Some(sandbox_cgroup.as_str()), "cgroup of {pid}");
+    }
+    for ns in ["mnt", "pid", "net"] {
+        let theirs = std::fs::read_link(format!("/proc/{worker}/ns/{ns}"))?;
+        assert_ne!(theirs, std::fs::read_link(format!("/proc/self/ns/{ns}"))?, "{ns} namespace");
+    }
+    assert_eq!(status_field(worker, "Seccomp"), "2");
+    let root = std::fs::metadata(format!("/proc/{worker}/root"))?;
+    let shared = std::fs::metadata(pod_dir.join("shared"))?;
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((root.dev(), root.ino()), (shared.dev(), shared.ino()), "virtiofsd's root is the pod's shared dir");
+    let socket = std::fs::symlink_metadata(pod_dir.join("vm/root/run/fs0.sock"))?;
+    assert_eq!((socket.uid(), socket.gid(), socket.mode() & 0o777), (JAIL_UID, JAIL_GID, 0o600));
+
+    let address = env.containerd.address().display().to_string();
+    let shims: Vec<u32> = processes_with(&address)
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains("containerd-shim-bulkhead-v2"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(shims.len(), 1, "one shim serves the pod: {shims:?}");
+    // The shim is a descendant of the containerd this test started; signal it by PID only.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
+
+    let result = tokio::time::timeout(Duration::from_secs(60), run).await.context("RunPodSandbox returns")??;
+    assert!(result.is_err(), "the pod cannot have started: {result:?}");
+    // containerd runs the shim's `delete`, which tears the VM pod down through its backend.
+    env.assert_nothing_left().await
+}
