@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::processes_with;
-use bulkhead_integration::{guests, pod_config, skip_reason, workspace_bin, Containerd, ContainerdConfig, RuntimeHandler};
+use bulkhead_integration::{
+    guests, pod_config, skip_reason, workspace_bin, Containerd, ContainerdConfig, RuntimeHandler,
+};
 
 const PODS: usize = 8;
 const CONNECT_TIMEOUT_MS: u64 = 3000;

@@ -41,14 +41,27 @@ pub enum SandboxError {
     /// The VM never brought its agent up; the console log is where the guest said why.
     #[error("VM did not start: {reason}; console log {console_log}{tail}")]
     VmStart { reason: String, console_log: PathBuf, tail: String },
+    // Boxed: these carry paths and messages, and every Result of the shim carries this enum.
     #[error("VMM API: {0}")]
-    VmmApi(#[from] vm::api::ApiError),
+    VmmApi(Box<vm::api::ApiError>),
     #[error("sharing with the VM: {0}")]
-    Share(#[from] vm::share::ShareError),
+    Share(Box<vm::share::ShareError>),
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error(transparent)]
     Network(#[from] crate::network::NetworkError),
+}
+
+impl From<vm::api::ApiError> for SandboxError {
+    fn from(e: vm::api::ApiError) -> Self {
+        Self::VmmApi(Box::new(e))
+    }
+}
+
+impl From<vm::share::ShareError> for SandboxError {
+    fn from(e: vm::share::ShareError) -> Self {
+        Self::Share(Box::new(e))
+    }
 }
 
 /// What a backend needs to start a pod.

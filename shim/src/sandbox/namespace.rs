@@ -36,8 +36,8 @@ use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
-use crate::network::MetadataAccess;
 use crate::logrelay::{Component, ConsoleLog};
+use crate::network::MetadataAccess;
 
 /// `sun_path` of a Unix socket address, NUL included.
 const SUN_PATH_MAX: usize = 108;

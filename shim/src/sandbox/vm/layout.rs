@@ -206,7 +206,12 @@ mod tests {
         let layout = VmLayout::new(&paths);
         let mut plan = plan(Path::new("/k"), Path::new("/i"));
         assert!(!layout.jail_config(&plan).tun, "no NICs, no tun device in the chroot");
-        plan.net = vec![NetConfig { tap: "bhtap0".into(), mac: "02:00:00:00:00:01".into(), mtu: Some(1450), rate_limiter: None }];
+        plan.net = vec![NetConfig {
+            tap: "bhtap0".into(),
+            mac: "02:00:00:00:00:01".into(),
+            mtu: Some(1450),
+            rate_limiter: None,
+        }];
         layout.create(&plan).unwrap();
         assert!(JailConfig::from_file(&layout.jail_json()).unwrap().tun);
         let vm = VmConfig::from_file(&layout.vm_json()).unwrap();

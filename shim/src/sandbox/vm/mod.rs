@@ -43,7 +43,6 @@ use self::api::VmmApi;
 use self::layout::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
-use bulkhead_vmm_api::config::NetConfig;
 use super::cgroups::{self, PodCgroup};
 use super::paths::{HostPids, PodPaths};
 use super::supervise::{self, LogTo, Supervised};
@@ -53,6 +52,7 @@ use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
 use crate::logrelay::Component;
 use crate::network::{MetadataAccess, VmAttach, VmNetwork};
+use bulkhead_vmm_api::config::NetConfig;
 
 /// How long a VMM gets to shut down on SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(2);
