@@ -68,3 +68,18 @@ pub fn kernel_and_initramfs() -> anyhow::Result<(PathBuf, PathBuf)> {
     }
     Ok((kernel, initramfs))
 }
+
+/// A shim config (TOML) for the `vm` backend with the real guest ([`kernel_and_initramfs`]),
+/// this workspace's VMM and `make setup`'s virtiofsd, keeping pod state in `state_dir`.
+pub fn real_vm_config(state_dir: &Path, connect_timeout_ms: u64) -> anyhow::Result<String> {
+    let (kernel, initramfs) = kernel_and_initramfs()?;
+    Ok(format!(
+        "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {connect_timeout_ms}\n\n\
+         [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
+        state_dir.display(),
+        crate::workspace_bin("bulkhead-vmm").display(),
+        kernel.display(),
+        initramfs.display(),
+        crate::virtiofsd_path().display()
+    ))
+}

@@ -1,7 +1,9 @@
 //! Pod networking end to end on the `namespace` backend (issue 10), through a private containerd
 //! and CRI: pods on the harness's CNI bridge reach each other over TCP at their PodSandboxStatus
 //! IPs (bulkhead <-> bulkhead, bulkhead <-> runc), containers get the pod's DNS config, and the
-//! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it.
+//! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it. On a
+//! host whose probe says ordinary guests run, the same for a `vm`-backend pod (taps and redirects
+//! into the guest, the metadata drop on the tap); elsewhere that test prints one SKIPPED line.
 //!
 //! The metadata endpoint is a stand-in: a network namespace this test creates and attaches to the
 //! test's own bridge, holding 169.254.169.254 and a bridge address through which CNI routes
@@ -39,8 +41,9 @@ struct Env {
 }
 
 /// Handlers `runc`, `bulkhead` (metadata blocked, the default) and `bulkhead-md`
-/// (`[network] allow_metadata = true`), all on one CNI bridge.
-async fn setup(test: &str) -> Result<Option<Env>> {
+/// (`[network] allow_metadata = true`), all on one CNI bridge; with `vm`, also `bulkhead-vm`
+/// (the vm backend with the real guest, metadata blocked).
+async fn setup(test: &str, vm: bool) -> Result<Option<Env>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -67,11 +70,17 @@ async fn setup(test: &str) -> Result<Option<Env>> {
     std::fs::write(&blocked, &base)?;
     let allowed = config_dir.path().join("bulkhead-md.toml");
     std::fs::write(&allowed, format!("{base}[network]\nallow_metadata = true\n"))?;
-    let handlers = vec![
+    let mut handlers = vec![
         RuntimeHandler::runc(),
         RuntimeHandler::bulkhead(Some(&blocked)),
         RuntimeHandler { name: "bulkhead-md".into(), ..RuntimeHandler::bulkhead(Some(&allowed)) },
     ];
+    if vm {
+        let vm_config = config_dir.path().join("bulkhead-vm.toml");
+        let vm_state = state_dir.path().join("vm");
+        std::fs::write(&vm_config, bulkhead_integration::guests::real_vm_config(&vm_state, 60_000)?)?;
+        handlers.push(RuntimeHandler { name: "bulkhead-vm".into(), ..RuntimeHandler::bulkhead(Some(&vm_config)) });
+    }
     let containerd = Containerd::start(ContainerdConfig {
         handlers,
         cni_bridge: true,
@@ -156,7 +165,7 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 #[tokio::test]
 async fn pods_reach_each_other_over_tcp_and_see_the_pod_dns() -> Result<()> {
-    let Some(env) = setup("pods_reach_each_other_over_tcp_and_see_the_pod_dns").await? else { return Ok(()) };
+    let Some(env) = setup("pods_reach_each_other_over_tcp_and_see_the_pod_dns", false).await? else { return Ok(()) };
     let mut a_pod = env.pod("net-a")?;
     a_pod.dns_config = Some(cri::DnsConfig {
         servers: vec!["10.96.0.10".into()],
@@ -184,7 +193,7 @@ async fn pods_reach_each_other_over_tcp_and_see_the_pod_dns() -> Result<()> {
 
 #[tokio::test]
 async fn metadata_endpoint_is_blocked_unless_allowed() -> Result<()> {
-    let Some(env) = setup("metadata_endpoint_is_blocked_unless_allowed").await? else { return Ok(()) };
+    let Some(env) = setup("metadata_endpoint_is_blocked_unless_allowed", false).await? else { return Ok(()) };
     let want = format!("{STANDIN_REPLY}\n");
     let sleep = ["sleep", "3600"];
     // The control pod first: CNI makes the bridge the stand-in attaches to.
@@ -200,6 +209,31 @@ async fn metadata_endpoint_is_blocked_unless_allowed() -> Result<()> {
 
     let (_, allowed, _) = env.run(&env.pod("md-allowed")?, "bulkhead-md", &sleep).await?;
     env.fetch_eventually(&allowed, METADATA_IP, 80, &want).await.context("allow_metadata = true")?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn vm_pod_is_on_the_pod_network_and_metadata_is_blocked() -> Result<()> {
+    let test = "vm_pod_is_on_the_pod_network_and_metadata_is_blocked";
+    if let Err(why) = bulkhead_vmm_api::probe::KvmKind::probe().ordinary_guests() {
+        skip::host_cannot(test, &why);
+        return Ok(());
+    }
+    let Some(env) = setup(test, true).await? else { return Ok(()) };
+    let want = format!("{STANDIN_REPLY}\n");
+    let (_, control, _) = env.run(&env.pod("vmnet-control")?, "runc", &strs(&server("r"))).await?;
+    let standin = MetadataStandIn::start(env.containerd.cni_network().context("CNI bridge")?)?;
+    env.fetch_eventually(&control, METADATA_IP, 80, &want).await.context("runc control pod")?;
+
+    // The guest's NIC carries the pod's IP: a runc pod connects to a server inside the VM.
+    let (_, vm, vm_ip) = env.run(&env.pod("vmnet-vm")?, "bulkhead-vm", &strs(&server("v"))).await?;
+    env.fetch_eventually(&control, &vm_ip, 8080, "pong-v\n").await.context("runc pod -> vm pod")?;
+
+    // The metadata drop sits on the tap, on the host side of the guest.
+    let (code, got) = env.fetch(&vm, METADATA_IP, 80).await?;
+    assert!(code != 0 && got.is_empty(), "a vm pod reached the metadata endpoint: exit {code}, {got:?}");
+    let peers = standin.peers();
+    assert!(!peers.contains(&vm_ip.parse::<IpAddr>()?), "the stand-in saw {vm_ip}: {peers:?}");
     Ok(())
 }
 

@@ -33,21 +33,10 @@ async fn vm_backend_pod_runs_and_execs() -> Result<()> {
         skip::host_cannot(test, &why);
         return Ok(());
     }
-    let (kernel, initramfs) = bulkhead_integration::guests::kernel_and_initramfs()?;
     let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
     let cfg_dir = tempfile::tempdir()?;
     let cfg = cfg_dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = 60000\n\n\
-             [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\n",
-            state_dir.path().display(),
-            bulkhead_integration::workspace_bin("bulkhead-vmm").display(),
-            kernel.display(),
-            initramfs.display()
-        ),
-    )?;
+    std::fs::write(&cfg, bulkhead_integration::guests::real_vm_config(state_dir.path(), 60_000)?)?;
     let containerd = Containerd::start(ContainerdConfig {
         handlers: vec![RuntimeHandler::bulkhead(Some(&cfg))],
         ..Default::default()
