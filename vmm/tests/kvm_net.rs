@@ -280,6 +280,9 @@ fn echo_in(ns: &TestNetns) -> std::thread::JoinHandle<Vec<(Vec<u8>, SocketAddr)>
     })
 }
 
+/// The vsock CID that makes a test guest a template (`guests/common.rs`).
+const TEMPLATE_CID: u64 = 100;
+
 #[test]
 fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
     let Some(guest) = netns_guest_or_skip("net") else { return };
@@ -290,7 +293,7 @@ fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
     let api = dir.path().join("api.sock");
     let mut cfg = net_config(dir.path(), &guest);
     cfg["api_socket"] = serde_json::json!(api);
-    cfg["vsock"] = serde_json::json!({"uds_path": dir.path().join("v.sock"), "guest_cid": 3});
+    cfg["vsock"] = serde_json::json!({"uds_path": dir.path().join("v.sock"), "guest_cid": TEMPLATE_CID});
     let vmm = template_ns.spawn_vmm(dir.path(), &cfg);
     wait_for_serial(dir.path(), "waiting for restore\n");
     let snap = dir.path().join("snap");

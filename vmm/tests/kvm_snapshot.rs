@@ -273,6 +273,9 @@ fn share(dir: &Path, content: &str) -> PathBuf {
     dir.to_owned()
 }
 
+/// The vsock CID that makes a test guest a template (`guests/common.rs`).
+const TEMPLATE_CID: u64 = 100;
+
 #[test]
 fn a_template_with_virtio_fs_restores_against_a_fresh_virtiofsd_and_serves_fuse() {
     let Some(guest) = guest_or_skip("fs") else { return };
@@ -284,7 +287,7 @@ fn a_template_with_virtio_fs_restores_against_a_fresh_virtiofsd_and_serves_fuse(
         Virtiofsd::start(&template_share, &work.path().join("fs.sock"), &work.path().join("virtiofsd.log"));
     let extra = json!({
         "fs": [{ "tag": FS_TAG, "socket": template_fsd.socket }],
-        "vsock": { "uds_path": work.path().join("v.sock"), "guest_cid": 3 },
+        "vsock": { "uds_path": work.path().join("v.sock"), "guest_cid": TEMPLATE_CID },
     });
     let s = boot_and_snapshot(&guest, extra, "waiting for restore\n");
     drop(template_fsd);

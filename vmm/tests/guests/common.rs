@@ -211,12 +211,17 @@ const EV_BUF: u64 = 0x45_0000;
 /// Polls of the vsock event queue before giving up (tens of seconds under the PVM emulator).
 const RESTORE_SPINS: u32 = 2_000_000;
 
-/// A template's wait: if the VM has vsock, sets it up with two event buffers posted, says
-/// `waiting for restore` and waits (bounded) for an event, the transport reset a restored VM's
-/// vsock sends; stops the VM if none comes. Without vsock, returns at once.
+/// The guest CID that makes a guest a template. Any other CID (or no vsock) is an ordinary run:
+/// the shim's VMs have vsock at CID 3 and must not wait.
+pub const TEMPLATE_CID: u64 = 100;
+
+/// A template's wait: if the VM has vsock at [`TEMPLATE_CID`], sets it up with two event buffers
+/// posted, says `waiting for restore` and waits (bounded) for an event, the transport reset a
+/// restored VM's vsock sends; stops the VM if none comes. Otherwise returns at once.
 pub fn wait_for_restore() {
     let base = find_device(TYPE_VSOCK);
-    if base == 0 {
+    // virtio-vsock's config space is the 64-bit guest CID.
+    if base == 0 || (r32(base + CONFIG) as u64 | (r32(base + CONFIG + 4) as u64) << 32) != TEMPLATE_CID {
         return;
     }
     let rx = Vq::new(base, 0, VSOCK_QUEUES, 8);

@@ -4,7 +4,7 @@
 //! and looks the file up once more. If it holds `loop`, it re-reads the file until the device
 //! fails (the test kills the backend) and prints heartbeats, showing it still runs.
 //!
-//! With a vsock device too, it is a template: once the fs driver is ready (and nothing sent),
+//! With a vsock device at the template CID, it is a template: once the fs driver is ready (and nothing sent),
 //! it posts vsock event buffers, says `waiting for restore` and sends FUSE only after the
 //! device reports a transport reset, which a restored VM's vsock does.
 #![no_std]

@@ -1,6 +1,7 @@
 //! Brings up virtio-net, prints the MAC and MTU from the config space, sends one UDP datagram
 //! through the device and the tap to the test's echo listener, and prints the reply. With a
-//! vsock device too, it is a template: it sends only once restored (`wait_for_restore`).
+//! vsock device at the template CID (`common::TEMPLATE_CID`), it is a template: it sends only
+//! once restored (`wait_for_restore`).
 #![no_std]
 #![no_main]
 
