@@ -48,7 +48,7 @@ struct Cli {
     /// Startup taint (e.g. Karpenter's) to remove once the node is ready.
     #[arg(long, env = "BULKHEAD_STARTUP_TAINT", global = true)]
     startup_taint: Option<String>,
-    /// The shipped guest kernel is PVM-aware: accept kvm_pvm hosts.
+    /// The shipped guest kernel is PVM-aware: accept PVM hosts.
     #[arg(long, env = "BULKHEAD_ALLOW_PVM", global = true)]
     allow_pvm: bool,
     /// How long to wait for containerd to report the handler.

@@ -26,7 +26,7 @@ pub fn verdict(host_root: &Path, allow_pvm: bool) -> Verdict {
     let kvm = KvmKind::probe_at(host_root);
     match (kvm, kvm.ordinary_guests()) {
         (KvmKind::Pvm, _) if allow_pvm => {
-            Verdict::Capable { kvm, reason: "/dev/kvm is PVM (kvm_pvm) and the guest kernel is PVM-aware".into() }
+            Verdict::Capable { kvm, reason: "/dev/kvm is PVM and the guest kernel is PVM-aware".into() }
         }
         (KvmKind::Pvm, Err(why)) => {
             Verdict::Refused { kvm, reason: format!("{why}; set allowPvm only with a PVM-aware kernel") }

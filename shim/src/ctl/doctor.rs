@@ -283,7 +283,7 @@ mod tests {
     fn probe_line_depends_on_the_backend() {
         assert!(probe_check(KvmKind::Hardware(HwVirt::Vmx), Some(Backend::Vm)).ok);
         let pvm_vm = probe_check(KvmKind::Pvm, Some(Backend::Vm));
-        assert!(!pvm_vm.ok && pvm_vm.detail.contains("kvm_pvm"), "{pvm_vm:?}");
+        assert!(!pvm_vm.ok && pvm_vm.detail.contains("PVM"), "{pvm_vm:?}");
         let pvm_ns = probe_check(KvmKind::Pvm, Some(Backend::Namespace));
         assert!(pvm_ns.ok && pvm_ns.detail.contains("namespace backend"), "{pvm_ns:?}");
         assert!(!probe_check(KvmKind::Absent, None).ok);
