@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use bulkhead_protocol::agent as pb;
 use bulkhead_protocol::agent_ttrpc::AgentClient as RawClient;
+use bulkhead_protocol::client::HOST_FRAME_STALL;
+use bulkhead_protocol::frame_guard::FrameGuard;
 use bulkhead_protocol::handshake::{self, HandshakeError};
 use bulkhead_protocol::stream::{HeaderError, StreamHeader, StreamKind};
 use bulkhead_protocol::{ports, PROTOCOL_VERSION};
@@ -29,11 +31,28 @@ pub enum AgentError {
     BadReply { method: &'static str, what: String },
 }
 
+/// Longest error text of the agent's that the shim passes on (containerd logs it, CRI shows it).
+pub const MAX_AGENT_ERROR: usize = 4096;
+
 impl AgentError {
-    /// The ttrpc status code the agent answered with, if it answered at all.
+    /// The ttrpc status code the agent answered with, if it answered at all, and if it is one
+    /// the agent may use: a guest cannot make containerd believe the shim is unimplemented,
+    /// unauthenticated or out of resources on the host, nor send a code out of range.
     pub fn code(&self) -> Option<ttrpc::Code> {
+        use ttrpc::Code;
         match self {
-            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => Some(status.code()),
+            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => Some(match status.code() {
+                code @ (Code::CANCELLED
+                | Code::INVALID_ARGUMENT
+                | Code::DEADLINE_EXCEEDED
+                | Code::NOT_FOUND
+                | Code::ALREADY_EXISTS
+                | Code::PERMISSION_DENIED
+                | Code::FAILED_PRECONDITION
+                | Code::ABORTED
+                | Code::OUT_OF_RANGE) => code,
+                _ => Code::UNKNOWN,
+            }),
             _ => None,
         }
     }
@@ -93,8 +112,31 @@ pub struct AgentClient {
     pub mode: String,
 }
 
+/// Wraps an RPC failure; an agent's error text is cut at [`MAX_AGENT_ERROR`] bytes here, once,
+/// so no log line, event or CRI answer carries more of it.
 fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentError {
-    move |source| AgentError::Rpc { method, source }
+    move |source| {
+        let source = match source {
+            ttrpc::Error::RpcStatus(mut status) if status.message.len() > MAX_AGENT_ERROR => {
+                status.message = bounded_text(&status.message, MAX_AGENT_ERROR);
+                ttrpc::Error::RpcStatus(status)
+            }
+            other => other,
+        };
+        AgentError::Rpc { method, source }
+    }
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, saying how much was cut.
+fn bounded_text(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes cut)", &text[..end], text.len() - end)
 }
 
 impl AgentClient {
@@ -103,6 +145,9 @@ impl AgentClient {
         let stream = handshake::dial_unix(socket, ports::AGENT_TTRPC, timeouts.connect)
             .await
             .map_err(|source| AgentError::Dial { socket: socket.into(), source })?;
+        // A reply frame that declares too much or stalls half-way fails the connection instead of
+        // blocking every RPC on it (ttrpc alone waits forever for the rest of a frame).
+        let stream = FrameGuard::new(stream, HOST_FRAME_STALL);
         let client = ttrpc::asynchronous::Client::new(ttrpc::asynchronous::transport::Socket::new(stream));
         let raw = RawClient::new(client);
         let reply = raw
@@ -315,6 +360,34 @@ mod tests {
 
     fn wait_reply(exit_code: i32, at: i64) -> pb::WaitProcessResponse {
         pb::WaitProcessResponse { exit_code, exited_at_unix_nanos: at, ..Default::default() }
+    }
+
+    fn rpc_status(code: ttrpc::Code, message: String) -> AgentError {
+        rpc_err("Test")(ttrpc::Error::RpcStatus(ttrpc::get_status(code, message)))
+    }
+
+    #[test]
+    fn a_huge_error_text_is_cut_once_on_a_char_boundary() {
+        let err = rpc_status(ttrpc::Code::NOT_FOUND, "é".repeat(512 * 1024)); // 1 MiB
+        let message = err.message();
+        assert!(message.len() <= MAX_AGENT_ERROR + 40, "{}", message.len());
+        assert!(message.ends_with("bytes cut)"), "{}", &message[message.len() - 40..]);
+        assert!(err.to_string().len() <= MAX_AGENT_ERROR + 400, "{}", err.to_string().len());
+        assert_eq!(rpc_status(ttrpc::Code::NOT_FOUND, "short".into()).message(), "short");
+    }
+
+    #[test]
+    fn agent_codes_are_mapped_deliberately() {
+        use ttrpc::Code;
+        assert_eq!(rpc_status(Code::NOT_FOUND, String::new()).code(), Some(Code::NOT_FOUND));
+        assert_eq!(rpc_status(Code::FAILED_PRECONDITION, String::new()).code(), Some(Code::FAILED_PRECONDITION));
+        for host_only in [Code::UNIMPLEMENTED, Code::UNAUTHENTICATED, Code::RESOURCE_EXHAUSTED, Code::INTERNAL] {
+            assert_eq!(rpc_status(host_only, String::new()).code(), Some(Code::UNKNOWN), "{host_only:?}");
+        }
+        let mut status = ttrpc::get_status(Code::OK, "x");
+        status.code = protobuf::EnumOrUnknown::from_i32(999);
+        let err = rpc_err("Test")(ttrpc::Error::RpcStatus(status));
+        assert_eq!(err.code(), Some(Code::UNKNOWN));
     }
 
     #[test]

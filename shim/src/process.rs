@@ -179,7 +179,11 @@ impl ProcessCore {
 
 /// How to wait for a started process's exit (run by the task's exit watcher).
 pub enum ExitSource {
-    Agent(Arc<AgentClient>),
+    /// The agent's WaitProcess, which cannot outlive the pod's sandbox.
+    Agent {
+        agent: Arc<AgentClient>,
+        sandbox: Arc<dyn Sandbox>,
+    },
     Sandbox(Arc<dyn Sandbox>),
 }
 
@@ -208,6 +212,7 @@ pub trait Process: Send + Sync {
 pub struct ContainerInit {
     pub core: ProcessCore,
     pub agent: Arc<AgentClient>,
+    pub sandbox: Arc<dyn Sandbox>,
 }
 
 #[async_trait]
@@ -234,7 +239,7 @@ impl Process for ContainerInit {
     }
 
     fn exit_source(&self) -> ExitSource {
-        ExitSource::Agent(self.agent.clone())
+        ExitSource::Agent { agent: self.agent.clone(), sandbox: self.sandbox.clone() }
     }
 
     async fn close_stdin(&self) -> Result<(), TaskError> {
@@ -248,6 +253,7 @@ impl Process for ContainerInit {
 pub struct ExecProcess {
     pub core: ProcessCore,
     pub agent: Arc<AgentClient>,
+    pub sandbox: Arc<dyn Sandbox>,
     /// The OCI `process` object containerd sent, as JSON.
     pub process_json: Vec<u8>,
 }
@@ -289,7 +295,7 @@ impl Process for ExecProcess {
     }
 
     fn exit_source(&self) -> ExitSource {
-        ExitSource::Agent(self.agent.clone())
+        ExitSource::Agent { agent: self.agent.clone(), sandbox: self.sandbox.clone() }
     }
 
     async fn close_stdin(&self) -> Result<(), TaskError> {

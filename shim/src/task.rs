@@ -283,7 +283,7 @@ impl TaskService {
             id: req.id.clone(),
             bundle: req.bundle.clone(),
             kind: ContainerKind::Workload,
-            init: Arc::new(ContainerInit { core, agent }),
+            init: Arc::new(ContainerInit { core, agent, sandbox }),
             execs: HashMap::new(),
         })
     }
@@ -397,6 +397,10 @@ impl TaskService {
             terminal: req.terminal,
         })?;
         let agent = self.agent().await?;
+        let sandbox = self
+            .running_sandbox()
+            .await
+            .ok_or_else(|| TaskError::FailedPrecondition("the pod sandbox is not running in this shim".into()))?;
         let mut containers = self.containers.lock().await;
         let c = containers.get_mut(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
         if c.kind == ContainerKind::Sandbox {
@@ -407,7 +411,8 @@ impl TaskService {
         if c.execs.contains_key(&req.exec_id) {
             return Err(TaskError::AlreadyExists(format!("exec {}", req.exec_id)));
         }
-        let exec = ExecProcess { core: ProcessCore::new(&req.id, Some(&req.exec_id), stdio), agent, process_json };
+        let exec =
+            ExecProcess { core: ProcessCore::new(&req.id, Some(&req.exec_id), stdio), agent, sandbox, process_json };
         c.execs.insert(req.exec_id.clone(), Arc::new(exec));
         drop(containers);
         self.events.exec_added(&req.id, &req.exec_id).await;

@@ -1,9 +1,9 @@
 //! Background watchers of a pod: one per started process (exit → drained stdio → state →
 //! TaskExit) and one per sandbox (the agent's OOM events → TaskOOM).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
@@ -15,17 +15,63 @@ use crate::sandbox::Sandbox;
 
 /// How long the exit path waits for stdout/stderr to drain before publishing TaskExit.
 const IO_DRAIN: Duration = Duration::from_secs(2);
+/// How long a WaitProcess may still answer once the sandbox has ended.
+const SANDBOX_GONE_GRACE: Duration = Duration::from_millis(500);
+/// At most one TaskOOM per container in this interval: the agent causes these events, and a
+/// flood of them must not reach containerd (kubelet needs one to see the OOM).
+const OOM_EVENT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Admits at most one event per key per interval, and counts what it held back.
+#[derive(Debug)]
+struct PerKeyLimit {
+    interval: Duration,
+    last: HashMap<String, Instant>,
+    dropped: u64,
+}
+
+impl PerKeyLimit {
+    fn new(interval: Duration) -> Self {
+        Self { interval, last: HashMap::new(), dropped: 0 }
+    }
+
+    fn admit(&mut self, key: &str, now: Instant) -> bool {
+        match self.last.get(key) {
+            Some(at) if now.saturating_duration_since(*at) < self.interval => {
+                self.dropped += 1;
+                false
+            }
+            _ => {
+                self.last.insert(key.to_string(), now);
+                true
+            }
+        }
+    }
+}
 
 /// Waits for one process to end, drains its output, records the exit and tells containerd.
 pub async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_reported: Arc<Mutex<HashSet<String>>>) {
     let core = process.core();
     let exit = match process.exit_source() {
-        ExitSource::Agent(agent) => {
-            match agent.wait_process(&core.container_id, core.exec_id.as_deref()).await {
-                Ok(e) => ExitInfo::from_agent(e.code, e.at_unix_nanos, e.oom_killed),
-                Err(e) => {
+        ExitSource::Agent { agent, sandbox } => {
+            let waited = agent.wait_process(&core.container_id, core.exec_id.as_deref());
+            tokio::pin!(waited);
+            let waited = tokio::select! {
+                waited = &mut waited => Some(waited),
+                // A stalled or dead agent must not hold the exit forever: the pod's processes
+                // end with its sandbox. A reply already on its way still gets a moment.
+                _ = sandbox.wait() => tokio::time::timeout(SANDBOX_GONE_GRACE, waited).await.ok(),
+            };
+            match waited {
+                Some(Ok(e)) => ExitInfo::from_agent(e.code, e.at_unix_nanos, e.oom_killed),
+                Some(Err(e)) => {
                     // The agent is gone, and with it every process of the pod (SIGKILL).
                     warn!("wait: {e}; reporting the process as killed");
+                    ExitInfo::from_agent(128 + 9, 0, false)
+                }
+                None => {
+                    warn!(
+                        "the pod's sandbox ended before the agent reported this exit; reporting the process as killed"
+                    );
                     ExitInfo::from_agent(128 + 9, 0, false)
                 }
             }
@@ -56,6 +102,7 @@ pub async fn oom_watch(
     sandbox: Arc<dyn Sandbox>,
 ) {
     let mut after = 0;
+    let mut limit = PerKeyLimit::new(OOM_EVENT_INTERVAL);
     let ended = sandbox.wait();
     tokio::pin!(ended);
     loop {
@@ -72,6 +119,13 @@ pub async fn oom_watch(
                         warn!(container = %event.container_id, "OOM event for a container not in this pod; ignored");
                         continue;
                     }
+                    if !limit.admit(&event.container_id, Instant::now()) {
+                        // Logged at the 1st, 2nd, 4th, 8th... held back: a flood costs a few lines.
+                        if limit.dropped.is_power_of_two() {
+                            warn!(container = %event.container_id, held_back = limit.dropped, "OOM events faster than one per second per container; held back");
+                        }
+                        continue;
+                    }
                     oom_reported
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -85,5 +139,23 @@ pub async fn oom_watch(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_events_are_limited_per_container() {
+        let mut limit = PerKeyLimit::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert!(limit.admit("a", t0));
+        assert!(limit.admit("b", t0), "another container is not held back");
+        for i in 0..10_000u64 {
+            assert!(!limit.admit("a", t0 + Duration::from_micros(i)));
+        }
+        assert_eq!(limit.dropped, 10_000);
+        assert!(limit.admit("a", t0 + Duration::from_secs(1)));
     }
 }
