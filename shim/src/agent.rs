@@ -57,6 +57,17 @@ impl AgentError {
         }
     }
 
+    /// Whether the agent connection failed (closed, a bad or stalled frame, no answer within
+    /// the deadline) rather than the agent answering with an error: the pod's processes are
+    /// then beyond the shim's reach through this agent.
+    pub fn is_transport(&self) -> bool {
+        match self {
+            AgentError::Rpc { source, .. } => !matches!(source, ttrpc::Error::RpcStatus(_)),
+            AgentError::Dial { .. } | AgentError::Stream { .. } => true,
+            AgentError::Version { .. } | AgentError::BadReply { .. } => false,
+        }
+    }
+
     /// The agent's own words for an RPC error, else the whole error.
     pub fn message(&self) -> String {
         match self {
@@ -374,6 +385,13 @@ mod tests {
         assert!(message.ends_with("bytes cut)"), "{}", &message[message.len() - 40..]);
         assert!(err.to_string().len() <= MAX_AGENT_ERROR + 400, "{}", err.to_string().len());
         assert_eq!(rpc_status(ttrpc::Code::NOT_FOUND, "short".into()).message(), "short");
+    }
+
+    #[test]
+    fn only_connection_failures_count_as_transport() {
+        assert!(!rpc_status(ttrpc::Code::NOT_FOUND, "gone".into()).is_transport());
+        assert!(rpc_err("Test")(ttrpc::Error::RemoteClosed).is_transport());
+        assert!(rpc_err("Test")(ttrpc::Error::Others("Request deadline elapsed".into())).is_transport());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use tokio::sync::watch;
 
-use crate::agent::AgentClient;
+use crate::agent::{AgentClient, AgentError};
 use crate::error::TaskError;
 pub use crate::exit::ExitInfo;
 use crate::io::{IoSession, Stdio};
@@ -208,6 +208,16 @@ pub trait Process: Send + Sync {
     }
 }
 
+/// A signal cannot reach a process because the agent connection failed: the pod's processes
+/// are beyond the shim's reach, so the sandbox is ended (its processes die with the agent) and
+/// the kill counts as done. Without this a broken or hostile agent leaves a pod that can never
+/// be stopped.
+pub async fn end_unreachable_pod(sandbox: &Arc<dyn Sandbox>, cause: &AgentError) -> Result<(), TaskError> {
+    tracing::error!("the agent is unreachable ({cause}); ending the pod's sandbox so its processes stop");
+    sandbox.signal(libc::SIGKILL as u32).await?;
+    Ok(())
+}
+
 /// A workload container's init process.
 pub struct ContainerInit {
     pub core: ProcessCore,
@@ -229,8 +239,10 @@ impl Process for ContainerInit {
 
     async fn kill(&self, signal: u32, all: bool) -> Result<(), TaskError> {
         self.core.ensure_signallable(true)?;
-        self.agent.signal_process(&self.core.container_id, None, signal, all).await?;
-        Ok(())
+        match self.agent.signal_process(&self.core.container_id, None, signal, all).await {
+            Err(e) if e.is_transport() => end_unreachable_pod(&self.sandbox, &e).await,
+            other => Ok(other?),
+        }
     }
 
     async fn resize_pty(&self, cols: u32, rows: u32) -> Result<(), TaskError> {
@@ -285,8 +297,10 @@ impl Process for ExecProcess {
 
     async fn kill(&self, signal: u32, _all: bool) -> Result<(), TaskError> {
         self.core.ensure_alive()?;
-        self.agent.signal_process(&self.core.container_id, Some(self.exec_id()), signal, false).await?;
-        Ok(())
+        match self.agent.signal_process(&self.core.container_id, Some(self.exec_id()), signal, false).await {
+            Err(e) if e.is_transport() => end_unreachable_pod(&self.sandbox, &e).await,
+            other => Ok(other?),
+        }
     }
 
     async fn resize_pty(&self, cols: u32, rows: u32) -> Result<(), TaskError> {

@@ -64,7 +64,12 @@ pub async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_r
             match waited {
                 Some(Ok(e)) => ExitInfo::from_agent(e.code, e.at_unix_nanos, e.oom_killed),
                 Some(Err(e)) => {
-                    // The agent is gone, and with it every process of the pod (SIGKILL).
+                    // Lost contact: end the sandbox, so that "killed" is true of every process.
+                    if e.is_transport() {
+                        if let Err(end) = crate::process::end_unreachable_pod(&sandbox, &e).await {
+                            warn!("end the sandbox: {end}");
+                        }
+                    }
                     warn!("wait: {e}; reporting the process as killed");
                     ExitInfo::from_agent(128 + 9, 0, false)
                 }

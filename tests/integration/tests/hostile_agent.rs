@@ -1,0 +1,178 @@
+//! A hostile agent against the real shim and containerd (issue 12): `bulkhead-hostile-agent`
+//! runs the real agent behind it and misbehaves on one reply (see that binary). For each way it
+//! misbehaves, the pod's operation ends in an error within its bound, the pod's shim stays
+//! alive, the pod can still be stopped and removed, and a bystander pod of the same containerd
+//! keeps working throughout.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::host::processes_with;
+use bulkhead_integration::{
+    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+    RuntimeHandler,
+};
+use k8s_cri::v1 as cri;
+
+/// The shim's frame-stall guard (5 s) or its RPC deadline (10 s), plus containerd's own work.
+const ERROR_BOUND: Duration = Duration::from_secs(25);
+const FAULTS: [&str; 7] = ["stall", "huge-length", "wrong-type", "big-error", "close", "oom-flood", "stdout-flood"];
+
+struct Env {
+    containerd: Containerd,
+    cri: Cri,
+    _state_dir: tempfile::TempDir,
+    _config_dir: tempfile::TempDir,
+}
+
+/// One containerd: `bulkhead` with the real agent, and `bh-<fault>` per fault.
+async fn setup(test: &str) -> Result<Option<Env>> {
+    if skip_if_unready(test) {
+        return Ok(None);
+    }
+    let agent = workspace_bin("bulkhead-agent");
+    let hostile = workspace_bin("bulkhead-hostile-agent");
+    for bin in [&agent, &hostile, &workspace_bin("containerd-shim-bulkhead-v2")] {
+        if !bin.is_file() {
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
+            return Ok(None);
+        }
+    }
+    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let config = |name: &str, agent_path: &Path| -> Result<std::path::PathBuf> {
+        let path = config_dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+                state_dir.path().display(),
+                agent_path.display()
+            ),
+        )?;
+        Ok(path)
+    };
+    let mut handlers = vec![RuntimeHandler::bulkhead(Some(&config("bulkhead", &agent)?))];
+    for fault in FAULTS {
+        let on = if fault == "oom-flood" { "GetOomEvent" } else { "ExecProcess" };
+        let wrapper = config_dir.path().join(format!("agent-{fault}"));
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\nexec {} --fault {fault} --on {on} --real {} -- \"$@\"\n",
+                hostile.display(),
+                agent.display()
+            ),
+        )?;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+        let name = format!("bh-{fault}");
+        handlers
+            .push(RuntimeHandler { name: name.clone(), ..RuntimeHandler::bulkhead(Some(&config(&name, &wrapper)?)) });
+    }
+    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let cri = containerd.cri().await?;
+    Ok(Some(Env { containerd, cri, _state_dir: state_dir, _config_dir: config_dir }))
+}
+
+fn sleeper(name: &str) -> cri::ContainerConfig {
+    container_config(name, &["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.2; done"])
+}
+
+impl Env {
+    /// A pod with one running sleeper under `handler`: (pod id, container id).
+    async fn pod(&self, name: &str, handler: &str) -> Result<(String, String, cri::PodSandboxConfig)> {
+        let pod = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let pod_id = self.cri.run_pod_sandbox(&pod, handler).await.with_context(|| self.fail_context())?;
+        let ctr = self.cri.create_container(&pod_id, &sleeper(name), &pod).await?;
+        self.cri.start_container(&ctr).await.with_context(|| self.fail_context())?;
+        Ok((pod_id, ctr, pod))
+    }
+
+    /// The bystander answers an exec, promptly.
+    async fn bystander_ok(&self, ctr: &str, during: &str) -> Result<()> {
+        let started = Instant::now();
+        let out = self.cri.exec_sync(ctr, &["echo", "still-here"], 10).await.context(format!("bystander {during}"))?;
+        assert_eq!((out.exit_code, out.stdout.as_slice()), (0, &b"still-here\n"[..]), "bystander {during}");
+        assert!(started.elapsed() < Duration::from_secs(5), "bystander exec {during} took {:?}", started.elapsed());
+        Ok(())
+    }
+
+    fn fail_context(&self) -> String {
+        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+    }
+
+    /// The shim of `pod_id` still runs.
+    fn shim_alive(&self, pod_id: &str) -> bool {
+        processes_with(pod_id).iter().any(|(_, cmd)| cmd.contains("containerd-shim-bulkhead-v2"))
+    }
+
+    /// Stop and removal of a pod still work, within the bound.
+    async fn remove_pod(&self, pod_id: &str) -> Result<()> {
+        let started = Instant::now();
+        self.cri.stop_pod_sandbox(pod_id).await.with_context(|| self.fail_context())?;
+        self.cri.remove_pod_sandbox(pod_id).await?;
+        if started.elapsed() > ERROR_BOUND {
+            bail!("stopping and removing pod {pod_id} took {:?}", started.elapsed());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_hostile_agent_fails_only_its_own_pod() -> Result<()> {
+    let Some(env) = setup("a_hostile_agent_fails_only_its_own_pod").await? else { return Ok(()) };
+    let (bystander_pod, bystander, _) = env.pod("bystander", "bulkhead").await?;
+    env.bystander_ok(&bystander, "before").await?;
+
+    // Reply faults on ExecProcess: the exec fails within the bound.
+    for fault in ["stall", "huge-length", "wrong-type", "big-error", "close"] {
+        let (pod_id, ctr, _) = env.pod(&format!("hostile-{fault}"), &format!("bh-{fault}")).await?;
+        let started = Instant::now();
+        let result = env.cri.exec_sync(&ctr, &["true"], 10).await;
+        let took = started.elapsed();
+        let err = match result {
+            Ok(out) => bail!("{fault}: an exec through a hostile agent succeeded: {out:?}"),
+            Err(e) => format!("{e:#}"),
+        };
+        println!("{fault}: exec failed after {took:?}: {}", &err[..err.len().min(300)]);
+        assert!(took < ERROR_BOUND, "{fault}: the error took {took:?}: {err}");
+        if fault == "big-error" {
+            assert!(err.contains("bytes cut"), "{fault}: the agent's text is cut: {}", &err[..err.len().min(300)]);
+            assert!(err.len() < 16 * 1024, "{fault}: {} bytes of error reached CRI", err.len());
+        }
+        assert!(env.shim_alive(&pod_id), "{fault}: the pod's shim died\n{}", env.fail_context());
+        env.bystander_ok(&bystander, &format!("after {fault}")).await?;
+        env.remove_pod(&pod_id).await.with_context(|| format!("{fault}: removing the pod"))?;
+    }
+
+    // Floods: the pod keeps working, the shim holds back what the agent causes.
+    for (fault, held_back) in
+        [("oom-flood", "OOM events faster than one per second"), ("stdout-flood", "output lines suppressed")]
+    {
+        let (pod_id, ctr, _) = env.pod(&format!("hostile-{fault}"), &format!("bh-{fault}")).await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = std::fs::read_to_string(env.containerd.log_path()).unwrap_or_default();
+            if log.contains(held_back) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("{fault}: the shim never said {held_back:?}\n{}", env.fail_context());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let out = env.cri.exec_sync(&ctr, &["echo", "flooded"], 10).await.context(fault)?;
+        assert_eq!(out.exit_code, 0, "{fault}: exec in the flooded pod");
+        assert!(env.shim_alive(&pod_id), "{fault}: the pod's shim died");
+        env.bystander_ok(&bystander, &format!("during {fault}")).await?;
+        env.remove_pod(&pod_id).await.with_context(|| format!("{fault}: removing the pod"))?;
+    }
+    env.bystander_ok(&bystander, "at the end").await?;
+    env.remove_pod(&bystander_pod).await
+}
