@@ -176,3 +176,39 @@ async fn a_hostile_agent_fails_only_its_own_pod() -> Result<()> {
     env.bystander_ok(&bystander, "at the end").await?;
     env.remove_pod(&bystander_pod).await
 }
+
+/// `kill -9` of the pod's agent, or of its sandbox process (the namespace launcher): the
+/// containers are reported exited with 137, and the pod stops and goes without debris.
+#[tokio::test]
+async fn kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing() -> Result<()> {
+    let Some(env) = setup("kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing").await? else {
+        return Ok(());
+    };
+    const LAUNCHER: &str = "__bulkhead-ns-launch";
+    for victim in ["agent", "sandbox"] {
+        let (pod_id, ctr, _) = env.pod(&format!("kill9-{victim}"), "bulkhead").await?;
+        // The launcher's command line names the agent too; the agent's names no launcher.
+        let is_victim = |cmd: &str| match victim {
+            "agent" => cmd.contains("bulkhead-agent") && !cmd.contains(LAUNCHER),
+            _ => cmd.contains(LAUNCHER),
+        };
+        let pids: Vec<u32> =
+            processes_with(&pod_id).into_iter().filter(|(_, cmd)| is_victim(cmd)).map(|(pid, _)| pid).collect();
+        assert_eq!(pids.len(), 1, "one {victim} process of pod {pod_id}: {pids:?}");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
+        let status = env
+            .cri
+            .wait_container(&ctr, Duration::from_secs(15), |s| s.state == cri::ContainerState::ContainerExited as i32)
+            .await
+            .with_context(|| env.fail_context())?;
+        assert_eq!(status.exit_code, 137, "kill -9 of the {victim}");
+        env.remove_pod(&pod_id).await?;
+        bulkhead_integration::host::eventually_nothing("processes of the pod", Duration::from_secs(15), || {
+            processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+        })
+        .await?;
+        let state = env._state_dir.path().join(&pod_id);
+        assert!(!state.exists(), "{} is left", state.display());
+    }
+    Ok(())
+}
