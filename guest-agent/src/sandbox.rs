@@ -119,6 +119,10 @@ impl Sandbox {
         let _res = self.reserve(req.id.clone(), "container")?;
         let hierarchy = Hierarchy::detect()?;
         let mut spec = spec::parse_spec(&req.spec_json)?;
+        if self.mode == Mode::Namespace {
+            let sysctls = spec.linux().as_ref().and_then(|l| l.sysctl().clone()).unwrap_or_default();
+            guest_init::check_namespaced(sysctls.keys().map(String::as_str))?;
+        }
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
         let pod_dns = dns::pod_file(&self.state_dir);

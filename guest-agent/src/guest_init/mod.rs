@@ -4,7 +4,7 @@
 
 mod setup;
 
-pub use setup::{apply_setup, SandboxSettings};
+pub use setup::{apply_setup, check_namespaced, SandboxSettings};
 
 use crate::{cli::Mode, syscall::Syscall};
 

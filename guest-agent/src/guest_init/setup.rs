@@ -31,6 +31,9 @@ pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall, pod_dns_f
     if !s.hostname.is_empty() {
         sys.sethostname(&s.hostname).map_err(|e| AgentError::internal("sethostname", e))?;
     }
+    if mode == Mode::Namespace {
+        check_namespaced(s.sysctls.iter().map(|(k, _)| k.as_str()))?;
+    }
     for (key, value) in &s.sysctls {
         let path = sysctl_path(key)?;
         sys.write_file(&path, value.as_bytes())
@@ -96,6 +99,33 @@ fn validate(s: &SandboxSettings) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether a sysctl belongs to a namespace the pod has of its own (IPC, network; the set
+/// Kubernetes calls namespaced). In namespace mode any other one would change the host's kernel.
+pub fn is_namespaced_sysctl(key: &str) -> bool {
+    const IPC: [&str; 8] = [
+        "kernel.shm_rmid_forced",
+        "kernel.shmmax",
+        "kernel.shmall",
+        "kernel.shmmni",
+        "kernel.msgmax",
+        "kernel.msgmnb",
+        "kernel.msgmni",
+        "kernel.sem",
+    ];
+    IPC.contains(&key) || key.starts_with("fs.mqueue.") || key.starts_with("net.")
+}
+
+/// Refuses, naming it, the first sysctl that is not namespaced (namespace mode only: a guest
+/// kernel is the pod's own).
+pub fn check_namespaced<'a>(keys: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    match keys.into_iter().find(|k| !is_namespaced_sysctl(k)) {
+        Some(key) => Err(AgentError::InvalidArgument(format!(
+            "sysctl {key} is not namespaced: without a VM it would change the host's kernel (namespace backend)"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// `net.ipv4.ip_forward` -> `/proc/sys/net/ipv4/ip_forward`, refusing anything that could
@@ -164,6 +194,23 @@ mod tests {
         // The containers' copy is written in both modes.
         assert!(calls.contains(&Call::Write(POD_DNS.into(), b"nameserver 10.0.0.10\n".to_vec())));
         assert!(calls.contains(&Call::Hostname("pod-a".into())));
+    }
+
+    #[test]
+    fn namespace_mode_takes_only_namespaced_sysctls() {
+        for key in ["net.ipv4.ip_forward", "kernel.shmmax", "fs.mqueue.msg_max", "kernel.sem"] {
+            let s = SandboxSettings { sysctls: vec![(key.into(), "1".into())], ..Default::default() };
+            apply_setup(&s, Mode::Namespace, &RecordingSyscall::default()).unwrap();
+        }
+        for key in ["vm.overcommit_memory", "kernel.panic", "fs.file-max", "kernel.hostname"] {
+            let s = SandboxSettings { sysctls: vec![(key.into(), "1".into())], ..Default::default() };
+            let sys = RecordingSyscall::default();
+            let err = apply_setup(&s, Mode::Namespace, &sys).unwrap_err();
+            assert!(err.to_string().contains("not namespaced"), "{key}: {err}");
+            assert!(sys.calls().is_empty(), "{key}: nothing applied before the refusal");
+            // A guest kernel is the pod's own.
+            apply_setup(&s, Mode::Guest, &RecordingSyscall::default()).unwrap();
+        }
     }
 
     #[test]
