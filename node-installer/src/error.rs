@@ -20,6 +20,8 @@ pub enum Error {
     MissingArtifact { name: &'static str, dir: PathBuf },
     #[error("invalid setting: {0}")]
     Setting(String),
+    #[error("another installer holds {path} (waited {waited:?}); it will be retried")]
+    Locked { path: PathBuf, waited: std::time::Duration },
     #[error("restarting containerd: {0}")]
     Restart(String),
     #[error("CRI check: {0}")]

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::failpoint::FailPoints;
 use crate::kube::{self, NodeApi};
 use crate::layout::{self, Layout, HANDLER};
+use crate::lock::{InstallLock, LOCK_WAIT};
 use crate::probe::{self, Verdict};
 use crate::restart::Restarter;
 
@@ -85,9 +86,10 @@ impl Installer<'_> {
     /// Run the install steps. On failure the node is left unlabelled with the error as its reason annotation
     /// (best effort: the API may be what failed), so `kubectl get node` explains what the pod log says.
     pub async fn install(&self) -> Result<Report> {
+        let _lock = InstallLock::acquire(&self.settings.layout.lock_dir(), LOCK_WAIT).await?;
         let result = self.install_steps().await;
         if let (Err(e), Some((api, node))) = (&result, &self.nodes) {
-            if !matches!(e, Error::Interrupted(_) | Error::Kube(_)) {
+            if !matches!(e, Error::Interrupted(_) | Error::Kube(_) | Error::Locked { .. }) {
                 if let Err(k) = kube::mark_refused(*api, node, &format!("install failed: {e}")).await {
                     tracing::warn!(error = %k, "could not record the failure on the node");
                 }
@@ -146,7 +148,9 @@ impl Installer<'_> {
                 }
                 Step::RestartContainerd => {
                     if containerd::restart_pending(&s.layout) {
-                        self.restarter.restart()?;
+                        if let Err(e) = self.restarter.restart() {
+                            return Err(self.roll_back_after_failed_restart(e));
+                        }
                         restarted = true;
                         self.fail.check("restarted")?;
                         containerd::clear_restart_pending(&s.layout)?;
@@ -182,8 +186,26 @@ impl Installer<'_> {
         }
     }
 
+    /// containerd did not restart with our drop-in (it may be down with it): take the drop-in and
+    /// our imports entry out again and restart once more, so the node keeps its previous containerd.
+    /// The install fails either way; the next attempt (with backoff) writes the drop-in again.
+    fn roll_back_after_failed_restart(&self, e: Error) -> Error {
+        tracing::error!(error = %e, "containerd restart failed; rolling back the drop-in");
+        let rolled_back = containerd::uninstall(&self.settings.layout, &self.fail)
+            .and_then(|()| self.restarter.restart())
+            .and_then(|()| containerd::clear_restart_pending(&self.settings.layout));
+        match rolled_back {
+            Ok(()) => {
+                tracing::warn!("rolled back: containerd runs its previous config");
+                Error::Restart(format!("{e}; the drop-in was rolled back and containerd restarted without it"))
+            }
+            Err(r) => Error::Restart(format!("{e}; rolling back failed too: {r}")),
+        }
+    }
+
     /// Label first (no new pods), then containerd (drop-in, imports, restart), then files.
     pub async fn uninstall(&self) -> Result<()> {
+        let _lock = InstallLock::acquire(&self.settings.layout.lock_dir(), LOCK_WAIT).await?;
         let s = &self.settings;
         // If the API refuses (e.g. RBAC deleted together with the DaemonSet), the node is still unwired: a labelled
         // node whose pods fail to start beats a node left wired forever. The error is returned at the end.

@@ -54,6 +54,12 @@ impl Layout {
         self.install_dir().join("state")
     }
 
+    /// Where the installer's lock lives: the host's /run (tmpfs), so a refused node keeps no
+    /// trace of it and a reboot starts unlocked.
+    pub fn lock_dir(&self) -> PathBuf {
+        self.host(Path::new("/run/bulkhead"))
+    }
+
     pub fn config_file(&self) -> PathBuf {
         self.host(&self.containerd_config)
     }

@@ -15,6 +15,7 @@ pub mod fsutil;
 pub mod installer;
 pub mod kube;
 pub mod layout;
+pub mod lock;
 pub mod probe;
 pub mod restart;
 

@@ -1,5 +1,7 @@
 //! Restarting containerd. Behind a trait so tests restart their own containerd process instead of systemd's.
 
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Result};
 
 pub trait Restarter: Send + Sync {
@@ -10,7 +12,13 @@ pub trait Restarter: Send + Sync {
 /// by the DaemonSet's configured command).
 pub struct CommandRestarter {
     pub argv: Vec<String>,
+    /// A restart command still running after this is killed and counts as failed (a hung
+    /// `systemctl` must not hold the installer, and the node, forever).
+    pub timeout: Duration,
 }
+
+/// How long `systemctl restart containerd` may take.
+pub const RESTART_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl CommandRestarter {
     pub fn parse(cmd: &str) -> Result<Self> {
@@ -18,21 +26,51 @@ impl CommandRestarter {
         if argv.is_empty() {
             return Err(Error::Setting("restart command is empty".into()));
         }
-        Ok(Self { argv })
+        Ok(Self { argv, timeout: RESTART_TIMEOUT })
     }
 }
 
 impl Restarter for CommandRestarter {
     fn restart(&self) -> Result<()> {
         tracing::info!(command = ?self.argv, "restarting containerd");
-        let status = std::process::Command::new(&self.argv[0])
+        let mut child = std::process::Command::new(&self.argv[0])
             .args(&self.argv[1..])
-            .status()
+            .spawn()
             .map_err(|e| Error::Restart(format!("{:?}: {e}", self.argv)))?;
+        let deadline = Instant::now() + self.timeout;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(Error::Restart(format!("{:?} did not finish within {:?}", self.argv, self.timeout)));
+                }
+                Err(e) => return Err(Error::Restart(format!("{:?}: wait: {e}", self.argv))),
+            }
+        };
         if status.success() {
             Ok(())
         } else {
             Err(Error::Restart(format!("{:?} exited with {status}", self.argv)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hung_restart_command_is_killed_at_its_timeout() {
+        let mut r = CommandRestarter::parse("sleep 30").unwrap();
+        r.timeout = Duration::from_millis(300);
+        let started = Instant::now();
+        let err = r.restart().unwrap_err();
+        assert!(err.to_string().contains("did not finish within"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(CommandRestarter::parse("true").unwrap().restart().is_ok());
+        assert!(CommandRestarter::parse("false").unwrap().restart().is_err());
     }
 }

@@ -318,3 +318,49 @@ async fn uninstall_unwires_the_node_even_when_the_api_refuses() {
     assert_eq!(fs::read(node.config()).unwrap(), original);
     assert_eq!(node.snapshot(), before);
 }
+
+/// Fails its first restart (containerd does not come up with the new config), then succeeds.
+#[derive(Default)]
+struct FailsFirstRestart(std::sync::atomic::AtomicUsize);
+impl bulkhead_node_installer::restart::Restarter for FailsFirstRestart {
+    fn restart(&self) -> bulkhead_node_installer::Result<()> {
+        match self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => Err(Error::Restart("containerd.service: start request repeated too quickly".into())),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_failing_containerd_restart_rolls_the_dropin_back() {
+    let node = support::node(true);
+    let original = fs::read(node.config()).unwrap();
+    let restarter = FailsFirstRestart::default();
+    let inst = Installer { settings: node.settings(), restarter: &restarter, nodes: None, fail: FailPoints::none() };
+    let err = inst.install().await.unwrap_err().to_string();
+    assert!(err.contains("rolled back"), "{err}");
+    assert_eq!(restarter.0.load(std::sync::atomic::Ordering::SeqCst), 2, "the failed restart, then one without us");
+    assert_eq!(fs::read(node.config()).unwrap(), original, "containerd's config is the node's own again");
+    let dropins = node.root().join("etc/containerd/conf.d");
+    let left: Vec<_> = fs::read_dir(&dropins).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "drop-ins left: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installers_at_once_converge_with_one_restart() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    let ctd = support::Containerd::start(&node);
+    let (a, b) = (
+        Installer { settings: node.settings(), restarter: &ctd, nodes: None, fail: FailPoints::none() },
+        Installer { settings: node.settings(), restarter: &ctd, nodes: None, fail: FailPoints::none() },
+    );
+    let (ra, rb) = tokio::join!(a.install(), b.install());
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ctd.restart_count(), 1, "one restart for both: {ra:?} {rb:?}\n{}", ctd.log_tail());
+    assert!(ra.restarted != rb.restarted, "exactly one of them restarted containerd");
+    assert!(registered(&node, "bulkhead").await);
+    a.uninstall().await.unwrap();
+}
