@@ -7,35 +7,15 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use bulkhead_benches::{unix_ns, vmm_binary};
 
 const RUNS: usize = 20;
 const GOAL_START_MS: f64 = 5.0;
 const GOAL_RSS_MIB: f64 = 10.0;
-
-fn unix_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-}
-
-/// The release binary, built on demand (override with BULKHEAD_VMM).
-fn vmm_binary() -> Result<PathBuf, String> {
-    if let Ok(p) = std::env::var("BULKHEAD_VMM") {
-        return Ok(PathBuf::from(p));
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "-q", "-p", "bulkhead-vmm", "--bin", "bulkhead-vmm"])
-        .current_dir(&root)
-        .status()
-        .map_err(|e| format!("cannot run cargo: {e}"))?;
-    if !status.success() {
-        return Err("building bulkhead-vmm failed".into());
-    }
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
-    Ok(target.join("release/bulkhead-vmm"))
-}
 
 struct Sample {
     start_to_run_ms: f64,

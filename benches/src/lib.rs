@@ -1,1 +1,28 @@
+//! Helpers the VMM benches share.
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Nanoseconds since the epoch (the VMM's API reports its times this way).
+pub fn unix_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+/// The release VMM binary, built on demand (override with BULKHEAD_VMM).
+pub fn vmm_binary() -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var("BULKHEAD_VMM") {
+        return Ok(PathBuf::from(p));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--release", "-q", "-p", "bulkhead-vmm", "--bin", "bulkhead-vmm"])
+        .current_dir(&root)
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err("building bulkhead-vmm failed".into());
+    }
+    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
+    Ok(target.join("release/bulkhead-vmm"))
+}
