@@ -40,7 +40,7 @@ def main():
         ino += 1
     parts.append(entry(ino, "init", stat.S_IFREG | 0o755, init))
     parts.append(entry(0, "TRAILER!!!", 0))
-    tmp = out_path + ".tmp"
+    tmp = f"{out_path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as raw:
         with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
             gz.write(b"".join(parts))
