@@ -11,6 +11,11 @@ pub struct Cli {
     pub command: Option<Command>,
     #[command(flatten)]
     pub agent: AgentOpts,
+    /// Words the kernel passed on: as /init, the agent gets every command-line word the kernel
+    /// did not know (`nomodule`, say). They are logged and otherwise ignored, since PID 1 must
+    /// not exit over a word of the boot loader's.
+    #[arg(hide = true)]
+    pub kernel_words: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -92,7 +97,10 @@ impl std::str::FromStr for Listen {
 pub fn init_tracing(opts: &AgentOpts) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_AGENT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libcontainer=warn,libcgroups=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // As PID 1 of a VM, stderr is the serial console: a tty, but one that a file on the host
+    // records, so no colour codes there; elsewhere only where a person watches a terminal.
+    let ansi = opts.mode != Mode::Guest && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr);
     if opts.log_json {
         builder.json().init();
     } else {
@@ -103,6 +111,19 @@ pub fn init_tracing(opts: &AgentOpts) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unknown_words_of_the_kernel_are_kept_apart_not_refused() {
+        let cli = Cli::try_parse_from(["/init", "nomodule", "quiet"]).unwrap();
+        assert_eq!(cli.kernel_words, ["nomodule", "quiet"]);
+        assert!(cli.command.is_none());
+        assert_eq!(cli.agent.mode, Mode::Guest);
+        let cli = Cli::try_parse_from(["/init", "--mode", "namespace", "--listen", "unix:/a"]).unwrap();
+        assert!(cli.kernel_words.is_empty());
+        assert_eq!(cli.agent.mode, Mode::Namespace);
+        // Flags are still checked: a typo is an error, not a kernel word.
+        assert!(Cli::try_parse_from(["/init", "--mdoe", "guest"]).is_err());
+    }
 
     #[test]
     fn parses_listen() {

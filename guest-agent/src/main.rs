@@ -37,7 +37,7 @@ fn main() -> std::process::ExitCode {
         Some(cli::Command::Libcontainer(op)) => runtime::helper::main(op),
         None => {
             let mode = args.agent.mode;
-            match run(args.agent) {
+            match run(args.agent, &args.kernel_words) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("bulkhead-agent: {e:#}");
@@ -53,8 +53,16 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(opts: cli::AgentOpts) -> anyhow::Result<()> {
+fn run(opts: cli::AgentOpts, kernel_words: &[String]) -> anyhow::Result<()> {
     cli::init_tracing(&opts);
+    if !kernel_words.is_empty() {
+        tracing::warn!(?kernel_words, "ignoring command-line words the kernel passed to /init");
+    }
+    if opts.mode == cli::Mode::Guest {
+        // pivot_root(2) refuses the initramfs; containers need a real root under them. Returns
+        // only once the agent runs from a tmpfs root (it re-executes itself there).
+        guest_init::switch_root::leave_initramfs()?;
+    }
     // Mounts and subreaper status come before any thread exists.
     guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
     shared_fs::mount_shared_dir(opts.mode, &syscall::LinuxSyscall, &shared_fs::kernel_cmdline())?;

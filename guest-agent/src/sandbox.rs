@@ -125,6 +125,7 @@ impl Sandbox {
         }
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
+        spec::fit_spec_hugepages(&mut spec, &spec::hugepage_sizes())?;
         let pod_dns = dns::pod_file(&self.state_dir);
         if pod_dns.exists() {
             dns::point_at_pod_file(&mut spec, &pod_dns);
@@ -261,7 +262,8 @@ impl Sandbox {
     }
 
     pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<()> {
-        let r = spec::parse_resources(resources_json)?;
+        let mut r = spec::parse_resources(resources_json)?;
+        spec::fit_hugepage_limits(&mut r, &spec::hugepage_sizes())?;
         self.container(id)?.cgroup.update(&r)
     }
 

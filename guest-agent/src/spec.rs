@@ -97,6 +97,54 @@ pub fn exec_process(json: &[u8], terminal: bool, under_seccomp: bool) -> Result<
     Ok(process)
 }
 
+/// The huge page sizes this kernel offers, named as OCI names them ("2MB", "1GB").
+pub fn hugepage_sizes() -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir("/sys/kernel/mm/hugepages") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let kib: u64 = e.file_name().to_str()?.strip_prefix("hugepages-")?.strip_suffix("kB")?.parse().ok()?;
+            Some(match kib {
+                k if k % (1 << 20) == 0 => format!("{}GB", k >> 20),
+                k if k % (1 << 10) == 0 => format!("{}MB", k >> 10),
+                k => format!("{k}KB"),
+            })
+        })
+        .collect()
+}
+
+/// Fits `resources`' huge page limits to the sizes this kernel has (`sizes`). kubelet sends a
+/// limit for every size the node offers, usually 0; a limit on a size the guest lacks is
+/// dropped when it is 0 (it allows nothing, and nothing can be had) and refused otherwise.
+/// Returns the sizes dropped.
+pub fn fit_hugepage_limits(resources: &mut LinuxResources, sizes: &[String]) -> Result<Vec<String>> {
+    let Some(limits) = resources.hugepage_limits().clone() else { return Ok(Vec::new()) };
+    let (kept, missing): (Vec<_>, Vec<_>) = limits.into_iter().partition(|l| sizes.contains(l.page_size()));
+    if let Some(l) = missing.iter().find(|l| l.limit() > 0) {
+        return Err(AgentError::Unsupported(format!(
+            "linux.resources.hugepageLimits: a limit of {} bytes of {} pages, a size this kernel does not have \
+             (it has {sizes:?})",
+            l.limit(),
+            l.page_size()
+        )));
+    }
+    resources.set_hugepage_limits(Some(kept));
+    Ok(missing.into_iter().map(|l| l.page_size().clone()).collect())
+}
+
+/// [`fit_hugepage_limits`] on a spec's resources, logging what was dropped.
+pub fn fit_spec_hugepages(spec: &mut Spec, sizes: &[String]) -> Result<()> {
+    let Some(mut linux) = spec.linux().clone() else { return Ok(()) };
+    let Some(mut resources) = linux.resources().clone() else { return Ok(()) };
+    let dropped = fit_hugepage_limits(&mut resources, sizes)?;
+    if !dropped.is_empty() {
+        tracing::info!(?dropped, "zero huge page limits of sizes this kernel lacks dropped");
+    }
+    linux.set_resources(Some(resources));
+    spec.set_linux(Some(linux));
+    Ok(())
+}
+
 pub fn parse_resources(json: &[u8]) -> Result<LinuxResources> {
     check_size("resources JSON", json)?;
     serde_json::from_slice(json).map_err(|e| bad_json("linux.resources", e))
@@ -105,6 +153,28 @@ pub fn parse_resources(json: &[u8]) -> Result<LinuxResources> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hugepage_limits_of_missing_sizes_are_dropped_when_zero_and_refused_otherwise() {
+        let mut r: LinuxResources = serde_json::from_value(serde_json::json!({
+            "hugepageLimits": [{"pageSize": "2MB", "limit": 0}, {"pageSize": "1GB", "limit": 0}]
+        }))
+        .unwrap();
+        let dropped = fit_hugepage_limits(&mut r, &["2MB".to_string()]).unwrap();
+        assert_eq!(dropped, ["1GB"]);
+        let kept: Vec<_> = r.hugepage_limits().clone().unwrap().iter().map(|l| l.page_size().clone()).collect();
+        assert_eq!(kept, ["2MB"]);
+
+        let mut r: LinuxResources =
+            serde_json::from_value(serde_json::json!({"hugepageLimits": [{"pageSize": "1GB", "limit": 1073741824}]}))
+                .unwrap();
+        let err = fit_hugepage_limits(&mut r, &["2MB".to_string()]).unwrap_err().to_string();
+        assert!(err.contains("1GB") && err.contains("hugepageLimits"), "{err}");
+
+        let mut r = LinuxResources::default();
+        assert!(fit_hugepage_limits(&mut r, &[]).unwrap().is_empty());
+        assert!(r.hugepage_limits().is_none(), "no limits stay no limits");
+    }
 
     fn spec(json: serde_json::Value) -> Spec {
         parse_spec(&serde_json::to_vec(&json).unwrap()).unwrap()

@@ -3,6 +3,7 @@
 //! without root.
 
 mod setup;
+pub mod switch_root;
 
 pub use setup::{apply_setup, check_namespaced, SandboxSettings};
 
@@ -46,6 +47,11 @@ fn mount(
     Step::Mount { source, target, fstype: Some(fstype), flags, data, optional: false }
 }
 
+/// Enables one controller for the guest's cgroups below the root.
+fn delegate(controller: &'static str) -> Step {
+    Step::Write { path: "/sys/fs/cgroup/cgroup.subtree_control", data: controller, optional: true }
+}
+
 /// What PID 1 must set up before serving, per mode.
 pub fn boot_plan(mode: Mode) -> Vec<Step> {
     use nix::mount::MsFlags as F;
@@ -87,13 +93,15 @@ pub fn boot_plan(mode: Mode) -> Vec<Step> {
             Step::Mkdir("/run"),
             mount("tmpfs", "/run", "tmpfs", nosuid_nodev, Some("mode=0755")),
             mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid_nodev_noexec, None),
-            // Delegate the controllers containers need; the root cgroup is exempt from the
+            // Delegate the controllers kubelet sets limits with, one by one (a write naming a
+            // controller the kernel lacks fails whole); the root cgroup is exempt from the
             // no-internal-processes rule, so this works with the agent still in it.
-            Step::Write {
-                path: "/sys/fs/cgroup/cgroup.subtree_control",
-                data: "+cpu +memory +pids +io",
-                optional: true,
-            },
+            delegate("+cpu"),
+            delegate("+cpuset"),
+            delegate("+memory"),
+            delegate("+pids"),
+            delegate("+io"),
+            delegate("+hugetlb"),
             Step::Subreaper,
         ],
     }
