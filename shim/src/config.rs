@@ -35,6 +35,16 @@ pub enum Backend {
     Namespace,
 }
 
+impl Backend {
+    /// The name the config file uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Vm => "vm",
+            Backend::Namespace => "namespace",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use crate::config::Backend;
+
 /// CRI annotation: "sandbox" or "container".
 pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 /// CRI annotation: the pod sandbox id of a container.
@@ -167,8 +169,8 @@ impl BundleSpec {
             .unwrap_or_default()
     }
 
-    /// Fields no bulkhead backend honours; refused for sandbox and containers alike.
-    fn validate_common(&self) -> Result<(), SpecError> {
+    /// Fields the backend cannot honour; refused for sandbox and containers alike.
+    fn validate_common(&self, backend: Backend) -> Result<(), SpecError> {
         if let Some(hooks) = self.value.get("hooks").and_then(Value::as_object) {
             if hooks.values().any(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
                 return Err(unsupported(
@@ -180,11 +182,17 @@ impl BundleSpec {
         if self.value.pointer("/linux/intelRdt").is_some_and(|v| !v.is_null()) {
             return Err(unsupported("linux.intelRdt", "not supported by bulkhead"));
         }
+        // The guest kernel has cgroup namespaces (containerd gives every container one on cgroup
+        // v2 hosts); the namespace backend's agent cannot nest them inside the host's.
+        let refused: &[&str] = match backend {
+            Backend::Vm => &["user", "time"],
+            Backend::Namespace => &["user", "time", "cgroup"],
+        };
         for (typ, _) in self.namespaces() {
-            if typ == "user" || typ == "time" || typ == "cgroup" {
+            if refused.contains(&typ.as_str()) {
                 return Err(unsupported(
                     format!("linux.namespaces[type={typ}]"),
-                    "not supported by the bulkhead namespace backend",
+                    format!("not supported by the bulkhead {} backend", backend.as_str()),
                 ));
             }
         }
@@ -192,8 +200,8 @@ impl BundleSpec {
     }
 
     /// Checks a sandbox spec and returns the pod network namespace to join (`None`: host).
-    pub fn validate_sandbox(&self) -> Result<Option<PathBuf>, SpecError> {
-        self.validate_common()?;
+    pub fn validate_sandbox(&self, backend: Backend) -> Result<Option<PathBuf>, SpecError> {
+        self.validate_common(backend)?;
         let namespaces = self.namespaces();
         let has = |t: &str| namespaces.iter().any(|(typ, _)| typ == t);
         if !has("pid") {
@@ -221,10 +229,14 @@ impl BundleSpec {
 
     /// Checks a container spec and returns the JSON the agent runs. Namespace paths that
     /// name the sandbox (`/proc/<sandbox pid>/ns/<type>`, CRI's convention) are removed: in
-    /// the sandbox, the agent's own namespaces are the pod's.
-    pub fn translate_container(&self, sandbox_pid: u32) -> Result<Vec<u8>, SpecError> {
-        self.validate_common()?;
+    /// the sandbox, the agent's own namespaces are the pod's. On the vm backend, the host's LSM
+    /// labels are removed too ([`drop_lsm_labels`]).
+    pub fn translate_container(&self, sandbox_pid: u32, backend: Backend) -> Result<Vec<u8>, SpecError> {
+        self.validate_common(backend)?;
         let mut value = self.value.clone();
+        if backend == Backend::Vm {
+            drop_lsm_labels(&mut value);
+        }
         if let Some(list) = value.pointer_mut("/linux/namespaces").and_then(Value::as_array_mut) {
             let mut kept = Vec::new();
             for ns in list.drain(..) {
@@ -247,6 +259,24 @@ impl BundleSpec {
     }
 }
 
+/// The host's LSM labels, which name profiles and contexts of the host's AppArmor or SELinux
+/// policy. The guest kernel has no LSM, so libcontainer would refuse them; the VM boundary is
+/// the isolation there. Each one dropped is logged.
+fn drop_lsm_labels(value: &mut Value) {
+    for pointer in ["/process", "/linux", ""] {
+        let Some(object) = value.pointer_mut(pointer).and_then(Value::as_object_mut) else { continue };
+        for field in ["apparmorProfile", "selinuxLabel", "mountLabel"] {
+            if let Some(label) = object.remove(field) {
+                tracing::info!(
+                    field,
+                    %label,
+                    "the guest kernel has no LSM: the host's label is not applied inside the VM"
+                );
+            }
+        }
+    }
+}
+
 /// Whether `path` is `/proc/<sandbox_pid>/ns/<typ>` (CRI names "network" as "net").
 fn points_at_sandbox(path: &str, sandbox_pid: u32, typ: &str) -> bool {
     let file = match typ {
@@ -257,15 +287,21 @@ fn points_at_sandbox(path: &str, sandbox_pid: u32, typ: &str) -> bool {
     path == format!("/proc/{sandbox_pid}/ns/{file}")
 }
 
-/// The OCI `process` of an Exec request (containerd sends it as JSON in an Any), checked.
-pub fn exec_process_json(value: &[u8]) -> Result<Vec<u8>, SpecError> {
+/// The OCI `process` of an Exec request (containerd sends it as JSON in an Any), checked; on
+/// the vm backend without the host's LSM labels, as for the container itself.
+pub fn exec_process_json(value: &[u8], backend: Backend) -> Result<Vec<u8>, SpecError> {
     let parsed: Map<String, Value> = serde_json::from_slice(value)
         .map_err(|e| SpecError::Read { path: "exec process".into(), message: e.to_string() })?;
     match parsed.get("args").and_then(Value::as_array) {
         Some(args) if !args.is_empty() => {}
         _ => return Err(unsupported("process.args", "an exec needs a command")),
     }
-    Ok(value.to_vec())
+    if backend == Backend::Namespace {
+        return Ok(value.to_vec());
+    }
+    let mut process = Value::Object(parsed);
+    drop_lsm_labels(&mut process);
+    serde_json::to_vec(&process).map_err(|e| SpecError::Read { path: "exec process".into(), message: e.to_string() })
 }
 
 #[cfg(test)]
@@ -310,7 +346,7 @@ mod tests {
     #[test]
     fn sandbox_netns_and_settings_are_read() {
         let s = spec(sandbox_spec());
-        assert_eq!(s.validate_sandbox().unwrap(), Some(PathBuf::from("/var/run/netns/cni-1")));
+        assert_eq!(s.validate_sandbox(Backend::Namespace).unwrap(), Some(PathBuf::from("/var/run/netns/cni-1")));
         assert_eq!(s.hostname(), Some("pod-a"));
         assert_eq!(s.sysctls(), vec![("net.ipv4.ip_forward".into(), "1".into())]);
     }
@@ -341,7 +377,7 @@ mod tests {
     fn host_pid_is_refused_naming_the_field() {
         let mut v = sandbox_spec();
         v["linux"]["namespaces"] = json!([{"type": "ipc"}, {"type": "mount"}]);
-        let err = spec(v).validate_sandbox().unwrap_err();
+        let err = spec(v).validate_sandbox(Backend::Namespace).unwrap_err();
         assert!(err.to_string().contains("linux.namespaces[type=pid]"), "{err}");
     }
 
@@ -349,7 +385,7 @@ mod tests {
     fn hooks_are_refused() {
         let mut v = sandbox_spec();
         v["hooks"] = json!({"prestart": [{"path": "/bin/true"}]});
-        assert!(spec(v).validate_sandbox().unwrap_err().to_string().contains("hooks"));
+        assert!(spec(v).validate_sandbox(Backend::Namespace).unwrap_err().to_string().contains("hooks"));
     }
 
     #[test]
@@ -364,7 +400,7 @@ mod tests {
                 {"type": "mount"}
             ]}
         }));
-        let out: Value = serde_json::from_slice(&s.translate_container(42).unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&s.translate_container(42, Backend::Namespace).unwrap()).unwrap();
         assert_eq!(out["linux"]["namespaces"], json!([{"type": "pid"}, {"type": "mount"}]));
         assert_eq!(out["process"]["args"], json!(["sh"]));
     }
@@ -374,15 +410,48 @@ mod tests {
         let s = spec(json!({"linux": {"namespaces": [
             {"type": "network", "path": "/proc/7/ns/net"}
         ]}}));
-        let err = s.translate_container(42).unwrap_err();
+        let err = s.translate_container(42, Backend::Namespace).unwrap_err();
         assert!(err.to_string().contains("linux.namespaces[type=network].path"), "{err}");
     }
 
     #[test]
     fn exec_process_needs_args() {
-        assert!(exec_process_json(br#"{"args":["ls"]}"#).is_ok());
-        assert!(exec_process_json(br#"{"args":[]}"#).is_err());
-        assert!(exec_process_json(b"not json").is_err());
+        for backend in [Backend::Vm, Backend::Namespace] {
+            assert!(exec_process_json(br#"{"args":["ls"]}"#, backend).is_ok());
+            assert!(exec_process_json(br#"{"args":[]}"#, backend).is_err());
+            assert!(exec_process_json(b"not json", backend).is_err());
+        }
+    }
+
+    #[test]
+    fn the_vm_backend_keeps_cgroup_namespaces_the_namespace_backend_refuses_them() {
+        let mut v = sandbox_spec();
+        v["linux"]["namespaces"].as_array_mut().unwrap().push(json!({"type": "cgroup"}));
+        assert!(spec(v.clone()).validate_sandbox(Backend::Vm).is_ok());
+        let err = spec(v).validate_sandbox(Backend::Namespace).unwrap_err().to_string();
+        assert!(err.contains("linux.namespaces[type=cgroup]") && err.contains("namespace backend"), "{err}");
+        let c = spec(json!({"process": {"args": ["sh"]}, "linux": {"namespaces": [{"type": "cgroup"}]}}));
+        let out: Value = serde_json::from_slice(&c.translate_container(42, Backend::Vm).unwrap()).unwrap();
+        assert_eq!(out["linux"]["namespaces"], json!([{"type": "cgroup"}]));
+        let err = spec(json!({"linux": {"namespaces": [{"type": "user"}]}})).validate_sandbox(Backend::Vm);
+        assert!(err.unwrap_err().to_string().contains("type=user"));
+    }
+
+    #[test]
+    fn the_vm_backend_drops_the_hosts_lsm_labels() {
+        let c = spec(json!({
+            "process": {"args": ["sh"], "apparmorProfile": "cri-containerd.apparmor.d", "selinuxLabel": "system_u:x"},
+            "linux": {"mountLabel": "system_u:object_r:x"}
+        }));
+        let out: Value = serde_json::from_slice(&c.translate_container(42, Backend::Vm).unwrap()).unwrap();
+        assert_eq!(out["process"], json!({"args": ["sh"]}));
+        assert_eq!(out["linux"], json!({}));
+        let kept: Value = serde_json::from_slice(&c.translate_container(42, Backend::Namespace).unwrap()).unwrap();
+        assert_eq!(kept["process"]["apparmorProfile"], "cri-containerd.apparmor.d", "the host applies its own");
+        let exec = br#"{"args":["ls"],"apparmorProfile":"p","selinuxLabel":"l"}"#;
+        let out: Value = serde_json::from_slice(&exec_process_json(exec, Backend::Vm).unwrap()).unwrap();
+        assert_eq!(out, json!({"args": ["ls"]}));
+        assert_eq!(exec_process_json(exec, Backend::Namespace).unwrap(), exec.to_vec());
     }
 
     #[test]

@@ -157,7 +157,7 @@ impl TaskService {
         spec: &BundleSpec,
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
-        let netns = spec.validate_sandbox()?;
+        let netns = spec.validate_sandbox(config.backend)?;
         let resolv_conf = crate::network::dns::pod_resolv_conf(spec).map_err(|e| TaskError::Internal(e.to_string()))?;
         // The pod's config is known from here on; it sets the shim's log level.
         crate::logging::set_config_level(&config.log_level);
@@ -237,7 +237,7 @@ impl TaskService {
             return Err(not_here());
         }
         let sandbox = self.running_sandbox().await.ok_or_else(not_here)?;
-        let spec_json = spec.translate_container(sandbox.pid())?;
+        let spec_json = spec.translate_container(sandbox.pid(), sandbox.backend())?;
         let bundle = Path::new(&req.bundle);
         BundleRecord {
             state_dir: config.state_dir.clone(),
@@ -389,7 +389,6 @@ impl TaskService {
         if value.len() > MAX_JSON {
             return Err(TaskError::InvalidArgument("exec process spec too large".into()));
         }
-        let process_json = spec::exec_process_json(value)?;
         let stdio = Stdio::parse(StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -401,6 +400,7 @@ impl TaskService {
             .running_sandbox()
             .await
             .ok_or_else(|| TaskError::FailedPrecondition("the pod sandbox is not running in this shim".into()))?;
+        let process_json = spec::exec_process_json(value, sandbox.backend())?;
         let mut containers = self.containers.lock().await;
         let c = containers.get_mut(&req.id).ok_or_else(|| TaskError::NotFound(format!("container {}", req.id)))?;
         if c.kind == ContainerKind::Sandbox {

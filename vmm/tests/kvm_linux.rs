@@ -37,7 +37,7 @@ fn linux_kernel_echoes_cmdline_and_e820() {
     let disk = zero_disk(dir.path(), 4096);
     let cfg = serde_json::json!({
         "kernel": kernel,
-        "cmdline": "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nomodule",
+        "cmdline": "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1",
         "mem_mib": 128,
         "vcpus": 2,
         "serial_log": dir.path().join("serial.log"),

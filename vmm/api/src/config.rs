@@ -242,7 +242,9 @@ fn default_raw_load() -> u64 {
     0x10_0000
 }
 
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux";
+/// The guest kernel has neither modules nor PCI, so no `nomodule` or `pci=off`: the kernel hands a
+/// word it does not know to /init (as an argument, or with `=` as an environment variable).
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 i8042.noaux";
 
 /// What we boot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

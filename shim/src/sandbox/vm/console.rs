@@ -5,10 +5,15 @@
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-/// Bytes of the log's end that an error quotes at most.
-const TAIL_BYTES: u64 = 2048;
+/// Bytes of the log's end searched for what an error quotes.
+const TAIL_BYTES: u64 = 16 * 1024;
 /// Lines an error quotes at most.
 const TAIL_LINES: usize = 12;
+/// Characters of one quoted line at most.
+const LINE_CHARS: usize = 240;
+/// How the guest kernel says it panicked; the lines up to it say why, the call trace after it
+/// does not.
+const PANIC: &str = "Kernel panic - not syncing";
 /// Bytes of the log's end kept in the pod's log directory.
 const KEEP_BYTES: u64 = 1 << 20;
 /// The kept copy's name in the pod's log directory.
@@ -26,21 +31,31 @@ fn last_bytes(path: &Path, max: u64) -> Vec<u8> {
     bytes
 }
 
-/// The console's last lines on one line: `, last lines: «a | b»`, or `, which is empty`.
+/// The console's last lines on one line: `, last lines: «a | b»`, or `, which is empty`. When
+/// the guest kernel panicked, the lines up to the panic instead (what /init said before it died
+/// is there, not in the call trace that follows).
 pub fn tail(path: &Path) -> String {
     let bytes = last_bytes(path, TAIL_BYTES);
     let text = String::from_utf8_lossy(&bytes);
     let lines: Vec<String> = text
         .lines()
-        .map(|l| l.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect::<String>())
+        .map(|l| l.chars().take(LINE_CHARS).map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect::<String>())
         .map(|l| l.trim().to_string())
         .filter(|l| !l.is_empty())
         .collect();
     if lines.is_empty() {
         return ", which is empty".into();
     }
-    let shown = &lines[lines.len().saturating_sub(TAIL_LINES)..];
-    format!(", last lines: «{}»", shown.join(" | "))
+    match lines.iter().rposition(|l| l.contains(PANIC)) {
+        Some(at) => {
+            let shown = &lines[(at + 1).saturating_sub(TAIL_LINES)..=at];
+            format!(", the guest kernel panicked; its lines up to the panic: «{}»", shown.join(" | "))
+        }
+        None => {
+            let shown = &lines[lines.len().saturating_sub(TAIL_LINES)..];
+            format!(", last lines: «{}»", shown.join(" | "))
+        }
+    }
 }
 
 /// Copies the console's last `KEEP_BYTES` into `log_dir`; returns where, if it could.
@@ -72,9 +87,28 @@ mod tests {
         assert!(t.starts_with(", last lines: «line 29 | "), "{t}");
         assert!(t.ends_with("| \u{FFFD}[31mred\u{FFFD}»"), "{t}");
         assert!(t.len() < 400, "{}", t.len());
-        // Hostile bytes that are not UTF-8 stay bounded too.
-        std::fs::write(&log, vec![0xff; 10_000]).unwrap();
-        assert!(tail(&log).len() < 3 * TAIL_BYTES as usize + 100);
+        // Hostile bytes that are not UTF-8, and endless lines, stay bounded too.
+        std::fs::write(&log, vec![0xff; 100_000]).unwrap();
+        assert!(tail(&log).len() < 3 * LINE_CHARS + 100);
+        std::fs::write(&log, "y\n".repeat(50_000)).unwrap();
+        assert!(tail(&log).len() < TAIL_LINES * (LINE_CHARS * 3 + 3) + 100);
+    }
+
+    #[test]
+    fn a_panic_is_quoted_with_what_came_before_it_not_the_call_trace() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("console.log");
+        let mut text = String::from("[ 1.0] Run /init as init process\nagent: fatal: no shared fs\n");
+        text.push_str("[ 1.1] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100\n");
+        for i in 0..30 {
+            text.push_str(&format!("[ 1.2] trace {i}\n"));
+        }
+        text.push_str("[ 2.0] Rebooting in 1 seconds..\n");
+        std::fs::write(&log, text).unwrap();
+        let t = tail(&log);
+        assert!(t.contains("the guest kernel panicked"), "{t}");
+        assert!(t.contains("agent: fatal: no shared fs | [ 1.1] Kernel panic"), "{t}");
+        assert!(!t.contains("trace"), "{t}");
     }
 
     #[test]

@@ -159,6 +159,10 @@ fn make_mount_point(root: &OwnedFd, destination: &str, file: bool) -> Result<(),
     Ok(())
 }
 
+/// Where containerd binds the pod sandbox's shm into each container, and where the guest agent
+/// mounts the pod's own tmpfs.
+const POD_SHM: &str = "/dev/shm";
+
 /// `<pod>/shared`: the directory virtiofsd serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedDir {
@@ -237,6 +241,14 @@ impl SharedDir {
         for (index, m) in list.into_iter().flatten().enumerate() {
             let destination = m.get("destination").and_then(Value::as_str).unwrap_or_default().to_string();
             if !is_bind(m) {
+                points.push((destination, false));
+                continue;
+            }
+            if destination == POD_SHM {
+                // The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
+                // containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would
+                // be neither a tmpfs to the container nor memory of the guest.
+                m["source"] = Value::String(POD_SHM.into());
                 points.push((destination, false));
                 continue;
             }
@@ -427,6 +439,7 @@ mod tests {
                 {"destination": "/data", "type": "bind", "source": s("rw"), "options": ["rbind", "rw"]},
                 {"destination": "/varrun/secrets", "type": "bind", "source": s("ro"), "options": ["rbind", "ro"]},
                 {"destination": "/etc/hosts", "type": "bind", "source": s("hosts"), "options": ["rbind", "ro"]},
+                {"destination": "/dev/shm", "type": "bind", "source": s("sandbox-shm"), "options": ["rbind", "rw"]},
             ]
         });
         let rootfs = shared.prepare("c1", &s("image"), &[], &mut spec).unwrap();
@@ -435,6 +448,9 @@ mod tests {
         for n in 1..=3 {
             assert_eq!(spec["mounts"][n]["source"], format!("{SHARED_DIR}/c1/volumes/{n}"));
         }
+        // The sandbox's shm is the guest's pod-wide tmpfs, not a host directory.
+        assert_eq!(spec["mounts"][4]["source"], "/dev/shm");
+        assert!(!s("shared/c1/volumes/4").exists());
         let c1 = s("shared/c1");
         // A read-write volume is the host directory itself.
         assert_eq!(std::fs::read(c1.join("volumes/1/old")).unwrap(), b"old");
@@ -449,6 +465,7 @@ mod tests {
         assert!(c1.join("rootfs/proc").is_dir() && c1.join("rootfs/data").is_dir());
         assert!(c1.join("rootfs/run/secrets").is_dir());
         assert!(c1.join("rootfs/etc/hosts").is_file());
+        assert!(c1.join("rootfs/dev/shm").is_dir());
 
         shared.release("c1");
         assert!(!c1.exists());
