@@ -10,12 +10,14 @@ log() { printf 'setup: %s\n' "$*"; }
 # gcc/libc6-dev for the static pause binary, g++ for the fuzz crate (libFuzzer), iproute2 for
 # test network namespaces, openssl for the installer's TLS client test certificates, the
 # guest kernel's source and build tools (guest-kernel/build-kernel.sh), and libseccomp/libcap-ng
-# headers and pkg-config to build virtiofsd.
+# headers and pkg-config to build virtiofsd, and QEMU: the test-only stand-in CPU that runs the
+# real guest on hosts whose /dev/kvm runs no ordinary guest (tests/integration, `bulkhead-qemu-vmm`).
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
   musl-tools gcc g++ libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
   linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
   libseccomp-dev libcap-ng-dev pkg-config
+  qemu-system-x86
 )
 
 missing=()
@@ -70,20 +72,30 @@ else
   "$venv/bin/pip" install -q kubernetes-validate==1.37.0 pyyaml
 fi
 
-# virtiofsd: the vhost-user-fs backend of the VMM's virtio-fs device (and of the shim's pods). Built
-# from its published crate into a cache dir keyed by version (~10 min on 2 cores, so at low
-# priority); $BULKHEAD_CACHE/bin/virtiofsd is the stable path (vmm/tests/common/virtiofsd.rs).
-VIRTIOFSD_VERSION=1.14.0
+# Host tools built from their published crates into cache dirs keyed by version, then linked
+# at the stable path $BULKHEAD_CACHE/bin/<tool> that tests and the shim config use:
+# - virtiofsd: the vhost-user-fs backend of the VMM's virtio-fs device (and of the shim's pods);
+# - vhost-device-vsock: the host side of vsock for the QEMU stand-in (tests only); it serves the
+#   same hybrid-vsock Unix socket and CONNECT protocol as bulkhead-vmm.
 cache="${BULKHEAD_CACHE:-/var/cache/bulkhead}"
-virtiofsd_root="$cache/virtiofsd-$VIRTIOFSD_VERSION"
-if [[ -x "$virtiofsd_root/bin/virtiofsd" ]]; then
-  log "virtiofsd $VIRTIOFSD_VERSION present in $virtiofsd_root"
-else
-  log "building virtiofsd $VIRTIOFSD_VERSION into $virtiofsd_root (takes ~10 min on 2 cores)"
-  mkdir -p "$virtiofsd_root"
-  nice -n 19 cargo install virtiofsd --locked --version "=$VIRTIOFSD_VERSION" --root "$virtiofsd_root"
-fi
 mkdir -p "$cache/bin"
-ln -sfn "$virtiofsd_root/bin/virtiofsd" "$cache/bin/virtiofsd"
+cached_crate() {
+  local crate=$1 version=$2 bin=$3
+  local root="$cache/$crate-$version"
+  if [[ -x "$root/bin/$bin" ]]; then
+    log "$crate $version present in $root"
+  else
+    log "building $crate $version into $root (a minute or more on 2 cores, at low priority)"
+    if ! nice -n 19 cargo install "$crate" --locked --version "=$version" --root "$root.tmp"; then
+      log "cargo install $crate@$version failed; if that version is gone from crates.io, move the pin in scripts/setup.sh" >&2
+      rm -rf "$root.tmp"
+      exit 1
+    fi
+    rm -rf "$root" && mv "$root.tmp" "$root"
+  fi
+  ln -sfn "$root/bin/$bin" "$cache/bin/$bin"
+}
+cached_crate virtiofsd 1.14.0 virtiofsd
+cached_crate vhost-device-vsock 0.3.0 vhost-device-vsock
 
 log "done"

@@ -31,6 +31,8 @@ pub struct RuntimeHandler {
     pub options: Vec<(String, String)>,
     /// Pod annotations passed through to the runtime.
     pub pod_annotations: Vec<String>,
+    /// An OCI spec every container of this handler starts from (CRI's `base_runtime_spec`).
+    pub base_runtime_spec: Option<PathBuf>,
 }
 
 impl RuntimeHandler {
@@ -40,6 +42,7 @@ impl RuntimeHandler {
             runtime_type: "io.containerd.runc.v2".into(),
             options: vec![],
             pod_annotations: vec![],
+            base_runtime_spec: None,
         }
     }
 
@@ -53,6 +56,7 @@ impl RuntimeHandler {
                 .map(|p| vec![("ConfigPath".to_string(), p.to_string_lossy().into_owned())])
                 .unwrap_or_default(),
             pod_annotations: vec!["io.bulkhead.*".into()],
+            base_runtime_spec: None,
         }
     }
 }
@@ -240,6 +244,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         for h in &config.handlers {
             let base = format!(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}]"#, toml_key(&h.name));
             writeln!(toml, "\n{base}\n  runtime_type = {}", toml_str(&h.runtime_type))?;
+            if let Some(spec) = &h.base_runtime_spec {
+                writeln!(toml, "  base_runtime_spec = {}", toml_str(&spec.to_string_lossy()))?;
+            }
             if !h.pod_annotations.is_empty() {
                 let list: Vec<String> = h.pod_annotations.iter().map(|a| toml_str(a)).collect();
                 writeln!(toml, "  pod_annotations = [{}]", list.join(", "))?;

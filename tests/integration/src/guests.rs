@@ -1,8 +1,9 @@
 //! What VMs in tests boot. The VMM's tiny `no_std` test guests (`vmm/tests/guests/*.rs`),
 //! compiled with rustc for `x86_64-unknown-none` into static ELFs: the VMM's KVM tests boot them
 //! as raw guests, the shim's `vm` backend tests in place of a kernel (the ELF loader takes them
-//! like a vmlinux); the one builder both use. And the real guest kernel and initramfs, for hosts
-//! that run ordinary guests (the full-VM test, `make demo`).
+//! like a vmlinux); the one builder both use. And the real guest kernel and initramfs, with the
+//! VMMs that boot them here ([`GuestVmm`]): `bulkhead-vmm` where the host probe says ordinary
+//! guests run, and everywhere the QEMU stand-in (`crate::standin`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,10 +49,21 @@ pub fn build(name: &str, out_dir: &Path) -> Result<PathBuf, String> {
 }
 
 /// The real guest: the kernel `guest-kernel/build-kernel.sh` builds (cached by content hash) and
-/// the initramfs of `make -C guest-kernel initramfs` (the static agent as /init).
+/// the initramfs of `make -C guest-kernel initramfs` (the static agent as /init). Built once per
+/// test process; concurrent test processes take turns (a lock file beside the initramfs).
 pub fn kernel_and_initramfs() -> anyhow::Result<(PathBuf, PathBuf)> {
     use anyhow::{bail, Context};
+    static BUILT: std::sync::Mutex<Option<(PathBuf, PathBuf)>> = std::sync::Mutex::new(None);
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(paths) = built.as_ref() {
+        return Ok(paths.clone());
+    }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let build_dir = root.join("guest-kernel/build");
+    std::fs::create_dir_all(&build_dir).with_context(|| format!("create {}", build_dir.display()))?;
+    let lock_file = std::fs::File::create(build_dir.join(".test-lock")).context("guest-kernel/build/.test-lock")?;
+    let _lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| anyhow::anyhow!("lock guest-kernel/build/.test-lock: {e}"))?;
     let out =
         Command::new(root.join("guest-kernel/build-kernel.sh")).output().context("guest-kernel/build-kernel.sh")?;
     if !out.status.success() {
@@ -62,24 +74,121 @@ pub fn kernel_and_initramfs() -> anyhow::Result<(PathBuf, PathBuf)> {
     if !status.success() {
         bail!("make -C guest-kernel initramfs failed");
     }
-    let initramfs = root.join("guest-kernel/build/initramfs.cpio.gz");
+    let initramfs = build_dir.join("initramfs.cpio.gz");
     if !initramfs.exists() {
         bail!("{} was not produced", initramfs.display());
     }
+    *built = Some((kernel.clone(), initramfs.clone()));
     Ok((kernel, initramfs))
 }
 
-/// A shim config (TOML) for the `vm` backend with the real guest ([`kernel_and_initramfs`]),
-/// this workspace's VMM and `make setup`'s virtiofsd, keeping pod state in `state_dir`.
-pub fn real_vm_config(state_dir: &Path, connect_timeout_ms: u64) -> anyhow::Result<String> {
+/// What boots the real guest in a full-VM test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestVmm {
+    /// `bulkhead-vmm`, the product; needs a host whose /dev/kvm runs ordinary guests (VMX/SVM).
+    Bulkhead,
+    /// `bulkhead-qemu-vmm`, QEMU under TCG in the VMM's place; runs on every host.
+    QemuStandIn,
+}
+
+impl GuestVmm {
+    pub fn name(self) -> &'static str {
+        match self {
+            GuestVmm::Bulkhead => "bulkhead-vmm",
+            GuestVmm::QemuStandIn => "the QEMU stand-in (TCG)",
+        }
+    }
+
+    pub fn binary(self) -> PathBuf {
+        match self {
+            GuestVmm::Bulkhead => crate::workspace_bin("bulkhead-vmm"),
+            GuestVmm::QemuStandIn => crate::workspace_bin("bulkhead-qemu-vmm"),
+        }
+    }
+
+    /// Why this VMM cannot boot the real guest here, or `None`. For the stand-in that is a
+    /// missing prerequisite (`make setup` installs QEMU and vhost-device-vsock); for
+    /// `bulkhead-vmm`, what the host probe says.
+    pub fn unavailable(self) -> Option<Unavailable> {
+        let bin = self.binary();
+        if !bin.is_file() {
+            return Some(Unavailable::Prerequisite(format!(
+                "{} is not built (run `cargo build --workspace`)",
+                bin.display()
+            )));
+        }
+        match self {
+            GuestVmm::Bulkhead => {
+                bulkhead_vmm_api::probe::KvmKind::probe().ordinary_guests().err().map(Unavailable::Host)
+            }
+            GuestVmm::QemuStandIn => {
+                if crate::which(crate::standin::qemu::QEMU).is_none() {
+                    return Some(Unavailable::Prerequisite(format!(
+                        "{} is not on PATH (run `make setup`: Debian's qemu-system-x86)",
+                        crate::standin::qemu::QEMU
+                    )));
+                }
+                let vsock = vhost_device_vsock_path();
+                (!vsock.is_file())
+                    .then(|| Unavailable::Prerequisite(format!("{} is missing (run `make setup`)", vsock.display())))
+            }
+        }
+    }
+
+    /// Prints the skip line for a full-VM test on this VMM and returns true when it cannot run
+    /// here: a host that cannot is a ledgered skip, a missing prerequisite fails under CI.
+    pub fn skip(self, test: &str) -> bool {
+        match self.unavailable() {
+            None => false,
+            Some(Unavailable::Host(why)) => crate::skip::host_cannot(test, &why),
+            Some(Unavailable::Prerequisite(why)) => crate::skip::missing_prerequisite(test, &why),
+        }
+    }
+}
+
+/// Why a [`GuestVmm`] cannot run here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unavailable {
+    /// The host cannot (the probe says no ordinary guests run).
+    Host(String),
+    /// Something `make setup` or the build provides is missing.
+    Prerequisite(String),
+}
+
+/// Where `make setup` puts `vhost-device-vsock` (`$BULKHEAD_CACHE/bin`).
+pub fn vhost_device_vsock_path() -> PathBuf {
+    let cache = std::env::var_os("BULKHEAD_CACHE").unwrap_or_else(|| "/var/cache/bulkhead".into());
+    PathBuf::from(cache).join("bin/vhost-device-vsock")
+}
+
+/// A shim config (TOML) for the `vm` backend with the real guest ([`kernel_and_initramfs`]) on
+/// `vmm`, and `make setup`'s virtiofsd, keeping pod state in `state_dir`.
+pub fn real_vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm) -> anyhow::Result<String> {
     let (kernel, initramfs) = kernel_and_initramfs()?;
-    Ok(format!(
+    Ok(vm_config(state_dir, connect_timeout_ms, vmm, &kernel, &initramfs))
+}
+
+/// A shim config (TOML) for the `vm` backend booting `kernel` and `initramfs` on `vmm`.
+pub fn vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm, kernel: &Path, initramfs: &Path) -> String {
+    format!(
         "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {connect_timeout_ms}\n\n\
          [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
         state_dir.display(),
-        crate::workspace_bin("bulkhead-vmm").display(),
+        vmm.binary().display(),
         kernel.display(),
         initramfs.display(),
         crate::virtiofsd_path().display()
-    ))
+    )
+}
+
+/// An initramfs holding `init` (a static binary) as /init, written to `out` by the project's
+/// own `guest-kernel/mkinitramfs.py`.
+pub fn initramfs_with(init: &Path, out: &Path) -> anyhow::Result<()> {
+    use anyhow::{bail, Context};
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../guest-kernel/mkinitramfs.py");
+    let status = Command::new("python3").arg(&script).arg(init).arg(out).status().context("python3")?;
+    if !status.success() {
+        bail!("{} {} {} failed: {status}", script.display(), init.display(), out.display());
+    }
+    Ok(())
 }

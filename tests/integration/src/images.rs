@@ -13,6 +13,10 @@ pub const PAUSE: &str = "localhost/bulkhead/pause:test";
 
 const BUSYBOX_BIN: &str = "/bin/busybox";
 const PAUSE_SOURCE: &str = include_str!("../images/pause.c");
+const CONFORMANCE_SOURCE: &str = include_str!("../images/conformance.c");
+const EARLY_EXIT_SOURCE: &str = include_str!("../images/early-exit.c");
+/// In the busybox image: `images/conformance.c`, the kernel facilities ordinary programs use.
+pub const CONFORMANCE_BIN: &str = "/bin/bulkhead-conformance";
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Paths of the two image tarballs, built on first use into `dir` and reused after.
@@ -29,7 +33,14 @@ pub fn build_all(dir: &Path) -> Result<ImageTarballs> {
     let _one_at_a_time = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(ImageTarballs {
-        busybox: ensure(dir, "busybox.oci.tar", build_busybox_layer, BUSYBOX, &["sh"])?,
+        // Named by what goes into it, so a changed conformance program replaces a cached image.
+        busybox: ensure(
+            dir,
+            &format!("busybox-{}.oci.tar", short_hash(CONFORMANCE_SOURCE)),
+            build_busybox_layer,
+            BUSYBOX,
+            &["sh"],
+        )?,
         pause: ensure(dir, "pause.oci.tar", build_pause_layer, PAUSE, &["/pause"])?,
     })
 }
@@ -60,8 +71,43 @@ fn unique(stem: &str) -> String {
     format!("{stem}.{}.{}", std::process::id(), SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst))
 }
 
-/// A layer with `/bin/busybox`, a symlink per applet, and the usual empty directories.
-fn build_busybox_layer(_dir: &Path) -> Result<Vec<u8>> {
+fn short_hash(text: &str) -> String {
+    hex::encode(&Sha256::digest(text.as_bytes())[..6])
+}
+
+/// `source` (C) compiled into a static binary in `dir`, read back; `what` names it in errors.
+fn compile_static(dir: &Path, what: &str, source: &str) -> Result<Vec<u8>> {
+    let bin = dir.join(unique(what));
+    let src = bin.with_extension("c");
+    std::fs::write(&src, source)?;
+    let status = Command::new("cc")
+        .args(["-static", "-Os", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .status()
+        .with_context(|| format!("running cc to build the static {what} binary"))?;
+    let _ = std::fs::remove_file(&src);
+    if !status.success() {
+        bail!("cc -static {what}.c failed ({status}); is libc6-dev installed?");
+    }
+    let out = std::fs::read(&bin)?;
+    let _ = std::fs::remove_file(&bin);
+    Ok(out)
+}
+
+/// A static `/init` that writes a fatal line to the console and exits at once: an agent that
+/// fails before it serves, for tests of how a failed boot is reported.
+pub fn early_exit_init(dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let out = dir.join("early-exit");
+    std::fs::write(&out, compile_static(dir, "early-exit", EARLY_EXIT_SOURCE)?)?;
+    std::fs::set_permissions(&out, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    Ok(out)
+}
+
+/// A layer with `/bin/busybox`, a symlink per applet, the usual empty directories, and
+/// [`CONFORMANCE_BIN`].
+fn build_busybox_layer(dir: &Path) -> Result<Vec<u8>> {
     let busybox =
         std::fs::read(BUSYBOX_BIN).with_context(|| format!("reading {BUSYBOX_BIN} (install busybox-static)"))?;
     let list = Command::new(BUSYBOX_BIN).arg("--list").output().context("running busybox --list")?;
@@ -75,6 +121,8 @@ fn build_busybox_layer(_dir: &Path) -> Result<Vec<u8>> {
         tar.dir(d, if d == "tmp" { 0o1777 } else { 0o755 })?;
     }
     tar.file("bin/busybox", &busybox, 0o755)?;
+    let conformance = compile_static(dir, "conformance", CONFORMANCE_SOURCE)?;
+    tar.file(CONFORMANCE_BIN.trim_start_matches('/'), &conformance, 0o755)?;
     for applet in applets.lines().map(str::trim).filter(|a| !a.is_empty()) {
         if applet == "busybox" || applet.contains('/') {
             continue;
@@ -88,21 +136,7 @@ fn build_busybox_layer(_dir: &Path) -> Result<Vec<u8>> {
 
 /// A layer with a statically linked `/pause`, compiled from `images/pause.c`.
 fn build_pause_layer(dir: &Path) -> Result<Vec<u8>> {
-    let bin = dir.join(unique("pause"));
-    let src = bin.with_extension("c");
-    std::fs::write(&src, PAUSE_SOURCE)?;
-    let status = Command::new("cc")
-        .args(["-static", "-Os", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .status()
-        .context("running cc to build the static pause binary")?;
-    let _ = std::fs::remove_file(&src);
-    if !status.success() {
-        bail!("cc -static pause.c failed ({status}); is libc6-dev installed?");
-    }
-    let pause = std::fs::read(&bin)?;
-    let _ = std::fs::remove_file(&bin);
+    let pause = compile_static(dir, "pause", PAUSE_SOURCE)?;
     let mut tar = LayerBuilder::new();
     tar.file("pause", &pause, 0o755)?;
     tar.finish()

@@ -11,6 +11,7 @@ pub mod cri;
 pub mod guests;
 pub mod host;
 pub mod images;
+pub mod standin;
 
 pub use containerd::{CniNetwork, CniRoute, Containerd, ContainerdConfig, RuntimeHandler};
 pub use cri::{container_config, pod_config, Cri};

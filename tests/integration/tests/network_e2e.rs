@@ -1,9 +1,10 @@
 //! Pod networking end to end on the `namespace` backend (issue 10), through a private containerd
 //! and CRI: pods on the harness's CNI bridge reach each other over TCP at their PodSandboxStatus
 //! IPs (bulkhead <-> bulkhead, bulkhead <-> runc), containers get the pod's DNS config, and the
-//! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it. On a
-//! host whose probe says ordinary guests run, the same for a `vm`-backend pod (taps and redirects
-//! into the guest, the metadata drop on the tap); elsewhere that test prints one SKIPPED line.
+//! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it. The same
+//! for a `vm`-backend pod with the real guest (taps and redirects into the guest, the metadata
+//! drop on the tap): on the QEMU stand-in on every host, and on `bulkhead-vmm` where the host
+//! probe says ordinary guests run (elsewhere that variant prints one SKIPPED line).
 //!
 //! The metadata endpoint is a stand-in: a network namespace this test creates and attaches to the
 //! test's own bridge, holding 169.254.169.254 and a bridge address through which CNI routes
@@ -22,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::{
     container_config, pod_config, skip, skip_if_unready, workspace_bin, CniNetwork, CniRoute, Containerd,
     ContainerdConfig, Cri, RuntimeHandler,
@@ -42,8 +44,8 @@ struct Env {
 
 /// Handlers `runc`, `bulkhead` (metadata blocked, the default) and `bulkhead-md`
 /// (`[network] allow_metadata = true`), all on one CNI bridge; with `vm`, also `bulkhead-vm`
-/// (the vm backend with the real guest, metadata blocked).
-async fn setup(test: &str, vm: bool) -> Result<Option<Env>> {
+/// (the vm backend with the real guest on that VMM, metadata blocked).
+async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -75,10 +77,10 @@ async fn setup(test: &str, vm: bool) -> Result<Option<Env>> {
         RuntimeHandler::bulkhead(Some(&blocked)),
         RuntimeHandler { name: "bulkhead-md".into(), ..RuntimeHandler::bulkhead(Some(&allowed)) },
     ];
-    if vm {
+    if let Some(vmm) = vm {
         let vm_config = config_dir.path().join("bulkhead-vm.toml");
         let vm_state = state_dir.path().join("vm");
-        std::fs::write(&vm_config, bulkhead_integration::guests::real_vm_config(&vm_state, 60_000)?)?;
+        std::fs::write(&vm_config, bulkhead_integration::guests::real_vm_config(&vm_state, 60_000, vmm)?)?;
         handlers.push(RuntimeHandler { name: "bulkhead-vm".into(), ..RuntimeHandler::bulkhead(Some(&vm_config)) });
     }
     let containerd = Containerd::start(ContainerdConfig {
@@ -165,7 +167,7 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 #[tokio::test]
 async fn pods_reach_each_other_over_tcp_and_see_the_pod_dns() -> Result<()> {
-    let Some(env) = setup("pods_reach_each_other_over_tcp_and_see_the_pod_dns", false).await? else { return Ok(()) };
+    let Some(env) = setup("pods_reach_each_other_over_tcp_and_see_the_pod_dns", None).await? else { return Ok(()) };
     let mut a_pod = env.pod("net-a")?;
     a_pod.dns_config = Some(cri::DnsConfig {
         servers: vec!["10.96.0.10".into()],
@@ -193,7 +195,7 @@ async fn pods_reach_each_other_over_tcp_and_see_the_pod_dns() -> Result<()> {
 
 #[tokio::test]
 async fn metadata_endpoint_is_blocked_unless_allowed() -> Result<()> {
-    let Some(env) = setup("metadata_endpoint_is_blocked_unless_allowed", false).await? else { return Ok(()) };
+    let Some(env) = setup("metadata_endpoint_is_blocked_unless_allowed", None).await? else { return Ok(()) };
     let want = format!("{STANDIN_REPLY}\n");
     let sleep = ["sleep", "3600"];
     // The control pod first: CNI makes the bridge the stand-in attaches to.
@@ -214,12 +216,20 @@ async fn metadata_endpoint_is_blocked_unless_allowed() -> Result<()> {
 
 #[tokio::test]
 async fn vm_pod_is_on_the_pod_network_and_metadata_is_blocked() -> Result<()> {
-    let test = "vm_pod_is_on_the_pod_network_and_metadata_is_blocked";
-    if let Err(why) = bulkhead_vmm_api::probe::KvmKind::probe().ordinary_guests() {
-        skip::host_cannot(test, &why);
+    vm_pod_network("vm_pod_is_on_the_pod_network_and_metadata_is_blocked", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn vm_pod_is_on_the_pod_network_and_metadata_is_blocked_on_bulkhead_vmm() -> Result<()> {
+    vm_pod_network("vm_pod_is_on_the_pod_network_and_metadata_is_blocked_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+async fn vm_pod_network(test: &str, vmm: GuestVmm) -> Result<()> {
+    if skip_if_unready(test) || vmm.skip(test) {
         return Ok(());
     }
-    let Some(env) = setup(test, true).await? else { return Ok(()) };
+    println!("{test}: the guest runs on {}", vmm.name());
+    let Some(env) = setup(test, Some(vmm)).await? else { return Ok(()) };
     let want = format!("{STANDIN_REPLY}\n");
     let (_, control, _) = env.run(&env.pod("vmnet-control")?, "runc", &strs(&server("r"))).await?;
     let standin = MetadataStandIn::start(env.containerd.cni_network().context("CNI bridge")?)?;

@@ -1,0 +1,12 @@
+/* A stand-in for an agent that fails early: as /init of a test initramfs it says why on the
+ * console and exits, which the guest kernel reports as a panic. */
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+
+int main(void) {
+    static const char msg[] = "bulkhead-agent: fatal: simulated early exit before serving\n";
+    int fd = open("/dev/console", O_WRONLY);
+    if (fd >= 0) write(fd, msg, strlen(msg));
+    return 3;
+}
