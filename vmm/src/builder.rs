@@ -31,6 +31,8 @@ use crate::devices::legacy::EventFdTrigger;
 use crate::devices::persist::{
     DevicesState, SaveableDevices, SaveableSlot, VirtioDeviceState, VirtioHandle, VirtioSlotState,
 };
+use crate::devices::virtio::balloon::persist::BalloonArgs;
+use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::block::persist::BlockArgs;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::fs::persist::FsConstructorArgs;
@@ -346,7 +348,7 @@ fn build_devices(
         subscribers.push(watcher);
     }
 
-    // Virtio devices, one MMIO slot each: block devices first, then vsock, fs, net.
+    // Virtio devices, one MMIO slot each: block devices first, then vsock, fs, net, balloon.
     let mut virtio = VirtioSlots::new(saved.map(|s| s.virtio.as_slice()));
     for (i, b) in cfg.block.iter().enumerate() {
         let slot = virtio.next(format!("blk{i}"))?;
@@ -412,6 +414,19 @@ fn build_devices(
         let net = Arc::new(Mutex::new(net));
         subscribers.push(net.clone());
         virtio.push(slot, net.clone(), VirtioHandle::Net(net));
+    }
+    if let Some(b) = &cfg.balloon {
+        let slot = virtio.next("balloon".to_string())?;
+        let balloon = match slot.saved_as(VirtioDeviceState::balloon)? {
+            None => Balloon::new(b).map_err(dev_err("balloon"))?,
+            Some(s) => {
+                let args = BalloonArgs { cfg: *b, mem: mem.clone(), irq: slot.irq() };
+                Balloon::restore(args, s).map_err(|e| restore_err("balloon")(e.to_string()))?
+            }
+        };
+        let balloon = Arc::new(Mutex::new(balloon));
+        subscribers.push(balloon.clone());
+        virtio.push(slot, balloon.clone(), VirtioHandle::Balloon(balloon));
     }
     let Attached { saveable: virtio, cmdline_devices } = virtio.attach(vm, irqchip, mem, &mut mmio)?;
 
@@ -684,6 +699,7 @@ mod tests {
             fs,
             net,
             api_socket: Some("/old/api".into()),
+            balloon: None,
         }
     }
 

@@ -152,6 +152,18 @@ pub struct NetConfig {
     pub rate_limiter: Option<NetRateLimiterConfig>,
 }
 
+/// The virtio-balloon device. Its job is free page reporting: the guest's kernel reports pages it
+/// freed and the VMM gives them back to the host. The device never asks the guest for memory (its
+/// balloon target stays 0), and has no statistics queue, free page hinting or page poisoning.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonConfig {
+    /// Offer VIRTIO_BALLOON_F_REPORTING. Without it the device has only its inflate and deflate
+    /// queues, which nothing ever asks the guest to use: it is inert.
+    #[serde(default)]
+    pub free_page_reporting: bool,
+}
+
 /// Rate limits of one net device, per direction.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(deny_unknown_fields)]
@@ -266,6 +278,7 @@ pub struct ValidConfig {
     pub fs: Vec<FsConfig>,
     pub net: Vec<NetConfig>,
     pub api_socket: Option<PathBuf>,
+    pub balloon: Option<BalloonConfig>,
 }
 
 impl VmConfig {
@@ -377,6 +390,7 @@ impl VmConfig {
             fs: self.fs,
             net: self.net,
             api_socket: self.api_socket,
+            balloon: None, // not in the document yet: see the next commit
         })
     }
 }

@@ -9,6 +9,8 @@ use super::bus::lock;
 use super::legacy::i8042::I8042;
 use super::legacy::persist::{I8042Snapshot, SerialSnapshot};
 use super::legacy::serial::SerialDevice;
+use super::virtio::balloon::persist::BalloonSnapshot;
+use super::virtio::balloon::Balloon;
 use super::virtio::block::persist::BlockSnapshot;
 use super::virtio::block::Block;
 use super::virtio::fs::persist::FsSnapshot;
@@ -45,6 +47,8 @@ pub enum VirtioDeviceState {
     Vsock(VsockSnapshot),
     Fs(FsSnapshot),
     Net(NetSnapshot),
+    /// Added in format version 3; last, so the earlier variants keep their tags.
+    Balloon(BalloonSnapshot),
 }
 
 impl VirtioDeviceState {
@@ -75,6 +79,13 @@ impl VirtioDeviceState {
             _ => None,
         }
     }
+
+    pub fn balloon(&self) -> Option<&BalloonSnapshot> {
+        match self {
+            Self::Balloon(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// A virtio device by kind, so a snapshot can save its typed state.
@@ -84,6 +95,7 @@ pub enum VirtioHandle {
     Vsock(Arc<Mutex<Vsock>>),
     Fs(Arc<Mutex<Fs>>),
     Net(Arc<Mutex<Net>>),
+    Balloon(Arc<Mutex<Balloon>>),
 }
 
 impl VirtioHandle {
@@ -93,6 +105,7 @@ impl VirtioHandle {
             VirtioHandle::Vsock(d) => VirtioDeviceState::Vsock(lock(d).save()),
             VirtioHandle::Fs(d) => VirtioDeviceState::Fs(lock(d).save()),
             VirtioHandle::Net(d) => VirtioDeviceState::Net(lock(d).save()),
+            VirtioHandle::Balloon(d) => VirtioDeviceState::Balloon(lock(d).save()),
         }
     }
 
@@ -100,7 +113,7 @@ impl VirtioHandle {
     fn snapshot_blocker(&self) -> Option<String> {
         match self {
             VirtioHandle::Fs(d) => lock(d).snapshot_blocker(),
-            VirtioHandle::Block(_) | VirtioHandle::Vsock(_) | VirtioHandle::Net(_) => None,
+            VirtioHandle::Block(_) | VirtioHandle::Vsock(_) | VirtioHandle::Net(_) | VirtioHandle::Balloon(_) => None,
         }
     }
 }

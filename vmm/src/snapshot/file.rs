@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use super::state::{StateError, VmState};
 
 pub const MAGIC: [u8; 8] = *b"BHKSNAP\0";
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 pub const HEADER_LEN: usize = 96;
 /// A VM of 32 vCPUs needs well under 1 MiB; anything near this is not ours.
 pub const MAX_BODY_BYTES: u64 = 16 << 20;
@@ -203,6 +203,7 @@ pub(crate) mod tests {
             fs: vec![],
             net: vec![],
             api_socket: None,
+            balloon: None,
         };
         let vcpu = VcpuState {
             id: 0,
@@ -232,13 +233,18 @@ pub(crate) mod tests {
     const FP: [u8; 32] = [5; 32];
     const HERE: (&str, &[u8; 32]) = ("TestCPU", &FP);
 
-    /// The body layout of format version 2, as SHA-256 of a sample with every device kind.
-    const LAYOUT_V2: &str = "23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921";
+    /// The body layout of format version 3, as SHA-256 of a sample with every device kind.
+    /// (Version 2's, without the balloon: 23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921.)
+    const LAYOUT_V3: &str = "6e9537c20367e9ec653e04c74795f1b7f39c0a4b816510eb4be3f97e13758b23";
 
     #[test]
     fn body_layout_is_pinned_to_the_format_version() {
-        use crate::config::{FsConfig, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig};
+        use crate::config::{
+            BalloonConfig, FsConfig, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig,
+        };
         use crate::devices::persist::{VirtioDeviceState, VirtioSlotState};
+        use crate::devices::virtio::balloon::metrics::BalloonCounters;
+        use crate::devices::virtio::balloon::persist::BalloonSnapshot;
         use crate::devices::virtio::block::persist::BlockSnapshot;
         use crate::devices::virtio::fs::persist::FsSnapshot;
         use crate::devices::virtio::net::persist::NetSnapshot;
@@ -295,7 +301,7 @@ pub(crate) mod tests {
             },
             VirtioSlotState {
                 name: "net0".into(),
-                transport,
+                transport: transport.clone(),
                 device: VirtioDeviceState::Net(NetSnapshot {
                     tap: "tap0".into(),
                     mac: [2, 0, 0, 0, 0, 1],
@@ -305,7 +311,20 @@ pub(crate) mod tests {
                     broken: false,
                 }),
             },
+            VirtioSlotState {
+                name: "balloon".into(),
+                transport,
+                device: VirtioDeviceState::Balloon(BalloonSnapshot {
+                    free_page_reporting: true,
+                    acked_features: 1 << 5,
+                    actual: 7,
+                    queues: vec![q; 3],
+                    broken: false,
+                    counters: BalloonCounters { reports: 2, freed_bytes: 1 << 21, ..Default::default() },
+                }),
+            },
         ];
+        s.config.balloon = Some(BalloonConfig { free_page_reporting: true });
         s.vm.irqchip = Some(IrqchipState {
             pic_master: Default::default(),
             pic_slave: Default::default(),
@@ -316,9 +335,9 @@ pub(crate) mod tests {
         s.vcpus[0].xcrs = Some(Default::default());
         let body = postcard::to_stdvec(&s).unwrap();
         let layout = hex(&Sha256::digest(&body));
-        assert_eq!(FORMAT_VERSION, 2);
+        assert_eq!(FORMAT_VERSION, 3);
         assert_eq!(
-            layout, LAYOUT_V2,
+            layout, LAYOUT_V3,
             "the state body's layout changed: bump FORMAT_VERSION and pin the new layout here"
         );
     }

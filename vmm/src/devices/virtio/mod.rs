@@ -4,6 +4,7 @@
 //! `event_handler.rs` (fd readiness -> device work), `packet.rs` (wire parsing, every length checked
 //! against guest memory) and `persist.rs` (plain serialisable state, virtqueue indices included).
 
+pub mod balloon;
 pub mod block;
 pub mod chain;
 pub mod fs;
@@ -23,6 +24,7 @@ use crate::log_throttle::LogThrottle;
 
 pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_BALLOON: u32 = 5;
 pub const TYPE_VSOCK: u32 = 19;
 pub const TYPE_FS: u32 = 26;
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
