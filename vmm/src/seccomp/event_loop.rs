@@ -1,11 +1,12 @@
 //! The event loop (the main thread once the VM is built): device queues, the hybrid vsock's host
-//! sockets, virtio-blk file I/O, termination signals, snapshots, and the orderly exit of the
-//! process.
+//! sockets, virtio-blk file I/O, the balloon's freed pages, termination signals, snapshots, and
+//! the orderly exit of the process.
 
 use kvm_bindings::{kvm_clock_data, kvm_irqchip, kvm_pit_state2, KVMIO};
 use vmm_sys_util::{ioctl_ior_nr, ioctl_iowr_nr};
 
 use super::{always, arg_in, when, Arg, Syscall};
+use crate::devices::virtio::balloon::discard::PUNCH_HOLE_MODE;
 use crate::snapshotter::{DIR_FLAGS, DIR_MODE, FILE_FLAGS, FILE_MODE};
 
 ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
@@ -46,6 +47,10 @@ pub(super) fn list() -> Vec<Syscall> {
         always(libc::SYS_pread64),
         always(libc::SYS_pwrite64),
         always(libc::SYS_fdatasync),
+        // virtio-balloon: pages the guest reported free are punched out of the guest memfd
+        // (this mode only: it frees, it never allocates or changes the size). Pages of a private
+        // mapping go with madvise(MADV_DONTNEED), which every thread has for its allocator.
+        when(libc::SYS_fallocate, &[&[Arg::Eq(1, PUNCH_HOLE_MODE as u64)]]),
         // Snapshot files: the directory (created one level deep, owner-only, if missing) is
         // opened read-only; each file is created in it owner-only, never through a symlink
         // (exactly these flags and modes), sized (the memory file's sparse tail) and synced, the

@@ -412,6 +412,42 @@ mod tests {
     }
 
     #[test]
+    fn the_event_loop_may_only_punch_holes_and_no_other_thread_may_fallocate() {
+        for (kind, list) in lists() {
+            let fallocate: Vec<&Syscall> = list.iter().filter(|s| s.nr == libc::SYS_fallocate).collect();
+            if kind != ThreadKind::EventLoop {
+                assert!(fallocate.is_empty(), "{kind} may fallocate");
+            } else {
+                assert_eq!(fallocate.len(), 1);
+                assert_eq!(fallocate[0].when.len(), 1, "one mode");
+            }
+        }
+        let filters = Filters::compile().unwrap();
+        let memfd = tempfile::tempfile().unwrap();
+        memfd.set_len(1 << 20).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&memfd);
+        let punch = crate::devices::virtio::balloon::discard::PUNCH_HOLE_MODE;
+        for (mode, killed) in
+            [(punch, false), (0, true), (libc::FALLOC_FL_KEEP_SIZE, true), (libc::FALLOC_FL_PUNCH_HOLE, true)]
+        {
+            let status = status_of_filtered_child(
+                filters.event_loop(),
+                || {
+                    let (fd, mode) = (libc::c_long::from(fd), libc::c_long::from(mode));
+                    // SAFETY: fallocate(2) on a temporary file this test owns.
+                    unsafe { libc::syscall(libc::SYS_fallocate, fd, mode, 0 as libc::c_long, 4096 as libc::c_long) };
+                },
+                libc::SYS_exit_group,
+            );
+            if killed {
+                assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS, "{mode:#x}: {status:#x}");
+            } else {
+                assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{mode:#x}: {status:#x}");
+            }
+        }
+    }
+
+    #[test]
     fn the_event_loop_creates_only_non_blocking_unix_streams() {
         let filters = Filters::compile().unwrap();
         let non_blocking = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
