@@ -89,6 +89,10 @@ pub struct VmConfig {
     pub net: Vec<NetConfig>,
     #[serde(default)]
     pub api_socket: Option<PathBuf>,
+    /// A virtio-balloon device for free page reporting; absent (as in every older document)
+    /// means none.
+    #[serde(default)]
+    pub balloon: Option<BalloonConfig>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -390,7 +394,8 @@ impl VmConfig {
             fs: self.fs,
             net: self.net,
             api_socket: self.api_socket,
-            balloon: None, // not in the document yet: see the next commit
+            // A bool has nothing left to check once it parsed (and unknown fields were refused).
+            balloon: self.balloon,
         })
     }
 }
@@ -514,6 +519,30 @@ mod tests {
         }
         assert_eq!(parse_mac("aa:BB:0c:dd:ee:ff"), Some([0xaa, 0xbb, 0x0c, 0xdd, 0xee, 0xff]));
         assert_eq!(parse_mac("aa:bb:cc:dd:ee:ff:00"), None);
+    }
+
+    #[test]
+    fn the_balloon_is_optional_strict_and_off_unless_asked_for() {
+        let k = kernel_file();
+        let p = k.path().display();
+        let cfg = VmConfig::from_json(&format!(r#"{{"kernel":"{p}"}}"#)).unwrap().validate().unwrap();
+        assert_eq!(cfg.balloon, None, "a document without the field (every older one) has no balloon");
+        let on = format!(r#"{{"kernel":"{p}","balloon":{{"free_page_reporting":true}}}}"#);
+        let cfg = VmConfig::from_json(&on).unwrap().validate().unwrap();
+        assert_eq!(cfg.balloon, Some(BalloonConfig { free_page_reporting: true }));
+        let bare = format!(r#"{{"kernel":"{p}","balloon":{{}}}}"#);
+        let cfg = VmConfig::from_json(&bare).unwrap().validate().unwrap();
+        assert_eq!(cfg.balloon, Some(BalloonConfig { free_page_reporting: false }), "reporting only when asked for");
+        for bad in [
+            format!(r#"{{"kernel":"{p}","balloon":{{"free_page_reportin":true}}}}"#),
+            format!(r#"{{"kernel":"{p}","balloon":{{"free_page_reporting":"yes"}}}}"#),
+            format!(r#"{{"kernel":"{p}","balloon":{{"free_page_reporting":true,"size_mib":64}}}}"#),
+            format!(r#"{{"kernel":"{p}","balloon":true}}"#),
+        ] {
+            assert!(VmConfig::from_json(&bad).is_err(), "{bad}");
+        }
+        let doc = serde_json::to_string(&VmConfig::from_json(&on).unwrap()).unwrap();
+        assert!(doc.contains(r#""balloon":{"free_page_reporting":true}"#), "{doc}");
     }
 
     #[test]
