@@ -298,6 +298,33 @@ pub fn block_request(data: &[u8]) {
     }
 }
 
+/// virtio-balloon's parsers on arbitrary descriptors over arbitrary guest memory: the reporting
+/// queue's ranges (`parse_report`, descriptors anywhere) and the inflate queue's PFN arrays
+/// (`parse_pfns`, descriptors inside memory, as `chain::collect` hands them over). Nothing they
+/// accept may be off a page, empty or outside RAM, and every byte named is counted.
+pub fn balloon_report(data: &[u8]) {
+    use bulkhead_vmm::devices::virtio::balloon::packet::{parse_pfns, parse_report, Pages, PAGE_SIZE};
+    let mut u = Unstructured::new(data);
+    let (Ok(reported), Ok(arrays)) = (descs(&mut u, MAX_CHAIN_DESCRIPTORS + 2), descs(&mut u, 8)) else { return };
+    let mem = guest_mem();
+    load_image(&mem, u.take_rest());
+    let sound = |p: &Pages, named: u64| {
+        assert_eq!(p.named_bytes, named);
+        assert!(p.bytes() <= named);
+        for r in &p.ranges {
+            assert!(r.len > 0 && r.addr.0 % PAGE_SIZE == 0 && r.len % PAGE_SIZE == 0, "{r:?}");
+            assert!(r.end() <= MEM_SIZE as u64, "{r:?} outside guest memory");
+        }
+    };
+    let named = reported.iter().map(|d| u64::from(d.len)).sum();
+    sound(&parse_report(&reported, &mem), named);
+    let inside: Vec<Desc> =
+        arrays.into_iter().filter(|d| GuestMemoryBackend::check_range(&mem, d.addr, d.len as usize)).collect();
+    let pfns: u64 = inside.iter().filter(|d| !d.writable).map(|d| u64::from(d.len / 4)).sum();
+    let p = parse_pfns(&inside, &mem).expect("descriptors inside memory read");
+    sound(&p, pfns * PAGE_SIZE);
+}
+
 // ---------------------------------------------------------------------------------------------
 // VMM: descriptor chain walking on a real split virtqueue in guest memory.
 
@@ -759,6 +786,7 @@ fn sample_state() -> VmState {
         fs: vec![],
         net: vec![],
         api_socket: None,
+        balloon: None,
     };
     let vcpu = VcpuState {
         id: 0,
@@ -825,6 +853,7 @@ fn api_saved_config() -> bulkhead_vmm::config::ValidConfig {
         fs: vec![FsConfig { tag: "rootfs".into(), socket: "/run/fs.sock".into(), queue_size: 1024 }],
         net: vec![NetConfig { tap: "tap0".into(), mac: "02:00:00:00:00:01".into(), mtu: None, rate_limiter: None }],
         api_socket: None,
+        balloon: None,
     }
 }
 

@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 12] = [
+const BODIES: [(&str, Body); 13] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -19,6 +19,7 @@ const BODIES: [(&str, Body); 12] = [
     ("net_packet", bulkhead_fuzz::net_packet),
     ("virtio_net", bulkhead_fuzz::virtio_net),
     ("api_request", bulkhead_fuzz::api_request),
+    ("balloon_report", bulkhead_fuzz::balloon_report),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -30,6 +31,9 @@ fn seeds() -> Vec<Vec<u8>> {
         vec![b'A'; 100],
         vec![0xff; 300],
         vec![0; 4096],
+        // balloon_report (and the other descriptor bodies): small values throughout, for short
+        // chains of short descriptors low in the address space.
+        [1u8, 2, 3, 4].repeat(64),
         // snapshot_state: a valid sample state as is, and with one byte of its body changed.
         vec![2],
         vec![5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],

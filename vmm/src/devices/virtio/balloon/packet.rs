@@ -291,6 +291,63 @@ mod tests {
         assert_eq!(p.first_rejected.map(|r| r.2), Some(Rejected::WrongDirection));
     }
 
+    /// Every accepted range is whole pages inside one region, and everything named is counted.
+    fn assert_sound(p: &Pages, m: &GuestMemoryMmap, named: u64, descs: usize) {
+        assert_eq!(p.named_bytes, named);
+        for r in &p.ranges {
+            assert!(r.len > 0 && r.addr.0 % PAGE_SIZE == 0 && r.len % PAGE_SIZE == 0, "{r:?}");
+            let region = m.find_region(r.addr).expect("range starts in RAM");
+            assert!(r.end() <= region.start_addr().0 + region.len(), "{r:?} leaves its region");
+        }
+        assert!(p.bytes() <= named, "more accepted than named");
+        assert!(p.first_rejected.is_some() == (p.rejected > 0));
+        assert!(p.trimmed <= descs as u64);
+    }
+
+    /// Malformed input of every kind (addresses anywhere, lengths of any size, both directions,
+    /// PFN arrays of noise): the parsers never accept a range off a page or outside RAM.
+    #[test]
+    fn random_descriptors_never_yield_a_range_outside_ram_or_off_a_page() {
+        let m = split_mem();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        for _ in 0..2000 {
+            let n = (next() % (MAX_CHAIN_DESCRIPTORS as u64 + 1)) as usize;
+            let descs: Vec<Desc> = (0..n)
+                .map(|_| {
+                    let addr = match next() % 5 {
+                        0 => next(),
+                        1 => u64::MAX - next() % 0x3000,
+                        2 => next() % (6 * MIB),
+                        _ => (next() % (6 * MIB)) & !0xfff,
+                    };
+                    let len = match next() % 3 {
+                        0 => next() as u32,
+                        _ => (next() % (3 * MIB)) as u32,
+                    };
+                    d(addr, len, next() % 4 != 0)
+                })
+                .collect();
+            let named: u64 = descs.iter().map(|d| u64::from(d.len)).sum();
+            assert_sound(&parse_report(&descs, &m), &m, named, n);
+
+            // PFN arrays: noise in guest memory, read through descriptors that (as
+            // `chain::collect` ensures) lie inside it.
+            let noise: Vec<u8> = (0..512).map(|_| next() as u8).collect();
+            m.write_slice(&noise, GuestAddress(0x8000)).unwrap();
+            let arrays: Vec<Desc> =
+                (0..n % 8).map(|_| d(0x8000 + next() % 256, (next() % 256) as u32, next() % 4 != 0)).collect();
+            let p = parse_pfns(&arrays, &m).unwrap();
+            let pfns: u64 = arrays.iter().filter(|d| !d.writable).map(|d| u64::from(d.len / 4)).sum();
+            assert_sound(&p, &m, pfns * PAGE_SIZE, arrays.len());
+        }
+    }
+
     fn walked(m: &GuestMemoryMmap, tq: &TestQueue) -> Result<Vec<Desc>, ChainError> {
         let mut q = tq.queue();
         let chain = q.iter(m).unwrap().next().unwrap();
