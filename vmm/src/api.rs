@@ -189,13 +189,16 @@ struct ApiServer {
     controller: VmController,
 }
 
-/// Binds `path` as an API socket, replacing a stale one.
+/// Binds `path` as an API socket, replacing a stale one; mode 0600 (the VMM's umask already
+/// keeps it from others, `main`).
 pub fn bind_api_socket(path: &Path) -> std::io::Result<UnixListener> {
     // A stale socket from a previous run would make bind fail.
     if path.exists() {
         std::fs::remove_file(path)?;
     }
-    UnixListener::bind(path)
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    Ok(listener)
 }
 
 impl ApiServer {

@@ -137,6 +137,10 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
             return Ok(code);
         }
     }
+    // Everything the VMM makes from here on (API and vsock sockets, the serial log, snapshot
+    // files) is its own uid's alone, whatever umask it was started with: the shim reads them as
+    // root. After the jail, whose mount points and device node other ids must reach.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
     let reason = match mode {

@@ -110,6 +110,8 @@ impl VsockMuxer {
             std::fs::remove_file(uds_path)?;
         }
         let listener = UnixListener::bind(uds_path)?;
+        // Whoever connects talks to the guest's agent: the VMM's uid (and root) only.
+        std::fs::set_permissions(uds_path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         Ok(Self {
             guest_cid,
