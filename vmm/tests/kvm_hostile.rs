@@ -227,7 +227,7 @@ fn run_panic_probe(kind: &str, poke_api: bool) -> Option<(Run, tempfile::TempDir
     if poke_api {
         // The API socket is bound after the vCPUs start: wait for it, then ask.
         let socket = dir.path().join("api.sock");
-        wait_for_path(&socket, GUEST_TIMEOUT);
+        wait_for_socket(&socket, GUEST_TIMEOUT);
         let mut s = UnixStream::connect(&socket).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(b"{\"cmd\":\"info\"}\n").unwrap();

@@ -574,7 +574,7 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
     let args = ["--prepare", "/snapshot", "--api-socket", "/run/api.sock"].map(OsStr::new);
     let vmm = pod.spawn_jailed(&pod_document(&pod), &args);
     let api = pod.host("/run/api.sock");
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     let info = api_request(&api, &serde_json::json!({"cmd": "info"}), api_timeout);
     assert_eq!(info["info"]["state"], "prepared", "{info}");
     let pid = vmm_pid(vmm.pid());
@@ -610,7 +610,7 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
         [OsStr::new("--restore"), OsStr::new("/snapshot"), OsStr::new("--restore-config"), run_config.as_os_str()];
     let vmm = pod.spawn_jailed(&pod_document(&pod), &args);
     let api = pod.host("/run/api.sock");
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     assert_eq!(api_request(&api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
     wait_until(GUEST_TIMEOUT, "three restored counts", || {
         counts(&std::fs::read_to_string(pod.host("/run/serial.log")).unwrap_or_default()).len() >= 3

@@ -65,7 +65,8 @@ fn linux_kernel_echoes_cmdline_and_e820() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let run = vmm.kill_and_collect();
-    let cmdline = run.serial.lines().find(|l| l.starts_with("Command line: ")).unwrap_or_default();
+    // Lines carry a timestamp (CONFIG_PRINTK_TIME).
+    let cmdline = run.serial.lines().find(|l| l.contains("Command line: ")).unwrap_or_default();
     assert!(cmdline.contains("console=ttyS0"), "{cmdline}");
     assert!(cmdline.contains("virtio_mmio.device=4K@0xd0000000:5"), "{cmdline}");
     assert!(cmdline.contains("virtio_mmio.device=4K@0xd0001000:6"), "{cmdline}");

@@ -321,7 +321,7 @@ fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
     std::fs::write(&run_cfg, run.to_string()).unwrap();
     let args = [std::ffi::OsStr::new("--restore"), snap.as_os_str(), "--restore-config".as_ref(), run_cfg.as_os_str()];
     let vmm = pod_ns.spawn_vmm_args(&run_dir, &args);
-    wait_for_path(&pod_api, Duration::from_secs(10));
+    wait_for_socket(&pod_api, Duration::from_secs(10));
     assert_eq!(api_request(&pod_api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
     let run = vmm.wait();
     let got = echo.join().unwrap();

@@ -128,7 +128,7 @@ fn api_pause_resume_info_and_shutdown() {
     // The second vCPU sits in KVM_RUN waiting for a SIPI: pause must still park it.
     cfg["vcpus"] = serde_json::json!(2);
     let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     wait_for_serial(dir.path(), "idle guest up", GUEST_TIMEOUT);
     let mut s = UnixStream::connect(&api).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -50,7 +50,7 @@ fn boot_and_snapshot(guest: &Path, extra: serde_json::Value, ready: &str) -> Sna
         cfg[k] = v.clone();
     }
     let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     wait_for_serial_text(dir.path(), GUEST_TIMEOUT, ready, |t| t.contains(ready));
     // A snapshot that cannot be written says why and leaves the VM paused, ready for another try.
     let unwritable = dir.path().join("serial.log").join("snap");
@@ -94,7 +94,7 @@ fn restore(snap: &Path, run_dir: &Path, extra: serde_json::Value) -> VmmProcess 
 
 fn resume(run_dir: &Path) {
     let api = run_dir.join("api.sock");
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
     assert_eq!(info["info"]["state"], "paused", "a restored VM waits for resume: {info}");
     assert!(info["info"]["first_kvm_run_unix_ns"].is_null(), "no vCPU ran before resume: {info}");
@@ -158,7 +158,7 @@ fn two_restores_run_side_by_side_and_never_write_the_snapshot() {
         &["--prepare".as_ref(), s.snap.as_os_str(), "--api-socket".as_ref(), b_api.as_os_str()],
         GUEST_TIMEOUT,
     );
-    wait_for_path(&b_api, Duration::from_secs(10));
+    wait_for_socket(&b_api, Duration::from_secs(10));
     assert_eq!(api_request(&b_api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "prepared");
     let refused = api_request(&b_api, &json!({"cmd": "restore", "config": {"vsock_uds_path": "/tmp/x"}}), API_TIMEOUT);
     assert!(refused["error"].as_str().unwrap().contains("no vsock device"), "{refused}");
@@ -303,7 +303,7 @@ fn a_template_with_virtio_fs_restores_against_a_fresh_virtiofsd_and_serves_fuse(
     let vmm =
         restore(&s.snap, &run_dir, json!({"vsock_uds_path": run_dir.join("v.sock"), "fs_sockets": [pod_fsd.socket]}));
     let api = run_dir.join("api.sock");
-    wait_for_path(&api, Duration::from_secs(10));
+    wait_for_socket(&api, Duration::from_secs(10));
     let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
     let phases: Vec<&str> =
         info["info"]["restore"]["phases"].as_array().unwrap().iter().filter_map(|p| p["name"].as_str()).collect();

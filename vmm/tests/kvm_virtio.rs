@@ -66,7 +66,7 @@ fn vsock_host_to_guest_echo_and_guest_to_host_connection() {
     let mut cfg = raw_config(dir.path(), &guest);
     cfg["vsock"] = serde_json::json!({ "uds_path": uds, "guest_cid": 3 });
     let vmm = VmmProcess::spawn(dir.path(), &cfg, GUEST_TIMEOUT);
-    wait_for_path(&uds, Duration::from_secs(10));
+    wait_for_socket(&uds, Duration::from_secs(10));
 
     // Host -> guest: CONNECT, OK, echo.
     let mut s = UnixStream::connect(&uds).unwrap();

@@ -197,11 +197,13 @@ pub fn zero_disk(dir: &Path, len: usize) -> PathBuf {
     disk
 }
 
-/// Polls until `p` exists; panics after `timeout`.
-pub fn wait_for_path(p: &Path, timeout: Duration) {
+/// Polls until the Unix socket `p` accepts a connection; panics after `timeout`.
+pub fn wait_for_socket(p: &Path, timeout: Duration) {
+    // A socket file exists from bind(2) on, but accepts only after listen(2): under load a
+    // client in between is refused. Ready means a connection is accepted.
     let deadline = Instant::now() + timeout;
-    while !p.exists() {
-        assert!(Instant::now() < deadline, "{} did not appear", p.display());
+    while let Err(e) = UnixStream::connect(p) {
+        assert!(Instant::now() < deadline, "{} does not accept connections: {e}", p.display());
         std::thread::sleep(Duration::from_millis(10));
     }
 }
