@@ -1,15 +1,26 @@
-//! The pod's shared directory on the host, `<state_dir>/<pod>/shared`: what virtiofsd serves and
-//! the guest mounts at `bulkhead_protocol::guest::SHARED_DIR`. Each container gets
-//! `<id>/rootfs` (containerd's rootfs mounts, made here) and `<id>/volumes/<n>` (a bind of the
-//! source of its OCI spec's n-th bind mount: emptyDir, hostPath, ConfigMap, Secret, the
-//! service-account token, /etc/hosts...), and its spec's sources are rewritten to the guest's
-//! paths. Read-only stays read-only on this side too: a read-only volume is bound read-only, and
-//! a read-only rootfs gets its mount points made and is then remounted read-only.
+//! The pod's shared directory on the host: what virtiofsd serves and the guest mounts at
+//! `bulkhead_protocol::guest::SHARED_DIR`. Each container gets `<id>/rootfs` (containerd's rootfs
+//! mounts) and `<id>/volumes/<n>` (a bind of the source of its OCI spec's n-th bind mount:
+//! emptyDir, hostPath, ConfigMap, Secret, the service-account token, /etc/hosts...), and its
+//! spec's sources are rewritten to the guest's paths.
 //!
-//! The directory is a mount of its own, private then shared, made before virtiofsd starts: its
-//! sandbox sees the host's tree as a slave, so mounts made here later reach it. Nothing here
-//! ever deletes below a mount point: removal unmounts, then removes only the empty mount points
-//! it made.
+//! The guest is hostile and root in its VM, so it must not be able to write anywhere the host
+//! later resolves by path (the class of Kata's CVE-2020-2023/2026: a symlink planted where the
+//! host is about to mount). Three directories, after Kata's split of private and shared:
+//! ```text
+//! <pod>/shared.mounts/   host-only (0700): the shim makes mount points and mounts here; a mount
+//!                        of its own in a peer group of its own
+//! <pod>/shared/          what virtiofsd serves: a read-only bind of shared.mounts, a slave of
+//!                        it, so every mount made there appears here (and in virtiofsd's copy,
+//!                        a slave too), while the directories around them are read-only
+//! <pod>/shared.staging/  host-only and private: a read-only mount is made read-only here, then
+//!                        moved into shared.mounts, because mount flags reach a propagated copy
+//!                        only when the mount is created, never by a later remount
+//! ```
+//! Containers' writable rootfs and volumes stay writable from the guest, exactly as the spec
+//! says; read-only ones are read-only in every copy. Host-side operations in shared.mounts still
+//! go by descriptor where they create ([`make_mount_point`]): nothing there is the guest's, but
+//! an image's symlinks are. Removal unmounts, then removes only the empty mount points it made.
 
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::DirBuilderExt;
@@ -163,31 +174,84 @@ fn make_mount_point(root: &OwnedFd, destination: &str, file: bool) -> Result<(),
 /// mounts the pod's own tmpfs.
 const POD_SHM: &str = "/dev/shm";
 
-/// `<pod>/shared`: the directory virtiofsd serves.
+/// The pod's shared directory and the two host-only directories behind it (module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedDir {
+    /// What virtiofsd serves: a read-only view of `mounts`.
     pub dir: PathBuf,
+    /// Where the shim makes mount points and mounts: `<dir>.mounts`.
+    mounts: PathBuf,
+    /// Where read-only mounts are made read-only before they move into `mounts`: `<dir>.staging`.
+    staging: PathBuf,
+}
+
+/// `dir` with `suffix` appended to its last component.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    dir.with_file_name(name)
+}
+
+fn flags_only(target: &Path, flags: MsFlags, what: &str) -> Result<(), ShareError> {
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(mount_err(what, target))
+}
+
+fn bind(source: &Path, target: &Path, flags: MsFlags, what: String) -> Result<(), ShareError> {
+    mount(Some(source), target, None::<&str>, MsFlags::MS_BIND | flags, None::<&str>).map_err(mount_err(what, target))
+}
+
+/// Moves the mount at `from` (below the private staging dir) to `to` (below `mounts`), where it
+/// propagates to the shared view and virtiofsd with the flags it has now.
+fn move_mount(from: &Path, to: &Path) -> Result<(), ShareError> {
+    mount(Some(from), to, None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(mount_err(format!("move {}", from.display()), to))
+}
+
+/// Creates `path` as an empty directory, or an empty file if `file`, with no symlink followed.
+fn make_point(path: &Path, file: bool) -> Result<(), ShareError> {
+    if file {
+        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        nix::fcntl::open(path, flags, Mode::from_bits_truncate(0o644)).map(drop).map_err(|e| ShareError::Io {
+            what: "create",
+            path: path.to_owned(),
+            source: e.into(),
+        })
+    } else {
+        std::fs::DirBuilder::new().mode(0o755).create(path).map_err(io("create", path))
+    }
 }
 
 impl SharedDir {
     pub fn new(dir: PathBuf) -> Self {
-        Self { dir }
+        Self { mounts: sibling(&dir, ".mounts"), staging: sibling(&dir, ".staging"), dir }
     }
 
-    /// Makes the directory a mount of its own in a new peer group, so later mounts below it
-    /// propagate into virtiofsd's sandbox (a slave of the host's tree).
+    /// Makes the three directories and their mounts (module docs): `mounts` a peer group of its
+    /// own, `staging` private, and `dir` a read-only slave view of `mounts`. Before virtiofsd
+    /// starts, so its copy of `dir` receives what is mounted later.
     pub fn create(&self) -> Result<(), ShareError> {
-        std::fs::DirBuilder::new().mode(0o755).create(&self.dir).map_err(io("create", &self.dir))?;
-        let d = self.dir.as_path();
-        mount(Some(d), d, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(mount_err("bind onto itself", d))?;
-        mount(None::<&str>, d, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(mount_err("private", d))?;
-        mount(None::<&str>, d, None::<&str>, MsFlags::MS_SHARED, None::<&str>).map_err(mount_err("shared", d))?;
-        Ok(())
+        for (d, mode) in [(&self.mounts, 0o700), (&self.staging, 0o700), (&self.dir, 0o755)] {
+            std::fs::DirBuilder::new().mode(mode).create(d).map_err(io("create", d))?;
+        }
+        bind(&self.mounts, &self.mounts, MsFlags::empty(), "bind onto itself".into())?;
+        flags_only(&self.mounts, MsFlags::MS_PRIVATE, "private")?;
+        flags_only(&self.mounts, MsFlags::MS_SHARED, "shared")?;
+        bind(&self.staging, &self.staging, MsFlags::empty(), "bind onto itself".into())?;
+        flags_only(&self.staging, MsFlags::MS_PRIVATE, "private")?;
+        bind(&self.mounts, &self.dir, MsFlags::empty(), format!("bind {}", self.mounts.display()))?;
+        let read_only = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY;
+        flags_only(&self.dir, read_only | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, "read-only")?;
+        flags_only(&self.dir, MsFlags::MS_SLAVE, "slave")
     }
 
     fn container_dir(&self, id: &str) -> Result<PathBuf, ShareError> {
         bulkhead_protocol::stream::validate_id(id).map_err(|_| ShareError::Id(id.to_string()))?;
-        Ok(self.dir.join(id))
+        Ok(self.mounts.join(id))
+    }
+
+    /// Where container `id`'s read-only mount `what` is staged.
+    fn staged(&self, id: &str, what: &str) -> PathBuf {
+        self.staging.join(format!("{id}.{what}"))
     }
 
     /// Shares container `id`: its rootfs from containerd's `mounts` (or a bind of
@@ -221,35 +285,46 @@ impl SharedDir {
         let rootfs = dir.join("rootfs");
         let volumes = dir.join("volumes");
         for d in [dir, &rootfs, &volumes] {
-            std::fs::DirBuilder::new().mode(0o755).create(d).map_err(io("create", d))?;
+            make_point(d, false)?;
+        }
+
+        // The rootfs: where it is read-only, mounted and finished in staging, then moved.
+        let read_only_root = spec.pointer("/root/readonly").and_then(Value::as_bool) == Some(true);
+        let root_at = if read_only_root { self.staged(id, "rootfs") } else { rootfs.clone() };
+        if read_only_root {
+            make_point(&root_at, false)?;
         }
         if mounts.is_empty() {
-            let flags = MsFlags::MS_BIND | MsFlags::MS_REC;
-            mount(Some(bundle_rootfs), &rootfs, None::<&str>, flags, None::<&str>)
-                .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), &rootfs))?;
+            bind(bundle_rootfs, &root_at, MsFlags::MS_REC, format!("rootfs {}", bundle_rootfs.display()))?;
         }
         for m in mounts {
             let (flags, data) = parse_options(&m.options);
             let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
-            mount(Some(m.source.as_str()), &rootfs, fstype, flags, data.as_deref())
-                .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), &rootfs))?;
+            mount(Some(m.source.as_str()), &root_at, fstype, flags, data.as_deref())
+                .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), &root_at))?;
+        }
+        if read_only_root {
+            // Mount points a read-only rootfs needs: every destination, a file where a file is
+            // bound (the guest's runtime cannot make them in a read-only tree).
+            let root = nix::fcntl::open(&root_at, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(mount_err("open the rootfs", &root_at))?;
+            for (destination, file) in mount_points(spec) {
+                make_mount_point(&root, &destination, file)?;
+            }
+            remount_read_only(&root_at)?;
+            move_mount(&root_at, &rootfs)?;
         }
 
-        // Mount points a read-only rootfs needs: every destination, a file where a file is bound.
-        let mut points = Vec::new();
         let list = spec.pointer_mut("/mounts").and_then(Value::as_array_mut);
         for (index, m) in list.into_iter().flatten().enumerate() {
-            let destination = m.get("destination").and_then(Value::as_str).unwrap_or_default().to_string();
             if !is_bind(m) {
-                points.push((destination, false));
                 continue;
             }
-            if destination == POD_SHM {
+            if m.get("destination").and_then(Value::as_str) == Some(POD_SHM) {
                 // The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
                 // containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would
                 // be neither a tmpfs to the container nor memory of the guest.
                 m["source"] = Value::String(POD_SHM.into());
-                points.push((destination, false));
                 continue;
             }
             let bad = |reason: String| ShareError::Spec { index, reason };
@@ -259,40 +334,50 @@ impl SharedDir {
             }
             let meta = std::fs::metadata(&source).map_err(|e| bad(format!("bind source {}: {e}", source.display())))?;
             let target = volumes.join(index.to_string());
-            if meta.is_dir() {
-                std::fs::DirBuilder::new().mode(0o755).create(&target).map_err(io("create", &target))?;
-            } else {
-                std::fs::File::create(&target).map_err(io("create", &target))?;
-            }
+            make_point(&target, !meta.is_dir())?;
             let options = options_of(m);
-            let mut flags = MsFlags::MS_BIND;
-            if options.iter().any(|o| o == "rbind") {
-                flags.insert(MsFlags::MS_REC);
-            }
-            mount(Some(&source), &target, None::<&str>, flags, None::<&str>)
-                .map_err(mount_err(format!("volume {}", source.display()), &target))?;
+            let recursive = if options.iter().any(|o| o == "rbind") { MsFlags::MS_REC } else { MsFlags::empty() };
+            let what = format!("volume {}", source.display());
             if options.iter().any(|o| o == "ro") {
-                remount_read_only(&target)?;
+                let staged = self.staged(id, &format!("volume-{index}"));
+                make_point(&staged, !meta.is_dir())?;
+                bind(&source, &staged, recursive, what)?;
+                remount_read_only(&staged)?;
+                move_mount(&staged, &target)?;
+            } else {
+                bind(&source, &target, recursive, what)?;
             }
             m["source"] = Value::String(guest.join("volumes").join(index.to_string()).display().to_string());
-            points.push((destination, !meta.is_dir()));
         }
-
-        if spec.pointer("/root/readonly").and_then(Value::as_bool) == Some(true) {
-            let root = nix::fcntl::open(&rootfs, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-                .map_err(mount_err("open the rootfs", &rootfs))?;
-            for (destination, file) in &points {
-                make_mount_point(&root, destination, *file)?;
-            }
-            remount_read_only(&rootfs)?;
-        }
+        self.clear_staging(id);
         Ok(guest.join("rootfs").display().to_string())
+    }
+
+    /// Removes container `id`'s staging entries (mount points a move emptied, or leftovers of a
+    /// failed prepare, unmounted first).
+    fn clear_staging(&self, id: &str) {
+        let Ok(entries) = std::fs::read_dir(&self.staging) else { return };
+        let prefix = format!("{id}.");
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let path = entry.path();
+                unmount_all(&path);
+                if !mounts_below(&path).is_empty() {
+                    warn!(path = %path.display(), "a staged mount stayed; left");
+                } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove_mount_points(&path);
+                } else if let Err(e) = std::fs::remove_file(&path) {
+                    warn!(path = %path.display(), "remove a staged mount point: {e}");
+                }
+            }
+        }
     }
 
     /// Unmounts what [`SharedDir::prepare`] mounted for `id` and removes its mount points;
     /// idempotent. Never removes anything below a mount that stayed.
     pub fn release(&self, id: &str) {
         let Ok(dir) = self.container_dir(id) else { return };
+        self.clear_staging(id);
         unmount_all(&dir);
         let left = mounts_below(&dir);
         if !left.is_empty() {
@@ -301,6 +386,22 @@ impl SharedDir {
         }
         remove_mount_points(&dir);
     }
+}
+
+/// The destinations of `spec`'s mounts, each with whether a file is bound there.
+fn mount_points(spec: &Value) -> Vec<(String, bool)> {
+    let list = spec.pointer("/mounts").and_then(Value::as_array);
+    list.into_iter()
+        .flatten()
+        .map(|m| {
+            let destination = m.get("destination").and_then(Value::as_str).unwrap_or_default().to_string();
+            let source = m.get("source").and_then(Value::as_str).map(Path::new);
+            let file = is_bind(m)
+                && destination != POD_SHM
+                && source.is_some_and(|s| s.is_absolute() && std::fs::metadata(s).is_ok_and(|m| !m.is_dir()));
+            (destination, file)
+        })
+        .collect()
 }
 
 /// Removes `dir` bottom-up, only empty directories and empty files: what [`SharedDir::prepare`]
@@ -472,6 +573,115 @@ mod tests {
         assert!(mounts_below(&s("shared")).len() == 1, "only the shared dir itself stays mounted");
         assert_eq!(std::fs::read(s("rw/old")).unwrap(), b"old", "volumes keep their data");
         assert_eq!(std::fs::read(s("ro/token")).unwrap(), b"secret");
+    }
+
+    /// Mounts `shared`'s view at `at` as virtiofsd's sandbox does: a clone that receives
+    /// what is mounted later, never sends.
+    fn virtiofsd_view(shared: &Path, at: &Path) {
+        std::fs::create_dir_all(at).unwrap();
+        mount(Some(shared), at, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>).unwrap();
+        mount(None::<&str>, at, None::<&str>, MsFlags::MS_SLAVE | MsFlags::MS_REC, None::<&str>).unwrap();
+    }
+
+    #[test]
+    fn read_only_stays_read_only_in_virtiofsds_copy() {
+        if !is_root("read_only_stays_read_only_in_virtiofsds_copy") {
+            return;
+        }
+        let scratch = tempfile::tempdir().unwrap();
+        let _unmount = Unmount(scratch.path().to_owned());
+        let s = |p: &str| scratch.path().join(p);
+        std::fs::create_dir_all(s("image/etc")).unwrap();
+        for d in ["rw", "ro"] {
+            std::fs::create_dir_all(s(d)).unwrap();
+            std::fs::write(s(d).join("f"), d).unwrap();
+        }
+        let shared = SharedDir::new(s("shared"));
+        shared.create().unwrap();
+        // virtiofsd copies the tree when it starts, before any container exists.
+        virtiofsd_view(&s("shared"), &s("virtiofsd"));
+        let mut spec = json!({
+            "root": {"path": "rootfs", "readonly": true},
+            "mounts": [
+                {"destination": "/rw", "type": "bind", "source": s("rw"), "options": ["rbind", "rw"]},
+                {"destination": "/ro", "type": "bind", "source": s("ro"), "options": ["rbind", "ro"]},
+            ]
+        });
+        shared.prepare("c1", &s("image"), &[], &mut spec).unwrap();
+        let seen = s("virtiofsd/c1");
+        assert_eq!(std::fs::read(seen.join("volumes/1/f")).unwrap(), b"ro");
+        assert!(read_only(&seen.join("volumes/1/new")), "a read-only volume in virtiofsd's copy");
+        assert!(read_only(&seen.join("rootfs/new")), "a read-only rootfs in virtiofsd's copy");
+        std::fs::write(seen.join("volumes/0/new"), b"guest").unwrap();
+        assert_eq!(std::fs::read(s("rw/new")).unwrap(), b"guest", "a read-write volume stays writable");
+        assert!(read_only(&seen.join("planted")), "the directories around the mounts");
+        assert!(!s("ro/new").exists());
+        shared.release("c1");
+        assert!(!seen.exists(), "removal reaches virtiofsd's copy");
+    }
+
+    #[test]
+    fn a_hostile_guest_cannot_plant_links_where_the_host_mounts() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        if !is_root("a_hostile_guest_cannot_plant_links_where_the_host_mounts") {
+            return;
+        }
+        let scratch = tempfile::tempdir().unwrap();
+        let _unmount = Unmount(scratch.path().to_owned());
+        let s = |p: &str| scratch.path().join(p);
+        for d in ["image/etc", "vol", "decoy"] {
+            std::fs::create_dir_all(s(d)).unwrap();
+        }
+        std::fs::write(s("vol/data"), b"keep").unwrap();
+        std::fs::write(s("hosts"), b"127.0.0.1 localhost\n").unwrap();
+        let shared = SharedDir::new(s("shared"));
+        shared.create().unwrap();
+        let spec = || {
+            json!({
+                "root": {"path": "rootfs", "readonly": true},
+                "mounts": [
+                    {"destination": "/data", "type": "bind", "source": s("vol"), "options": ["rbind", "rw"]},
+                    {"destination": "/etc/hosts", "type": "bind", "source": s("hosts"), "options": ["rbind", "ro"]},
+                ]
+            })
+        };
+        // The guest, through virtiofsd, in a tight loop: links at every path the host makes or
+        // mounts onto, pointing at a host directory, and directories swapped for links.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (view, decoy, stop2) = (s("shared"), s("decoy"), stop.clone());
+        let guest = std::thread::spawn(move || {
+            let mut refused = 0u64;
+            let targets = ["c1", "c1/rootfs", "c1/volumes", "c1/volumes/0", "c1/volumes/1", "c1/rootfs/etc"];
+            while !stop2.load(Ordering::Relaxed) {
+                for t in targets {
+                    let at = view.join(t);
+                    let _ = std::fs::rename(&at, view.join(format!("{t}.moved").replace('/', "_")));
+                    match std::os::unix::fs::symlink(&decoy, &at) {
+                        Err(e) if e.raw_os_error() == Some(libc::EROFS) => refused += 1,
+                        _ => {}
+                    }
+                }
+            }
+            refused
+        });
+        for _ in 0..20 {
+            let mut sp = spec();
+            shared.prepare("c1", &s("image"), &[], &mut sp).unwrap();
+            assert_eq!(std::fs::read(s("shared/c1/volumes/0/data")).unwrap(), b"keep");
+            shared.release("c1");
+        }
+        stop.store(true, Ordering::Relaxed);
+        let refused = guest.join().unwrap();
+        assert!(refused > 0, "the guest's writes were tried and refused");
+        assert_eq!(std::fs::read_dir(s("decoy")).unwrap().count(), 0, "nothing was made in the host's directory");
+        assert!(mounts_below(&s("decoy")).is_empty(), "nothing was mounted on the host's directory");
+        assert_eq!(std::fs::read(s("vol/data")).unwrap(), b"keep");
+        let outside: Vec<_> = mounts_below(scratch.path())
+            .into_iter()
+            .filter(|m| ![s("shared"), s("shared.mounts"), s("shared.staging")].contains(m))
+            .collect();
+        assert!(outside.is_empty(), "mounts outside the share: {outside:?}");
     }
 
     #[test]
