@@ -1,7 +1,8 @@
-//! `bulkhead-ctl console POD [-f]`: the pod's console log ([`PodPaths::console_log`]): the guest's
-//! serial output on the `vm` backend, the agent's own output on the `namespace` backend. Shows
-//! the last [`SHOW_MAX`] bytes; `-f` then prints what follows until the pod is removed (or
-//! Ctrl-C), following the log across its rotation.
+//! `bulkhead-ctl console POD [-f]`: the pod's console log: the guest's serial output on the `vm`
+//! backend (in the VMM's jail, opened only through `vm::console::open_log`, since the VMM's uid
+//! could put a link there), the agent's own output on the `namespace` backend
+//! ([`PodPaths::console_log`]). Shows the last [`SHOW_MAX`] bytes; `-f` then prints what follows
+//! until the pod is removed (or Ctrl-C), following the log across its rotation.
 
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::MetadataExt;
@@ -10,15 +11,27 @@ use std::time::Duration;
 
 use super::{io_err, pods, CtlError, Outcome};
 use crate::sandbox::paths::PodPaths;
+use crate::sandbox::vm::console::open_log;
+use crate::sandbox::vm::layout::VmLayout;
 
 /// How much of the log a look shows (and `-f` starts with).
 const SHOW_MAX: u64 = 1 << 20;
 /// How often `-f` looks for more.
 const POLL: Duration = Duration::from_millis(200);
 
+/// Where the pod's console is: the VM's serial log when the pod has a VM, else the agent's log.
+fn console_path(paths: &PodPaths) -> std::path::PathBuf {
+    let serial = VmLayout::new(paths).console_log();
+    if std::fs::symlink_metadata(&serial).is_ok() {
+        serial
+    } else {
+        paths.console_log()
+    }
+}
+
 fn open(paths: &PodPaths, label: &str) -> Result<std::fs::File, CtlError> {
-    let path = paths.console_log();
-    std::fs::File::open(&path).map_err(|e| {
+    let path = console_path(paths);
+    open_log(&path).map_err(|e| {
         CtlError::Failed(format!(
             "pod {label}: no console log at {} ({e}); the sandbox has not started it",
             path.display()
@@ -39,7 +52,7 @@ fn tail(file: &mut std::fs::File, max: u64) -> std::io::Result<(Vec<u8>, bool)> 
 pub fn show(state_dir: &Path, query: &str) -> Result<Outcome, CtlError> {
     let pod = pods::find(state_dir, query)?;
     let mut file = open(&pod.paths, &pod.label())?;
-    let path = pod.paths.console_log();
+    let path = console_path(&pod.paths);
     let (bytes, truncated) = tail(&mut file, SHOW_MAX).map_err(io_err(format!("read {}", path.display())))?;
     let text = String::from_utf8_lossy(&bytes).into_owned();
     let json = serde_json::json!({ "pod": pod.id, "path": path, "truncated": truncated, "text": text });
@@ -49,7 +62,7 @@ pub fn show(state_dir: &Path, query: &str) -> Result<Outcome, CtlError> {
 /// Prints the log and then its growth, as raw bytes or one JSON object per line.
 pub async fn follow(state_dir: &Path, query: &str, json: bool) -> Result<(), CtlError> {
     let pod = pods::find(state_dir, query)?;
-    let path = pod.paths.console_log();
+    let path = console_path(&pod.paths);
     let mut file = open(&pod.paths, &pod.label())?;
     let (first, _) = tail(&mut file, SHOW_MAX).map_err(io_err(format!("read {}", path.display())))?;
     let mut printer = Printer { pod: pod.id.clone(), json, partial: Vec::new() };
@@ -67,7 +80,7 @@ pub async fn follow(state_dir: &Path, query: &str, json: bool) -> Result<(), Ctl
         // Rotated: continue from the start of the new file.
         if let Ok(meta) = std::fs::metadata(&path) {
             if meta.ino() != inode {
-                if let Ok(reopened) = std::fs::File::open(&path) {
+                if let Ok(reopened) = open_log(&path) {
                     file = reopened;
                     inode = meta.ino();
                     continue;

@@ -1,8 +1,10 @@
 //! The guest's serial console log (written by the VMM, content from the guest, so hostile):
 //! its last lines, bounded and made printable, for errors; and a bounded copy kept in the pod's
-//! log directory when the pod's own state is removed after a failed start.
+//! log directory when the pod's own state is removed after a failed start. The file sits in a
+//! directory the VMM's uid can write, so it is only ever opened by [`open_log`].
 
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// Bytes of the log's end searched for what an error quotes.
@@ -19,9 +21,28 @@ const KEEP_BYTES: u64 = 1 << 20;
 /// The kept copy's name in the pod's log directory.
 pub const KEPT_NAME: &str = "bulkhead-vm-console.log";
 
+/// Opens the serial log for reading as root without letting the VMM's uid (which owns its
+/// directory) steer the read elsewhere: a symlink in its place is not followed, and anything
+/// but a regular file with a single link (a FIFO that would block, a hard link to another
+/// file) is refused.
+pub fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.nlink() != 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not a regular file of its own", path.display()),
+        ));
+    }
+    Ok(file)
+}
+
 /// The last `max` bytes of `path` (empty if it cannot be read).
 fn last_bytes(path: &Path, max: u64) -> Vec<u8> {
-    let Ok(mut file) = std::fs::File::open(path) else { return Vec::new() };
+    let Ok(mut file) = open_log(path) else { return Vec::new() };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     if file.seek(SeekFrom::Start(len.saturating_sub(max))).is_err() {
         return Vec::new();
@@ -92,6 +113,26 @@ mod tests {
         assert!(tail(&log).len() < 3 * LINE_CHARS + 100);
         std::fs::write(&log, "y\n".repeat(50_000)).unwrap();
         assert!(tail(&log).len() < TAIL_LINES * (LINE_CHARS * 3 + 3) + 100);
+    }
+
+    #[test]
+    fn links_and_fifos_in_the_logs_place_are_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("shadow");
+        std::fs::write(&secret, "root:secret\n").unwrap();
+        let log = dir.path().join("console.log");
+        std::os::unix::fs::symlink(&secret, &log).unwrap();
+        assert_eq!(tail(&log), ", which is empty");
+        let logs = dir.path().join("pod-logs");
+        std::fs::create_dir(&logs).unwrap();
+        assert_eq!(keep(&log, &logs), Some(logs.join(KEPT_NAME)));
+        assert!(std::fs::read(logs.join(KEPT_NAME)).unwrap().is_empty(), "the link's target is not copied");
+        std::fs::remove_file(&log).unwrap();
+        std::fs::hard_link(&secret, &log).unwrap();
+        assert!(open_log(&log).is_err(), "a hard link to another file");
+        std::fs::remove_file(&log).unwrap();
+        nix::unistd::mkfifo(&log, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert!(open_log(&log).is_err(), "a FIFO, which would block the reader");
     }
 
     #[test]

@@ -234,10 +234,6 @@ impl VmSandbox {
         let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span, log(Component::Vmm))?;
         started.vmm = Some(vmm.clone());
         supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
-        // `bulkhead-ctl console` reads the pod's console.log: here, the serial log in the jail.
-        if let Err(e) = std::os::unix::fs::symlink(layout.console_log(), paths.console_log()) {
-            warn!("link {} to the serial log: {e}", paths.console_log().display());
-        }
         tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
         info!(
             sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, vcpus = shape.vcpus,
