@@ -148,11 +148,21 @@ async fn serve(flags: &Flags) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Binds the Task API socket, mode 0600 whatever umask containerd gave us: whoever can connect
+/// controls the pod. Made with a private umask (no thread creates files yet), so there is no
+/// moment at which the socket is more open, and then set explicitly.
 fn bind(path: &str) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use nix::sys::stat::{umask, Mode};
+    use std::os::unix::fs::PermissionsExt;
     if let Some(parent) = Path::new(path).parent() {
         std::fs::create_dir_all(parent)?;
     }
-    std::os::unix::net::UnixListener::bind(path)
+    let previous = umask(Mode::from_bits_truncate(0o177));
+    let bound = std::os::unix::net::UnixListener::bind(path);
+    umask(previous);
+    let listener = bound?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
 }
 
 /// `start` waits for our stdout to close: point it at stderr (containerd's /dev/null).

@@ -71,6 +71,8 @@ pub struct ContainerdConfig {
     pub cni_routes: Vec<CniRoute>,
     /// Raw TOML appended to the generated config.
     pub extra_toml: String,
+    /// The umask containerd (and so every shim it starts) runs with; `None` keeps the test's.
+    pub umask: Option<u32>,
 }
 
 impl Default for ContainerdConfig {
@@ -81,6 +83,7 @@ impl Default for ContainerdConfig {
             cni_bridge: false,
             cni_routes: Vec::new(),
             extra_toml: String::new(),
+            umask: None,
         }
     }
 }
@@ -147,7 +150,7 @@ impl Containerd {
         };
         // From here on, `this` cleans up after itself if anything below fails.
         this.write_config(&config)?;
-        this.spawn()?;
+        this.spawn(config.umask)?;
         this.wait_ready().await?;
         this.import_images().await?;
         Ok(this)
@@ -292,16 +295,26 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         Ok(())
     }
 
-    fn spawn(&mut self) -> Result<()> {
+    fn spawn(&mut self, umask: Option<u32>) -> Result<()> {
+        use std::os::unix::process::CommandExt;
         let log = std::fs::File::create(&self.log)?;
-        let child = Command::new(CONTAINERD)
+        let mut command = Command::new(CONTAINERD);
+        command
             .arg("--config")
             .arg(self.dir.join("config.toml"))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("spawning containerd (is the containerd package installed?)")?;
+            .stderr(log);
+        if let Some(mask) = umask {
+            // SAFETY: umask is async-signal-safe and changes only the child's own mask.
+            unsafe {
+                command.pre_exec(move || {
+                    libc::umask(mask as libc::mode_t);
+                    Ok(())
+                });
+            }
+        }
+        let child = command.spawn().context("spawning containerd (is the containerd package installed?)")?;
         self.child = Some(child);
         Ok(())
     }

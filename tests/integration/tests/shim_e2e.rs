@@ -42,12 +42,27 @@ async fn setup_with(test: &str, extra: Vec<RuntimeHandler>, cni_bridge: bool) ->
     setup_config(test, extra, cni_bridge, "").await
 }
 
+/// Like [`setup`], with containerd (and so its shims) started under `umask`.
+async fn setup_umask(test: &str, umask: u32) -> Result<Option<Env>> {
+    setup_full(test, Vec::new(), false, "", Some(umask)).await
+}
+
 /// Like [`setup_with`], with `config_extra` appended to the top level of the shim's config.
 async fn setup_config(
     test: &str,
     extra: Vec<RuntimeHandler>,
     cni_bridge: bool,
     config_extra: &str,
+) -> Result<Option<Env>> {
+    setup_full(test, extra, cni_bridge, config_extra, None).await
+}
+
+async fn setup_full(
+    test: &str,
+    extra: Vec<RuntimeHandler>,
+    cni_bridge: bool,
+    config_extra: &str,
+    umask: Option<u32>,
 ) -> Result<Option<Env>> {
     if skip_if_unready(test) {
         return Ok(None);
@@ -76,7 +91,7 @@ async fn setup_config(
     )?;
     let mut handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
     handlers.extend(extra);
-    let containerd = Containerd::start(ContainerdConfig { handlers, cni_bridge, ..Default::default() }).await?;
+    let containerd = Containerd::start(ContainerdConfig { handlers, cni_bridge, umask, ..Default::default() }).await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
 }
@@ -738,4 +753,22 @@ async fn shim_log_level_comes_from_the_config() -> Result<()> {
         }
     })
     .await
+}
+
+#[tokio::test]
+async fn the_shims_sockets_are_0600_whatever_the_umask() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let test = "the_shims_sockets_are_0600_whatever_the_umask";
+    let Some(env) = setup_umask(test, 0).await? else { return Ok(()) };
+    let pod = env.pod("umask")?;
+    let (pod_id, _) =
+        env.pod_with(&pod, &sleeper("umask", &unique("umask"))).await.with_context(|| env.fail_context())?;
+    let task_api = bulkhead_integration::host::shim_socket(&env.containerd, &pod_id);
+    let metrics = env.state_dir.path().join(&pod_id).join("metrics.sock");
+    for socket in [&task_api, &metrics] {
+        let mode = std::fs::metadata(socket).with_context(|| socket.display().to_string())?.permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{} is {:o} under umask 000", socket.display(), mode & 0o777);
+    }
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await
 }
