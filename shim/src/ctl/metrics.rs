@@ -3,10 +3,17 @@
 //! `bulkhead_pod_scrape_up` per pod. Printed once, or served as `GET /metrics` on `--listen`
 //! (the node's exporter: the DaemonSet runs it as a sidecar). A removed pod's socket is gone
 //! with its state directory, so its series disappear from the next scrape.
+//!
+//! The endpoint is open to whoever reaches its address, so no client may make the node work
+//! harder than one scrape of its pods per [`CACHE_FOR`]: scrapes never overlap ([`ScrapeCache`]),
+//! their result answers every request until it is [`CACHE_FOR`] old, and at most
+//! [`MAX_CONNECTIONS`] requests are served at once, each within [`REQUEST_TIMEOUT`].
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, UnixStream};
 
@@ -20,6 +27,40 @@ const MAX_POD_EXPOSITION: usize = 4 << 20;
 const POD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound for answering one request to the node endpoint.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one scrape of the pods answers later requests.
+pub const CACHE_FOR: Duration = Duration::from_secs(2);
+/// Requests served at once; further connections wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// One scrape of the node's pods at a time: a request that finds a fresh result takes it, one
+/// that finds a scrape running waits for it, and only a request after [`CACHE_FOR`] starts
+/// another.
+pub struct ScrapeCache<G> {
+    gather: G,
+    last: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+}
+
+impl<G, F> ScrapeCache<G>
+where
+    G: Fn() -> F,
+    F: Future<Output = String>,
+{
+    pub fn new(gather: G) -> Self {
+        Self { gather, last: tokio::sync::Mutex::new(None) }
+    }
+
+    pub async fn get(&self) -> Arc<String> {
+        let mut last = self.last.lock().await;
+        if let Some((at, text)) = last.as_ref() {
+            if at.elapsed() < CACHE_FOR {
+                return text.clone();
+            }
+        }
+        let text = Arc::new((self.gather)().await);
+        *last = Some((Instant::now(), text.clone()));
+        text
+    }
+}
 
 /// One metric family of the merged output, in order of first appearance.
 #[derive(Default)]
@@ -171,25 +212,43 @@ pub async fn serve(state_dir: PathBuf, addr: &str) -> Result<(), CtlError> {
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
     let mut int =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_err("SIGINT handler"))?;
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-        };
+    let cache = Arc::new(ScrapeCache::new(move || {
         let state_dir = state_dir.clone();
+        async move { gather(&state_dir).await }
+    }));
+    tokio::select! {
+        () = serve_on(listener, cache) => Ok(()),
+        _ = term.recv() => Ok(()),
+        _ = int.recv() => Ok(()),
+    }
+}
+
+/// The accept loop of [`serve`]: each request answered from `cache`, at most
+/// [`MAX_CONNECTIONS`] at once.
+pub async fn serve_on<G, F>(listener: TcpListener, cache: Arc<ScrapeCache<G>>)
+where
+    G: Fn() -> F + Send + Sync + 'static,
+    F: Future<Output = String> + Send + 'static,
+{
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else { return };
+        let mut stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let cache = cache.clone();
         tokio::spawn(async move {
-            let answer = http::serve_one(&mut stream, gather(&state_dir));
+            let body = async { cache.get().await.as_str().to_owned() };
+            let answer = http::serve_one(&mut stream, body);
             if tokio::time::timeout(REQUEST_TIMEOUT, answer).await.is_err() {
                 tracing::warn!("metrics request not answered within {REQUEST_TIMEOUT:?}");
             }
+            drop(slot);
         });
     }
 }
@@ -222,6 +281,82 @@ mod tests {
         assert!(family.iter().all(|l| l.starts_with("m_seconds")), "samples stay with their family: {text}");
         assert!(text.contains("up{pod=\"b\"} 1"), "{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    /// Counts gathers and the most that ever ran at once; each takes a while.
+    #[derive(Default)]
+    struct Probe {
+        running: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+        total: std::sync::atomic::AtomicUsize,
+    }
+
+    async fn slow_gather(probe: Arc<Probe>) -> String {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = probe.running.fetch_add(1, SeqCst) + 1;
+        probe.most.fetch_max(now, SeqCst);
+        probe.total.fetch_add(1, SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        probe.running.fetch_sub(1, SeqCst);
+        "up 1\n# EOF\n".to_string()
+    }
+
+    async fn get_metrics(addr: std::net::SocketAddr) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        http::get(&mut stream, "/metrics", 1 << 20, Duration::from_secs(10)).await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_slow_clients_cause_one_scrape_at_a_time_and_a_normal_client_is_answered() {
+        use std::sync::atomic::Ordering::SeqCst;
+        use tokio::io::AsyncWriteExt;
+        let probe = Arc::new(Probe::default());
+        let p = probe.clone();
+        let cache = Arc::new(ScrapeCache::new(move || slow_gather(p.clone())));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(serve_on(listener, cache));
+        // 50 slow clients: each sends its request a byte at a time, then reads the answer.
+        let slow: Vec<_> = (0..50)
+            .map(|_| {
+                tokio::spawn(async move {
+                    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+                    for byte in b"GET /metrics HTTP/1.0\r\n\r\n" {
+                        stream.write_all(&[*byte]).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let mut out = Vec::new();
+                    tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut out).await.unwrap();
+                    String::from_utf8_lossy(&out).contains("up 1")
+                })
+            })
+            .collect();
+        // A normal client meanwhile is answered, within the request bound.
+        let normal = tokio::time::timeout(REQUEST_TIMEOUT, get_metrics(addr)).await.unwrap();
+        assert!(normal.contains("up 1"), "{normal}");
+        for client in slow {
+            assert!(client.await.unwrap(), "a slow client got its answer");
+        }
+        assert_eq!(probe.most.load(SeqCst), 1, "scrapes never overlap");
+        // 51 requests over ~0.6 s: a fresh scrape at most once per CACHE_FOR, plus the first.
+        assert!(probe.total.load(SeqCst) <= 2, "{} scrapes for 51 requests", probe.total.load(SeqCst));
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_stale_result_is_scraped_again() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let probe = Arc::new(Probe::default());
+        let p = probe.clone();
+        let cache = ScrapeCache::new(move || slow_gather(p.clone()));
+        cache.get().await;
+        cache.get().await;
+        assert_eq!(probe.total.load(SeqCst), 1, "fresh: served from the cache");
+        if let Some((at, _)) = cache.last.lock().await.as_mut() {
+            *at = Instant::now().checked_sub(CACHE_FOR).unwrap();
+        }
+        cache.get().await;
+        assert_eq!(probe.total.load(SeqCst), 2, "stale: scraped again");
     }
 
     #[tokio::test]

@@ -257,6 +257,22 @@ impl Exporter {
         }
         Ok(body.to_string())
     }
+
+    /// Scrapes until `ready` holds of the parsed result: the exporter answers from a scrape of
+    /// the pods that may be up to its cache interval old.
+    async fn scrape_until(&self, what: &str, ready: impl Fn(&Scrape) -> bool) -> Result<Scrape> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let scrape = parse(&self.scrape()?);
+            if ready(&scrape) {
+                return Ok(scrape);
+            }
+            if Instant::now() > deadline {
+                bail!("the exporter never showed {what}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 /// Parses an exposition as Prometheus would; every line must be a help, type or sample line
@@ -305,7 +321,7 @@ async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     let ctr = env.cri.create_container(&pod_id, &sleeper("m"), &pod).await?;
     env.cri.start_container(&ctr).await?;
 
-    let first = parse(&exporter.scrape()?);
+    let first = exporter.scrape_until("the pod's series", |s| !for_pod(s, &pod_id).is_empty()).await?;
     let samples = for_pod(&first, &pod_id);
     assert!(!samples.is_empty(), "no series for the pod");
     for s in &samples {
@@ -326,13 +342,11 @@ async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     // An exec is Exec, Start, (Wait), Delete on the shim: the counts grow.
     let out = env.cri.exec_sync(&ctr, &["echo", "hi"], 10).await?;
     assert_eq!(out.exit_code, 0);
-    let second = parse(&exporter.scrape()?);
-    assert!(rpc_count(&second, &pod_id, "start") > starts, "start count did not grow");
+    let second = exporter.scrape_until("the exec's RPCs", |s| rpc_count(s, &pod_id, "start") > starts).await?;
     assert!(rpc_count(&second, &pod_id, "exec") >= 1.0, "exec not counted");
     assert_eq!(rpc_count(&second, &pod_id, "create"), creates);
 
     remove_pod(&env, &pod_id, &ctr).await?;
-    let after = parse(&exporter.scrape()?);
-    assert!(for_pod(&after, &pod_id).is_empty(), "series of the removed pod remain: {:?}", for_pod(&after, &pod_id));
+    exporter.scrape_until("the removed pod's series gone", |s| for_pod(s, &pod_id).is_empty()).await?;
     Ok(())
 }
