@@ -39,6 +39,8 @@ use crate::spec::{self, BundleSpec, Role};
 const MAX_POD_WORKLOADS: usize = 4096;
 /// Longest Update resources / exec process JSON accepted from containerd.
 const MAX_JSON: usize = 1 << 20;
+/// How long an RPC that found the agent unreachable waits for the pod's exits before it fails.
+const END_SETTLE: Duration = Duration::from_secs(5);
 
 /// The pod's sandbox, as seen by the task service.
 enum PodSandbox {
@@ -57,6 +59,8 @@ pub struct TaskService {
     exit: Arc<ExitSignal>,
     /// Every workload container this pod has had (bounded), for attributing late OOM events.
     pod_workloads: Arc<Mutex<HashSet<String>>>,
+    /// Processes whose TaskExit is still to come; the sandbox's exit is published after them.
+    pending_exits: Arc<crate::watch::PendingExits>,
     /// Parent of every RPC's span: the pod this shim serves.
     pod_span: tracing::Span,
     backends: Arc<dyn sandbox::Backends>,
@@ -93,6 +97,7 @@ impl TaskService {
             sandbox: tokio::sync::Mutex::new(PodSandbox::None),
             oom_reported: Default::default(),
             pod_workloads: Default::default(),
+            pending_exits: Default::default(),
             exit,
             metrics: Arc::new(PodMetrics::new()),
         }
@@ -294,6 +299,11 @@ impl TaskService {
         if req.exec_id.is_empty() {
             self.oom_reported.lock().unwrap_or_else(|p| p.into_inner()).remove(&req.id);
         }
+        // Counted before it starts, so the sandbox's exit cannot overtake this process's.
+        let pending = match process.exit_source() {
+            crate::process::ExitSource::Agent { .. } => Some(self.pending_exits.add()),
+            crate::process::ExitSource::Sandbox(_) => None,
+        };
         let pid = match process.start().await {
             Ok(pid) => pid,
             Err(e) => {
@@ -301,6 +311,12 @@ impl TaskService {
                 // and its stdio closed, so containerd's kill-then-delete cleanup does not hang.
                 let _ = core.transition(ProcessEvent::Exited(ExitInfo::from_agent(255, 0, false)));
                 core.io.lock().await.finish(Duration::ZERO).await;
+                drop(pending);
+                if let TaskError::Agent(agent_error) = &e {
+                    if agent_error.is_transport() {
+                        self.end_unreachable_pod(agent_error).await;
+                    }
+                }
                 return Err(e);
             }
         };
@@ -323,12 +339,32 @@ impl TaskService {
             Some(exec_id) => self.events.exec_started(&req.id, exec_id, pid).await,
         }
         tokio::spawn(
-            crate::watch::watch_exit(process.clone(), self.events.clone(), self.oom_reported.clone()).in_current_span(),
+            crate::watch::watch_exit(
+                process.clone(),
+                self.events.clone(),
+                self.oom_reported.clone(),
+                self.pending_exits.clone(),
+                pending,
+            )
+            .in_current_span(),
         );
         if let Some(e) = attach_error {
             return Err(e);
         }
         Ok(StartResponse { pid, ..Default::default() })
+    }
+
+    /// The agent is unreachable: the pod ends (its processes report 137), and the caller's error
+    /// goes back only once their exits are out, so containerd learns of the pod's end from
+    /// its own exit handling before it learns of the failure that caused it.
+    async fn end_unreachable_pod(&self, cause: &crate::agent::AgentError) {
+        let Some(sandbox) = self.running_sandbox().await else { return };
+        if let Err(e) = crate::process::end_unreachable_pod(&sandbox, cause).await {
+            warn!("end the sandbox: {e}");
+        }
+        if !self.pending_exits.settled(END_SETTLE).await {
+            warn!("the pod's processes did not report their exits within {END_SETTLE:?}");
+        }
     }
 
     async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse, TaskError> {
@@ -373,10 +409,13 @@ impl TaskService {
                 *slot = PodSandbox::None;
             }
         }
-        self.containers.lock().await.remove(&req.id);
         let resp = delete_response(state);
         let at = state.exit().map(|e| e.at).unwrap_or_else(SystemTime::now);
         self.events.delete(&req.id, resp.pid, resp.exit_status, at).await;
+        // Last: until containerd has this answer, State must find the container (stopped), not
+        // "not found", which containerd's StopPodSandbox takes as "already gone" and skips
+        // waiting for the container's stop while its exit handling is still under way.
+        self.containers.lock().await.remove(&req.id);
         Ok(resp)
     }
 

@@ -17,6 +17,9 @@ use crate::sandbox::Sandbox;
 const IO_DRAIN: Duration = Duration::from_secs(2);
 /// How long a WaitProcess may still answer once the sandbox has ended.
 const SANDBOX_GONE_GRACE: Duration = Duration::from_millis(500);
+/// How long the sandbox's own TaskExit waits for its processes' TaskExits: what their watchers
+/// may take once the sandbox is gone, and a margin.
+const SANDBOX_EXIT_LAST: Duration = Duration::from_secs(5);
 /// At most one TaskOOM per container in this interval: the agent causes these events, and a
 /// flood of them must not reach containerd (kubelet needs one to see the OOM).
 const OOM_EVENT_INTERVAL: Duration = Duration::from_secs(1);
@@ -48,8 +51,55 @@ impl PerKeyLimit {
     }
 }
 
+/// The pod's processes (containers' and execs') whose TaskExit is not published yet. The
+/// sandbox's own TaskExit waits for them: containerd treats the sandbox's exit as the pod's end
+/// (StopPodSandbox returns once it has handled it), so a container whose exit came after it
+/// would still count as running when the pod is removed.
+#[derive(Debug)]
+pub struct PendingExits {
+    count: tokio::sync::watch::Sender<usize>,
+}
+
+impl Default for PendingExits {
+    fn default() -> Self {
+        Self { count: tokio::sync::watch::channel(0).0 }
+    }
+}
+
+/// One process whose TaskExit is pending; published (or given up) when dropped.
+pub struct PendingExit(Arc<PendingExits>);
+
+impl Drop for PendingExit {
+    fn drop(&mut self) {
+        self.0.count.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+impl PendingExits {
+    /// Counts a started process until the returned guard drops.
+    pub fn add(self: &Arc<Self>) -> PendingExit {
+        self.count.send_modify(|n| *n += 1);
+        PendingExit(self.clone())
+    }
+
+    /// Waits until no process's TaskExit is pending, at most `within`; false if some still are.
+    pub async fn settled(&self, within: Duration) -> bool {
+        let mut rx = self.count.subscribe();
+        tokio::time::timeout(within, rx.wait_for(|n| *n == 0)).await.is_ok_and(|r| r.is_ok())
+    }
+}
+
 /// Waits for one process to end, drains its output, records the exit and tells containerd.
-pub async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_reported: Arc<Mutex<HashSet<String>>>) {
+/// `pending` is this process's entry in the pod's `exits` (taken before the process started, so
+/// none is missed), held until its TaskExit is out; the sandbox's watcher, which has none, waits
+/// for the pod's entries instead.
+pub async fn watch_exit(
+    process: Arc<dyn Process>,
+    events: Arc<EventSink>,
+    oom_reported: Arc<Mutex<HashSet<String>>>,
+    exits: Arc<PendingExits>,
+    pending: Option<PendingExit>,
+) {
     let core = process.core();
     let exit = match process.exit_source() {
         ExitSource::Agent { agent, sandbox } => {
@@ -81,7 +131,13 @@ pub async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_r
                 }
             }
         }
-        ExitSource::Sandbox(sandbox) => sandbox.wait().await,
+        ExitSource::Sandbox(sandbox) => {
+            let exit = sandbox.wait().await;
+            if !exits.settled(SANDBOX_EXIT_LAST).await {
+                warn!("the pod's processes did not report their exits within {SANDBOX_EXIT_LAST:?}; the sandbox's goes first");
+            }
+            exit
+        }
     };
     core.io.lock().await.finish(IO_DRAIN).await;
     if exit.oom_killed && core.exec_id.is_none() {
@@ -96,6 +152,7 @@ pub async fn watch_exit(process: Arc<dyn Process>, events: Arc<EventSink>, oom_r
     }
     info!(status = exit.status, oom = exit.oom_killed, "process exited");
     events.exit(&core.container_id, core.event_id(), pid, exit.status, exit.at).await;
+    drop(pending);
 }
 
 /// Relays the agent's OOM events as TaskOOM until the sandbox ends.

@@ -1,8 +1,8 @@
 //! A hostile agent against the real shim and containerd (issue 12): `bulkhead-hostile-agent`
 //! runs the real agent behind it and misbehaves on one reply (see that binary). For each way it
-//! misbehaves, the pod's operation ends in an error within its bound, the pod's shim stays
-//! alive, the pod can still be stopped and removed, and a bystander pod of the same containerd
-//! keeps working throughout.
+//! misbehaves, the pod's operation ends in an error within its bound; a reply that breaks the
+//! connection ends the pod (its container reports 137) without a shim panic; the pod can still
+//! be stopped and removed; and a bystander pod of the same containerd keeps working throughout.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::os::unix::fs::PermissionsExt;
@@ -19,6 +19,8 @@ use k8s_cri::v1 as cri;
 
 /// The shim's frame-stall guard (5 s) or its RPC deadline (10 s), plus containerd's own work.
 const ERROR_BOUND: Duration = Duration::from_secs(25);
+const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
+const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
 const FAULTS: [&str; 7] = ["stall", "huge-length", "wrong-type", "big-error", "close", "oom-flood", "stdout-flood"];
 
 struct Env {
@@ -104,7 +106,12 @@ impl Env {
     }
 
     fn fail_context(&self) -> String {
-        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+        format!("containerd log tail:\n{}", self.containerd.log_tail(80))
+    }
+
+    /// Whether any shim logged a panic (the shim's panic hook logs it as "panic: ...").
+    fn shim_panicked(&self) -> bool {
+        std::fs::read_to_string(self.containerd.log_path()).unwrap_or_default().contains("panic:")
     }
 
     /// The shim of `pod_id` still runs.
@@ -116,7 +123,7 @@ impl Env {
     async fn remove_pod(&self, pod_id: &str) -> Result<()> {
         let started = Instant::now();
         self.cri.stop_pod_sandbox(pod_id).await.with_context(|| self.fail_context())?;
-        self.cri.remove_pod_sandbox(pod_id).await?;
+        self.cri.remove_pod_sandbox(pod_id).await.with_context(|| self.fail_context())?;
         if started.elapsed() > ERROR_BOUND {
             bail!("stopping and removing pod {pod_id} took {:?}", started.elapsed());
         }
@@ -146,7 +153,17 @@ async fn a_hostile_agent_fails_only_its_own_pod() -> Result<()> {
             assert!(err.contains("bytes cut"), "{fault}: the agent's text is cut: {}", &err[..err.len().min(300)]);
             assert!(err.len() < 16 * 1024, "{fault}: {} bytes of error reached CRI", err.len());
         }
-        assert!(env.shim_alive(&pod_id), "{fault}: the pod's shim died\n{}", env.fail_context());
+        if fault == "big-error" {
+            // An error reply, however large, is only an error: the connection and the pod stay.
+            assert!(env.shim_alive(&pod_id), "{fault}: the pod's shim died\n{}", env.fail_context());
+            assert_eq!(env.cri.container_status(&ctr).await?.state, RUNNING, "{fault}: the container");
+        } else {
+            // The agent's connection is gone, so the pod ends: its container reports 137
+            // (killed), and the shim goes once containerd has deleted the pod's tasks.
+            let status = env.cri.wait_container(&ctr, ERROR_BOUND, |s| s.state == EXITED).await?;
+            assert_eq!(status.exit_code, 137, "{fault}: {status:?}");
+        }
+        assert!(!env.shim_panicked(), "{fault}: the shim panicked\n{}", env.fail_context());
         env.bystander_ok(&bystander, &format!("after {fault}")).await?;
         env.remove_pod(&pod_id).await.with_context(|| format!("{fault}: removing the pod"))?;
     }
