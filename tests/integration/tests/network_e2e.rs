@@ -267,10 +267,12 @@ fn ip(args: &[&str]) -> Result<()> {
 
 impl MetadataStandIn {
     fn start(cni: &CniNetwork) -> Result<Self> {
-        let pid = std::process::id();
+        // Tests of this binary run side by side, each with its own stand-in.
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let (pid, seq) = (std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
         let mut standin = Self {
-            netns: format!("bhmd-{pid}"),
-            host_end: format!("bhmd{}", pid % 1_000_000),
+            netns: format!("bhmd-{pid}-{seq}"),
+            host_end: format!("bhmd{}x{}", pid % 1_000_000, seq % 100),
             stop: Arc::new(AtomicBool::new(false)),
             server: None,
             peers: Arc::default(),

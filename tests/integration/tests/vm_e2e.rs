@@ -139,6 +139,18 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_string();
     assert!(!guest_release.is_empty());
     assert_ne!(guest_release, host_release, "the container must run on the guest kernel, not the host's");
+    // What the guest kernel, the agent and two idle containers use of the VM's memory (a figure
+    // for runtimeclass/README.md's overhead terms, not a check).
+    let meminfo = run_in(cri, &w, &["cat", "/proc/meminfo"]).await?;
+    let kib = |key: &str| -> u64 {
+        let line = meminfo.lines().find(|l| l.starts_with(key)).unwrap_or_default();
+        line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    println!(
+        "{test}: guest memory in use: {} MiB of {} MiB (MemTotal - MemAvailable)",
+        kib("MemTotal:").saturating_sub(kib("MemAvailable:")) / 1024,
+        kib("MemTotal:") / 1024
+    );
 
     // What one container writes to the shared volume, the other reads, and the host sees.
     let mut seen = String::new();

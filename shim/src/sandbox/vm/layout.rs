@@ -18,7 +18,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use bulkhead_protocol::guest::SHARED_FS_PARAM;
-use bulkhead_vmm_api::config::{FsConfig, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
+use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 
 use super::super::paths::PodPaths;
@@ -155,6 +155,8 @@ impl VmLayout {
             fs: vec![FsConfig { tag: FS_TAG.into(), socket: FS_SOCKET.into(), queue_size: FS_QUEUE_SIZE }],
             net: plan.net.clone(),
             api_socket: Some(API.into()),
+            // Memory the guest frees goes back to the host (and stops counting against the pod).
+            balloon: Some(BalloonConfig { free_page_reporting: true }),
         }
     }
 

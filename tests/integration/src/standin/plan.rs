@@ -35,6 +35,8 @@ pub struct Plan {
     pub fs: Vec<FsDevice>,
     pub net: Vec<NetConfig>,
     pub api_socket: Option<PathBuf>,
+    /// A virtio-balloon device with free page reporting.
+    pub free_page_reporting: bool,
     /// Where the stand-in keeps its own sockets (QMP, vhost-user vsock): the jail's first
     /// writable directory, as a host path.
     pub run_dir: PathBuf,
@@ -107,6 +109,7 @@ impl Plan {
             fs,
             net: vm.net,
             api_socket,
+            free_page_reporting: vm.balloon.is_some_and(|b| b.free_page_reporting),
             run_dir,
             writable_dirs,
             cgroup: jail.cgroup.clone(),

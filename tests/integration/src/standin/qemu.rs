@@ -62,9 +62,11 @@ pub fn args(plan: &Plan, qmp: &Path, vhost_vsock: Option<&Path>) -> Vec<String> 
         }
         push(&["-netdev", &format!("tap,id=net{i},ifname={},script=no,downscript=no", nic.tap), "-device", &device]);
     }
-    // Entropy from the host, and free page reporting: memory the guest frees goes back.
+    // Entropy from the host; free page reporting hands memory the guest frees back to the host.
     push(&["-device", "virtio-rng-device"]);
-    push(&["-device", "virtio-balloon-device,free-page-reporting=on"]);
+    if plan.free_page_reporting {
+        push(&["-device", "virtio-balloon-device,free-page-reporting=on"]);
+    }
     a
 }
 
@@ -97,6 +99,7 @@ mod tests {
                 rate_limiter: None,
             }],
             api_socket: Some("/s/run/api.sock".into()),
+            free_page_reporting: true,
             run_dir: "/s/run".into(),
             writable_dirs: vec!["/s/run".into()],
             cgroup: None,
@@ -118,6 +121,10 @@ mod tests {
         assert_eq!(value_after(&a, "-append", ""), Some("console=ttyS0 bulkhead.shared_fs=bulkhead"));
         assert_eq!(value_after(&a, "-kernel", ""), Some("/cache/vmlinux"));
         assert!(a.contains(&"-no-reboot".to_string()));
+        assert_eq!(value_after(&a, "-device", "balloon"), Some("virtio-balloon-device,free-page-reporting=on"));
+        let mut p = plan();
+        p.free_page_reporting = false;
+        assert_eq!(value_after(&args(&p, Path::new("/q"), None), "-device", "balloon"), None);
     }
 
     #[test]
