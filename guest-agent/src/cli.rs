@@ -94,6 +94,20 @@ impl std::str::FromStr for Listen {
     }
 }
 
+/// Log timestamps as the guest kernel prints its own: seconds since boot (CLOCK_BOOTTIME). In a
+/// VM the wall clock is 1970 until SetupSandbox sets it, and the console then reads as one
+/// timeline, kernel and agent.
+struct SinceBoot;
+
+impl tracing_subscriber::fmt::time::FormatTime for SinceBoot {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        match nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME) {
+            Ok(t) => write!(w, "[{:5}.{:06}]", t.tv_sec(), t.tv_nsec() / 1000),
+            Err(_) => write!(w, "[    ?.??????]"),
+        }
+    }
+}
+
 pub fn init_tracing(opts: &AgentOpts) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_AGENT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libcontainer=warn,libcgroups=warn"));
@@ -101,10 +115,10 @@ pub fn init_tracing(opts: &AgentOpts) {
     // records, so no colour codes there; elsewhere only where a person watches a terminal.
     let ansi = opts.mode != Mode::Guest && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr);
-    if opts.log_json {
-        builder.json().init();
-    } else {
-        builder.init();
+    match (opts.log_json, opts.mode) {
+        (true, _) => builder.json().init(),
+        (false, Mode::Guest) => builder.with_timer(SinceBoot).init(),
+        (false, Mode::Namespace) => builder.init(),
     }
 }
 

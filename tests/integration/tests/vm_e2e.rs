@@ -139,6 +139,14 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_string();
     assert!(!guest_release.is_empty());
     assert_ne!(guest_release, host_release, "the container must run on the guest kernel, not the host's");
+    // The guest's boot phases as its console shows them (diagnosis only: TCG is not KVM).
+    let console = env.state_dir.path().join(&pod_id).join("vm/root/run/console.log");
+    let console = std::fs::read_to_string(&console).unwrap_or_default();
+    for mark in ["Linux version", "Run /init", "left the initramfs", "shared directory mounted", "listening (vsock)"] {
+        if let Some(line) = console.lines().find(|l| l.contains(mark)) {
+            println!("{test}: console: {}", line.chars().take(120).collect::<String>());
+        }
+    }
     // What the guest kernel, the agent and two idle containers use of the VM's memory (a figure
     // for runtimeclass/README.md's overhead terms, not a check).
     let meminfo = run_in(cri, &w, &["cat", "/proc/meminfo"]).await?;
