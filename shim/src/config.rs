@@ -108,11 +108,14 @@ pub struct VmConfig {
     /// kernel and agent get on top of it.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u32,
-    /// Unprivileged uid/gid the VMM runs as.
-    #[serde(default = "default_jailer_id")]
-    pub jailer_uid: u32,
-    #[serde(default = "default_jailer_id")]
-    pub jailer_gid: u32,
+    /// The ids pods' VMMs run as: each pod's VMM gets a uid and gid (the same number) of its own
+    /// from `jail_id_first` .. `jail_id_first + jail_id_count`, so one that escaped its jail
+    /// cannot signal or trace another's. Keep the range clear of the node's users and of
+    /// user-namespace ranges (/etc/subuid).
+    #[serde(default = "default_jail_id_first")]
+    pub jail_id_first: u32,
+    #[serde(default = "default_jail_id_count")]
+    pub jail_id_count: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -160,8 +163,11 @@ fn default_vcpus() -> u8 {
 fn default_memory_mib() -> u32 {
     256
 }
-fn default_jailer_id() -> u32 {
-    65534
+fn default_jail_id_first() -> u32 {
+    1_900_000_000
+}
+fn default_jail_id_count() -> u32 {
+    65_536
 }
 
 impl Default for AgentConfig {
@@ -183,8 +189,8 @@ impl Default for VmConfig {
             virtiofsd_path: default_virtiofsd_path(),
             vcpus: default_vcpus(),
             memory_mib: default_memory_mib(),
-            jailer_uid: default_jailer_id(),
-            jailer_gid: default_jailer_id(),
+            jail_id_first: default_jail_id_first(),
+            jail_id_count: default_jail_id_count(),
         }
     }
 }
@@ -249,8 +255,12 @@ impl Config {
         if self.vm.memory_mib < 64 || u64::from(self.vm.memory_mib) > MAX_MEM_MIB {
             return Err(invalid("vm.memory_mib", &format!("must be between 64 and {MAX_MEM_MIB}")));
         }
-        if self.vm.jailer_uid == 0 || self.vm.jailer_gid == 0 {
-            return Err(invalid("vm.jailer_uid/jailer_gid", "the VMM must not run as root (0)"));
+        let last = u64::from(self.vm.jail_id_first) + u64::from(self.vm.jail_id_count);
+        if self.vm.jail_id_first == 0 || self.vm.jail_id_count == 0 || last >= u64::from(u32::MAX) {
+            return Err(invalid(
+                "vm.jail_id_first/jail_id_count",
+                "must name at least one id, never 0 (root) nor 4294967295 (-1)",
+            ));
         }
         Ok(())
     }
@@ -315,8 +325,10 @@ mod tests {
         assert!(err.to_string().contains("vm.vcpus"), "{err}");
         let err = parse("[vm]\nvcpus = 33\n").unwrap_err();
         assert!(err.to_string().contains("vm.vcpus"), "{err}");
-        let err = parse("[vm]\njailer_uid = 0\n").unwrap_err();
-        assert!(err.to_string().contains("jailer_uid"), "{err}");
+        for bad in ["jail_id_first = 0", "jail_id_count = 0", "jail_id_first = 4294967000\njail_id_count = 1000"] {
+            let err = parse(&format!("[vm]\n{bad}\n")).unwrap_err();
+            assert!(err.to_string().contains("jail_id_first/jail_id_count"), "{bad}: {err}");
+        }
         let err = parse("[vm]\nkernel_path = \"vmlinux\"\n").unwrap_err();
         assert!(err.to_string().contains("vm.kernel_path"), "{err}");
         let err = parse("state_dir = \"relative\"\n").unwrap_err();

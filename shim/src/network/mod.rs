@@ -33,8 +33,8 @@
 //! let net = crate::network::attach_vm(&crate::network::VmAttach {
 //!     netns: &netns,                                   // SandboxRequest.netns
 //!     record: &paths.network_record(),                 // <state_dir>/<pod>/network.json
-//!     tap_uid: config.vm.jailer_uid,                   // the jailed VMM's ids
-//!     tap_gid: config.vm.jailer_gid,
+//!     tap_uid: jail_id,                                // the pod's jailed VMM's ids
+//!     tap_gid: jail_id,
 //!     metadata: MetadataAccess::from_config(&config.network),
 //! })
 //! .await?;                                             // SandboxError::Network on failure

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
     cgroups, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
@@ -21,8 +21,9 @@ use k8s_cri::v1 as cri;
 /// What the console copy kept with the pod's logs is called (shim/src/sandbox/vm/console.rs).
 const KEPT_CONSOLE: &str = "bulkhead-vm-console.log";
 /// The VMM's user and group in these tests (not `nobody`, so the checks mean something).
-const JAIL_UID: u32 = 40_223;
-const JAIL_GID: u32 = 40_224;
+/// The VMM identities of the test's pods: `jail_id_first` and, by default, `jail_id_count`.
+const JAIL_IDS: u32 = 40_200;
+const JAIL_ID_COUNT: u32 = 16;
 
 /// A private containerd whose `bulkhead` handler runs the `vm` backend with `guest` as kernel.
 struct VmEnv {
@@ -48,6 +49,11 @@ impl Drop for CgroupParent {
 /// Prints `SKIPPED` and returns `None` when a prerequisite is missing (a failure under
 /// `BULKHEAD_REQUIRE_E2E`): root, containerd, /dev/kvm, the guest toolchain, the built binaries.
 async fn setup(test: &str, guest: &str, connect_timeout: Duration) -> Result<Option<VmEnv>> {
+    setup_ids(test, guest, connect_timeout, JAIL_ID_COUNT).await
+}
+
+/// Like [`setup`], with `jail_ids` VMM identities for the pods.
+async fn setup_ids(test: &str, guest: &str, connect_timeout: Duration, jail_ids: u32) -> Result<Option<VmEnv>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -88,7 +94,7 @@ async fn setup(test: &str, guest: &str, connect_timeout: Duration) -> Result<Opt
         format!(
             "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {}\n\n\
              [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n\
-             memory_mib = 64\njailer_uid = {JAIL_UID}\njailer_gid = {JAIL_GID}\n",
+             memory_mib = 64\njail_id_first = {JAIL_IDS}\njail_id_count = {jail_ids}\n",
             state_dir.path().display(),
             connect_timeout.as_millis(),
             vmm.display(),
@@ -164,7 +170,10 @@ impl VmEnv {
 impl VmEnv {
     /// The pod's state dir, once the shim made it.
     fn pod_dir(&self) -> Option<PathBuf> {
-        Some(std::fs::read_dir(self.state()).ok()?.flatten().next()?.path())
+        // Node-level state (the VMM identities in `.ids`) is not a pod.
+        let pod =
+            std::fs::read_dir(self.state()).ok()?.flatten().find(|e| !e.file_name().to_string_lossy().starts_with('.'));
+        Some(pod?.path())
     }
 
     /// Waits (while RunPodSandbox is under way) until the guest printed `line`.
@@ -194,6 +203,21 @@ impl VmEnv {
         let worker = *pids.iter().find(|pid| parent_of(**pid) == Some(main))?;
         Some((main, worker))
     }
+}
+
+/// The uid of the jailed VMM among `vmms` (its waiter stays root).
+fn jailed_vmm_uid(vmms: &[(u32, String)]) -> Option<u32> {
+    vmms.iter()
+        .filter_map(|(pid, _)| status_field(*pid, "Uid").split_whitespace().next()?.parse::<u32>().ok())
+        .find(|uid| *uid != 0)
+}
+
+/// The jailed VMM's pid and uid among `vmms`.
+fn jailed_vmm(vmms: &[(u32, String)]) -> Option<(u32, u32)> {
+    vmms.iter().find_map(|(pid, _)| {
+        let uid = status_field(*pid, "Uid").split_whitespace().next()?.parse::<u32>().ok()?;
+        (uid != 0).then_some((*pid, uid))
+    })
 }
 
 fn status_field(pid: u32, name: &str) -> String {
@@ -318,7 +342,9 @@ async fn vm_shim_kill9_then_delete_leaves_nothing() -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     assert_eq!((root.dev(), root.ino()), (shared.dev(), shared.ino()), "virtiofsd's root is the pod's shared dir");
     let socket = std::fs::symlink_metadata(pod_dir.join("vm/root/run/fs0.sock"))?;
-    assert_eq!((socket.uid(), socket.gid(), socket.mode() & 0o777), (JAIL_UID, JAIL_GID, 0o600));
+    let jail_id = jailed_vmm_uid(&vmms).context("the jailed VMM")?;
+    assert!((JAIL_IDS..JAIL_IDS + JAIL_ID_COUNT).contains(&jail_id), "the VMM runs as {jail_id}");
+    assert_eq!((socket.uid(), socket.gid(), socket.mode() & 0o777), (jail_id, jail_id, 0o600));
 
     let address = env.containerd.address().display().to_string();
     let shims: Vec<u32> = processes_with(&address)
@@ -333,5 +359,71 @@ async fn vm_shim_kill9_then_delete_leaves_nothing() -> Result<()> {
     let result = tokio::time::timeout(Duration::from_secs(60), run).await.context("RunPodSandbox returns")??;
     assert!(result.is_err(), "the pod cannot have started: {result:?}");
     // containerd runs the shim's `delete`, which tears the VM pod down through its backend.
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_pods_run_their_vmms_as_ids_of_their_own() -> Result<()> {
+    let test = "vm_pods_run_their_vmms_as_ids_of_their_own";
+    let Some(env) = setup(test, "idle", Duration::from_secs(30)).await? else { return Ok(()) };
+    let mut runs = Vec::new();
+    for name in ["ids-a", "ids-b"] {
+        let (pod, _) = env.pod(name)?;
+        let cri = env.cri.clone();
+        runs.push(tokio::spawn(async move { cri.run_pod_sandbox(&pod, "bulkhead").await }));
+    }
+    // Both VMs up (the idle guest never answers the agent handshake).
+    let state = env.state().display().to_string();
+    let mut vmms = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while vmms.len() < 2 {
+        vmms = std::fs::read_dir(env.state())?
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .filter_map(|e| jailed_vmm(&processes_with(&e.path().join("vm").display().to_string())))
+            .collect::<Vec<_>>();
+        if Instant::now() > deadline {
+            bail!("two jailed VMMs never ran under {state}: {vmms:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ((pid_a, uid_a), (pid_b, uid_b)) = (vmms[0], vmms[1]);
+    assert_ne!(uid_a, uid_b, "two pods' VMMs share an identity");
+    for uid in [uid_a, uid_b] {
+        assert!((JAIL_IDS..JAIL_IDS + JAIL_ID_COUNT).contains(&uid), "{uid} is outside the configured range");
+    }
+    // As A's identity, B's VMM cannot even be asked whether it exists (kill -0), nor traced.
+    let as_a = |args: &[&str]| {
+        std::process::Command::new("setpriv")
+            .args(["--reuid", &uid_a.to_string(), "--regid", &uid_a.to_string(), "--clear-groups"])
+            .args(args)
+            .output()
+    };
+    let out = as_a(&["kill", "-0", &pid_b.to_string()])?;
+    assert!(!out.status.success(), "A's identity may signal B's VMM");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ermitted"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(as_a(&["kill", "-0", &pid_a.to_string()])?.status.success(), "the probe itself works");
+    for run in runs {
+        let result = tokio::time::timeout(Duration::from_secs(90), run).await.context("RunPodSandbox returns")??;
+        assert!(result.is_err(), "the idle guest never answers");
+    }
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn vm_pod_without_a_free_identity_fails_with_a_clear_error() -> Result<()> {
+    let test = "vm_pod_without_a_free_identity_fails_with_a_clear_error";
+    let Some(env) = setup_ids(test, "idle", Duration::from_secs(30), 1).await? else { return Ok(()) };
+    let (first, _) = env.pod("holds-the-id")?;
+    let run = {
+        let cri = env.cri.clone();
+        tokio::spawn(async move { cri.run_pod_sandbox(&first, "bulkhead").await })
+    };
+    env.wait_for_console("idle guest up").await?;
+    let (second, _) = env.pod("finds-none")?;
+    let err = format!("{:#}", env.cri.run_pod_sandbox(&second, "bulkhead").await.err().context("no identity is left")?);
+    assert!(err.contains("no free VMM identity") && err.contains("jail_id_count"), "{err}");
+    let result = tokio::time::timeout(Duration::from_secs(90), run).await.context("RunPodSandbox returns")??;
+    assert!(result.is_err(), "the idle guest never answers");
     env.assert_nothing_left().await
 }

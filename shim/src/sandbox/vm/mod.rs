@@ -22,6 +22,7 @@
 
 pub mod api;
 pub mod console;
+pub mod ids;
 pub mod layout;
 pub mod shape;
 pub mod share;
@@ -168,14 +169,18 @@ impl VmSandbox {
             .mode(0o700)
             .create(&paths.dir)
             .map_err(io(format!("create {}", paths.dir.display())))?;
+        // The pod's own VMM identity (after its directory exists: see `ids`).
+        let range = ids::IdRange { first: config.vm.jail_id_first, count: config.vm.jail_id_count };
+        let jail_id =
+            ids::allocate(&config.state_dir, &req.sandbox_id, range).map_err(|e| SandboxError::Setup(e.to_string()))?;
         // Recorded before anything is added, so a failed start and `delete` find what to remove.
         let network = match &req.netns {
             Some(netns) => {
                 let attach = VmAttach {
                     netns,
                     record: &paths.network_record(),
-                    tap_uid: config.vm.jailer_uid,
-                    tap_gid: config.vm.jailer_gid,
+                    tap_uid: jail_id,
+                    tap_gid: jail_id,
                     metadata: MetadataAccess::from_config(&config.network),
                 };
                 Some(crate::network::attach_vm(&attach).await?)
@@ -194,8 +199,8 @@ impl VmSandbox {
             id: &req.sandbox_id,
             kernel: &kernel,
             initramfs: &initramfs,
-            uid: config.vm.jailer_uid,
-            gid: config.vm.jailer_gid,
+            uid: jail_id,
+            gid: jail_id,
             cgroup: req.cgroup.sandbox(),
             netns: req.netns.clone(),
             shape,
@@ -236,7 +241,7 @@ impl VmSandbox {
         supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
         tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
         info!(
-            sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, vcpus = shape.vcpus,
+            sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, jail_id, vcpus = shape.vcpus,
             mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
         );
 
@@ -293,6 +298,10 @@ pub async fn cleanup(paths: &PodPaths) {
         supervise::kill_recorded(&pid_file, &args).await;
     }
     super::remove_pod_state(paths).await;
+    // After the VMM is gone: only then may another pod's VMM run as its id.
+    if let (Some(state_dir), Some(pod)) = (paths.dir.parent(), paths.dir.file_name().and_then(|n| n.to_str())) {
+        ids::release(state_dir, pod);
+    }
 }
 
 /// virtiofsd must live as long as the VM: if it ends while the VM runs (crashed, killed), that

@@ -1,0 +1,190 @@
+//! Per-pod identities of jailed VMMs: each pod's VMM runs as a uid and gid (the same number) of
+//! its own, from the config's range, so a VMM that escaped its jail cannot signal or trace
+//! another pod's (both need the same uid, or capabilities the jail drops).
+//!
+//! An id is taken by creating `<state_dir>/.ids/<id>` with O_EXCL, holding the pod's id: atomic
+//! across the node's shims, and kept across a shim restart (the state dir is on /run, so a reboot
+//! frees them all). The pod's teardown releases it ([`release`]); an id whose pod directory is
+//! gone (its pod was never torn down) is taken over by the next pod that needs it. The pod's
+//! directory must exist before [`allocate`], or another shim could take the id back at once.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// Bytes of an id file read at most (a pod id is at most 128 bytes).
+const MAX_RECORD: u64 = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IdError {
+    #[error("no free VMM identity in vm.jail_id_first {first} .. +{count}: all are held by running pods; raise vm.jail_id_count")]
+    Exhausted { first: u32, count: u32 },
+    #[error("VMM identities in {dir}: {source}")]
+    Io { dir: PathBuf, source: std::io::Error },
+}
+
+/// The range pods' ids come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdRange {
+    pub first: u32,
+    pub count: u32,
+}
+
+fn dir(state_dir: &Path) -> PathBuf {
+    state_dir.join(".ids")
+}
+
+/// The pod id an id file names, if it can be read.
+fn holder(path: &Path) -> Option<String> {
+    let mut text = String::new();
+    std::fs::File::open(path).ok()?.take(MAX_RECORD).read_to_string(&mut text).ok()?;
+    Some(text.trim().to_string())
+}
+
+/// Where to start looking for `pod`'s id: spread over the range, so pods rarely probe the same
+/// ids (FNV-1a of the pod id).
+fn start(pod: &str, count: u32) -> u32 {
+    let hash = pod.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    u32::try_from(hash % u64::from(count)).unwrap_or(0)
+}
+
+/// Creates `path` if it does not exist; the directory too, which the last release removes (and
+/// may remove again between the two steps: then the next try makes it again).
+fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut tries = 0;
+    loop {
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 3 => {
+                tries += 1;
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Takes a free id of `range` for `pod` (its own id again if it already holds one).
+pub fn allocate(state_dir: &Path, pod: &str, range: IdRange) -> Result<u32, IdError> {
+    let ids = dir(state_dir);
+    let io = |source| IdError::Io { dir: ids.clone(), source };
+    let first = start(pod, range.count);
+    for step in 0..range.count {
+        let id = range.first + (first + step) % range.count;
+        let path = ids.join(id.to_string());
+        match create_new(&path) {
+            Ok(mut file) => {
+                file.write_all(pod.as_bytes()).map_err(io)?;
+                return Ok(id);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                match holder(&path) {
+                    Some(h) if h == pod => return Ok(id),
+                    // Its pod's state is gone: a leftover. Whoever removes it first may retake it.
+                    Some(h) if !h.is_empty() && !state_dir.join(&h).exists() => {
+                        tracing::info!(id, pod = %h, "reclaiming the VMM identity of a pod that is gone");
+                        let _ = std::fs::remove_file(&path);
+                        if let Ok(mut file) = create_new(&path) {
+                            file.write_all(pod.as_bytes()).map_err(io)?;
+                            return Ok(id);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Err(e) => return Err(io(e)),
+        }
+    }
+    Err(IdError::Exhausted { first: range.first, count: range.count })
+}
+
+/// Gives back whatever id `pod` holds; safe to call repeatedly, and after a crash (it needs no
+/// record but the id files, one per running pod). The last one out removes the directory, so a
+/// node without pods keeps nothing in the state dir.
+pub fn release(state_dir: &Path, pod: &str) {
+    let ids = dir(state_dir);
+    let Ok(entries) = std::fs::read_dir(&ids) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if holder(&path).as_deref() == Some(pod) {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), "release the VMM identity: {e}");
+            }
+        }
+    }
+    // Fails while another pod holds an id; a concurrent allocate re-creates it.
+    let _ = std::fs::remove_dir(&ids);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod_dir(state: &Path, pod: &str) {
+        std::fs::create_dir_all(state.join(pod)).unwrap();
+    }
+
+    #[test]
+    fn pods_get_ids_of_their_own_and_the_same_id_again() {
+        let state = tempfile::tempdir().unwrap();
+        let range = IdRange { first: 1000, count: 8 };
+        let mut taken = std::collections::HashSet::new();
+        for i in 0..8 {
+            let pod = format!("pod{i}");
+            pod_dir(state.path(), &pod);
+            let id = allocate(state.path(), &pod, range).unwrap();
+            assert!((1000..1008).contains(&id), "{id}");
+            assert!(taken.insert(id), "{id} given twice");
+            assert_eq!(allocate(state.path(), &pod, range).unwrap(), id, "a pod asking again keeps its id");
+        }
+        pod_dir(state.path(), "pod8");
+        let err = allocate(state.path(), "pod8", range).unwrap_err().to_string();
+        assert!(err.contains("no free VMM identity") && err.contains("jail_id_count"), "{err}");
+    }
+
+    #[test]
+    fn released_and_abandoned_ids_are_taken_again() {
+        let state = tempfile::tempdir().unwrap();
+        let range = IdRange { first: 50, count: 1 };
+        pod_dir(state.path(), "a");
+        let id = allocate(state.path(), "a", range).unwrap();
+        release(state.path(), "someone-else");
+        pod_dir(state.path(), "b");
+        assert!(allocate(state.path(), "b", range).is_err(), "a release by another pod frees nothing");
+        release(state.path(), "a");
+        release(state.path(), "a");
+        assert_eq!(allocate(state.path(), "b", range).unwrap(), id);
+        // b's state goes without a release (a crash nobody cleaned up): c takes the id over.
+        std::fs::remove_dir(state.path().join("b")).unwrap();
+        pod_dir(state.path(), "c");
+        assert_eq!(allocate(state.path(), "c", range).unwrap(), id);
+        assert_eq!(holder(&dir(state.path()).join(id.to_string())).as_deref(), Some("c"));
+        release(state.path(), "c");
+        assert!(!dir(state.path()).exists(), "the last release leaves nothing");
+    }
+
+    #[test]
+    fn two_shims_at_once_never_share_an_id() {
+        let state = tempfile::tempdir().unwrap();
+        let range = IdRange { first: 7000, count: 64 };
+        let threads: Vec<_> = (0..16)
+            .map(|i| {
+                let state = state.path().to_owned();
+                std::thread::spawn(move || {
+                    let pod = format!("p{i}");
+                    std::fs::create_dir_all(state.join(&pod)).unwrap();
+                    (0..4).map(|_| allocate(&state, &pod, range).unwrap()).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for t in threads {
+            let mine = t.join().unwrap();
+            assert!(mine.windows(2).all(|w| w[0] == w[1]), "one pod, one id: {mine:?}");
+            ids.push(mine[0]);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 16, "every pod its own id");
+    }
+}
