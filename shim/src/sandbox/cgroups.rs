@@ -7,10 +7,17 @@
 //!   parent an operator named. The caller removes it; the pod may share it with nothing of ours
 //!   to delete, so teardown removes only the sandbox's cgroup and the containers' cgroups this
 //!   pod created, by name, and never walks the parent.
+//!   With the systemd cgroup driver (EKS, kubeadm), containerd passes `slice:prefix:name`, e.g.
+//!   `kubepods-burstable-pod<uid>.slice:cri-containerd:<sandbox id>`: the parent is kubelet's
+//!   pod slice, expanded to its cgroupfs path as systemd lays slices out
+//!   (`/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid>.slice`, runc's rule),
+//!   and the sandbox's cgroup is the scope `<prefix>-<name>.scope` in it, where runc would put
+//!   the pause container. Where systemd is PID 1 the scope is also made a systemd unit
+//!   ([`systemd_scope`]), as runc does, so systemd knows what lives in its slice.
 //! - **The shim's**: `/bulkhead/<sandbox id>` when the pod has no parent of its own (containerd's
 //!   default `/<namespace>/<sandbox id>`, which crictl pods get and which every such pod shares),
-//!   a systemd-style path, an empty one, or one that is not a plain absolute path. The whole
-//!   subtree is this pod's, so teardown removes all of it.
+//!   an empty path, or one that is neither a plain absolute path nor a valid systemd one. The
+//!   whole subtree is this pod's, so teardown removes all of it.
 //!
 //! When the agent dies abruptly nobody else removes the containers' cgroups, so the sandbox's
 //! teardown does, within a fixed time budget: a cgroup that stays busy is reported, never
@@ -45,9 +52,98 @@ pub struct PodCgroup {
     pub parent: PathBuf,
     pub owner: ParentOwner,
     pub sandbox_id: String,
+    /// The sandbox cgroup's name in `parent`, where it is not the sandbox id (a systemd scope).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_name: Option<String>,
     /// Containers whose cgroups this pod created below a caller's parent.
     #[serde(default)]
     pub containers: BTreeSet<String>,
+}
+
+/// `a-b-c.slice` as systemd lays it out in the cgroup tree: `/a.slice/a-b.slice/a-b-c.slice`
+/// (`-.slice` is the root). `None` for anything that is not a valid slice name, runc's rules:
+/// ends in `.slice`, no `/`, no empty part between dashes.
+pub fn expand_slice(slice: &str) -> Option<PathBuf> {
+    let name = slice.strip_suffix(".slice")?;
+    if slice == "-.slice" {
+        return Some(PathBuf::from("/"));
+    }
+    if name.is_empty() || name.contains('/') || name.split('-').any(str::is_empty) {
+        return None;
+    }
+    let mut path = PathBuf::from("/");
+    let mut prefix = String::new();
+    for part in name.split('-') {
+        if !prefix.is_empty() {
+            prefix.push('-');
+        }
+        prefix.push_str(part);
+        path.push(format!("{prefix}.slice"));
+    }
+    Some(path)
+}
+
+/// A systemd-driver cgroups path, `slice:prefix:name`: the slice's cgroupfs path and the scope's
+/// name in it. `None` unless every part is plain.
+fn systemd_path(path: &str) -> Option<(PathBuf, String)> {
+    let mut parts = path.split(':');
+    let (slice, prefix, name) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || !plain_name(prefix) || !plain_name(name) || prefix.contains('.') {
+        return None;
+    }
+    let parent = expand_slice(slice)?;
+    plain_absolute(&parent).then(|| (parent, format!("{prefix}-{name}.scope")))
+}
+
+/// Whether systemd manages this host's cgroups (it is PID 1): then scopes are its units.
+pub fn systemd_is_init() -> bool {
+    Path::new("/run/systemd/system").is_dir()
+}
+
+/// Makes `scope` (holding `pid`) a transient systemd unit in `slice`, through systemd's D-Bus
+/// API as runc's systemd driver does (`busctl`, systemd's own client, so no D-Bus library).
+/// Best effort: the cgroup exists either way; systemd only learns who lives in its slice.
+pub fn systemd_scope(slice: &str, scope: &str, pid: u32) -> Result<(), String> {
+    let out = std::process::Command::new("busctl")
+        .args(systemd_scope_args(slice, scope, pid))
+        .output()
+        .map_err(|e| format!("busctl: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("busctl StartTransientUnit {scope}: {}", String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+fn systemd_scope_args(slice: &str, scope: &str, pid: u32) -> Vec<String> {
+    [
+        "call",
+        "org.freedesktop.systemd1",
+        "/org/freedesktop/systemd1",
+        "org.freedesktop.systemd1.Manager",
+        "StartTransientUnit",
+        "ssa(sv)a(sa(sv))",
+        scope,
+        "replace",
+        "4",
+        "Slice",
+        "s",
+        slice,
+        "Description",
+        "s",
+        "bulkhead pod sandbox",
+        "Delegate",
+        "b",
+        "true",
+        "PIDs",
+        "au",
+        "1",
+        &pid.to_string(),
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 /// A cgroupfs path the shim may use: absolute, plain components, not the root.
@@ -72,11 +168,28 @@ impl PodCgroup {
             parent: Path::new(OWN_ROOT).join(sandbox_id),
             owner: ParentOwner::Shim,
             sandbox_id: sandbox_id.to_string(),
+            sandbox_name: None,
             containers: BTreeSet::new(),
         };
-        let Some(path) = spec_cgroups_path.filter(|p| !p.is_empty()).map(Path::new) else {
+        let Some(text) = spec_cgroups_path.filter(|p| !p.is_empty()) else {
             return own();
         };
+        if text.contains(':') {
+            return match systemd_path(text) {
+                Some((parent, scope)) if plain_name(sandbox_id) => Self {
+                    parent,
+                    owner: ParentOwner::Caller,
+                    sandbox_id: sandbox_id.to_string(),
+                    sandbox_name: Some(scope),
+                    containers: BTreeSet::new(),
+                },
+                _ => {
+                    warn!(cgroups_path = text, "sandbox cgroupsPath is not a valid systemd path; using the shim's own");
+                    own()
+                }
+            };
+        }
+        let path = Path::new(text);
         let shared_default = Path::new("/").join(namespace).join(sandbox_id);
         let given = path
             .parent()
@@ -88,6 +201,7 @@ impl PodCgroup {
                 parent: parent.to_path_buf(),
                 owner: ParentOwner::Caller,
                 sandbox_id: sandbox_id.to_string(),
+                sandbox_name: None,
                 containers: BTreeSet::new(),
             },
             None => {
@@ -100,9 +214,16 @@ impl PodCgroup {
     }
 
     /// The sandbox's own cgroup, where the launcher and agent live: `<parent>/<sandbox id>`
-    /// (for kubelet pods exactly the sandbox spec's `linux.cgroupsPath`).
+    /// (for kubelet pods exactly the sandbox spec's `linux.cgroupsPath`), or its systemd scope.
     pub fn sandbox(&self) -> PathBuf {
-        self.parent.join(&self.sandbox_id)
+        self.parent.join(self.sandbox_name.as_deref().unwrap_or(&self.sandbox_id))
+    }
+
+    /// The slice and scope names, when the sandbox's cgroup is a systemd scope.
+    pub fn systemd_unit(&self) -> Option<(String, &str)> {
+        let scope = self.sandbox_name.as_deref()?;
+        let slice = self.parent.file_name()?.to_str()?.to_string();
+        Some((slice, scope))
     }
 
     /// Records that a container's cgroup `<parent>/<id>` is this pod's. Returns false (and
@@ -119,7 +240,8 @@ impl PodCgroup {
 
     /// The cgroups this pod owns, each removed with everything below it.
     fn owned(&self) -> Vec<PathBuf> {
-        if !plain_absolute(&self.parent) || !plain_name(&self.sandbox_id) {
+        let sandbox_name = self.sandbox_name.as_deref().unwrap_or(&self.sandbox_id);
+        if !plain_absolute(&self.parent) || !plain_name(&self.sandbox_id) || !plain_name(sandbox_name) {
             return Vec::new();
         }
         match self.owner {
@@ -278,6 +400,7 @@ mod tests {
             parent: parent.into(),
             owner: ParentOwner::Caller,
             sandbox_id: id.into(),
+            sandbox_name: None,
             containers: BTreeSet::new(),
         }
     }
@@ -287,8 +410,71 @@ mod tests {
             parent: Path::new(OWN_ROOT).join(id),
             owner: ParentOwner::Shim,
             sandbox_id: id.into(),
+            sandbox_name: None,
             containers: BTreeSet::new(),
         }
+    }
+
+    #[test]
+    fn slices_expand_as_runc_expands_them() {
+        // runc's libcontainer/cgroups/systemd ExpandSlice examples.
+        for (slice, path) in [
+            ("-.slice", "/"),
+            ("foo.slice", "/foo.slice"),
+            ("foo-bar.slice", "/foo.slice/foo-bar.slice"),
+            ("foo-bar-baz.slice", "/foo.slice/foo-bar.slice/foo-bar-baz.slice"),
+            (
+                "kubepods-burstable-pod1234.slice",
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice",
+            ),
+        ] {
+            assert_eq!(expand_slice(slice), Some(PathBuf::from(path)), "{slice}");
+        }
+        for bad in ["foo", "-foo.slice", "foo-.slice", "foo--bar.slice", "foo/bar.slice", ".slice", "test-.slice"] {
+            assert_eq!(expand_slice(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_systemd_path_puts_the_sandbox_in_a_scope_of_kubelets_pod_slice() {
+        let cg = PodCgroup::for_pod("sb1", "k8s.io", Some("kubepods-burstable-pod1.slice:cri-containerd:sb1"));
+        assert_eq!(cg.parent, PathBuf::from("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice"));
+        assert_eq!(cg.owner, ParentOwner::Caller, "kubelet owns its pod slice");
+        assert_eq!(
+            cg.sandbox(),
+            PathBuf::from(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-sb1.scope"
+            )
+        );
+        assert_eq!(cg.systemd_unit(), Some(("kubepods-burstable-pod1.slice".to_string(), "cri-containerd-sb1.scope")));
+        assert_eq!(cg.owned(), vec![cg.sandbox()], "teardown removes only the pod's own scope");
+        let back: PodCgroup = serde_json::from_slice(&serde_json::to_vec(&cg).unwrap()).unwrap();
+        assert_eq!(back, cg);
+        // Not systemd paths, or hostile ones: the shim's own.
+        for spec in
+            ["kubepods.slice:cri-containerd", "bad--x.slice:cri-containerd:sb1", "a.slice:../x:sb1", "a.slice:p:sb1:x"]
+        {
+            assert_eq!(PodCgroup::for_pod("sb1", "k8s.io", Some(spec)), own("sb1"), "{spec}");
+        }
+    }
+
+    #[test]
+    fn systemd_scopes_are_asked_of_systemd_over_dbus() {
+        let args = systemd_scope_args("kubepods-pod1.slice", "cri-containerd-sb1.scope", 42);
+        assert_eq!(
+            &args[..6],
+            [
+                "call",
+                "org.freedesktop.systemd1",
+                "/org/freedesktop/systemd1",
+                "org.freedesktop.systemd1.Manager",
+                "StartTransientUnit",
+                "ssa(sv)a(sa(sv))"
+            ]
+        );
+        let rest = args[6..].join(" ");
+        assert!(rest.starts_with("cri-containerd-sb1.scope replace 4 Slice s kubepods-pod1.slice "), "{rest}");
+        assert!(rest.ends_with("PIDs au 1 42 0"), "{rest}");
     }
 
     #[test]
@@ -312,7 +498,6 @@ mod tests {
         for spec in [
             None,
             Some(""),
-            Some("kubepods-burstable-pod1.slice:cri-containerd:sb1"),
             Some("/sb1"),
             Some("/a/../b/sb1"),
             Some("/kubepods/../../etc/sb1"),

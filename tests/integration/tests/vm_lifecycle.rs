@@ -427,3 +427,75 @@ async fn vm_pod_without_a_free_identity_fails_with_a_clear_error() -> Result<()>
     assert!(result.is_err(), "the idle guest never answers");
     env.assert_nothing_left().await
 }
+
+#[tokio::test]
+async fn vm_pod_under_kubelets_systemd_slice() -> Result<()> {
+    let test = "vm_pod_under_kubelets_systemd_slice";
+    let Some(env) = setup(test, "idle", Duration::from_secs(20)).await? else { return Ok(()) };
+    // kubelet with the systemd cgroup driver: the pod's parent is a slice it made, with the
+    // pod's limits on it; containerd then names the sandbox `slice:cri-containerd:<id>`.
+    let uid = format!("{}x{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
+    let slice = format!("kubepods-besteffort-pod{uid}.slice");
+    let slice_path = format!("/kubepods.slice/kubepods-besteffort.slice/{slice}");
+    let made: Vec<PathBuf> = cgroups::dirs(&slice_path);
+    for mount in cgroups::mounts() {
+        // Level by level, as kubelet makes them: a new v1 cpuset cgroup gets its parent's CPUs.
+        let mut dir = mount.clone();
+        for part in slice_path.trim_start_matches('/').split('/') {
+            let parent = dir.clone();
+            dir.push(part);
+            if std::fs::create_dir(&dir).is_ok() && dir.join("cpuset.cpus").exists() {
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    std::fs::write(dir.join(file), std::fs::read_to_string(parent.join(file))?.trim())?;
+                }
+            }
+        }
+    }
+    let limit = 768u64 << 20;
+    for dir in &made {
+        for (file, value) in [("memory.limit_in_bytes", limit.to_string()), ("memory.max", limit.to_string())] {
+            if dir.join(file).exists() {
+                std::fs::write(dir.join(file), value)?;
+            }
+        }
+    }
+    let (mut pod, _) = env.pod("slice")?;
+    pod.linux.as_mut().unwrap().cgroup_parent = slice.clone();
+    let run = {
+        let cri = env.cri.clone();
+        tokio::spawn(async move { cri.run_pod_sandbox(&pod, "bulkhead").await })
+    };
+    let pod_dir = env.wait_for_console("idle guest up").await?;
+    let sandbox_id = pod_dir.file_name().unwrap().to_string_lossy().to_string();
+    let scope = format!("{slice_path}/cri-containerd-{sandbox_id}.scope");
+    let vmms = processes_with(&pod_dir.join("vm").display().to_string());
+    let (fsd, fsd_worker) = env.virtiofsd(&pod_dir).context("the pod's virtiofsd runs")?;
+    for pid in vmms.iter().map(|(pid, _)| *pid).chain([fsd, fsd_worker]) {
+        assert_eq!(cgroups::of_pid(pid).as_deref(), Some(scope.as_str()), "cgroup of {pid}");
+    }
+    // The slice's limit is kubelet's; the pod's processes are charged to it.
+    let memory = made.iter().find(|d| d.join("memory.usage_in_bytes").exists() || d.join("memory.current").exists());
+    if let Some(dir) = memory {
+        let usage = ["memory.usage_in_bytes", "memory.current"]
+            .iter()
+            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .unwrap_or_default();
+        let usage: u64 = usage.trim().parse().unwrap_or(0);
+        assert!(usage > 0 && usage < limit, "the slice accounts the pod: {usage} bytes of {limit}");
+    }
+    let result = tokio::time::timeout(Duration::from_secs(90), run).await.context("RunPodSandbox returns")??;
+    assert!(result.is_err(), "the idle guest never answers");
+    env.assert_nothing_left().await?;
+    eventually_nothing("the pod's scope", Duration::from_secs(20), || cgroups::existing(&scope)).await?;
+    // kubelet's slice stays kubelet's: the shim never removes it. The test made it, so removes it
+    // (and the levels above, unless something else lives there).
+    assert!(made.iter().all(|d| d.exists()), "the shim removed kubelet's slice");
+    for mount in cgroups::mounts() {
+        let mut dir = mount.join(slice_path.trim_start_matches('/'));
+        while dir != mount {
+            let _ = std::fs::remove_dir(&dir);
+            dir.pop();
+        }
+    }
+    Ok(())
+}

@@ -231,6 +231,12 @@ impl VmSandbox {
         let log = |component| LogTo { pod: req.sandbox_id.clone(), component, console: None };
         let fsd = supervise::spawn(command, "virtiofsd", &life_span, log(Component::Virtiofsd))?;
         drop(listener);
+        // Under systemd, the pod's scope in kubelet's slice is a unit of its own, as runc makes it.
+        if let Some((slice, scope)) = req.cgroup.systemd_unit().filter(|_| cgroups::systemd_is_init()) {
+            if let Err(e) = cgroups::systemd_scope(&slice, scope, fsd.pid) {
+                warn!("the pod's systemd scope: {e}; its cgroup is used as it is");
+            }
+        }
         started.virtiofsd = Some(fsd.clone());
         supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
 
