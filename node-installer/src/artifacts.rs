@@ -1,7 +1,8 @@
 //! Copy the image's artifacts to `<prefix>/<version>/` and flip `<prefix>/current` to it.
 //!
 //! Each file is written to a temp name, fsynced and renamed, and the `current` symlink is replaced by rename, so
-//! containerd never execs a half-written shim and an upgrade switches all files at once.
+//! containerd never execs a half-written shim and an upgrade switches all files at once. Older version directories
+//! stay: pods started from them still run their files (`versions` removes them once nothing does).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -99,29 +100,17 @@ pub fn install(layout: &Layout, src: &Path, version: &str, fp: &FailPoints) -> R
         report.changed = true;
     }
     fp.check("symlink-flipped")?;
-    prune_old_versions(&root, version)?;
     Ok(report)
 }
 
-/// Older version directories are removed once `current` points at the new one. Running shims keep their
-/// already-open binaries (unlinked inodes stay valid).
-fn prune_old_versions(root: &Path, keep: &str) -> Result<()> {
-    for entry in fs::read_dir(root).map_err(io("read dir", root))? {
-        let entry = entry.map_err(io("read dir", root))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
-        if is_dir && name != keep && name != "state" {
-            let p = entry.path();
-            fs::remove_dir_all(&p).map_err(io("remove dir", &p))?;
-            tracing::info!(path = %p.display(), "removed old version");
-        }
-    }
-    Ok(())
-}
-
 /// Shim config used when the image ships none, in the shim's own keys (a test parses it with the shim's parser).
-/// Paths point into this version's directory, so a shim always pairs with the VMM, kernel and initramfs of its own
-/// release, even while `current` flips. virtiofsd sits beside the VMM.
+///
+/// The file is reached through `current` (containerd's `ConfigPath`), but the files it names are in this version's
+/// own directory, never `current`: a sandbox reads the config once, at its Create, and so gets the VMM, kernel,
+/// initramfs and virtiofsd of one release, even if `current` switches while it starts (the shim resolves each path
+/// on its own, so `current/...` could pair a VMM of one release with a kernel of the next). The running VM then
+/// holds those files by these paths, which is what keeps the version in use (`usage`) until the pod ends.
+/// virtiofsd sits beside the VMM.
 pub fn default_shim_config(layout: &Layout, version: &str) -> String {
     let d = layout.view(&layout.prefix.join(version));
     format!(

@@ -28,6 +28,15 @@ pub enum Error {
     Cri(String),
     #[error("kubernetes API: {0}")]
     Kube(String),
+    /// Uninstall found bulkhead still running. Nothing was changed.
+    #[error(
+        "refusing to uninstall: {summary}. containerd runs the shim from {shown}/current for their later containers \
+         and to clean up after them. Drain them first (delete the pods, or `kubectl drain` the node), or force it \
+         with BULKHEAD_FORCE_UNINSTALL=1 (`uninstall --force`): they then keep running, but can start no new \
+         container and nothing cleans up after them",
+        shown = .prefix.display()
+    )]
+    InUse { pods: usize, summary: String, prefix: PathBuf },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

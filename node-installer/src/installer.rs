@@ -14,6 +14,8 @@ use crate::layout::{self, Layout, HANDLER};
 use crate::lock::{InstallLock, LOCK_WAIT};
 use crate::probe::{self, Verdict};
 use crate::restart::Restarter;
+use crate::usage;
+use crate::versions;
 
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -28,6 +30,20 @@ pub struct Settings {
     /// The guest kernel is PVM-aware, so a PVM host counts as capable.
     pub allow_pvm: bool,
     pub cri_timeout: Duration,
+    /// How long after `current` switched away from a version it may be collected (see `versions`).
+    pub gc_grace: Duration,
+}
+
+/// Default for [`Settings::gc_grace`]: far longer than a shim's `start` takes to re-execute itself.
+pub const GC_GRACE: Duration = Duration::from_secs(60);
+
+/// What uninstall does while bulkhead pods still run on the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhileInUse {
+    /// Change nothing and fail with [`Error::InUse`], naming the pods.
+    Refuse,
+    /// Uninstall anyway (the operator's explicit choice).
+    Force,
 }
 
 /// Install steps, in order. `run_install` walks them; each is idempotent.
@@ -38,6 +54,8 @@ enum Step {
     Guard,
     Probe,
     CopyArtifacts,
+    /// Old versions nothing runs from any more go (never `current`): on every install, so also on every resync.
+    CollectVersions,
     WireContainerd,
     RestartContainerd,
     CheckCri,
@@ -59,6 +77,8 @@ pub struct Report {
     pub outcome: Outcome,
     pub restarted: bool,
     pub artifacts_changed: bool,
+    /// Old versions this run removed.
+    pub collected: Vec<String>,
 }
 
 pub struct Installer<'a> {
@@ -80,7 +100,12 @@ impl Installer<'_> {
         } else {
             tracing::warn!(reason = %reason, "node cannot run the vm backend; not wiring bulkhead");
         }
-        Ok(Report { outcome: Outcome::Refused { reason }, restarted: false, artifacts_changed: false })
+        Ok(Report {
+            outcome: Outcome::Refused { reason },
+            restarted: false,
+            artifacts_changed: false,
+            collected: vec![],
+        })
     }
 
     /// Run the install steps. On failure the node is left unlabelled with the error as its reason annotation
@@ -101,7 +126,7 @@ impl Installer<'_> {
     async fn install_steps(&self) -> Result<Report> {
         let s = &self.settings;
         layout::check_version(&s.version)?;
-        let (mut restarted, mut artifacts_changed) = (false, false);
+        let (mut restarted, mut artifacts_changed, mut collected) = (false, false, vec![]);
         let (mut config_version, mut ready_reason) = (None, String::new());
         let mut step = Step::Guard;
         loop {
@@ -139,6 +164,14 @@ impl Installer<'_> {
                     if !r.missing.is_empty() {
                         let reason = format!("image lacks vm backend artifacts: {}", r.missing.join(", "));
                         return self.refuse(reason).await;
+                    }
+                    Step::CollectVersions
+                }
+                Step::CollectVersions => {
+                    // An old version left on disk costs only space, so a failure here is logged, never fatal.
+                    match versions::collect(&s.layout, &s.version, s.gc_grace) {
+                        Ok(r) => collected = r.removed,
+                        Err(e) => tracing::warn!(error = %e, "old versions not collected; the next run retries"),
                     }
                     Step::WireContainerd
                 }
@@ -179,8 +212,13 @@ impl Installer<'_> {
                 Step::Done => {
                     let config_version =
                         config_version.ok_or_else(|| Error::Setting("containerd step skipped".into()))?;
-                    tracing::info!(version = %s.version, restarted, artifacts_changed, "install complete");
-                    return Ok(Report { outcome: Outcome::Ready { config_version }, restarted, artifacts_changed });
+                    tracing::info!(version = %s.version, restarted, artifacts_changed, ?collected, "install complete");
+                    return Ok(Report {
+                        outcome: Outcome::Ready { config_version },
+                        restarted,
+                        artifacts_changed,
+                        collected,
+                    });
                 }
             }
         }
@@ -203,10 +241,30 @@ impl Installer<'_> {
         }
     }
 
-    /// Label first (no new pods), then containerd (drop-in, imports, restart), then files.
+    /// Uninstall, refusing while bulkhead pods run on the node.
     pub async fn uninstall(&self) -> Result<()> {
+        self.uninstall_with(WhileInUse::Refuse).await
+    }
+
+    /// Check for running pods (and refuse, unless forced), then label (no new pods), then containerd (drop-in,
+    /// imports, restart), then files.
+    pub async fn uninstall_with(&self, policy: WhileInUse) -> Result<()> {
         let _lock = InstallLock::acquire(&self.settings.layout.lock_dir(), LOCK_WAIT).await?;
         let s = &self.settings;
+        // Under the lock, so no install starts a version between the check and the removal. A pod that starts in
+        // between (the handler is still wired) is the same as one started a moment before a forced uninstall.
+        match (usage::scan(&s.layout), policy) {
+            (Ok(u), WhileInUse::Refuse) if !u.is_idle() => {
+                let prefix = s.layout.view(&s.layout.prefix);
+                return Err(Error::InUse { pods: u.pods.len(), summary: u.summary(), prefix });
+            }
+            (Ok(u), WhileInUse::Force) if !u.is_idle() => {
+                tracing::warn!(usage = %u.summary(), "uninstall forced while bulkhead runs on this node");
+            }
+            (Ok(_), _) => {}
+            (Err(e), WhileInUse::Refuse) => return Err(e),
+            (Err(e), WhileInUse::Force) => tracing::warn!(error = %e, "cannot tell what runs; uninstall forced anyway"),
+        }
         // If the API refuses (e.g. RBAC deleted together with the DaemonSet), the node is still unwired: a labelled
         // node whose pods fail to start beats a node left wired forever. The error is returned at the end.
         let mut api_error = None;

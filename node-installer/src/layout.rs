@@ -10,6 +10,12 @@ use crate::error::{Error, Result};
 pub const HANDLER: &str = "bulkhead";
 pub const SHIM_BINARY: &str = "containerd-shim-bulkhead-v2";
 pub const SHIM_CONFIG: &str = "config.toml";
+/// The link under the prefix that names the version new pods get.
+pub const CURRENT: &str = "current";
+/// Under the prefix, beside the version directories: the installer's own state.
+pub const STATE: &str = "state";
+/// The shims' default `state_dir` (one directory per pod), as the node sees it.
+pub const SHIM_STATE_DIR: &str = "/run/bulkhead";
 
 #[derive(Clone, Debug)]
 pub struct Layout {
@@ -19,6 +25,10 @@ pub struct Layout {
     pub containerd_config: PathBuf,
     /// Install prefix, as a host path (e.g. /opt/bulkhead).
     pub prefix: PathBuf,
+    /// procfs of the host's PID namespace, where the installer sees which processes execute installed files. The
+    /// installer's own `/proc`, not one under `host_root`: the DaemonSet runs with `hostPID`, and a scratch node in
+    /// the tests has only a fake `proc/cpuinfo`.
+    pub proc_dir: PathBuf,
 }
 
 impl Layout {
@@ -28,6 +38,7 @@ impl Layout {
             view_root: view_root.into(),
             containerd_config: PathBuf::from("/etc/containerd/config.toml"),
             prefix: PathBuf::from("/opt/bulkhead"),
+            proc_dir: PathBuf::from("/proc"),
         }
     }
 
@@ -51,7 +62,16 @@ impl Layout {
     }
 
     pub fn state_dir(&self) -> PathBuf {
-        self.install_dir().join("state")
+        self.install_dir().join(STATE)
+    }
+
+    /// `<prefix>/<version>`, as the installer sees it.
+    pub fn version_dir(&self, version: &str) -> PathBuf {
+        self.install_dir().join(version)
+    }
+
+    pub fn current_link(&self) -> PathBuf {
+        self.install_dir().join(CURRENT)
     }
 
     /// Where the installer's lock lives: the host's /run (tmpfs), so a refused node keeps no
@@ -64,13 +84,23 @@ impl Layout {
         self.host(&self.containerd_config)
     }
 
-    /// The shim as containerd will exec it: through the `current` symlink, so upgrades need no config change.
+    /// The shim as containerd execs it: through `current`, never a version directory. containerd keeps this path
+    /// for the life of every task (the bundle's `shim-binary-path`) and runs it again long after the pod started:
+    /// `start` for each later container of the pod (which answers with the running shim's address), `delete` to
+    /// clean up after the shim exits or dies, and a check that it still exists when containerd restarts (a
+    /// missing binary makes containerd drop the task). `current` exists for as long as bulkhead is installed,
+    /// whichever versions have been collected, so those calls keep working for pods of every version; and an
+    /// update leaves the drop-in unchanged, so it needs no containerd restart. The price: `start` and `delete` of
+    /// an older pod run the newer release's binary (as with any shim a package manager replaces in place).
     pub fn view_shim(&self) -> PathBuf {
-        self.view(&self.prefix.join("current").join(SHIM_BINARY))
+        self.view(&self.prefix.join(CURRENT).join(SHIM_BINARY))
     }
 
+    /// The shim config as containerd passes it (`ConfigPath`), through `current` for the same reasons: the CRI
+    /// plugin passes it on every container create, from the config it has now, so new pods read the newest
+    /// release's config. The file itself names its files by version directory ([`crate::artifacts`]).
     pub fn view_shim_config(&self) -> PathBuf {
-        self.view(&self.prefix.join("current").join(SHIM_CONFIG))
+        self.view(&self.prefix.join(CURRENT).join(SHIM_CONFIG))
     }
 }
 
@@ -83,8 +113,8 @@ pub fn check_version(v: &str) -> Result<()> {
     let ok = !v.is_empty()
         && v.len() <= 64
         && !v.starts_with('.')
-        && v != "current"
-        && v != "state"
+        && v != CURRENT
+        && v != STATE
         && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '+'));
     if ok {
         Ok(())

@@ -3,8 +3,8 @@
 //!
 //! Boundaries: it touches only `<prefix>` (/opt/bulkhead), one drop-in file, the `imports` line of containerd's
 //! config (original bytes kept for uninstall), containerd's restart, and its own Node's label, annotations and one
-//! startup taint. Module per job: `probe`, `artifacts`, `containerd`, `restart`, `cri`, `kube`; `installer`
-//! sequences them.
+//! startup taint. Module per job: `probe`, `artifacts`, `containerd`, `restart`, `cri`, `kube`, `usage` (what runs
+//! from which installed version), `versions` (collecting old ones); `installer` sequences them.
 
 pub mod artifacts;
 pub mod containerd;
@@ -18,5 +18,7 @@ pub mod layout;
 pub mod lock;
 pub mod probe;
 pub mod restart;
+pub mod usage;
+pub mod versions;
 
 pub use error::{Error, Result};

@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bulkhead_node_installer::failpoint::FailPoints;
-use bulkhead_node_installer::installer::{Installer, Outcome, Settings};
+use bulkhead_node_installer::installer::{Installer, Outcome, Settings, WhileInUse, GC_GRACE};
 use bulkhead_node_installer::kube::{InCluster, NodeApi};
 use bulkhead_node_installer::layout::Layout;
 use bulkhead_node_installer::probe;
 use bulkhead_node_installer::restart::CommandRestarter;
+// Boolean environment variables take 1/0, true/false, yes/no, on/off: `BULKHEAD_FORCE_UNINSTALL=1` must work.
+use clap::builder::BoolishValueParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -43,36 +45,48 @@ struct Cli {
     #[arg(long, env = "NODE_NAME", global = true)]
     node_name: Option<String>,
     /// Run without the Kubernetes API (no label, no taint).
-    #[arg(long, env = "BULKHEAD_NO_KUBE", global = true)]
+    #[arg(long, env = "BULKHEAD_NO_KUBE", global = true, value_parser = BoolishValueParser::new())]
     no_kube: bool,
     /// Startup taint (e.g. Karpenter's) to remove once the node is ready.
     #[arg(long, env = "BULKHEAD_STARTUP_TAINT", global = true)]
     startup_taint: Option<String>,
     /// The shipped guest kernel is PVM-aware: accept PVM hosts.
-    #[arg(long, env = "BULKHEAD_ALLOW_PVM", global = true)]
+    #[arg(long, env = "BULKHEAD_ALLOW_PVM", global = true, value_parser = BoolishValueParser::new())]
     allow_pvm: bool,
     /// How long to wait for containerd to report the handler.
     #[arg(long, env = "BULKHEAD_CRI_TIMEOUT_SECS", default_value_t = 90, global = true)]
     cri_timeout_secs: u64,
+    /// An old version is collected only this long after `current` switched away from it (and once nothing runs
+    /// from it).
+    #[arg(long, env = "BULKHEAD_GC_GRACE_SECS", default_value_t = GC_GRACE.as_secs(), global = true)]
+    gc_grace_secs: u64,
     #[arg(long, env = "BULKHEAD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json, global = true)]
     log_format: LogFormat,
 }
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// DaemonSet mode: install, keep converging, uninstall on SIGTERM.
+    /// DaemonSet mode: install, keep converging (and collecting old versions), leave the node wired on SIGTERM.
     Run {
         /// Re-check (and repair) the install this often.
         #[arg(long, env = "BULKHEAD_RESYNC_SECS", default_value_t = 300)]
         resync_secs: u64,
-        /// What SIGTERM does.
-        #[arg(long, env = "BULKHEAD_ON_SIGTERM", value_enum, default_value_t = OnSigterm::Uninstall)]
+        /// What SIGTERM does. `keep`, because a DaemonSet rolling update terminates the old pod: an uninstall
+        /// then would unwire the node under its running pods. `uninstall` is for removing bulkhead.
+        #[arg(long, env = "BULKHEAD_ON_SIGTERM", value_enum, default_value_t = OnSigterm::Keep)]
         on_sigterm: OnSigterm,
+        /// With `--on-sigterm uninstall`: uninstall even while bulkhead pods run.
+        #[arg(long, env = "BULKHEAD_FORCE_UNINSTALL", value_parser = BoolishValueParser::new())]
+        force_uninstall: bool,
     },
     /// Install once and exit.
     Install,
-    /// Uninstall once and exit.
-    Uninstall,
+    /// Uninstall once and exit; refuses while bulkhead pods run on the node.
+    Uninstall {
+        /// Uninstall even while bulkhead pods run (they keep running but can start no new container).
+        #[arg(long, env = "BULKHEAD_FORCE_UNINSTALL", value_parser = BoolishValueParser::new())]
+        force: bool,
+    },
     /// Print the host probe verdict and exit (0 capable, 2 refused).
     Probe,
 }
@@ -113,6 +127,7 @@ async fn main() -> Result<()> {
         startup_taint: cli.startup_taint.clone().filter(|t| !t.is_empty()),
         allow_pvm: cli.allow_pvm,
         cri_timeout: Duration::from_secs(cli.cri_timeout_secs),
+        gc_grace: Duration::from_secs(cli.gc_grace_secs),
     };
     if let Command::Probe = cli.command {
         let v = probe::verdict(&settings.layout.host_root, settings.allow_pvm);
@@ -140,14 +155,24 @@ async fn main() -> Result<()> {
             }
             Ok(())
         }
-        Command::Uninstall => installer.uninstall().await.context("uninstall"),
-        Command::Run { resync_secs, on_sigterm } => run(&installer, Duration::from_secs(resync_secs), on_sigterm).await,
+        Command::Uninstall { force } => installer.uninstall_with(policy(force)).await.context("uninstall"),
+        Command::Run { resync_secs, on_sigterm, force_uninstall } => {
+            run(&installer, Duration::from_secs(resync_secs), on_sigterm, policy(force_uninstall)).await
+        }
         Command::Probe => Ok(()),
     }
 }
 
-/// Converge now and every `resync`; retry failures with backoff; on SIGTERM uninstall (or keep) and exit.
-async fn run(installer: &Installer<'_>, resync: Duration, on_sigterm: OnSigterm) -> Result<()> {
+fn policy(force: bool) -> WhileInUse {
+    if force {
+        WhileInUse::Force
+    } else {
+        WhileInUse::Refuse
+    }
+}
+
+/// Converge now and every `resync`; retry failures with backoff; on SIGTERM keep (or uninstall) and exit.
+async fn run(installer: &Installer<'_>, resync: Duration, on_sigterm: OnSigterm, policy: WhileInUse) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let mut backoff = Duration::from_secs(5);
@@ -180,7 +205,10 @@ async fn run(installer: &Installer<'_>, resync: Duration, on_sigterm: OnSigterm)
     }
     tracing::info!(?on_sigterm, "termination signal received");
     match on_sigterm {
-        OnSigterm::Uninstall => installer.uninstall().await.context("uninstall on SIGTERM"),
-        OnSigterm::Keep => Ok(()),
+        OnSigterm::Uninstall => installer.uninstall_with(policy).await.context("uninstall on SIGTERM"),
+        OnSigterm::Keep => {
+            tracing::info!("leaving the node wired (BULKHEAD_ON_SIGTERM=keep); the next installer pod takes over");
+            Ok(())
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The installer binary as the DaemonSet runs it: killed midway (abort at a fail point, like `kill -9`), rerun to
-//! convergence, then `run` mode uninstalling on SIGTERM. containerd is restarted through the injectable
+//! convergence, then `run` mode keeping the node wired on SIGTERM (the default) or uninstalling (when asked to), and
+//! `uninstall` refusing while a pod runs unless forced. containerd is restarted through the injectable
 //! `--restart-command`, here a script that restarts the test's own containerd by PID file (`support::Script`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -48,7 +49,7 @@ fn temp_files(dir: &Path) -> Vec<String> {
 }
 
 #[test]
-fn killed_midway_rerun_converges_then_sigterm_uninstalls() {
+fn killed_midway_rerun_converges_then_sigterm_keeps_or_uninstalls() {
     if !support::can_run_containerd() {
         return;
     }
@@ -104,24 +105,33 @@ fn killed_midway_rerun_converges_then_sigterm_uninstalls() {
         assert!(log.contains(action), "missing log line {action:?}:\n{log}");
     }
 
-    // DaemonSet mode: converge (nothing to do), then SIGTERM uninstalls.
-    let err_path = node.artifacts.path().join("run.log");
-    let mut child = installer(&node, &script, "run")
-        .stderr(fs::File::create(&err_path).unwrap())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    // DaemonSet mode: converge (nothing to do); SIGTERM leaves the node wired by default (a rolling update
+    // terminates the old pod: it must not unwire the node under its pods).
+    let wired = node.snapshot();
+    let log = run_until_sigterm(installer(&node, &script, "run"), &node.artifacts.path().join("run-keep.log"));
+    assert!(log.contains("leaving the node wired"), "{log}");
+    assert_eq!(node.snapshot(), wired, "SIGTERM with the default keeps everything");
+    assert_eq!(script.restarts(), 1, "already installed: run mode must not restart containerd");
+
+    // With BULKHEAD_ON_SIGTERM=uninstall (how an operator removes bulkhead), SIGTERM uninstalls.
+    let mut run = installer(&node, &script, "run");
+    run.env("BULKHEAD_ON_SIGTERM", "uninstall");
+    run_until_sigterm(run, &node.artifacts.path().join("run-uninstall.log"));
+    assert_eq!(fs::read(node.config()).unwrap(), original, "config restored byte for byte");
+    assert_eq!(node.snapshot(), before, "no files left");
+    assert_eq!(script.restarts(), 2);
+}
+
+/// Starts `cmd` (`run` mode), waits until it has converged, sends SIGTERM, expects a clean exit; returns its log.
+fn run_until_sigterm(mut cmd: Command, log: &Path) -> String {
+    let read = || fs::read_to_string(log).unwrap_or_default();
+    let mut child = cmd.stderr(fs::File::create(log).unwrap()).stdout(Stdio::null()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !fs::read_to_string(&err_path).unwrap_or_default().contains("converged") {
-        assert!(
-            Instant::now() < deadline,
-            "run mode never converged: {}",
-            fs::read_to_string(&err_path).unwrap_or_default()
-        );
+    while !read().contains("converged") {
+        assert!(Instant::now() < deadline, "run mode never converged: {}", read());
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(script.restarts(), 1, "already installed: run mode must not restart containerd");
-    // SAFETY: kill(2) on the child we spawned.
+    // SAFETY: kill(2) on the child we spawned (not yet reaped: try_wait has not seen it exit).
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
@@ -134,8 +144,57 @@ fn killed_midway_rerun_converges_then_sigterm_uninstalls() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(status.success(), "{}", fs::read_to_string(&err_path).unwrap_or_default());
-    assert_eq!(fs::read(node.config()).unwrap(), original, "config restored byte for byte");
+    assert!(status.success(), "{}", read());
+    read()
+}
+
+#[test]
+fn uninstall_refuses_while_a_pod_runs_unless_forced() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    support::elf_shim(&node);
+    let before = node.snapshot();
+    let script = support::Script::new(&node);
+    script.run("start");
+    let out = installer(&node, &script, "install").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let wired = node.snapshot();
+    let mut pod = support::FakePod::start(&node, "abc123", "web");
+
+    let out = installer(&node, &script, "uninstall").output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("refusing to uninstall: 1 bulkhead pod runs on this node (default/web)"), "{log}");
+    assert!(log.contains("BULKHEAD_FORCE_UNINSTALL=1") && log.contains("--force"), "{log}");
+    assert_eq!(node.snapshot(), wired, "a refused uninstall changes nothing");
+
+    // The same refusal at SIGTERM in run mode: the pod exits with the error, the node stays wired.
+    let mut run = installer(&node, &script, "run");
+    run.env("BULKHEAD_ON_SIGTERM", "uninstall");
+    let log_path = node.artifacts.path().join("run-refused.log");
+    let mut child = run.stderr(fs::File::create(&log_path).unwrap()).stdout(Stdio::null()).spawn().unwrap();
+    let read = || fs::read_to_string(&log_path).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !read().contains("converged") {
+        assert!(Instant::now() < deadline, "run mode never converged: {}", read());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(!status.success() && read().contains("refusing to uninstall"), "{}", read());
+    assert_eq!(node.snapshot(), wired);
+
+    // Forced (the flag, then the environment variable on an idempotent rerun), it proceeds; the pod keeps running.
+    let out = installer(&node, &script, "uninstall").arg("--force").output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("uninstall forced while bulkhead runs on this node"), "{log}");
+    assert!(pod.is_running());
     assert_eq!(node.snapshot(), before, "no files left");
-    assert_eq!(script.restarts(), 2);
+    let out = installer(&node, &script, "uninstall").env("BULKHEAD_FORCE_UNINSTALL", "1").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    pod.stop();
 }

@@ -5,7 +5,6 @@
 mod support;
 
 use std::fs;
-use std::time::Duration;
 
 use bulkhead_node_installer::containerd::ConfigVersion;
 use bulkhead_node_installer::cri;
@@ -23,20 +22,8 @@ fn fake_node() -> FakeNodes {
     }))
 }
 
-/// Whether containerd (up again after a restart) reports `handler`.
-async fn registered(node: &support::Node, handler: &str) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        match cri::handler_registered(&node.socket(), handler).await {
-            Ok(r) => return r,
-            Err(e) => assert!(tokio::time::Instant::now() < deadline, "containerd not answering: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 async fn cri_config(node: &support::Node) -> Value {
-    assert!(registered(node, "runc").await, "runc must stay registered");
+    assert!(support::registered(node, "runc").await, "runc must stay registered");
     let mut c = cri::connect(&node.socket()).await.expect("connect CRI");
     let st = c.status(crip::StatusRequest { verbose: true }).await.expect("CRI Status").into_inner();
     serde_json::from_str(st.info.get("config").expect("verbose config")).expect("config JSON")
@@ -167,13 +154,13 @@ async fn interrupted_install_or_uninstall_converges_on_rerun() {
             let r = mk(FailPoints::none()).install().await.unwrap_or_else(|e| panic!("{point}: rerun: {e}"));
             assert!(matches!(r.outcome, Outcome::Ready { .. }), "{point}");
             assert_eq!(node.snapshot(), installed, "{point}: rerun converges to the clean install");
-            assert!(registered(&node, "bulkhead").await, "{point}");
+            assert!(support::registered(&node, "bulkhead").await, "{point}");
             assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), Some(&json!("ready")));
         }
         mk(FailPoints::none()).uninstall().await.unwrap_or_else(|e| panic!("{point}: uninstall: {e}"));
         assert_eq!(fs::read(node.config()).unwrap(), original, "{point}: config bytes");
         assert_eq!(node.snapshot(), before, "{point}: uninstall leaves no files");
-        assert!(!registered(&node, "bulkhead").await, "{point}: handler gone");
+        assert!(!support::registered(&node, "bulkhead").await, "{point}: handler gone");
     }
     println!("restarts over all fail points: {}", ctd.restart_count());
 }
@@ -241,7 +228,7 @@ async fn labelled_node_whose_containerd_lost_the_handler_is_unlabelled_first() {
     // A reboot regenerates containerd's config without our imports entry (AL2023's nodeadm does this).
     fs::write(node.config(), support::user_config(node.root())).unwrap();
     bulkhead_node_installer::restart::Restarter::restart(&ctd).unwrap();
-    assert!(!registered(&node, "bulkhead").await);
+    assert!(!support::registered(&node, "bulkhead").await);
     // Stop right after the guard: the label must already be gone before anything is repaired.
     let stopped = Installer {
         settings: node.settings(),
@@ -253,7 +240,7 @@ async fn labelled_node_whose_containerd_lost_the_handler_is_unlabelled_first() {
     assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), None, "unlabelled before repair");
     // The full rerun repairs and labels again.
     inst.install().await.unwrap();
-    assert!(registered(&node, "bulkhead").await);
+    assert!(support::registered(&node, "bulkhead").await);
     assert_eq!(api.snapshot().pointer("/metadata/labels/bulkhead.io~1runtime"), Some(&json!("ready")));
     inst.uninstall().await.unwrap();
 }
@@ -361,6 +348,6 @@ async fn two_installers_at_once_converge_with_one_restart() {
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(ctd.restart_count(), 1, "one restart for both: {ra:?} {rb:?}\n{}", ctd.log_tail());
     assert!(ra.restarted != rb.restarted, "exactly one of them restarted containerd");
-    assert!(registered(&node, "bulkhead").await);
+    assert!(support::registered(&node, "bulkhead").await);
     a.uninstall().await.unwrap();
 }

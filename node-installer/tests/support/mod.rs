@@ -69,6 +69,7 @@ impl Node {
             startup_taint: Some("bulkhead.io/not-ready".into()),
             allow_pvm: false,
             cri_timeout: Duration::from_secs(30),
+            gc_grace: Duration::ZERO,
         }
     }
 
@@ -161,6 +162,73 @@ pub fn node(kvm: bool) -> Node {
     fs::write(img.join("vmlinux"), vec![0x7fu8; 4096]).expect("kernel");
     fs::write(img.join("initramfs.cpio.gz"), vec![0x1fu8; 2048]).expect("initramfs");
     Node { dir, artifacts }
+}
+
+/// Makes the image's shim an ELF (a copy of `sleep`) instead of the recording script, so that a process can
+/// execute the installed shim binary: the kernel records a script's process as executing its interpreter.
+pub fn elf_shim(node: &Node) {
+    let shim = node.artifacts.path().join("image/containerd-shim-bulkhead-v2");
+    fs::copy("/bin/sleep", &shim).expect("copy sleep");
+}
+
+/// A stand-in for a running bulkhead pod, the way the installer tells one: a process executing the installed shim
+/// binary, started through `current` as containerd starts a shim, and the shim's own pod record naming it (written
+/// with the shim crate's `PodRecord`) in the node's shim state dir. Dropping it ends the process, by its PID, and
+/// removes the pod dir, as the shim's cleanup does.
+pub struct FakePod {
+    child: Child,
+    pub dir: PathBuf,
+}
+
+impl FakePod {
+    pub fn start(node: &Node, id: &str, name: &str) -> Self {
+        let shim = node.root().join("opt/bulkhead/current/containerd-shim-bulkhead-v2");
+        let child = Command::new(&shim).arg("3600").stdin(Stdio::null()).spawn().expect("start fake shim");
+        let state = node.root().join("run/bulkhead");
+        let paths = bulkhead_shim::sandbox::paths::PodPaths::new(&state, id).expect("plain id");
+        fs::create_dir_all(&paths.dir).expect("pod dir");
+        bulkhead_shim::sandbox::paths::PodRecord {
+            sandbox_id: id.into(),
+            pod_name: name.into(),
+            pod_namespace: "default".into(),
+            containerd_namespace: "k8s.io".into(),
+            backend: "vm".into(),
+            shim_pid: child.id(),
+            pids: bulkhead_shim::sandbox::paths::HostPids { sandbox: child.id(), vmm: None, virtiofsd: None },
+            started_at_unix: 1_700_000_000,
+        }
+        .write(&paths)
+        .expect("pod record");
+        Self { child, dir: paths.dir }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the kernel says the process executes.
+    pub fn exe(&self) -> PathBuf {
+        fs::read_link(format!("/proc/{}/exe", self.child.id())).expect("read exe")
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn stop(&mut self) {
+        if self.is_running() {
+            // SAFETY: kill(2) on the PID of the child this helper spawned and has not reaped (checked just above).
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for FakePod {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 pub fn write_exec(p: &Path, text: &str) {
@@ -344,6 +412,18 @@ pub fn pause_image_tar(dir: &Path) -> PathBuf {
     let p = dir.join("pause.tar");
     fs::write(&p, out.into_inner().expect("tar")).expect("write image");
     p
+}
+
+/// Whether containerd (up again after a restart) reports `handler`.
+pub async fn registered(node: &Node, handler: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match bulkhead_node_installer::cri::handler_registered(&node.socket(), handler).await {
+            Ok(r) => return r,
+            Err(e) => assert!(tokio::time::Instant::now() < deadline, "containerd not answering: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Import the pause image into the k8s.io namespace (retrying while containerd comes up).
