@@ -69,6 +69,32 @@ pub struct AgentOpts {
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+    /// Namespace mode: a host directory the agent's minimal root keeps, bound at the same path
+    /// (repeatable). Mounts the host makes below it later reach the agent when the host made it
+    /// a shared mount (the shim's read-only view of the pod's container mounts). The state dir
+    /// is always kept.
+    #[arg(long = "share-dir", value_name = "DIR")]
+    pub share_dirs: Vec<PathBuf>,
+    /// Namespace mode without the minimal root and the capability drop: the agent sees the
+    /// host's whole filesystem as full root. Only for the agent's own tests that need the host's
+    /// view (configuring links); the shim never passes it.
+    #[arg(long)]
+    pub unconfined: bool,
+    /// Internal: the agent re-executed itself inside its minimal root.
+    #[arg(long, hide = true)]
+    pub in_minimal_root: bool,
+    /// Internal: the Unix listener the agent bound before it entered its minimal root (whose
+    /// socket path lies outside that root).
+    #[arg(long, hide = true, value_name = "FD")]
+    pub listen_fd: Option<i32>,
+}
+
+impl AgentOpts {
+    /// Whether the agent confines itself: namespace mode unless `--unconfined`. A guest's agent
+    /// is confined by its VM.
+    pub fn confined(&self) -> bool {
+        self.mode == Mode::Namespace && !self.unconfined
+    }
 }
 
 fn parse_millis(s: &str) -> Result<Duration, String> {

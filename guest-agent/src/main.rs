@@ -11,6 +11,7 @@ mod guest_init;
 mod mount;
 mod network;
 mod oom;
+mod privileges;
 mod process_io;
 mod reaper;
 mod rollback;
@@ -63,9 +64,30 @@ fn run(opts: cli::AgentOpts, kernel_words: &[String]) -> anyhow::Result<()> {
         // only once the agent runs from a tmpfs root (it re-executes itself there).
         guest_init::switch_root::leave_initramfs()?;
     }
+    let confined = opts.confined();
+    if confined && !opts.in_minimal_root {
+        // Namespace mode: off the host's filesystem into a root of its own, then executed again
+        // from there; returns only on failure.
+        match guest_init::minimal_root::enter(&opts)? {}
+    }
+    if confined {
+        guest_init::minimal_root::check_entered()?;
+    }
     // Mounts and subreaper status come before any thread exists.
-    guest_init::prepare(opts.mode, &syscall::LinuxSyscall)?;
+    guest_init::prepare(opts.mode, confined, &syscall::LinuxSyscall)?;
     shared_fs::mount_shared_dir(opts.mode, &syscall::LinuxSyscall, &shared_fs::kernel_cmdline())?;
+    if confined {
+        // Capabilities are per thread: dropped while this is the only one.
+        let held = privileges::confine()?;
+        let mut names: Vec<String> = held.iter().map(ToString::to_string).collect();
+        names.sort();
+        tracing::info!(
+            cap_eff = format!("{:016x}", privileges::mask(&held)),
+            kept = names.join(","),
+            "namespace mode: in the minimal root, capabilities dropped to the kept set; no_new_privs left unset \
+             (containers that allow privilege escalation keep their setuid binaries)"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve::serve(opts))
 }

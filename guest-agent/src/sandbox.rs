@@ -23,6 +23,7 @@ use crate::{
     guest_init::{self, SandboxSettings},
     mount::GuestMount,
     oom::OomEvents,
+    privileges,
     process_io::{ProcessIoSetup, StdioRequest},
     reaper::Reaper,
     rollback::Rollback,
@@ -45,6 +46,9 @@ pub struct CreateRequest {
 
 pub struct Sandbox {
     pub mode: Mode,
+    /// Namespace mode in the minimal root with the capability drop (crate::privileges): every
+    /// container and exec is checked against the capabilities containers may have.
+    pub confined: bool,
     state_dir: PathBuf,
     cgroup_parent: PathBuf,
     io: ProcessIoSetup,
@@ -79,6 +83,7 @@ impl Sandbox {
         let runtime = Runtime::new(opts.state_dir.join("libcontainer"), reaper.clone())?;
         Ok(Self {
             mode: opts.mode,
+            confined: opts.confined(),
             state_dir: opts.state_dir.clone(),
             cgroup_parent: opts.cgroup_parent.clone(),
             io: ProcessIoSetup::new(
@@ -119,6 +124,10 @@ impl Sandbox {
         let _res = self.reserve(req.id.clone(), "container")?;
         let hierarchy = Hierarchy::detect()?;
         let mut spec = spec::parse_spec(&req.spec_json)?;
+        if self.confined {
+            let caps = spec.process().as_ref().and_then(|p| p.capabilities().as_ref());
+            privileges::check_container(caps, &format!("container {}", req.id))?;
+        }
         if self.mode == Mode::Namespace {
             let sysctls = spec.linux().as_ref().and_then(|l| l.sysctl().clone()).unwrap_or_default();
             guest_init::check_namespaced(sysctls.keys().map(String::as_str))?;
@@ -192,6 +201,9 @@ impl Sandbox {
         }
         let seccomp_file = bundle::seccomp_file(&c.bundle);
         let process = spec::exec_process(process_json, stdio.terminal, seccomp_file.is_some())?;
+        if self.confined {
+            privileges::check_container(process.capabilities().as_ref(), &format!("exec {exec_id} in {id}"))?;
+        }
         let path = bundle::write_exec_process(&c.bundle, exec_id, &process)?;
         let (child_io, pending) = self.io.prepare(&stdio)?;
         let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;

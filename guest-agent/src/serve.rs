@@ -33,7 +33,13 @@ pub async fn serve(opts: AgentOpts) -> anyhow::Result<()> {
     let mut server = service::server(sandbox.clone(), ttrpc_rx, shutdown_tx)?;
     server.start().await?;
     let listener = match opts.listen.clone() {
-        Listen::Unix(path) => tokio::spawn(async move { transport::serve_unix(&path, dispatch).await }),
+        Listen::Unix(path) => {
+            let listener = match opts.listen_fd {
+                Some(fd) => transport::inherited_unix(fd)?,
+                None => transport::bind_unix(&path)?,
+            };
+            tokio::spawn(async move { transport::serve_unix(listener, dispatch).await })
+        }
         Listen::Vsock => tokio::spawn(async move { transport::serve_vsock(dispatch).await }),
     };
     tokio::select! {

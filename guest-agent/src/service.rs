@@ -102,6 +102,14 @@ impl Agent for AgentService {
                 .map(|r| (r.destination.clone(), r.gateway.clone(), r.device.clone()))
                 .collect::<Vec<_>>(),
         )?;
+        if self.sandbox.confined && !(interfaces.is_empty() && routes.is_empty()) {
+            return Err(AgentError::InvalidArgument(
+                "interfaces and routes in namespace mode: the pod's network is CNI's (or the node's), and the agent \
+                 keeps no CAP_NET_ADMIN to change it"
+                    .into(),
+            )
+            .into());
+        }
         self.sandbox.setup(&s)?;
         if !interfaces.is_empty() || !routes.is_empty() || self.sandbox.mode == crate::cli::Mode::Guest {
             crate::network::apply(&interfaces, &routes).await?;

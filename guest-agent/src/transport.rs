@@ -4,6 +4,7 @@
 
 use std::{
     io,
+    os::fd::{FromRawFd, OwnedFd, RawFd},
     path::Path,
     pin::Pin,
     task::{Context, Poll},
@@ -79,15 +80,44 @@ impl Dispatch {
     }
 }
 
-/// Accepts on a Unix socket, answering the preamble per connection (never blocking the
-/// accept loop on a slow or hostile client).
-pub async fn serve_unix(path: &Path, dispatch: Dispatch) -> io::Result<()> {
+/// Binds the agent's Unix listener at `path`, replacing a stale socket.
+pub fn bind_unix(path: &Path) -> io::Result<UnixListener> {
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
     let listener = UnixListener::bind(path)?;
     tracing::info!(path = %path.display(), "listening (unix, hybrid-vsock preamble)");
+    Ok(listener)
+}
+
+/// The Unix listener the agent bound before it entered its minimal root, passed across exec as
+/// descriptor `fd` (crate::guest_init::minimal_root). It is closed on exec from here on: no
+/// helper or container may inherit the agent's socket.
+pub fn inherited_unix(fd: RawFd) -> io::Result<UnixListener> {
+    let refuse = |why: &str| io::Error::other(format!("--listen-fd {fd}: {why}"));
+    // SAFETY: F_GETFD only reads a descriptor's flags; asking about any number is harmless.
+    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(refuse("not an open descriptor"));
+    }
+    // SAFETY: the first run passed its listening socket as `fd` across exec; it is open (checked
+    // just above) and nothing else in this process owns it: this takes ownership once.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let stat = nix::sys::stat::fstat(&owned).map_err(io::Error::from)?;
+    if stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(refuse("not a socket"));
+    }
+    nix::fcntl::fcntl(&owned, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
+        .map_err(io::Error::from)?;
+    let listener = std::os::unix::net::UnixListener::from(owned);
+    listener.set_nonblocking(true)?;
+    tracing::info!(fd, "listening (unix, hybrid-vsock preamble) on the socket bound before the minimal root");
+    UnixListener::from_std(listener)
+}
+
+/// Accepts on a Unix socket, answering the preamble per connection (never blocking the
+/// accept loop on a slow or hostile client).
+pub async fn serve_unix(listener: UnixListener, dispatch: Dispatch) -> io::Result<()> {
     loop {
         let (mut stream, _) = match listener.accept().await {
             Ok(s) => s,

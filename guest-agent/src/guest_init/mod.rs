@@ -2,6 +2,8 @@
 //! settings of SetupSandbox. All syscalls go through [`Syscall`] so the plans are unit-tested
 //! without root.
 
+mod loader;
+pub mod minimal_root;
 mod setup;
 pub mod switch_root;
 
@@ -52,8 +54,10 @@ fn delegate(controller: &'static str) -> Step {
     Step::Write { path: "/sys/fs/cgroup/cgroup.subtree_control", data: controller, optional: true }
 }
 
-/// What PID 1 must set up before serving, per mode.
-pub fn boot_plan(mode: Mode) -> Vec<Step> {
+/// What PID 1 must set up before serving, per mode. A confined agent (namespace mode, see
+/// [`minimal_root`]) already has its /proc, and its mounts must stay slaves (making them private
+/// would cut the pod's container mounts off), so it only becomes a subreaper.
+pub fn boot_plan(mode: Mode, confined: bool) -> Vec<Step> {
     use nix::mount::MsFlags as F;
     let nosuid_nodev_noexec = F::MS_NOSUID | F::MS_NODEV | F::MS_NOEXEC;
     let nosuid_nodev = F::MS_NOSUID | F::MS_NODEV;
@@ -61,6 +65,7 @@ pub fn boot_plan(mode: Mode) -> Vec<Step> {
     match mode {
         // The host provides /dev, /sys, cgroups, /tmp; we only need a private mount table
         // and a /proc that shows our own pid namespace (libcontainer reads /proc/<pid>).
+        Mode::Namespace if confined => vec![Step::Subreaper],
         Mode::Namespace => vec![Step::MakeRprivate, proc, Step::Subreaper],
         Mode::Guest => vec![
             Step::Mkdir("/proc"),
@@ -108,8 +113,8 @@ pub fn boot_plan(mode: Mode) -> Vec<Step> {
 }
 
 /// Runs the boot plan. Fatal steps abort the agent with the step named.
-pub fn prepare(mode: Mode, sys: &dyn Syscall) -> anyhow::Result<()> {
-    for step in boot_plan(mode) {
+pub fn prepare(mode: Mode, confined: bool, sys: &dyn Syscall) -> anyhow::Result<()> {
+    for step in boot_plan(mode, confined) {
         let (res, optional) = run_step(&step, sys);
         match res {
             Ok(()) => {}
@@ -149,7 +154,7 @@ mod tests {
     #[test]
     fn guest_boot_mounts_what_pid1_owes() {
         let sys = RecordingSyscall::default();
-        prepare(Mode::Guest, &sys).unwrap();
+        prepare(Mode::Guest, false, &sys).unwrap();
         let targets: Vec<String> = sys
             .calls()
             .into_iter()
@@ -179,7 +184,7 @@ mod tests {
     #[test]
     fn namespace_boot_only_privatizes_and_remounts_proc() {
         let sys = RecordingSyscall::default();
-        prepare(Mode::Namespace, &sys).unwrap();
+        prepare(Mode::Namespace, false, &sys).unwrap();
         let calls = sys.calls();
         assert!(matches!(&calls[0], Call::Mount { target, flags, .. }
             if target == std::path::Path::new("/")
@@ -189,13 +194,22 @@ mod tests {
     }
 
     #[test]
+    fn a_confined_namespace_boot_keeps_its_root_and_only_subreaps() {
+        let sys = RecordingSyscall::default();
+        prepare(Mode::Namespace, true, &sys).unwrap();
+        assert_eq!(sys.calls(), [Call::Subreaper]);
+        // A guest is confined by its VM: the flag changes nothing there.
+        assert_eq!(boot_plan(Mode::Guest, true), boot_plan(Mode::Guest, false));
+    }
+
+    #[test]
     fn optional_failures_are_tolerated_fatal_ones_are_not() {
         let sys = RecordingSyscall::failing_mount("/dev", libc::EINVAL);
-        prepare(Mode::Guest, &sys).unwrap();
+        prepare(Mode::Guest, false, &sys).unwrap();
         let sys = RecordingSyscall::failing_mount("/sys", libc::EBUSY);
-        prepare(Mode::Guest, &sys).unwrap();
+        prepare(Mode::Guest, false, &sys).unwrap();
         let sys = RecordingSyscall::failing_mount("/proc", libc::EINVAL);
-        let err = prepare(Mode::Guest, &sys).unwrap_err().to_string();
+        let err = prepare(Mode::Guest, false, &sys).unwrap_err().to_string();
         assert!(err.contains("/proc"), "{err}");
     }
 }

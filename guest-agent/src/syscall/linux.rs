@@ -81,4 +81,20 @@ impl Syscall for LinuxSyscall {
         // SAFETY: buf is a valid rand_pool_info of the advertised size and outlives the call.
         zero_or_errno(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })
     }
+
+    fn mknod_char(&self, path: &Path, major: u64, minor: u64, mode: u32) -> io::Result<()> {
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        mknod(path, SFlag::S_IFCHR, Mode::from_bits_truncate(mode), makedev(major, minor)).map_err(nix_io)?;
+        // mknod(2) applies the umask; the node gets exactly `mode`.
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+    }
+
+    fn pivot_root(&self, new_root: &Path) -> io::Result<()> {
+        // runc's way: pivot onto the new root with the old one stacked below it at ".", then
+        // detach the old one. Needs no directory for the old root inside the new one.
+        nix::unistd::chdir(new_root).map_err(nix_io)?;
+        nix::unistd::pivot_root(".", ".").map_err(nix_io)?;
+        nix::mount::umount2(".", nix::mount::MntFlags::MNT_DETACH).map_err(nix_io)?;
+        nix::unistd::chdir("/").map_err(nix_io)
+    }
 }

@@ -29,4 +29,9 @@ pub trait Syscall: Send + Sync {
     fn sethostname(&self, name: &str) -> io::Result<()>;
     fn set_realtime_clock(&self, unix_nanos: i64) -> io::Result<()>;
     fn add_entropy(&self, seed: &[u8]) -> io::Result<()>;
+    /// A character device node `major:minor` at `path` with permissions `mode`.
+    fn mknod_char(&self, path: &Path, major: u64, minor: u64, mode: u32) -> io::Result<()>;
+    /// Makes `new_root` (a mount point) this mount namespace's root, detaches the old root and
+    /// leaves the working directory at the new `/`.
+    fn pivot_root(&self, new_root: &Path) -> io::Result<()>;
 }

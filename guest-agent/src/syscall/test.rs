@@ -21,6 +21,8 @@ pub enum Call {
     Hostname(String),
     Clock(i64),
     Entropy(usize),
+    Mknod { path: PathBuf, major: u64, minor: u64, mode: u32 },
+    PivotRoot(PathBuf),
 }
 
 #[derive(Default)]
@@ -94,6 +96,14 @@ impl Syscall for RecordingSyscall {
     }
     fn add_entropy(&self, seed: &[u8]) -> io::Result<()> {
         self.rec(Call::Entropy(seed.len()));
+        Ok(())
+    }
+    fn mknod_char(&self, path: &Path, major: u64, minor: u64, mode: u32) -> io::Result<()> {
+        self.rec(Call::Mknod { path: path.into(), major, minor, mode });
+        Ok(())
+    }
+    fn pivot_root(&self, new_root: &Path) -> io::Result<()> {
+        self.rec(Call::PivotRoot(new_root.into()));
         Ok(())
     }
 }

@@ -77,11 +77,14 @@ impl Agent {
         Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest", true).await
     }
 
+    /// Namespace mode, confined as the shim runs it: the agent's minimal root keeps the test's
+    /// directory (`--share-dir`), where the tests put rootfs and volumes.
     async fn start_full(name: &str, bin: &Path, listen: Option<&str>) -> Agent {
         Self::start_inner(name, bin, listen, "namespace", false).await
     }
 
-    /// Namespace mode in a fresh network namespace too (for the network setup test).
+    /// Namespace mode in a fresh network namespace too (for the network setup test), unconfined:
+    /// configuring links takes the CAP_NET_ADMIN a confined agent drops.
     pub async fn start_netns(name: &str) -> Agent {
         Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "namespace", true).await
     }
@@ -100,6 +103,11 @@ impl Agent {
         let sock = dir.path().join("agent.sock");
         let cgroup_parent = format!("/bulkhead-test-{}-{name}", std::process::id());
         let log = std::fs::File::create(dir.path().join("agent.log")).expect("log file");
+        let confinement: Vec<String> = match (mode, net) {
+            ("namespace", false) => vec!["--share-dir".into(), dir.path().display().to_string()],
+            ("namespace", true) => vec!["--unconfined".into()],
+            _ => Vec::new(),
+        };
         let child = Command::new("unshare")
             .args(["--fork", "--kill-child", "--pid", "--mount", "--uts", "--ipc"])
             .args(if net { &["--net"][..] } else { &[][..] })
@@ -109,6 +117,7 @@ impl Agent {
             .args(["--mode", mode, "--state-dir"])
             .arg(dir.path().join("state"))
             .args(["--cgroup-parent", &cgroup_parent])
+            .args(&confinement)
             .env("BULKHEAD_AGENT_LOG", "info")
             .env("BULKHEAD_HELPER_LOG", std::env::var("BULKHEAD_HELPER_LOG").unwrap_or_else(|_| "error".into()))
             .stdin(Stdio::null())

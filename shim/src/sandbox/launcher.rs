@@ -5,11 +5,18 @@
 //! itself as this small launcher, which, still single-threaded:
 //! 1. joins the sandbox's cgroup (best effort: the agent is then accounted to the pod) and the
 //!    pod network namespace (if the spec names one);
-//! 2. unshares mount, UTS, IPC and PID namespaces;
-//! 3. forks: the child (PID 1 of the new PID namespace) makes `/` recursively private (the
-//!    pod's mounts stay out of the host and the host's out of the pod), mounts a fresh
-//!    `/proc`, asks for SIGKILL if the launcher dies, and execs the agent;
+//! 2. unshares UTS, IPC and PID namespaces;
+//! 3. forks: the child (PID 1 of the new PID namespace) unshares a mount namespace and makes
+//!    every mount in it a slave of the host's (a recursive `MS_SLAVE`, not private: the pod's
+//!    mounts stay out of the host, while the container mounts the shim makes later in the pod's
+//!    shared `rootfs/` still travel in, see `namespace_mounts.rs`), mounts a fresh `/proc`, asks
+//!    for SIGKILL if the launcher dies, and execs the agent, which then moves into a minimal
+//!    root of its own (guest-agent README);
 //! 4. waits for the agent and exits with its status (128+signal if signalled).
+//!
+//! The launcher itself stays in the host's mount namespace: it mounts nothing, and a copy of the
+//! host's mounts held by it for the pod's lifetime would receive every other pod's container
+//! mounts too.
 //!
 //! No user namespace: the shim runs as root and the agent needs real root to mount and to
 //! manage cgroups for the containers; a user namespace would add uid-mapping of every rootfs
@@ -103,8 +110,8 @@ fn launch_and_wait(launch: &LaunchArgs) -> Result<i32, String> {
         let file = std::fs::File::open(netns).map_err(|e| format!("open netns {netns}: {e}"))?;
         setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| format!("join netns {netns}: {e}"))?;
     }
-    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID)
-        .map_err(|e| format!("unshare mount/uts/ipc/pid namespaces: {e}"))?;
+    unshare(CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("unshare uts/ipc/pid namespaces: {e}"))?;
     // Prepare everything exec needs before fork, so the child only makes syscalls.
     let program = CString::new(launch.command[0].clone()).map_err(|_| "agent path has a NUL byte")?;
     let argv = launch
@@ -137,8 +144,13 @@ fn child_exec(program: &CString, argv: &[CString]) -> i32 {
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
     }
-    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>) {
-        eprintln!("bulkhead namespace launcher: make / rprivate: {e}");
+    if let Err(e) = unshare(CloneFlags::CLONE_NEWNS) {
+        eprintln!("bulkhead namespace launcher: unshare a mount namespace: {e}");
+        return 125;
+    }
+    // Slave, not private: mounts made in the pod's shared directories later must still arrive.
+    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_SLAVE, None::<&str>) {
+        eprintln!("bulkhead namespace launcher: make / rslave: {e}");
         return 125;
     }
     if let Err(e) = mount(

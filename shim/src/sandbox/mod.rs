@@ -9,6 +9,7 @@ pub mod cgroups;
 pub mod launcher;
 pub mod mounts;
 pub mod namespace;
+pub mod namespace_mounts;
 pub mod paths;
 pub mod supervise;
 pub mod vm;

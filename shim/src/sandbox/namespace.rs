@@ -8,11 +8,19 @@
 //!
 //! Host layout ([`PodPaths`]): the agent socket, the launcher pid file, the pod's cgroup record,
 //! the agent's own state dir, the console log (the agent's output, also relayed into the shim
-//! log by [`crate::logrelay`]), and `rootfs/<id>`, an empty directory per container. The agent's mount namespace is private (the agent makes `/`
-//! rprivate at boot), so host mounts made after it started never appear inside it; instead
-//! the agent performs containerd's rootfs mounts (overlay over snapshot directories, which
-//! are plain directories both sides see) at `rootfs/<id>` itself, or bind-mounts the bundle's
-//! `rootfs` directory when containerd prepared it. The shim mounts nothing on the host.
+//! log by [`crate::logrelay`]), and the pod's container mounts ([`PodMounts`]: `rootfs/`, where
+//! the shim mounts each container's rootfs and volume sources before CreateContainer, and
+//! `view/`, its read-only slave view).
+//!
+//! The agent confines itself (guest-agent README, "Namespace mode"): it pivots into a minimal
+//! root of its own that keeps only its binary, /proc, /sys with the cgroup hierarchies, a small
+//! /dev, its state dir (`--state-dir`) and `view/` (`--share-dir`), at their host paths, and drops
+//! every capability but containerd's default container set, CAP_SYS_ADMIN and CAP_SYS_PTRACE.
+//! Its Unix socket is bound before the pivot and stays where the shim dials it. The host paths
+//! containerd names (snapshot layers, kubelet's volumes) are not in that root: the shim mounts
+//! them into `rootfs/`, they propagate into the agent's copy of `view/`, and the spec and rootfs
+//! path the agent gets name them there ([`crate::sandbox::namespace_mounts`] explains why
+//! propagation, and why not the agent mounting host paths).
 //! Unless `[network] allow_metadata` is set, traffic to the cloud metadata endpoint is dropped
 //! on the pod interfaces' egress before the agent starts ([`crate::network::block_metadata`]).
 //! The pause container is not run: the agent is the pod's PID 1, and its launcher (already in
@@ -30,6 +38,7 @@ use tracing::{info, warn};
 
 use super::cgroups::PodCgroup;
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
+use super::namespace_mounts::PodMounts;
 use super::paths::PodPaths;
 use super::supervise::{self, LogTo, Supervised};
 use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
@@ -50,6 +59,8 @@ pub struct NamespaceSandbox {
     launcher: Supervised,
     /// The pod's cgroups; its record on disk lets `delete` remove them after a crash.
     cgroup: Mutex<PodCgroup>,
+    /// Where the containers' rootfs and volumes are mounted for the agent.
+    mounts: PodMounts,
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SandboxError {
@@ -73,7 +84,13 @@ impl NamespaceSandbox {
             .ok_or_else(|| SandboxError::AgentStart(format!("sandbox id {:?} is not a plain id", req.sandbox_id)))?;
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
-        std::fs::create_dir_all(paths.rootfs_dir()).map_err(io(format!("create {}", paths.rootfs_dir().display())))?;
+        std::fs::create_dir_all(&paths.dir).map_err(io(format!("create {}", paths.dir.display())))?;
+        // Before the launcher: the agent's mount namespace must copy these to receive later mounts.
+        let mounts = PodMounts::new(&paths);
+        if let Err(e) = mounts.create() {
+            cleanup(&paths).await;
+            return Err(SandboxError::Setup(format!("pod mounts: {e}")));
+        }
         // Before the agent (and so any container) runs; host-network pods are the node's network.
         if let (Some(netns), MetadataAccess::Blocked) = (&req.netns, MetadataAccess::from_config(&config.network)) {
             if let Err(e) = crate::network::block_metadata(netns, &paths.network_record()).await {
@@ -114,6 +131,9 @@ impl NamespaceSandbox {
                 paths.agent_state_dir().display().to_string(),
                 "--cgroup-parent".into(),
                 req.cgroup.parent.display().to_string(),
+                // What its minimal root keeps besides its state: the view of the containers' mounts.
+                "--share-dir".into(),
+                mounts.view().display().to_string(),
             ],
         };
         let exe = std::env::current_exe().map_err(io("find own executable"))?;
@@ -156,6 +176,7 @@ impl NamespaceSandbox {
             state: Mutex::new(SandboxState::Running { pid: launcher.pid }),
             launcher,
             cgroup: Mutex::new(req.cgroup),
+            mounts,
         }))
     }
 
@@ -170,30 +191,6 @@ impl NamespaceSandbox {
 
 fn listen_arg(socket: &Path) -> String {
     format!("unix:{}", socket.display())
-}
-
-/// containerd's rootfs mounts as the agent performs them at the rootfs path; with none, a
-/// recursive bind of the bundle's `rootfs` directory.
-fn agent_rootfs_mounts(bundle_rootfs: &Path, mounts: &[Mount]) -> Vec<pb::Mount> {
-    if mounts.is_empty() {
-        return vec![pb::Mount {
-            source: bundle_rootfs.display().to_string(),
-            destination: "/".into(),
-            fstype: String::new(),
-            options: vec!["rbind".into()],
-            ..Default::default()
-        }];
-    }
-    mounts
-        .iter()
-        .map(|m| pb::Mount {
-            source: m.source.clone(),
-            destination: "/".into(),
-            fstype: m.type_.clone(),
-            options: m.options.clone(),
-            ..Default::default()
-        })
-        .collect()
 }
 
 /// Removes everything a pod left on the host: kills its launcher (the agent dies with it, and
@@ -238,19 +235,29 @@ impl Sandbox for NamespaceSandbox {
             }
             cgroup.write_record(&self.paths.cgroup_file()).map_err(io("write cgroup record"))?;
         }
-        let target = self.paths.rootfs(container_id);
-        std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
-        // The agent sees the host's paths: volumes' sources stay as they are.
-        Ok(ContainerPlan { rootfs_path: target, rootfs_mounts: agent_rootfs_mounts(bundle_rootfs, mounts), spec_json })
+        let setup = |what: &str, e: &dyn std::fmt::Display| {
+            SandboxError::Setup(format!("container {container_id}: {what}: {e}"))
+        };
+        let mut spec: serde_json::Value = serde_json::from_slice(&spec_json).map_err(|e| setup("OCI spec", &e))?;
+        let (pod, id, bundle_rootfs, mounts) =
+            (self.mounts.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
+        // Mounts are blocking system calls: off the runtime's workers.
+        let (rootfs, spec) = tokio::task::spawn_blocking(move || {
+            pod.prepare(&id, &bundle_rootfs, &mounts, &mut spec).map(|rootfs| (rootfs, spec))
+        })
+        .await
+        .map_err(|e| setup("mounts", &e))?
+        .map_err(|e| setup("mounts", &e))?;
+        let spec_json = serde_json::to_vec(&spec).map_err(|e| setup("OCI spec", &e))?;
+        // Everything is mounted already: the agent mounts nothing of the host's.
+        Ok(ContainerPlan { rootfs_path: rootfs, rootfs_mounts: Vec::new(), spec_json })
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
-        let target = self.paths.rootfs(container_id);
-        match std::fs::remove_dir(&target) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(SandboxError::Io { what: format!("remove {}", target.display()), source: e }),
-        }
+        let (pod, id) = (self.mounts.clone(), container_id.to_string());
+        tokio::task::spawn_blocking(move || pod.release(&id))
+            .await
+            .map_err(|e| SandboxError::Setup(format!("container {container_id}: unmount: {e}")))
     }
 
     async fn signal(&self, signal: u32) -> Result<(), SandboxError> {
@@ -295,24 +302,6 @@ impl Sandbox for NamespaceSandbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rootfs_mounts_go_to_the_agent() {
-        let overlay = Mount {
-            type_: "overlay".into(),
-            source: "overlay".into(),
-            options: vec!["lowerdir=/l".into(), "upperdir=/u".into(), "workdir=/w".into()],
-            ..Default::default()
-        };
-        let planned = agent_rootfs_mounts(Path::new("/b/rootfs"), &[overlay]);
-        assert_eq!(planned.len(), 1);
-        assert_eq!(planned[0].fstype, "overlay");
-        assert_eq!(planned[0].destination, "/");
-        assert_eq!(planned[0].options[0], "lowerdir=/l");
-        let bind = agent_rootfs_mounts(Path::new("/b/rootfs"), &[]);
-        assert_eq!(bind[0].source, "/b/rootfs");
-        assert_eq!(bind[0].options, vec!["rbind".to_string()]);
-    }
 
     #[tokio::test]
     async fn cleanup_of_missing_state_is_a_no_op() {

@@ -1,0 +1,458 @@
+//! The namespace backend's container mounts. The agent lives in a minimal root of its own
+//! (guest-agent README, "Namespace mode") and cannot reach the host paths containerd names (the
+//! snapshotter's layers, kubelet's volume directories); the shim, as root on the host, mounts
+//! each container's rootfs and volume sources before CreateContainer, into a directory the
+//! agent's root keeps, and rewrites the spec to name them there:
+//! ```text
+//! <pod>/rootfs/  host-only (0700), a mount of its own in a peer group of its own (shared):
+//!                <id>/rootfs is containerd's rootfs mounts (or a bind of the bundle's rootfs),
+//!                <id>/volumes/<n> a bind of the source of the spec's n-th bind mount (emptyDir,
+//!                hostPath, ConfigMap, Secret, the service-account token, /etc/hosts, the
+//!                pod's /dev/shm...)
+//! <pod>/view/    a read-only, nosuid, nodev bind of rootfs/ and a slave of it: what the agent
+//!                keeps (`--share-dir`), at this same path, so the spec's paths mean the same
+//!                on both sides
+//! ```
+//! **Propagation.** The agent's mount namespace exists before any container does, so the
+//! mounts made here later must travel into it. The launcher's child and then the agent copy the
+//! host's mounts into mount namespaces of their own and make every copy a slave; view/ is a
+//! slave of rootfs/'s peer group, so a mount made below rootfs/ appears below view/ on the host
+//! and in the agent's copy of view/, and nothing the agent mounts travels back. (The other way,
+//! the agent mounting host paths itself, needs those paths in its root: containerd's snapshot
+//! directory holds every image's layers and every container's writable layer, other pods'
+//! included.)
+//!
+//! **Read-only.** A remount never propagates: a volume made read-only here after the bind would
+//! stay writable in the agent's copy. So a read-only volume is bound as a detached clone made
+//! read-only before it is attached (`open_tree`, `mount_setattr`, `move_mount`): read-only in
+//! every copy. view/'s own directories are read-only too, so a process that reaches the agent's
+//! mount namespace with a container's capabilities cannot plant a link where the shim mounts
+//! next (the agent itself holds CAP_SYS_ADMIN and could remount it: see the README on what that
+//! capability is without a VM). Removal unmounts, then removes only the empty mount points it
+//! made.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use containerd_shim::protos::types::mount::Mount;
+use nix::errno::Errno;
+use nix::mount::{mount, MsFlags};
+use nix::NixPath;
+use serde_json::Value;
+use tracing::warn;
+
+use super::mounts::{mounts_below, unmount_all};
+use super::paths::PodPaths;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NsMountError {
+    #[error("container id {0:?} is not a plain id")]
+    Id(String),
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("mount {what} at {target}: {source}")]
+    Mount { what: String, target: PathBuf, source: Errno },
+    #[error("OCI spec mounts[{index}]: {reason}")]
+    Spec { index: usize, reason: String },
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> NsMountError {
+    let path = path.to_owned();
+    move |source| NsMountError::Io { what, path, source }
+}
+
+fn mount_err(what: impl Into<String>, target: &Path) -> impl FnOnce(Errno) -> NsMountError {
+    let (what, target) = (what.into(), target.to_owned());
+    move |source| NsMountError::Mount { what, target, source }
+}
+
+/// fstab-style options (`ro`, `rbind`, `lowerdir=...`) as mount flags and filesystem data.
+fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
+    let mut flags = MsFlags::empty();
+    let mut data = Vec::new();
+    for option in options {
+        match option.as_str() {
+            "ro" => flags.insert(MsFlags::MS_RDONLY),
+            "rw" => flags.remove(MsFlags::MS_RDONLY),
+            "bind" => flags.insert(MsFlags::MS_BIND),
+            "rbind" => flags.insert(MsFlags::MS_BIND | MsFlags::MS_REC),
+            "nosuid" => flags.insert(MsFlags::MS_NOSUID),
+            "nodev" => flags.insert(MsFlags::MS_NODEV),
+            "noexec" => flags.insert(MsFlags::MS_NOEXEC),
+            "noatime" => flags.insert(MsFlags::MS_NOATIME),
+            "relatime" => flags.insert(MsFlags::MS_RELATIME),
+            // Propagation is the container's business (libcontainer applies it); defaults name
+            // no change.
+            "rprivate" | "private" | "rslave" | "slave" | "rshared" | "shared" | "defaults" | "suid" | "dev"
+            | "exec" | "async" => {}
+            other => data.push(other.to_string()),
+        }
+    }
+    (flags, (!data.is_empty()).then(|| data.join(",")))
+}
+
+/// Whether an OCI mount binds a host path (the ones whose sources come through view/).
+fn is_bind(m: &Value) -> bool {
+    m.get("type").and_then(Value::as_str) == Some("bind")
+        || m.get("options")
+            .and_then(Value::as_array)
+            .is_some_and(|o| o.iter().any(|v| matches!(v.as_str(), Some("bind" | "rbind"))))
+}
+
+fn options_of(m: &Value) -> Vec<String> {
+    m.get("options")
+        .and_then(Value::as_array)
+        .map(|o| o.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// A path as the C string the mount system calls take.
+fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T, Errno> {
+    path.with_nix_path(f)
+}
+
+/// Clones the mount at `source` (with everything below it if `recursive`) as a detached tree,
+/// makes it read-only if asked, and attaches it at `target`, so that it is born with its flags
+/// and every propagated copy has them (module docs).
+fn attach_clone(source: &Path, target: &Path, recursive: bool, read_only: bool) -> Result<(), Errno> {
+    let rec = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
+    let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | rec;
+    let fd = with_cpath(source, |src| {
+        // SAFETY: open_tree(2) with a valid NUL-terminated path and plain flags; it returns a new
+        // descriptor or -1, nothing else is touched.
+        unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, src.as_ptr(), flags) }
+    })?;
+    let fd = i32::try_from(Errno::result(fd)?).map_err(|_| Errno::EBADF)?;
+    // SAFETY: open_tree just returned this descriptor; nothing else owns it.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd) };
+    if read_only {
+        let attr = libc::mount_attr { attr_set: libc::MOUNT_ATTR_RDONLY, attr_clr: 0, propagation: 0, userns_fd: 0 };
+        let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
+        // SAFETY: mount_setattr(2) on our detached tree's descriptor, an empty path (a static
+        // C string), and a mount_attr of the size passed, which outlives the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                at,
+                &attr as *const libc::mount_attr,
+                std::mem::size_of::<libc::mount_attr>(),
+            )
+        };
+        Errno::result(rc)?;
+    }
+    let rc = with_cpath(target, |to| {
+        // SAFETY: move_mount(2) from our detached tree's descriptor (empty path, a static C
+        // string) to a valid NUL-terminated target path.
+        unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        }
+    })?;
+    Errno::result(rc).map(drop)
+}
+
+/// Creates `path` as an empty directory, or an empty file if `file`, with no symlink followed.
+fn make_point(path: &Path, file: bool) -> Result<(), NsMountError> {
+    if file {
+        use nix::fcntl::OFlag;
+        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        nix::fcntl::open(path, flags, nix::sys::stat::Mode::from_bits_truncate(0o644))
+            .map(drop)
+            .map_err(|e| NsMountError::Io { what: "create", path: path.to_owned(), source: e.into() })
+    } else {
+        std::fs::DirBuilder::new().mode(0o755).create(path).map_err(io("create", path))
+    }
+}
+
+fn flags_only(target: &Path, flags: MsFlags, what: &str) -> Result<(), NsMountError> {
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(mount_err(what, target))
+}
+
+/// The pod's container mounts on the host (module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodMounts {
+    /// Host-only: where the shim mounts (`<pod>/rootfs`).
+    mounts: PathBuf,
+    /// The agent's read-only view of `mounts` (`<pod>/view`).
+    view: PathBuf,
+}
+
+impl PodMounts {
+    pub fn new(paths: &PodPaths) -> Self {
+        Self { mounts: paths.rootfs_dir(), view: paths.dir.join("view") }
+    }
+
+    /// The directory the agent's minimal root keeps (its `--share-dir`).
+    pub fn view(&self) -> &Path {
+        &self.view
+    }
+
+    /// Makes both directories and their mounts (module docs). Before the launcher starts, so
+    /// the agent's copy of `view` receives what is mounted later.
+    pub fn create(&self) -> Result<(), NsMountError> {
+        for (dir, mode) in [(&self.mounts, 0o700), (&self.view, 0o755)] {
+            std::fs::DirBuilder::new().mode(mode).create(dir).map_err(io("create", dir))?;
+        }
+        mount(Some(&self.mounts), &self.mounts, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(mount_err("bind onto itself", &self.mounts))?;
+        flags_only(&self.mounts, MsFlags::MS_PRIVATE, "private")?;
+        flags_only(&self.mounts, MsFlags::MS_SHARED, "shared")?;
+        mount(Some(&self.mounts), &self.view, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(mount_err(format!("bind {}", self.mounts.display()), &self.view))?;
+        let read_only = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY;
+        flags_only(&self.view, read_only | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, "read-only")?;
+        flags_only(&self.view, MsFlags::MS_SLAVE, "slave")
+    }
+
+    fn container_dir(&self, id: &str) -> Result<PathBuf, NsMountError> {
+        bulkhead_protocol::stream::validate_id(id).map_err(|_| NsMountError::Id(id.to_string()))?;
+        Ok(self.mounts.join(id))
+    }
+
+    /// Mounts container `id`'s rootfs from containerd's `mounts` (or a bind of `bundle_rootfs`
+    /// when there are none) and the sources of its spec's bind mounts, whose sources `spec` then
+    /// names in the view. Returns the rootfs's path in the view (the agent's rootfs path). On
+    /// failure, whatever was done is undone.
+    pub fn prepare(
+        &self,
+        id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        spec: &mut Value,
+    ) -> Result<PathBuf, NsMountError> {
+        let dir = self.container_dir(id)?;
+        let result = self.prepare_in(&dir, id, bundle_rootfs, mounts, spec);
+        if result.is_err() {
+            self.release(id);
+        }
+        result
+    }
+
+    fn prepare_in(
+        &self,
+        dir: &Path,
+        id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        spec: &mut Value,
+    ) -> Result<PathBuf, NsMountError> {
+        let seen = self.view.join(id);
+        let rootfs = dir.join("rootfs");
+        let volumes = dir.join("volumes");
+        for d in [dir, &rootfs, &volumes] {
+            make_point(d, false)?;
+        }
+        if mounts.is_empty() {
+            mount(Some(bundle_rootfs), &rootfs, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+                .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), &rootfs))?;
+        }
+        for m in mounts {
+            let (flags, data) = parse_options(&m.options);
+            let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
+            mount(Some(m.source.as_str()), &rootfs, fstype, flags, data.as_deref())
+                .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), &rootfs))?;
+        }
+
+        let list = spec.pointer_mut("/mounts").and_then(Value::as_array_mut);
+        for (index, m) in list.into_iter().flatten().enumerate() {
+            if !is_bind(m) {
+                continue;
+            }
+            let bad = |reason: String| NsMountError::Spec { index, reason };
+            let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or_default());
+            if !source.is_absolute() {
+                return Err(bad(format!("bind source {:?} is not an absolute host path", source.display())));
+            }
+            let meta = std::fs::metadata(&source).map_err(|e| bad(format!("bind source {}: {e}", source.display())))?;
+            let target = volumes.join(index.to_string());
+            make_point(&target, !meta.is_dir())?;
+            let options = options_of(m);
+            let recursive = options.iter().any(|o| o == "rbind");
+            let read_only = options.iter().any(|o| o == "ro");
+            attach_clone(&source, &target, recursive, read_only)
+                .map_err(mount_err(format!("volume {}", source.display()), &target))?;
+            m["source"] = Value::String(seen.join("volumes").join(index.to_string()).display().to_string());
+        }
+        Ok(seen.join("rootfs"))
+    }
+
+    /// Unmounts what [`PodMounts::prepare`] mounted for `id` (its copies in the view and in the
+    /// agent go with it) and removes its mount points; idempotent. Never removes anything below
+    /// a mount that stayed.
+    pub fn release(&self, id: &str) {
+        let Ok(dir) = self.container_dir(id) else { return };
+        unmount_all(&dir);
+        let left = mounts_below(&dir);
+        if !left.is_empty() {
+            warn!(container = id, mounts = ?left, "container mounts stayed; leaving their mount points");
+            return;
+        }
+        remove_mount_points(&dir);
+    }
+}
+
+/// Removes `dir` bottom-up, only empty directories and empty files: what [`PodMounts::prepare`]
+/// made as mount points. Anything else (a mount that came back, data) stays and is reported.
+fn remove_mount_points(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => remove_mount_points(&path),
+                Ok(t) if t.is_file() && entry.metadata().is_ok_and(|m| m.len() == 0) => {
+                    if let Err(e) = std::fs::remove_file(&path) {
+                        warn!(path = %path.display(), "remove mount point: {e}");
+                    }
+                }
+                _ => warn!(path = %path.display(), "not a mount point of ours; left"),
+            }
+        }
+    }
+    if let Err(e) = std::fs::remove_dir(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            warn!(path = %dir.display(), "remove: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn options_split_into_flags_and_data() {
+        let (flags, data) = parse_options(&["ro".into(), "lowerdir=/a:/b".into(), "index=off".into()]);
+        assert_eq!(flags, MsFlags::MS_RDONLY);
+        assert_eq!(data.as_deref(), Some("lowerdir=/a:/b,index=off"));
+        let (flags, data) = parse_options(&["rbind".into(), "rprivate".into(), "rw".into()]);
+        assert_eq!(flags, MsFlags::MS_BIND | MsFlags::MS_REC);
+        assert_eq!(data, None);
+    }
+
+    #[test]
+    fn binds_are_found_by_type_or_option() {
+        assert!(is_bind(&json!({"type": "bind", "source": "/a", "destination": "/b"})));
+        assert!(is_bind(&json!({"source": "/a", "destination": "/b", "options": ["rbind", "ro"]})));
+        assert!(!is_bind(&json!({"type": "tmpfs", "source": "tmpfs", "destination": "/tmp"})));
+    }
+
+    #[test]
+    fn the_view_is_a_sibling_the_agent_keeps_and_ids_stay_plain() {
+        let paths = PodPaths::new(Path::new("/run/bh"), "pod1").unwrap();
+        let pod = PodMounts::new(&paths);
+        assert_eq!(pod.view(), Path::new("/run/bh/pod1/view"));
+        assert_eq!(pod.container_dir("c1").unwrap(), Path::new("/run/bh/pod1/rootfs/c1"));
+        for bad in ["", "..", "a/b", "/x"] {
+            assert!(matches!(pod.container_dir(bad), Err(NsMountError::Id(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn removal_takes_only_empty_mount_points() {
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("c1");
+        std::fs::create_dir_all(dir.join("rootfs")).unwrap();
+        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
+        std::fs::write(dir.join("volumes/1"), b"").unwrap();
+        remove_mount_points(&dir);
+        assert!(!dir.exists());
+        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
+        std::fs::write(dir.join("volumes/0/precious"), b"data").unwrap();
+        remove_mount_points(&dir);
+        assert_eq!(std::fs::read(dir.join("volumes/0/precious")).unwrap(), b"data");
+    }
+
+    /// Unmounts everything below the test's scratch dir, also when the test fails.
+    struct Unmount(PathBuf);
+
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            unmount_all(&self.0);
+        }
+    }
+
+    /// As root: a container's rootfs and volumes are mounted below rootfs/, appear in the
+    /// read-only view and in a mount namespace copied before they existed (the agent's case),
+    /// a read-only volume is read-only there too, the spec names the view, and release leaves
+    /// nothing. Skipped without root.
+    #[test]
+    fn prepared_mounts_reach_an_earlier_slave_copy_read_only_where_asked() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: prepared_mounts_reach_an_earlier_slave_copy_read_only_where_asked: needs root");
+            return;
+        }
+        let scratch = tempfile::tempdir_in("/run").unwrap();
+        let _unmount = Unmount(scratch.path().to_owned());
+        let paths = PodPaths::new(scratch.path(), "pod").unwrap();
+        std::fs::create_dir_all(&paths.dir).unwrap();
+        let pod = PodMounts::new(&paths);
+        pod.create().unwrap();
+
+        // The agent's side: a process whose mount namespace was copied now, made a slave,
+        // watches for what comes later (no thread of this test process may unshare).
+        let (ready_r, ready_w) = std::io::pipe().unwrap();
+        let (go_r, go_w) = std::io::pipe().unwrap();
+        let view = pod.view().to_owned();
+        let script = format!(
+            "mount --make-rslave / && echo ready && read _ && \
+             cat {v}/c1/rootfs/hello && cat {v}/c1/volumes/0/data && \
+             (touch {v}/c1/volumes/1/x 2>/dev/null && echo ro-volume-writable || echo ro-volume-refused) && \
+             (mkdir {v}/planted 2>/dev/null && echo view-writable || echo view-refused)",
+            v = view.display()
+        );
+        let mut child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "unchanged", "sh", "-c", &script])
+            .stdin(go_r)
+            .stdout(ready_w)
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(ready_r));
+        assert_eq!(lines.next().unwrap().unwrap(), "ready");
+
+        let bundle_rootfs = scratch.path().join("bundle-rootfs");
+        std::fs::create_dir_all(&bundle_rootfs).unwrap();
+        std::fs::write(bundle_rootfs.join("hello"), "from-rootfs\n").unwrap();
+        let rw = scratch.path().join("rw");
+        let ro = scratch.path().join("ro");
+        std::fs::create_dir_all(&rw).unwrap();
+        std::fs::create_dir_all(&ro).unwrap();
+        std::fs::write(rw.join("data"), "from-volume\n").unwrap();
+        let mut spec = json!({"mounts": [
+            {"destination": "/data", "type": "bind", "source": rw, "options": ["rbind", "rw"]},
+            {"destination": "/cfg", "type": "bind", "source": ro, "options": ["rbind", "ro"]},
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+        ]});
+        let rootfs = pod.prepare("c1", &bundle_rootfs, &[], &mut spec).unwrap();
+        assert_eq!(rootfs, view.join("c1/rootfs"));
+        assert_eq!(spec["mounts"][0]["source"], json!(view.join("c1/volumes/0")));
+        assert_eq!(spec["mounts"][1]["source"], json!(view.join("c1/volumes/1")));
+        assert_eq!(spec["mounts"][2]["source"], json!("proc"), "non-bind mounts are left alone");
+
+        std::io::Write::write_all(&mut &go_w, b"go\n").unwrap();
+        drop(go_w);
+        let out: Vec<String> = lines.map(|l| l.unwrap()).collect();
+        assert!(child.wait().unwrap().success(), "{out:?}");
+        assert_eq!(out, ["from-rootfs", "from-volume", "ro-volume-refused", "view-refused"]);
+        // On the host too, the read-only volume is read-only in the view, and the source stays writable.
+        assert!(std::fs::write(view.join("c1/volumes/1/x"), b"x").is_err());
+        std::fs::write(ro.join("y"), b"y").unwrap();
+
+        pod.release("c1");
+        assert!(mounts_below(&paths.rootfs_dir())
+            .iter()
+            .chain(mounts_below(&view).iter())
+            .all(|m| m == &paths.rootfs_dir() || m == &view));
+        assert!(!paths.rootfs("c1").exists());
+        assert!(pod.prepare("../x", &bundle_rootfs, &[], &mut json!({})).is_err());
+    }
+}
