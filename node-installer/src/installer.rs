@@ -46,6 +46,22 @@ pub enum WhileInUse {
     Force,
 }
 
+/// How long uninstall lets processes without a live pod finish: a pod's shim exits moments after containerd removed
+/// the pod, and a `start` or `delete` containerd runs ends in moments too. Live pods are never waited for.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// What runs, once processes that belong to no live pod have had [`SETTLE`] to end.
+async fn settled_usage(layout: &Layout) -> Result<usage::Usage> {
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    loop {
+        let u = usage::scan(layout)?;
+        if !u.pods.is_empty() || u.processes.is_empty() || tokio::time::Instant::now() >= deadline {
+            return Ok(u);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Install steps, in order. `run_install` walks them; each is idempotent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
@@ -253,7 +269,7 @@ impl Installer<'_> {
         let s = &self.settings;
         // Under the lock, so no install starts a version between the check and the removal. A pod that starts in
         // between (the handler is still wired) is the same as one started a moment before a forced uninstall.
-        match (usage::scan(&s.layout), policy) {
+        match (settled_usage(&s.layout).await, policy) {
             (Ok(u), WhileInUse::Refuse) if !u.is_idle() => {
                 let prefix = s.layout.view(&s.layout.prefix);
                 return Err(Error::InUse { pods: u.pods.len(), summary: u.summary(), prefix });

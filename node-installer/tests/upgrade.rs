@@ -142,3 +142,53 @@ async fn uninstall_of_an_idle_node_needs_no_force() {
     inst.uninstall().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(node.snapshot(), before);
 }
+
+/// A process of the test's own, ended (by its PID) when dropped if it still runs.
+struct Spawned(std::process::Child);
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on the PID of a child this test spawned and has not reaped (checked just above).
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// The installed shim binary (an ELF copy of sleep) run for `secs`, with no pod record: like a `start` or `delete`
+/// containerd runs, or a shim on its way out after its pod was removed.
+fn shim_process(node: &support::Node, secs: &str) -> Spawned {
+    let shim = node.root().join("opt/bulkhead/current/containerd-shim-bulkhead-v2");
+    Spawned(std::process::Command::new(shim).arg(secs).spawn().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uninstall_lets_a_process_without_a_pod_end_and_refuses_one_that_stays() {
+    if !support::can_run_containerd() {
+        return;
+    }
+    let node = support::node(true);
+    support::elf_shim(&node);
+    let before = node.snapshot();
+    let ctd = support::Containerd::start(&node);
+    let inst = Installer { settings: settings(&node, "1.0"), restarter: &ctd, nodes: None, fail: FailPoints::none() };
+    inst.install().await.unwrap();
+
+    let (_brief, stays) = (shim_process(&node, "1"), shim_process(&node, "3600"));
+    let started = std::time::Instant::now();
+    let msg = inst.uninstall().await.unwrap_err().to_string();
+    assert!(started.elapsed() >= std::time::Duration::from_secs(5), "waited for processes to end: {msg}");
+    let pid = stays.0.id();
+    assert!(
+        msg.contains(&format!(
+            "0 bulkhead pods run on this node; 1 process executes installed files (1.0: pids [{pid}])"
+        )),
+        "{msg}"
+    );
+    drop(stays);
+
+    let _brief = shim_process(&node, "1");
+    inst.uninstall().await.unwrap_or_else(|e| panic!("a process that ends on its own does not block: {e}"));
+    assert_eq!(node.snapshot(), before);
+}
