@@ -1,0 +1,317 @@
+//! The `namespace` backend's confinement, end to end through a private containerd and CRI
+//! (README: "The `namespace` backend gives no VM isolation"): the pod's agent runs in a minimal
+//! root, without the host's files or another pod's, with the capabilities the READMEs state and
+//! no_new_privs unset; the shim's container mounts reach it read-only where asked; containers
+//! asking for more than containerd's default capabilities are refused by name; containers that
+//! ask for nothing special still run as before (setuid allowed, a non-root user, exec, a
+//! read-only rootfs).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::{
+    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+    RuntimeHandler,
+};
+use k8s_cri::v1 as cri;
+
+const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
+
+/// The agent's capabilities after its drop, as the READMEs state them: containerd's default
+/// container set (CHOWN, DAC_OVERRIDE, FSETID, FOWNER, MKNOD, NET_RAW, SETGID, SETUID, SETFCAP,
+/// SETPCAP, NET_BIND_SERVICE, SYS_CHROOT, KILL, AUDIT_WRITE) plus SYS_ADMIN and SYS_PTRACE.
+const AGENT_CAPS: &str = "00000000a82c25fb";
+/// containerd's default container set alone: what a container gets.
+const CONTAINER_CAPS: &str = "00000000a80425fb";
+
+struct Env {
+    containerd: Containerd,
+    cri: Cri,
+    state_dir: tempfile::TempDir,
+    _config_dir: tempfile::TempDir,
+}
+
+async fn setup(test: &str) -> Result<Option<Env>> {
+    if skip_if_unready(test) {
+        return Ok(None);
+    }
+    let agent = workspace_bin("bulkhead-agent");
+    let shim = workspace_bin("containerd-shim-bulkhead-v2");
+    for bin in [&agent, &shim] {
+        if !bin.is_file() {
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
+            );
+            return Ok(None);
+        }
+    }
+    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("bulkhead.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+            state_dir.path().display(),
+            agent.display()
+        ),
+    )?;
+    let handlers = vec![RuntimeHandler::bulkhead(Some(&config))];
+    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let cri = containerd.cri().await?;
+    Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
+}
+
+impl Env {
+    fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
+        Ok(pod_config(name, &self.containerd.new_log_dir(name)?))
+    }
+
+    fn fail_context(&self) -> String {
+        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+    }
+
+    /// Creates and starts `ctr` in `pod_id`, waiting until it runs.
+    async fn run(&self, pod_id: &str, pod: &cri::PodSandboxConfig, ctr: &cri::ContainerConfig) -> Result<String> {
+        let id = self.cri.create_container(pod_id, ctr, pod).await.with_context(|| self.fail_context())?;
+        self.cri.start_container(&id).await?;
+        self.cri.wait_container(&id, Duration::from_secs(10), |s| s.state == RUNNING).await?;
+        Ok(id)
+    }
+
+    /// A pod's directory below the shim's state dir.
+    fn pod_dir(&self, pod_id: &str) -> PathBuf {
+        self.state_dir.path().join(pod_id)
+    }
+}
+
+fn sleeper(name: &str) -> cri::ContainerConfig {
+    container_config(name, &["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.2; done"])
+}
+
+fn security(ctr: &mut cri::ContainerConfig) -> &mut cri::LinuxContainerSecurityContext {
+    ctr.linux.get_or_insert_with(Default::default).security_context.get_or_insert_with(Default::default)
+}
+
+/// The pod's agent, once it runs from its minimal root (after it executed itself again there).
+async fn agent_pid(pod_id: &str) -> Result<u32> {
+    for _ in 0..100 {
+        let found: Vec<u32> = processes_with(pod_id)
+            .into_iter()
+            .filter(|(_, cmd)| cmd.starts_with("/bulkhead-agent ") && cmd.contains("--in-minimal-root"))
+            .map(|(pid, _)| pid)
+            .collect();
+        match found.as_slice() {
+            [pid] => return Ok(*pid),
+            [] => tokio::time::sleep(Duration::from_millis(50)).await,
+            more => bail!("more than one agent for {pod_id}: {more:?}"),
+        }
+    }
+    bail!("no agent in its minimal root for pod {pod_id}")
+}
+
+fn status_field(pid: u32, field: &str) -> Result<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .map(|v| v.trim().to_string())
+        .with_context(|| format!("{field} not in /proc/{pid}/status"))
+}
+
+/// Runs `busybox args...` (the container image's own busybox, reached through the pod's view)
+/// inside the agent's mount namespace and root, as root: what a container process that got out
+/// of its own root into the agent's would see. Returns (success, stdout + stderr).
+fn in_agent_root(agent: u32, busybox: &Path, args: &[&str]) -> Result<(bool, String)> {
+    let out = std::process::Command::new("nsenter")
+        .args(["--target", &agent.to_string(), "--mount", "--root", "--wd=/"])
+        .arg(busybox)
+        .args(args)
+        .output()
+        .context("nsenter")?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    Ok((out.status.success(), text))
+}
+
+/// The source the agent got for the mount at `destination` of container `ctr` (its bundle's
+/// config.json, as the agent wrote it from the shim's rewritten spec).
+fn agent_mount_source(pod_dir: &Path, ctr: &str, destination: &str) -> Result<String> {
+    let config = pod_dir.join("agent/bundles").join(ctr).join("config.json");
+    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&config)?)?;
+    let mounts = spec["mounts"].as_array().context("mounts")?;
+    let m = mounts.iter().find(|m| m["destination"] == destination).with_context(|| format!("no {destination}"))?;
+    Ok(m["source"].as_str().context("source")?.to_string())
+}
+
+#[tokio::test]
+async fn the_agent_sees_neither_the_hosts_files_nor_another_pod() -> Result<()> {
+    let Some(env) = setup("the_agent_sees_neither_the_hosts_files_nor_another_pod").await? else { return Ok(()) };
+    let host_shadow = std::fs::read_to_string("/etc/shadow").context("the host's /etc/shadow")?;
+    let shadow_line = host_shadow.lines().next().context("an empty /etc/shadow")?.to_string();
+
+    let (rw, ro) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    std::fs::write(ro.path().join("config"), "from-the-host\n")?;
+    let pod_a = env.pod("confined-a")?;
+    let a = env.cri.run_pod_sandbox(&pod_a, "bulkhead").await.with_context(|| env.fail_context())?;
+    let mut ctr = sleeper("a");
+    ctr.mounts = vec![
+        cri::Mount { container_path: "/data".into(), host_path: rw.path().display().to_string(), ..Default::default() },
+        cri::Mount {
+            container_path: "/ro".into(),
+            host_path: ro.path().display().to_string(),
+            readonly: true,
+            ..Default::default()
+        },
+    ];
+    let ctr_a = env.run(&a, &pod_a, &ctr).await?;
+    let pod_b = env.pod("confined-b")?;
+    let b = env.cri.run_pod_sandbox(&pod_b, "bulkhead").await.with_context(|| env.fail_context())?;
+    let ctr_b = env.run(&b, &pod_b, &sleeper("b")).await?;
+    let (agent_a, agent_b) = (agent_pid(&a).await?, agent_pid(&b).await?);
+
+    // From the host, through the agent's root: no /etc, no other pod, no containerd state.
+    for agent in [agent_a, agent_b] {
+        let root = PathBuf::from(format!("/proc/{agent}/root"));
+        assert!(!root.join("etc/shadow").exists(), "the agent {agent} can read /etc/shadow");
+        assert!(!root.join("var").exists(), "containerd's state (/var/lib/...) is in the agent's root");
+    }
+    let root_a = PathBuf::from(format!("/proc/{agent_a}/root"));
+    assert!(root_a.join(env.pod_dir(&a).strip_prefix("/")?).exists());
+    assert!(!root_a.join(env.pod_dir(&b).strip_prefix("/")?).exists(), "pod a's agent sees pod b");
+    // In the pod's own directory only its state and its view of the container mounts.
+    let mut kept: Vec<String> = std::fs::read_dir(root_a.join(env.pod_dir(&a).strip_prefix("/")?))?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<_>>()?;
+    kept.sort();
+    assert_eq!(kept, ["agent", "view"], "the shim's own files (pid file, records, sockets) stay outside");
+
+    // From inside the agent's mount namespace, as root, with the container's own busybox.
+    let rootfs_a = PathBuf::from(agent_mount_source(&env.pod_dir(&a), &ctr_a, "/data")?)
+        .parent()
+        .and_then(Path::parent)
+        .context("view/<ctr>/volumes/<n>")?
+        .join("rootfs");
+    let busybox = rootfs_a.join("bin/busybox");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["cat", "/etc/shadow"])?;
+    assert!(!ok && !text.contains(&shadow_line), "host's /etc/shadow read from the agent's root: {text}");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["ls", &env.state_dir.path().display().to_string()])?;
+    assert!(ok, "{text}");
+    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), [a.as_str()], "other pods listed: {text}");
+    let rootfs_b = env.pod_dir(&b).join("view").join(&ctr_b).join("rootfs/bin");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["ls", &rootfs_b.display().to_string()])?;
+    assert!(!ok, "pod b's rootfs from pod a's agent: {text}");
+    // The view is read-only, and so is a read-only volume in it (bound read-only from the start).
+    let view_a = env.pod_dir(&a).join("view");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["mkdir", &view_a.join("planted").display().to_string()])?;
+    assert!(!ok && text.contains("Read-only"), "{text}");
+    let ro_source = agent_mount_source(&env.pod_dir(&a), &ctr_a, "/ro")?;
+    assert!(ro_source.starts_with(&view_a.display().to_string()), "{ro_source}");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["touch", &format!("{ro_source}/planted")])?;
+    assert!(!ok && text.contains("Read-only"), "a read-only volume is writable in the agent: {text}");
+    let (ok, text) = in_agent_root(agent_a, &busybox, &["cat", &format!("{ro_source}/config")])?;
+    assert!(ok && text == "from-the-host\n", "{text}");
+
+    // From inside the container: no host file, the read-only volume read-only, the rw one written.
+    let out = env.cri.exec_sync(&ctr_a, &["sh", "-c", "cat /etc/shadow; cat /proc/1/root/etc/shadow"], 10).await?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.exit_code != 0 && !text.contains(&shadow_line), "{text}");
+    let out = env.cri.exec_sync(&ctr_a, &["sh", "-c", "touch /ro/x || echo refused; echo w > /data/f"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "refused\n");
+    assert_eq!(std::fs::read_to_string(rw.path().join("f"))?, "w\n");
+    assert!(!ro.path().join("x").exists());
+
+    // The agent's capabilities and no_new_privs are what the READMEs state.
+    for agent in [agent_a, agent_b] {
+        for set in ["CapEff", "CapPrm", "CapBnd"] {
+            assert_eq!(status_field(agent, set)?, AGENT_CAPS, "{set} of agent {agent}");
+        }
+        assert_eq!(status_field(agent, "CapInh")?, "0000000000000000");
+        assert_eq!(status_field(agent, "CapAmb")?, "0000000000000000");
+        assert_eq!(status_field(agent, "NoNewPrivs")?, "0", "no_new_privs is left unset on the agent");
+    }
+
+    for (pod, ctr) in [(&a, &ctr_a), (&b, &ctr_b)] {
+        env.cri.stop_pod_sandbox(pod).await?;
+        env.cri.remove_pod_sandbox(pod).await?;
+        let dir = env.pod_dir(pod);
+        eventually_nothing("the pod's mounts and state", Duration::from_secs(15), || {
+            let mut left: Vec<String> = [pod.as_str(), ctr.as_str()].iter().flat_map(|id| mounts_with(id)).collect();
+            if dir.exists() {
+                left.push(dir.display().to_string());
+            }
+            left
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<()> {
+    let Some(env) = setup("containers_keep_the_default_capabilities_and_nothing_more").await? else {
+        return Ok(());
+    };
+    let pod = env.pod("capabilities")?;
+    let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.fail_context())?;
+
+    // Asking for more than containerd's default set is refused, naming what was asked for (and
+    // the container never runs):
+    // CAP_SYS_ADMIN (mounts: host root without a VM), CAP_DAC_READ_SEARCH (open_by_handle_at
+    // reaches any host file), CAP_SYS_PTRACE (the agent keeps it, a container never gets it).
+    for (add, name) in
+        [("SYS_ADMIN", "CAP_SYS_ADMIN"), ("DAC_READ_SEARCH", "CAP_DAC_READ_SEARCH"), ("SYS_PTRACE", "CAP_SYS_PTRACE")]
+    {
+        let mut ctr = sleeper(&format!("add-{}", add.to_lowercase().replace('_', "-")));
+        security(&mut ctr).capabilities =
+            Some(cri::Capability { add_capabilities: vec![add.into()], ..Default::default() });
+        // CRI makes the task (and so asks the agent) at StartContainer.
+        let id = env.cri.create_container(&pod_id, &ctr, &pod).await?;
+        let err = env.cri.start_container(&id).await.unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains(name) && text.contains("namespace backend"), "{add}: {text}");
+    }
+
+    // A container asking for nothing: containerd's default set, and setuid binaries still
+    // raise privileges (no_new_privs unset) unless the container asks for no_new_privs.
+    let probe = "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status";
+    let plain = env.run(&pod_id, &pod, &sleeper("plain")).await?;
+    let out = env.cri.exec_sync(&plain, &["sh", "-c", probe], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.contains(&format!("CapEff:\t{CONTAINER_CAPS}")) && text.contains("NoNewPrivs:\t0"), "{text}");
+    let mut nnp = sleeper("nnp");
+    security(&mut nnp).no_new_privs = true;
+    let nnp = env.run(&pod_id, &pod, &nnp).await?;
+    let out = env.cri.exec_sync(&nnp, &["sh", "-c", probe], 10).await?;
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NoNewPrivs:\t1"), "{out:?}");
+
+    // A non-root container: it runs, and exec into it works (the agent needs its
+    // CAP_SYS_PTRACE to join the namespaces of a process of another user).
+    let mut user = sleeper("user");
+    security(&mut user).run_as_user = Some(cri::Int64Value { value: 1000 });
+    let user = env.run(&pod_id, &pod, &user).await?;
+    let out = env.cri.exec_sync(&user, &["id", "-u"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "1000\n", "{out:?}");
+    // A read-only rootfs (made read-only by libcontainer in the container, over the shim's mount).
+    let mut read_only = sleeper("readonly");
+    security(&mut read_only).readonly_rootfs = true;
+    let read_only = env.run(&pod_id, &pod, &read_only).await?;
+    let out = env.cri.exec_sync(&read_only, &["sh", "-c", "touch /x 2>&1; touch /tmp/y 2>&1"], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.matches("Read-only file system").count() == 2, "{text}");
+
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    let dir = env.pod_dir(&pod_id);
+    eventually_nothing("the pod's state", Duration::from_secs(15), || {
+        let mut left = mounts_with(&pod_id);
+        if dir.exists() {
+            left.push(dir.display().to_string());
+        }
+        left
+    })
+    .await
+}
