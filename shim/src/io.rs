@@ -1,20 +1,35 @@
 //! stdio plumbing: containerd's stdio targets (FIFOs, or `file://` log paths) on one side,
 //! the agent's stream connections on the other. Kept out of the RPC code.
 //!
-//! - Outputs (stdout/stderr, or the TTY's output) are copied until the agent closes the
-//!   stream; [`IoSession::wait_output`] lets the exit path drain them before TaskExit.
+//! - Outputs (stdout/stderr, or the TTY's output) are relayed until the agent closes the
+//!   stream, through a bounded buffer of [`OUTPUT_BUFFER`] bytes per stream: the agent's side is
+//!   always read, so a slow or absent reader on containerd's side (a stalled log reader, a
+//!   containerd restart) costs the oldest bytes, counted in [`OutputDrops`], never the stream.
+//!   [`IoSession::finish`] lets the exit path drain them before TaskExit.
 //! - stdin (or the TTY's input) is copied until containerd's CloseIO, which half-closes the
 //!   agent stream. FIFOs are opened read-write so opening never blocks and containerd's
 //!   reopening never yields a spurious EOF.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bulkhead_protocol::stream::StreamKind;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::watch;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
+
+/// Output held per stream while containerd's side does not keep up (1 MiB, as the agent's own
+/// backlog): past it the oldest bytes go.
+pub const OUTPUT_BUFFER: usize = 1 << 20;
+/// Largest write handed to containerd's side at once.
+const WRITE_CHUNK: usize = 64 * 1024;
+
+/// Bytes of the pod's output the shim dropped (added to the agent's in the pod's metrics).
+pub type OutputDrops = Arc<AtomicU64>;
 
 use crate::agent::{AgentClient, AgentError};
 
@@ -147,33 +162,38 @@ fn open_reader(target: &Target) -> Result<Option<Box<dyn AsyncRead + Send + Unpi
 /// Live copies of one process's stdio.
 pub struct IoSession {
     outputs: Vec<JoinHandle<()>>,
+    /// The outputs' buffers, for counting what an abandoned drain leaves behind.
+    buffers: Vec<Arc<Buffer>>,
     close_stdin: watch::Sender<bool>,
     stdin: Option<JoinHandle<()>>,
+    drops: OutputDrops,
 }
 
 impl IoSession {
     /// A session with nothing attached (the sandbox's stand-in process).
     pub fn empty() -> Self {
         let (close_stdin, _) = watch::channel(false);
-        Self { outputs: Vec::new(), close_stdin, stdin: None }
+        Self { outputs: Vec::new(), buffers: Vec::new(), close_stdin, stdin: None, drops: OutputDrops::default() }
     }
 
-    /// Opens containerd's targets and the agent streams, and starts copying.
+    /// Opens containerd's targets and the agent streams, and starts copying; output the shim
+    /// has to drop is counted in `drops`.
     pub async fn attach(
         agent: &AgentClient,
         container_id: &str,
         exec_id: Option<&str>,
         stdio: &Stdio,
+        drops: OutputDrops,
     ) -> Result<Self, IoError> {
         let (stdin, stdout, stderr) = (&stdio.stdin, &stdio.stdout, &stdio.stderr);
         let (close_tx, close_rx) = watch::channel(false);
-        let mut session = Self { outputs: Vec::new(), close_stdin: close_tx, stdin: None };
+        let mut session = Self { outputs: Vec::new(), buffers: Vec::new(), close_stdin: close_tx, stdin: None, drops };
         let span = tracing::Span::current();
         if stdio.terminal {
             let stream = agent.open_stream(container_id, exec_id, StreamKind::Tty).await?;
             let (read, write) = stream.into_split();
             if let Some(out) = open_writer(stdout).await? {
-                session.outputs.push(tokio::spawn(copy_out(read, out, "tty").instrument(span.clone())));
+                session.relay(read, out, "tty", &span);
             }
             if let Some(input) = open_reader(stdin)? {
                 session.stdin = Some(tokio::spawn(copy_in(input, write, close_rx).instrument(span.clone())));
@@ -187,10 +207,20 @@ impl IoSession {
         for (target, kind, name) in [(stdout, StreamKind::Stdout, "stdout"), (stderr, StreamKind::Stderr, "stderr")] {
             if let Some(out) = open_writer(target).await? {
                 let stream = agent.open_stream(container_id, exec_id, kind).await?;
-                session.outputs.push(tokio::spawn(copy_out(stream, out, name).instrument(span.clone())));
+                session.relay(stream, out, name, &span);
             }
         }
         Ok(session)
+    }
+
+    fn relay<R, W>(&mut self, from: R, to: W, name: &'static str, span: &tracing::Span)
+    where
+        R: AsyncRead + Send + Unpin + 'static,
+        W: AsyncWrite + Send + Unpin + 'static,
+    {
+        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, self.drops.clone()));
+        self.buffers.push(buffer.clone());
+        self.outputs.push(tokio::spawn(relay_out(from, to, name, buffer).instrument(span.clone())));
     }
 
     /// containerd's CloseIO: end the process's stdin.
@@ -204,7 +234,8 @@ impl IoSession {
         let outputs = std::mem::take(&mut self.outputs);
         let aborts: Vec<_> = outputs.iter().map(|h| h.abort_handle()).collect();
         if tokio::time::timeout(limit, futures_join_all(outputs)).await.is_err() {
-            warn!("stdio still open {limit:?} after exit; closing it");
+            let left: usize = self.buffers.iter().map(|b| b.abandon()).sum();
+            warn!(undelivered_bytes = left, "stdio still open {limit:?} after exit; closing it");
             aborts.iter().for_each(|a| a.abort());
         }
         self.close_stdin();
@@ -229,16 +260,131 @@ async fn futures_join_all(handles: Vec<JoinHandle<()>>) {
     }
 }
 
-async fn copy_out<R, W>(mut from: R, mut to: W, name: &'static str)
+/// One output stream's bytes between the agent's side and containerd's: bounded, oldest
+/// dropped (and counted) when full.
+struct Buffer {
+    state: Mutex<BufferState>,
+    ready: Notify,
+    capacity: usize,
+    drops: OutputDrops,
+}
+
+#[derive(Default)]
+struct BufferState {
+    bytes: VecDeque<u8>,
+    /// The agent's side ended: what is left is the last of it.
+    closed: bool,
+    /// Bytes dropped since the buffer last ran empty (one warning per episode).
+    dropped_now: u64,
+}
+
+impl Buffer {
+    fn new(capacity: usize, drops: OutputDrops) -> Self {
+        Self { state: Mutex::default(), ready: Notify::new(), capacity, drops }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BufferState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds `chunk`, dropping the oldest bytes past capacity.
+    fn push(&self, chunk: &[u8], name: &str) {
+        let mut state = self.lock();
+        let over = (state.bytes.len() + chunk.len()).saturating_sub(self.capacity);
+        if over > 0 {
+            let from_old = over.min(state.bytes.len());
+            state.bytes.drain(..from_old);
+            if state.dropped_now == 0 {
+                warn!(stream = name, "containerd's side is not reading: dropping the oldest output");
+            }
+            state.dropped_now += over as u64;
+            self.drops.fetch_add(over as u64, Ordering::Relaxed);
+        }
+        let keep = &chunk[chunk.len().saturating_sub(self.capacity)..];
+        state.bytes.extend(keep);
+        drop(state);
+        self.ready.notify_one();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_one();
+    }
+
+    /// The next bytes to write; empty once closed and drained.
+    async fn next(&self, name: &str) -> Vec<u8> {
+        loop {
+            {
+                let mut state = self.lock();
+                if !state.bytes.is_empty() {
+                    let n = state.bytes.len().min(WRITE_CHUNK);
+                    return state.bytes.drain(..n).collect();
+                }
+                if state.dropped_now > 0 {
+                    info!(stream = name, dropped_bytes = state.dropped_now, "output flows again");
+                    state.dropped_now = 0;
+                }
+                if state.closed {
+                    return Vec::new();
+                }
+            }
+            self.ready.notified().await;
+        }
+    }
+
+    /// Gives up on what is still held (the drain ran out of time): counted as dropped.
+    fn abandon(&self) -> usize {
+        let mut state = self.lock();
+        let left = state.bytes.len();
+        state.bytes.clear();
+        self.drops.fetch_add(left as u64, Ordering::Relaxed);
+        left
+    }
+}
+
+/// Relays one output stream: the agent's side is read into `buffer` at once, always, while
+/// containerd's side is written at its own pace.
+async fn relay_out<R, W>(mut from: R, mut to: W, name: &'static str, buffer: Arc<Buffer>)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    match tokio::io::copy(&mut from, &mut to).await {
-        Ok(n) => debug!(stream = name, bytes = n, "output closed"),
-        Err(e) => debug!(stream = name, "output copy ended: {e}"),
-    }
-    let _ = to.flush().await;
+    let read = async {
+        let mut chunk = vec![0u8; 16 * 1024];
+        let mut total = 0u64;
+        loop {
+            match from.read(&mut chunk).await {
+                Ok(0) => break,
+                Ok(n) => {
+                    total += n as u64;
+                    buffer.push(&chunk[..n], name);
+                }
+                Err(e) => {
+                    debug!(stream = name, "output read ended: {e}");
+                    break;
+                }
+            }
+        }
+        buffer.close();
+        debug!(stream = name, bytes = total, "output closed");
+    };
+    let write = async {
+        loop {
+            let bytes = buffer.next(name).await;
+            if bytes.is_empty() {
+                break;
+            }
+            if let Err(e) = to.write_all(&bytes).await {
+                // The target is gone for good (a file that fails): the rest has nowhere to go.
+                warn!(stream = name, "output write failed: {e}; dropping the rest");
+                buffer.drops.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                while !buffer.next(name).await.is_empty() {}
+                break;
+            }
+        }
+        let _ = to.flush().await;
+    };
+    tokio::join!(read, write);
 }
 
 async fn copy_in<R, W>(mut from: R, mut to: W, mut close: watch::Receiver<bool>)
@@ -295,7 +441,8 @@ mod tests {
         let mut reader = tokio::net::unix::pipe::OpenOptions::new().open_receiver(&fifo).unwrap();
         let writer = open_writer(&Target::Fifo(fifo.clone())).await.unwrap().unwrap();
         let (mut agent_side, shim_side) = tokio::io::duplex(64);
-        let task = tokio::spawn(copy_out(shim_side, writer, "stdout"));
+        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, OutputDrops::default()));
+        let task = tokio::spawn(relay_out(shim_side, writer, "stdout", buffer));
         agent_side.write_all(b"hello").await.unwrap();
         drop(agent_side);
         task.await.unwrap();
@@ -312,5 +459,43 @@ mod tests {
         let mut rest = Vec::new();
         tokio::io::AsyncReadExt::read_to_end(&mut agent_end, &mut rest).await.unwrap();
         assert!(rest.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_stalled_reader_costs_the_oldest_bytes_counted_never_the_stream() {
+        // containerd's side accepts nothing (a 4 KiB pipe nobody reads); the agent's side writes
+        // 64 KiB through a 16 KiB buffer and is never held up.
+        let (agent_side, shim_side) = tokio::io::duplex(1024);
+        let (stalled, mut later) = tokio::io::duplex(4096);
+        let drops = OutputDrops::default();
+        let buffer = Arc::new(Buffer::new(16 * 1024, drops.clone()));
+        let relay = tokio::spawn(relay_out(shim_side, stalled, "stdout", buffer.clone()));
+        let mut agent_side = agent_side;
+        let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 251) as u8).collect();
+        tokio::time::timeout(Duration::from_secs(10), agent_side.write_all(&data))
+            .await
+            .expect("the agent's side never waits for the reader")
+            .unwrap();
+        drop(agent_side);
+        // Only now the reader comes back: it gets what the pipe held, then the newest bytes.
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), later.read_to_end(&mut got)).await.unwrap().unwrap();
+        relay.await.unwrap();
+        let dropped = drops.load(Ordering::Relaxed) as usize;
+        assert!(dropped > 0, "something was dropped");
+        assert_eq!(got.len() + dropped, data.len(), "every byte delivered or counted");
+        assert!(data.ends_with(&got[got.len() - 16 * 1024..]), "the newest bytes arrive");
+    }
+
+    #[test]
+    fn a_chunk_larger_than_the_buffer_keeps_its_end() {
+        let drops = OutputDrops::default();
+        let buffer = Buffer::new(4, drops.clone());
+        buffer.push(b"ab", "stdout");
+        buffer.push(b"cdefgh", "stdout");
+        assert_eq!(buffer.lock().bytes.iter().copied().collect::<Vec<_>>(), b"efgh");
+        assert_eq!(drops.load(Ordering::Relaxed), 4);
+        assert_eq!(buffer.abandon(), 4);
+        assert_eq!(drops.load(Ordering::Relaxed), 8);
     }
 }

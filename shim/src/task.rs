@@ -265,7 +265,9 @@ impl TaskService {
         };
         let attach = async {
             let pid = agent.create_container(create).await?;
-            let session = IoSession::attach(&agent, &req.id, None, &stdio).await.map_err(TaskError::from)?;
+            let session = IoSession::attach(&agent, &req.id, None, &stdio, self.metrics.output_drops())
+                .await
+                .map_err(TaskError::from)?;
             Ok::<_, TaskError>((pid, session))
         };
         let (pid, session) = match attach.await {
@@ -324,7 +326,8 @@ impl TaskService {
         if let Some(exec_id) = &core.exec_id {
             // The agent holds the process's output until its streams attach.
             let agent = self.agent().await?;
-            match IoSession::attach(&agent, &core.container_id, Some(exec_id), &core.stdio).await {
+            let drops = self.metrics.output_drops();
+            match IoSession::attach(&agent, &core.container_id, Some(exec_id), &core.stdio, drops).await {
                 Ok(session) => *core.io.lock().await = session,
                 Err(e) => {
                     // An exec whose output nobody can read must not run on unseen.

@@ -9,8 +9,10 @@
 //! - `bulkhead_sandbox_up`, `bulkhead_agent_up`: the sandbox's process runs; the agent answered a
 //!   Version call on the shim's own connection during this scrape.
 //! - `bulkhead_sandbox_info{backend,agent_version,agent_mode}`.
-//! - `bulkhead_output_dropped_bytes_total`: container output the agent dropped because no shim
-//!   stream was attached while its backlog overflowed (reported in the agent's Version answer).
+//! - `bulkhead_output_dropped_bytes_total`: container output dropped on its way: by the agent
+//!   because no shim stream was attached while its backlog overflowed (reported in the agent's
+//!   Version answer), plus what the shim's own per-stream buffers dropped while containerd's
+//!   side did not read (`crate::io`).
 //! - `bulkhead_restarts_total{component="agent"|"vmm"}`: restarts by a supervisor
 //!   ([`PodMetrics::record_restart`]); neither backend restarts anything yet, so they stay 0.
 //! - `bulkhead_sandbox_resident_memory_bytes{process}`, `bulkhead_sandbox_cpu_seconds_total{process}`:
@@ -74,6 +76,8 @@ struct SandboxCollector {
     attached: Mutex<Option<Attached>>,
     /// The agent's count at its last answer.
     dropped_output: AtomicU64,
+    /// What the shim itself dropped of the pod's output (containerd's side not reading).
+    shim_dropped_output: crate::io::OutputDrops,
 }
 
 impl std::fmt::Debug for SandboxCollector {
@@ -134,10 +138,13 @@ impl Collector for SandboxCollector {
         )?;
         info.encode(family.encode_family(&labels)?)?;
 
-        let dropped = ConstCounter::new(self.dropped_output.load(Ordering::Relaxed));
+        let dropped = ConstCounter::new(
+            self.dropped_output.load(Ordering::Relaxed) + self.shim_dropped_output.load(Ordering::Relaxed),
+        );
         dropped.encode(encoder.encode_descriptor(
             "bulkhead_output_dropped_bytes",
-            "Container output the agent dropped (backlog full, no stream attached)",
+            "Container output dropped on its way to containerd: by the agent (backlog full, no stream \
+             attached) or by the shim (containerd's side not reading)",
             None,
             dropped.metric_type(),
         )?)?;
@@ -201,6 +208,11 @@ impl PodMetrics {
         let sandbox = Arc::new(SandboxCollector::default());
         registry.register_collector(Box::new(sandbox.clone()));
         Self { registry, rpc, restarts, agent_up, sandbox, server: Mutex::new(None) }
+    }
+
+    /// The counter the pod's stdio relays add their dropped bytes to.
+    pub fn output_drops(&self) -> crate::io::OutputDrops {
+        self.sandbox.shim_dropped_output.clone()
     }
 
     /// Records one Task RPC.
