@@ -107,6 +107,12 @@ const TASK_SERVICE_V3: &str = "containerd.task.v3.Task";
 async fn serve(flags: &Flags) -> anyhow::Result<()> {
     anyhow::ensure!(!flags.socket.is_empty(), "-socket is required in serve mode");
     crate::logging::init(flags.debug, &flags.namespace, &flags.id);
+    // A session and process group of our own: however containerd is stopped (a terminal's ^C,
+    // a process-group kill), its pods' shims stay, and containerd finds them again through the
+    // bundle's address file when it returns.
+    if let Err(e) = nix::unistd::setsid() {
+        tracing::warn!("setsid: {e}; the shim shares containerd's session");
+    }
     // stderr is /dev/null once serving: a panic must reach the shim log.
     std::panic::set_hook(Box::new(|info| tracing::error!("panic: {info}")));
     let socket_path = flags.socket.strip_prefix("unix://").unwrap_or(&flags.socket).to_string();

@@ -128,6 +128,7 @@ pub struct Containerd {
     log: PathBuf,
     stream_port: u16,
     cni: Option<CniNetwork>,
+    umask: Option<u32>,
 }
 
 impl Containerd {
@@ -147,10 +148,11 @@ impl Containerd {
             dir,
             stream_port,
             cni: config.cni_bridge.then(|| CniNetwork::for_port(stream_port)),
+            umask: config.umask,
         };
         // From here on, `this` cleans up after itself if anything below fails.
         this.write_config(&config)?;
-        this.spawn(config.umask)?;
+        this.spawn()?;
         this.wait_ready().await?;
         this.import_images().await?;
         Ok(this)
@@ -295,9 +297,27 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         Ok(())
     }
 
-    fn spawn(&mut self, umask: Option<u32>) -> Result<()> {
+    /// Stops containerd by PID with SIGTERM, as systemd stops it (`KillMode=process`): its shims
+    /// and their pods stay. Its config, root and state stay too, for [`Containerd::start_again`].
+    pub fn stop(&mut self) {
+        self.stop_daemon();
+    }
+
+    /// Starts the stopped containerd again on the same config, root and state, and waits until
+    /// CRI answers: it finds its tasks again through their shims.
+    pub async fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("containerd is still running");
+        }
+        self.spawn()?;
+        self.wait_ready().await
+    }
+
+    fn spawn(&mut self) -> Result<()> {
         use std::os::unix::process::CommandExt;
-        let log = std::fs::File::create(&self.log)?;
+        let umask = self.umask;
+        // Appended: a restarted containerd's log follows the first one's.
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let mut command = Command::new(CONTAINERD);
         command
             .arg("--config")
@@ -394,6 +414,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         }
     }
 
+    /// Shims of this containerd that outlived it (a test that failed before its pods were
+    /// removed): they run in sessions of their own, so nothing else stops them. Found by the
+    /// address they serve, killed by PID.
+    fn kill_leftover_shims(&self) {
+        let address = format!("-address {}", self.socket.display());
+        for (pid, cmdline) in crate::host::processes_with(&address) {
+            if cmdline.contains("containerd-shim") {
+                eprintln!("harness: killing leftover shim {pid}");
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
+        }
+    }
+
     fn stop_daemon(&mut self) {
         let Some(mut child) = self.child.take() else { return };
         let pid = Pid::from_raw(child.id() as i32);
@@ -416,6 +449,7 @@ impl Drop for Containerd {
             self.remove_pods_blocking();
         }
         self.stop_daemon();
+        self.kill_leftover_shims();
         if let Some(cni) = &self.cni {
             // The bridge plugin never removes its bridge; with the pods gone it is ours to remove.
             let _ = Command::new("ip").args(["link", "del", &cni.bridge]).output();
