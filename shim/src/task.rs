@@ -61,6 +61,8 @@ pub struct TaskService {
     pod_workloads: Arc<Mutex<HashSet<String>>>,
     /// Processes whose TaskExit is still to come; the sandbox's exit is published after them.
     pending_exits: Arc<crate::watch::PendingExits>,
+    /// The config the pod's sandbox was created with ([`TaskService::config`]).
+    config: tokio::sync::Mutex<Option<Arc<Config>>>,
     /// Parent of every RPC's span: the pod this shim serves.
     pod_span: tracing::Span,
     backends: Arc<dyn sandbox::Backends>,
@@ -98,6 +100,7 @@ impl TaskService {
             oom_reported: Default::default(),
             pod_workloads: Default::default(),
             pending_exits: Default::default(),
+            config: Default::default(),
             exit,
             metrics: Arc::new(PodMetrics::new()),
         }
@@ -128,10 +131,23 @@ impl TaskService {
             .ok_or_else(|| TaskError::FailedPrecondition("the pod sandbox is not running".into()))
     }
 
-    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, TaskError> {
+    /// The shim's config: read once, at the first Create (the pod's sandbox), and kept for the
+    /// shim's life. A changed file applies to new pods; a pod's later containers never meet a
+    /// config (or a release's new keys) their sandbox was not started with.
+    async fn config(&self, req: &CreateTaskRequest) -> Result<Arc<Config>, TaskError> {
+        let mut loaded = self.config.lock().await;
+        if let Some(config) = loaded.as_ref() {
+            return Ok(config.clone());
+        }
         let config_path = crate::options::config_path_from_options(req.options.as_ref())?
             .unwrap_or_else(|| DEFAULT_CONFIG_PATH.to_string());
-        let config = Config::load(Path::new(&config_path))?;
+        let config = Arc::new(Config::load(Path::new(&config_path))?);
+        *loaded = Some(config.clone());
+        Ok(config)
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, TaskError> {
+        let config = self.config(&req).await?;
         let bundle = PathBuf::from(&req.bundle);
         let spec = BundleSpec::load(&bundle)?;
         let stdio = Stdio::parse(StdioPaths {

@@ -772,3 +772,25 @@ async fn the_shims_sockets_are_0600_whatever_the_umask() -> Result<()> {
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await
 }
+
+#[tokio::test]
+async fn a_pods_containers_keep_the_config_its_sandbox_started_with() -> Result<()> {
+    let test = "a_pods_containers_keep_the_config_its_sandbox_started_with";
+    let Some(env) = setup(test, vec![]).await? else { return Ok(()) };
+    let pod = env.pod("config-once")?;
+    let (pod_id, _) =
+        env.pod_with(&pod, &sleeper("first", &unique("first"))).await.with_context(|| env.fail_context())?;
+    // An update lands a config this release cannot read (a newer release's key, say).
+    let config = env._config_dir.path().join("bulkhead.toml");
+    let original = std::fs::read_to_string(&config)?;
+    std::fs::write(&config, format!("{original}\nkey_of_a_newer_release = true\n"))?;
+    // The running pod's next container still starts, on the config its sandbox had.
+    let second = env.cri.create_container(&pod_id, &sleeper("second", &unique("second")), &pod).await?;
+    env.cri.start_container(&second).await.with_context(|| env.fail_context())?;
+    // A new pod reads the file as it is now, and says what is wrong with it.
+    let err = env.cri.run_pod_sandbox(&env.pod("new-pod")?, "bulkhead").await.err().context("a bad config")?;
+    assert!(format!("{err:#}").contains("key_of_a_newer_release"), "{err:#}");
+    std::fs::write(&config, original)?;
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await
+}
