@@ -160,6 +160,23 @@ pub fn build(root: &Path, keep: &Keep, sys: &dyn Syscall) -> anyhow::Result<()> 
 
     for (dir, is_state) in keep.ordered() {
         check_kept(dir)?;
+        // A kept directory below one of the loader's links would be made through it (outside the
+        // root, before the pivot); a loader path below a kept directory would be hidden by it.
+        let overlap = keep.loader.iter().find_map(|e| {
+            let path = match e {
+                Entry::Dir(_) => return None,
+                Entry::Symlink { link, .. } => link,
+                Entry::File(file) => file,
+            };
+            (dir.starts_with(path) || path.starts_with(dir)).then_some(path)
+        });
+        if let Some(path) = overlap {
+            anyhow::bail!(
+                "kept directory {} overlaps {}, which the agent's loader needs",
+                dir.display(),
+                path.display()
+            );
+        }
         let target = inside(root, dir);
         mkdir(sys, &target)?;
         // Not recursive: nothing mounted below it at this moment comes along (the root's own
@@ -398,6 +415,22 @@ mod tests {
         let keep =
             Keep { exe: "/a".into(), loader: vec![], state_dir: "/s".into(), share_dirs: vec!["/a/../etc".into()] };
         assert!(build(Path::new("/s/.root"), &keep, &sys).is_err());
+    }
+
+    #[test]
+    fn kept_directories_stay_clear_of_the_loaders_paths() {
+        let loader = vec![
+            Entry::Symlink { link: "/lib".into(), target: "usr/lib".into() },
+            Entry::Dir("/usr".into()),
+            Entry::File("/usr/lib/libc.so.6".into()),
+        ];
+        for (dir, fine) in
+            [("/run/bh/state", true), ("/usr/local/state", true), ("/lib/bh", false), ("/usr/lib", false)]
+        {
+            let keep = Keep { exe: "/a".into(), loader: loader.clone(), state_dir: dir.into(), share_dirs: vec![] };
+            let built = build(Path::new("/r"), &keep, &RecordingSyscall::default());
+            assert_eq!(built.is_ok(), fine, "{dir}: {built:?}");
+        }
     }
 
     #[test]
