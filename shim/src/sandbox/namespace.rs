@@ -107,7 +107,11 @@ impl NamespaceSandbox {
                 agent_path.display()
             )));
         }
-        req.cgroup.write_record(&paths.cgroup_file()).map_err(io("write cgroup record"))?;
+        if let Err(e) = req.cgroup.write_record(&paths.cgroup_file()) {
+            // The pod's mounts and metadata filter are already in place: nothing may stay.
+            cleanup(&paths).await;
+            return Err(io("write cgroup record")(e));
+        }
         let socket = paths.agent_socket();
         if socket.as_os_str().len() >= SUN_PATH_MAX {
             cleanup(&paths).await;
