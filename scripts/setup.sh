@@ -98,4 +98,107 @@ cached_crate() {
 cached_crate virtiofsd 1.14.0 virtiofsd
 cached_crate vhost-device-vsock 0.3.0 vhost-device-vsock
 
+# Test-only containerd lines beside the system's 1.6 (tests/integration/src/containerd.rs picks one per test:
+# BULKHEAD_CONTAINERD=1.6|1.7|2.1): Debian's own packages of newer suites, fetched with apt through a private
+# sources list, lists and cache under $cache/apt, and unpacked with dpkg-deb -x into $cache/<package>-<version>/.
+# Nothing is installed: the system's sources, package lists and packages stay as they are. Each version is fetched
+# once, keyed by version; $cache/<package>-<line> links to the pinned one and is what the tests use.
+# Move a pin here when Debian drops that version (setup says so); the tests print the version they run on.
+CONTAINERD_17=1.7.24~ds1-6+deb13u1 # trixie
+CONTAINERD_21=2.1.9+ds1-5          # sid
+RUNC_13=1.3.6+ds1-1                # sid: containerd 2.1's tested runc (its script/setup/runc-version)
+DEBIAN_MIRROR=${BULKHEAD_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+apt_dir="$cache/apt"
+apt_opts=(
+  -o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o Dir::Etc::sourceparts=-
+  -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o "Dir::Cache::archives=$apt_dir/archives"
+)
+apt_updated=
+private_apt_update() {
+  [[ -n $apt_updated ]] && return
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache" "$apt_dir/archives/partial" "$apt_dir/download"
+  # bookworm only for patchelf (below), built for this system's libraries.
+  local keyring=/usr/share/keyrings/debian-archive-keyring.gpg suite
+  : >"$apt_dir/sources.list"
+  for suite in bookworm trixie sid; do
+    echo "deb [signed-by=$keyring] $DEBIAN_MIRROR $suite main" >>"$apt_dir/sources.list"
+  done
+  # apt downloads as _apt where it can: let it write its partial dirs.
+  if id _apt >/dev/null 2>&1; then
+    chown _apt:root "$apt_dir/lists/partial" "$apt_dir/archives/partial" "$apt_dir/download"
+  fi
+  log "updating the private package lists in $apt_dir (bookworm, trixie, sid)"
+  apt-get "${apt_opts[@]}" -q update >/dev/null
+  apt_updated=1
+}
+
+# Downloads package=version (or package/suite) into $apt_dir/download and prints the .deb's path. A pinned
+# version Debian no longer carries fails setup with how to move the pin.
+fetch_deb() {
+  local want=$1 pin_var=$2 name=${1%%[=/]*}
+  private_apt_update
+  rm -f "$apt_dir/download/${name}_"*.deb
+  if ! (cd "$apt_dir/download" && apt-get "${apt_opts[@]}" -q download "$want" >/dev/null 2>"$apt_dir/download.err"); then
+    grep -v '^W:' "$apt_dir/download.err" >&2 || true
+    if [[ -n $pin_var ]]; then
+      log "$want is not in Debian's archive any more. See what is there now with:" >&2
+      log "  apt-cache ${apt_opts[*]} policy $name" >&2
+      log "then move $pin_var in scripts/setup.sh to that version and run make setup again" >&2
+    fi
+    exit 1
+  fi
+  ls "$apt_dir/download/${name}_"*.deb
+}
+
+# Unpacks the pinned package into $cache/<name>-<version>/ (once), links $cache/<name>-<line> to it, and checks
+# that `<binary> --version` runs and names the version.
+cached_deb() {
+  local name=$1 version=$2 line=$3 pin_var=$4 binary=$5
+  local root="$cache/$name-$version"
+  if [[ -x "$root/$binary" ]]; then
+    log "$name $version present in $root"
+  else
+    log "fetching $name $version into $root"
+    private_apt_update # here, not in fetch_deb's subshell: once per run
+    local deb
+    deb=$(fetch_deb "$name=$version" "$pin_var")
+    rm -rf "$root.tmp" && mkdir -p "$root.tmp"
+    dpkg-deb -x "$deb" "$root.tmp"
+    rm -f "$deb"
+    if [[ $name == runc ]]; then
+      runnable_runc "$root.tmp"
+    fi
+    rm -rf "$root" && mv "$root.tmp" "$root"
+  fi
+  local upstream=${version%%[~+]*} said
+  said=$("$root/$binary" --version 2>&1) || true
+  if [[ $said != *"$upstream"* ]]; then
+    log "$root/$binary does not run here or is not $upstream: $said" >&2
+    exit 1
+  fi
+  ln -sfn "$root" "$cache/$name-$line"
+}
+
+# sid's runc needs glibc 2.38 (__isoc23_strtol); Debian 12 has 2.36. Give it a loader and libraries of its own:
+# trixie's libc6 and libseccomp2 unpacked beside it, named by its ELF interpreter and runpath (bookworm's patchelf,
+# unpacked, not installed). `runc init` re-executes the same file, so it runs on the same loader; the container's
+# own processes are exec'd afresh and never see these libraries.
+runnable_runc() {
+  local root=$1 deb
+  for pkg in libc6/trixie libseccomp2/trixie patchelf/bookworm; do
+    deb=$(fetch_deb "$pkg" "")
+    dpkg-deb -x "$deb" "$root/runtime"
+    dpkg-deb -f "$deb" Package Version | paste -sd' ' >>"$root/runtime/VERSIONS"
+    rm -f "$deb"
+  done
+  # The libraries' final place: $root is renamed into place after this.
+  local libs="${root%.tmp}/runtime/usr/lib/x86_64-linux-gnu"
+  "$root/runtime/usr/bin/patchelf" --set-interpreter "$libs/ld-linux-x86-64.so.2" --set-rpath "$libs" \
+    "$root/usr/sbin/runc"
+}
+
+cached_deb containerd "$CONTAINERD_17" 1.7 CONTAINERD_17 usr/bin/containerd
+cached_deb containerd "$CONTAINERD_21" 2.1 CONTAINERD_21 usr/bin/containerd
+cached_deb runc "$RUNC_13" 1.3 RUNC_13 usr/sbin/runc
+
 log "done"
