@@ -5,9 +5,12 @@
 //! toolchain without sanitizer support. A body returns normally for any input; a panic (or a
 //! sanitizer report) is a bug in the decoder under test, never in the input.
 //!
-//! Boundaries: only PUBLIC APIs of `bulkhead-vmm` and `bulkhead-protocol` are used; this crate
+//! Boundaries: only PUBLIC APIs of `bulkhead-vmm`, `bulkhead-protocol` and `bulkhead-shim` are used; this crate
 //! never patches them. Guest memory is a small in-memory `GuestMemoryMmap` so that fuzzed
 //! addresses land inside it often enough to reach the interesting paths.
+
+mod shim;
+pub use shim::{agent_reply, shim_options, shim_spec};
 
 use std::cell::RefCell;
 use std::future::Future;

@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 13] = [
+const BODIES: [(&str, Body); 16] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -20,6 +20,9 @@ const BODIES: [(&str, Body); 13] = [
     ("virtio_net", bulkhead_fuzz::virtio_net),
     ("api_request", bulkhead_fuzz::api_request),
     ("balloon_report", bulkhead_fuzz::balloon_report),
+    ("agent_reply", bulkhead_fuzz::agent_reply),
+    ("shim_options", bulkhead_fuzz::shim_options),
+    ("shim_spec", bulkhead_fuzz::shim_spec),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -56,6 +59,26 @@ fn seeds() -> Vec<Vec<u8>> {
         .concat(),
     ];
     s.push(StreamHeader::new("ctr", Some("exec-1"), StreamKind::Tty).encode().expect("valid header"));
+    // shim_spec: a CRI sandbox spec with every annotation and field the shim reads.
+    s.push(
+        br#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox","io.kubernetes.cri.sandbox-cpu-quota":"150000","io.kubernetes.cri.sandbox-cpu-period":"100000","io.kubernetes.cri.sandbox-memory":"268435456","io.kubernetes.cri.sandbox-log-directory":"/var/log/pods/x"},"hostname":"pod","linux":{"cgroupsPath":"kubepods-burstable-pod1.slice:cri-containerd:sb1","namespaces":[{"type":"pid"},{"type":"ipc"},{"type":"network","path":"/var/run/netns/x"},{"type":"cgroup"}],"sysctl":{"net.ipv4.ping_group_range":"0 1"}},"process":{"args":["sh"],"apparmorProfile":"p"},"mounts":[{"destination":"/dev/shm","type":"bind","source":"/x"}]}"#
+            .to_vec(),
+    );
+    // shim_options: runtimeoptions.v1.Options with a type URL and a config path; a config.
+    let (url, path) = (&b"type.googleapis.com/runtimeoptions.v1.Options"[..], &b"/etc/bulkhead/config.toml"[..]);
+    s.push([&[0x0a, url.len() as u8][..], url, &[0x12, path.len() as u8], path].concat());
+    s.push(b"backend = \"vm\"\nstate_dir = \"/run/bulkhead\"\n[vm]\njail_id_first = 5\njail_id_count = 2\n".to_vec());
+    // agent_reply: each kind, encoded as the agent would.
+    use protobuf::Message;
+    let wait = bulkhead_protocol::agent::WaitProcessResponse {
+        exit_code: 137,
+        oom_killed: true,
+        exited_at_unix_nanos: 1,
+        ..Default::default()
+    };
+    s.push([&[0u8][..], &wait.write_to_bytes().expect("encodes")].concat());
+    let oom = bulkhead_protocol::agent::OomEvent { container_id: "c1".into(), ..Default::default() };
+    s.push([&[1u8][..], &oom.write_to_bytes().expect("encodes")].concat());
     s
 }
 

@@ -94,8 +94,9 @@ pub struct AgentExit {
     pub at_unix_nanos: i64,
 }
 
-/// Checks the agent's exit report: an exit status 0..=255, or 128+signal.
-fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentError> {
+/// Checks the agent's exit report: an exit status 0..=255, or 128+signal. (Public for the fuzz
+/// crate's `agent_reply` target, as the other checks of guest-made replies here.)
+pub fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentError> {
     let bad = |what: String| AgentError::BadReply { method: "WaitProcess", what };
     let code = u32::try_from(reply.exit_code).map_err(|_| bad(format!("negative exit code {}", reply.exit_code)))?;
     if code > 255 {
@@ -108,7 +109,7 @@ fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentEr
 }
 
 /// An OOM event must at least name a well-formed container id.
-fn check_oom_event(event: pb::OomEvent) -> Result<pb::OomEvent, AgentError> {
+pub fn check_oom_event(event: pb::OomEvent) -> Result<pb::OomEvent, AgentError> {
     bulkhead_protocol::stream::validate_id(&event.container_id)
         .map_err(|e| AgentError::BadReply { method: "GetOomEvent", what: format!("container id: {e}") })?;
     Ok(event)
@@ -139,7 +140,7 @@ fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentError {
 }
 
 /// `text` cut to at most `max` bytes on a character boundary, saying how much was cut.
-fn bounded_text(text: &str, max: usize) -> String {
+pub fn bounded_text(text: &str, max: usize) -> String {
     if text.len() <= max {
         return text.to_string();
     }

@@ -1,0 +1,86 @@
+//! Fuzz bodies for the shim's decoders of what the agent (a hostile guest) and containerd send:
+//! the agent's replies as the shim checks and converts them, and the runtime options, config
+//! and OCI spec (with the CRI annotations it reads) as containerd hands them over.
+
+use bulkhead_protocol::agent as pb;
+use bulkhead_shim::config::{Backend, Config};
+use bulkhead_shim::spec::{self, BundleSpec};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use protobuf::Message;
+
+/// The first byte picks the reply; the rest is its protobuf encoding, as a guest could send it.
+pub fn agent_reply(data: &[u8]) {
+    let Some((&kind, body)) = data.split_first() else { return };
+    match kind % 5 {
+        0 => {
+            if let Ok(reply) = pb::WaitProcessResponse::parse_from_bytes(body) {
+                if let Ok(exit) = bulkhead_shim::agent::exit_from_reply(&reply) {
+                    assert!(exit.code <= 255);
+                    let _ = bulkhead_shim::exit::ExitInfo::from_agent(exit.code, exit.at_unix_nanos, exit.oom_killed);
+                }
+            }
+        }
+        1 => {
+            if let Ok(event) = pb::OomEvent::parse_from_bytes(body) {
+                if let Ok(event) = bulkhead_shim::agent::check_oom_event(event) {
+                    assert!(bulkhead_protocol::stream::validate_id(&event.container_id).is_ok());
+                }
+            }
+        }
+        2 => {
+            if let Ok(stats) = pb::StatsResponse::parse_from_bytes(body) {
+                let _ = bulkhead_shim::trans::metrics(&stats);
+            }
+        }
+        3 => {
+            // An agent's error text, cut once for every log line and CRI answer.
+            let text = String::from_utf8_lossy(body);
+            let cut = bulkhead_shim::agent::bounded_text(&text, bulkhead_shim::agent::MAX_AGENT_ERROR);
+            assert!(cut.len() <= bulkhead_shim::agent::MAX_AGENT_ERROR + 64);
+        }
+        _ => {
+            let _ = pb::VersionResponse::parse_from_bytes(body);
+            let _ = pb::CreateContainerResponse::parse_from_bytes(body);
+            let _ = pb::ExecProcessResponse::parse_from_bytes(body);
+        }
+    }
+}
+
+/// containerd's runtime options (`runtimeoptions.v1.Options` in an Any) and the config file they
+/// name, as the shim reads them at Create.
+pub fn shim_options(data: &[u8]) {
+    let any = Any {
+        type_url: "type.googleapis.com/runtimeoptions.v1.Options".into(),
+        value: data.to_vec(),
+        ..Default::default()
+    };
+    if let Ok(Some(path)) = bulkhead_shim::options::config_path_from_options(Some(&any)) {
+        assert!(!path.is_empty());
+    }
+    let text = String::from_utf8_lossy(data);
+    if let Ok(config) = Config::parse(std::path::Path::new("/fuzz.toml"), &text) {
+        assert!(config.state_dir.is_absolute());
+    }
+}
+
+/// A bundle's OCI spec with the CRI annotations the shim reads, and an exec's process, through
+/// every check and translation, for both backends.
+pub fn shim_spec(data: &[u8]) {
+    let _ = spec::exec_process_json(data, Backend::Vm);
+    let _ = spec::exec_process_json(data, Backend::Namespace);
+    let Ok(spec) = BundleSpec::from_bytes(data) else { return };
+    let _ = spec.role();
+    let _ = spec.pod_resources();
+    let _ = spec.log_directory();
+    let _ = spec.sysctls();
+    let _ = spec.hostname();
+    let _ = (spec.pod_name(), spec.pod_namespace());
+    let cgroup = bulkhead_shim::sandbox::cgroups::PodCgroup::for_pod("sb1", "k8s.io", spec.cgroups_path());
+    assert!(cgroup.sandbox().starts_with(&cgroup.parent), "the sandbox's cgroup stays below its parent");
+    for backend in [Backend::Vm, Backend::Namespace] {
+        let _ = spec.validate_sandbox(backend);
+        if let Ok(json) = spec.translate_container(42, backend) {
+            assert!(serde_json::from_slice::<serde_json::Value>(&json).is_ok());
+        }
+    }
+}
