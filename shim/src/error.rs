@@ -27,6 +27,9 @@ pub enum TaskError {
     Agent(#[from] AgentError),
     #[error(transparent)]
     Io(#[from] IoError),
+    /// What bulkhead does not do, and why: never a silent success.
+    #[error("{0}")]
+    Unimplemented(String),
     #[error("{0}")]
     Internal(String),
 }

@@ -10,10 +10,10 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::api::{
-    CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse, DeleteRequest,
-    ExecProcessRequest, KillRequest, PauseRequest, PidsRequest, PidsResponse, ResizePtyRequest, ResumeRequest,
-    ShutdownRequest, StartRequest, StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse,
-    UpdateTaskRequest, WaitRequest, WaitResponse,
+    CheckpointTaskRequest, CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
+    DeleteRequest, ExecProcessRequest, KillRequest, PauseRequest, PidsRequest, PidsResponse, ResizePtyRequest,
+    ResumeRequest, ShutdownRequest, StartRequest, StartResponse, StateRequest, StateResponse, StatsRequest,
+    StatsResponse, UpdateTaskRequest, WaitRequest, WaitResponse,
 };
 use containerd_shim::protos::cgroups::metrics::Metrics;
 use containerd_shim::protos::protobuf::well_known_types::empty::Empty;
@@ -658,7 +658,14 @@ impl Task for TaskService {
 
     async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
         let Some(agent) = self.workload_agent(&req.id).await? else {
-            return Ok(Empty::new());
+            // The sandbox task stands for the pod: its VM (or namespace sandbox) keeps the shape
+            // it started with, so nothing here could honour new limits.
+            return Err(TaskError::Unimplemented(format!(
+                "update of the pod sandbox {}: bulkhead does not resize a running sandbox; update \
+                 the containers' resources, which the guest applies",
+                req.id
+            ))
+            .into());
         };
         let resources = req.resources.as_ref().map(|any| any.value.clone()).unwrap_or_default();
         if resources.len() > MAX_JSON {
@@ -666,6 +673,11 @@ impl Task for TaskService {
         }
         agent.update_container(&req.id, resources).await.map_err(TaskError::from)?;
         Ok(Empty::new())
+    }
+
+    async fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        Err(TaskError::Unimplemented(format!("checkpoint of {}: bulkhead does not checkpoint containers", req.id))
+            .into())
     }
 
     async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {

@@ -20,7 +20,7 @@ impl From<TaskError> for ttrpc::Error {
             TaskError::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
             TaskError::InvalidArgument(_) | TaskError::Config(_) | TaskError::Spec(_) => Code::INVALID_ARGUMENT,
             TaskError::Agent(a) => a.code().unwrap_or(Code::UNKNOWN),
-            TaskError::Sandbox(SandboxError::Unsupported { .. }) => Code::UNIMPLEMENTED,
+            TaskError::Sandbox(SandboxError::Unsupported { .. }) | TaskError::Unimplemented(_) => Code::UNIMPLEMENTED,
             _ => Code::UNKNOWN,
         };
         let message = match &e {

@@ -20,8 +20,8 @@ use bulkhead_shim::process::ExitInfo;
 use bulkhead_shim::sandbox::{Backends, ContainerPlan, Sandbox, SandboxError, SandboxRequest};
 use bulkhead_shim::task::TaskService;
 use containerd_shim::api::{
-    CreateTaskRequest, DeleteRequest, ExecProcessRequest, KillRequest, PauseRequest, ResumeRequest, StartRequest,
-    StateRequest, StatsRequest, WaitRequest,
+    CheckpointTaskRequest, CreateTaskRequest, DeleteRequest, ExecProcessRequest, KillRequest, PauseRequest,
+    ResumeRequest, StartRequest, StateRequest, StatsRequest, UpdateTaskRequest, WaitRequest,
 };
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::MessageDyn;
@@ -40,6 +40,7 @@ type Key = (String, String);
 struct FakeAgent {
     exits: Mutex<HashMap<Key, watch::Sender<Option<i32>>>>,
     oom_event_for: Mutex<Vec<String>>,
+    updated: Mutex<Vec<String>>,
 }
 
 impl FakeAgent {
@@ -107,6 +108,11 @@ impl Agent for FakeAgent {
         };
         Ok(pb::WaitProcessResponse { exit_code: code, oom_killed: oom, exited_at_unix_nanos: 1, ..Default::default() })
     }
+    async fn update_container(&self, _: &Ctx, req: pb::UpdateContainerRequest) -> ttrpc::Result<pb::Empty> {
+        self.updated.lock().unwrap().push(req.container_id);
+        Ok(pb::Empty::new())
+    }
+
     async fn list_pids(&self, _: &Ctx, _: pb::ContainerRequest) -> ttrpc::Result<pb::ListPidsResponse> {
         Ok(pb::ListPidsResponse { pids: vec![10, 11], ..Default::default() })
     }
@@ -511,4 +517,24 @@ async fn the_sandbox_task_pauses_and_measures_through_its_backend() {
     // A backend that cannot measure says so; nothing reports empty numbers as success.
     let err = h.task.stats(&ctx, StatsRequest { id: "sb1".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!(code(err), ttrpc::Code::UNIMPLEMENTED);
+}
+
+#[tokio::test]
+async fn what_bulkhead_does_not_do_is_refused_by_name() {
+    let h = harness().await;
+    h.create("sb1", true).await.unwrap();
+    h.start("sb1", "").await.unwrap();
+    h.create("c1", false).await.unwrap();
+    let ctx = TtrpcContext::default();
+    // The VM keeps the shape it booted with: a pod-level update is refused, not silently dropped.
+    let err = h.task.update(&ctx, UpdateTaskRequest { id: "sb1".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(code(err.clone()), ttrpc::Code::UNIMPLEMENTED);
+    assert!(format!("{err:?}").contains("does not resize a running sandbox"), "{err:?}");
+    let err =
+        h.task.checkpoint(&ctx, CheckpointTaskRequest { id: "c1".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(code(err.clone()), ttrpc::Code::UNIMPLEMENTED);
+    assert!(format!("{err:?}").contains("does not checkpoint"), "{err:?}");
+    // A container's update still reaches the guest.
+    h.task.update(&ctx, UpdateTaskRequest { id: "c1".into(), ..Default::default() }).await.unwrap();
+    assert_eq!(*h.agent.updated.lock().unwrap(), ["c1"]);
 }
