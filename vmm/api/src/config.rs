@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::bounded::{read_bounded, BoundedReadError};
+use crate::ifname::check_ifname;
+
 /// Upper bounds that keep a bad config from asking for absurd resources.
 pub const MAX_VCPUS: u8 = 32;
 pub const MIN_MEM_MIB: u64 = 8;
@@ -19,7 +22,7 @@ pub const MAX_NET_DEVICES: usize = 4;
 /// virtio-fs tags are at most 36 bytes (virtio spec 5.11.4).
 pub const MAX_FS_TAG_LEN: usize = 36;
 /// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
-pub const MAX_IFNAME_LEN: usize = 15;
+pub use crate::ifname::MAX_IFNAME_LEN;
 /// Largest config document we accept (bytes).
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
 
@@ -294,13 +297,7 @@ impl VmConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let read_err = |source| ConfigError::Read { path: path.to_owned(), source };
-        let meta = std::fs::metadata(path).map_err(read_err)?;
-        if meta.len() > MAX_CONFIG_BYTES {
-            return Err(ConfigError::TooLarge);
-        }
-        let text = std::fs::read_to_string(path).map_err(read_err)?;
-        Self::from_json(&text)
+        Self::from_json(&read_document(path)?)
     }
 
     pub fn validate(self) -> Result<ValidConfig, ConfigError> {
@@ -400,12 +397,18 @@ impl VmConfig {
     }
 }
 
-/// A Linux interface name: 1..=15 bytes, no `/`, NUL or space.
+/// A config document's text (the VM config, a restore's run settings), at most
+/// [`MAX_CONFIG_BYTES`].
+pub(crate) fn read_document(path: &Path) -> Result<String, ConfigError> {
+    read_bounded(path, MAX_CONFIG_BYTES).map_err(|e| match e {
+        BoundedReadError::Io(source) => ConfigError::Read { path: path.to_owned(), source },
+        BoundedReadError::TooLarge { .. } => ConfigError::TooLarge,
+    })
+}
+
+/// A tap's name, by the one rule for interface names ([`check_ifname`]).
 pub(crate) fn check_tap_name(tap: &str) -> Result<(), ConfigError> {
-    if tap.is_empty() || tap.len() > MAX_IFNAME_LEN || tap.contains(['/', '\0', ' ']) {
-        return Err(ConfigError::Net(format!("tap name {tap:?} is not a valid interface name")));
-    }
-    Ok(())
+    check_ifname(tap).map_err(|e| ConfigError::Net(format!("tap name {tap:?} is not a valid interface name: it {e}")))
 }
 
 pub(crate) fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
@@ -549,5 +552,10 @@ mod tests {
     fn oversized_config_is_rejected() {
         let big = format!(r#"{{"cmdline":"{}"}}"#, "x".repeat(MAX_CONFIG_BYTES as usize));
         assert!(matches!(VmConfig::from_json(&big), Err(ConfigError::TooLarge)));
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("vm.json");
+        std::fs::write(&file, &big).unwrap();
+        assert!(matches!(VmConfig::from_file(&file), Err(ConfigError::TooLarge)));
+        assert!(matches!(VmConfig::from_file(&dir.path().join("none")), Err(ConfigError::Read { .. })));
     }
 }

@@ -6,6 +6,8 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::bounded::{read_bounded, BoundedReadError};
+
 /// Largest jail document accepted (bytes).
 pub const MAX_JAIL_BYTES: u64 = 64 * 1024;
 /// Most read-only files a jail exposes (kernel, initramfs, snapshot files...).
@@ -80,14 +82,10 @@ impl JailConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self, JailConfigError> {
-        use std::io::Read;
-        let read_err = |source| JailConfigError::Read { path: path.to_owned(), source };
-        let mut text = String::new();
-        std::fs::File::open(path)
-            .map_err(read_err)?
-            .take(MAX_JAIL_BYTES + 1)
-            .read_to_string(&mut text)
-            .map_err(|source| JailConfigError::Read { path: path.to_owned(), source })?;
+        let text = read_bounded(path, MAX_JAIL_BYTES).map_err(|e| match e {
+            BoundedReadError::Io(source) => JailConfigError::Read { path: path.to_owned(), source },
+            BoundedReadError::TooLarge { .. } => JailConfigError::TooLarge,
+        })?;
         Self::from_json(&text)
     }
 

@@ -6,12 +6,19 @@
 //! - [`jail`]: how the VMM is confined (chroot, uid/gid, namespaces, cgroup);
 //! - [`api`]: the API socket's request and response lines, bounded on both sides;
 //! - [`probe`]: what kind of KVM this host offers, the one probe every crate uses;
-//! - [`restore`]: a snapshot directory's files and the per-run settings of a restore.
+//! - [`restore`]: a snapshot directory's files, the per-run settings of a restore and how they
+//!   replace the snapshot's;
+//! - [`ifname`]: the one rule for interface (tap) names, which the shim and the VMM check too;
+//! - [`bounded`]: the one bounded read of a document from a file.
 //!
-//! Boundaries: plain data, parsing and validation only. Building and running a VM is `bulkhead-vmm`'s.
+//! Boundaries: plain data, parsing and validation only, and no unsafe code. Building and running a
+//! VM is `bulkhead-vmm`'s.
+#![forbid(unsafe_code)]
 
 pub mod api;
+pub mod bounded;
 pub mod config;
+pub mod ifname;
 pub mod jail;
 pub mod probe;
 pub mod restore;

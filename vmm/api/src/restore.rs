@@ -56,11 +56,7 @@ impl RestoreConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let read_err = |source| ConfigError::Read { path: path.to_owned(), source };
-        if std::fs::metadata(path).map_err(read_err)?.len() > MAX_CONFIG_BYTES {
-            return Err(ConfigError::TooLarge);
-        }
-        Self::from_json(&std::fs::read_to_string(path).map_err(read_err)?)
+        Self::from_json(&crate::config::read_document(path)?)
     }
 
     /// Checks what can be checked without the snapshot: paths and counts.
