@@ -867,10 +867,10 @@ fn api_saved_config() -> bulkhead_vmm::config::ValidConfig {
 /// parser accepts within its limit; only `shutdown` stops the VM.
 pub fn api_request(data: &[u8]) {
     use bulkhead_vmm::api::{prepared_request, PreparedRequest, RequestLines, VmController};
-    use bulkhead_vmm::builder::restored_config;
     use bulkhead_vmm::exit::{ExitReason, ExitSignal};
     use bulkhead_vmm::vcpu::VcpuControl;
     use bulkhead_vmm_api::api::{parse_request, parse_response, Request, MAX_RESPONSE_LINE};
+    use bulkhead_vmm_api::restore::restored_config;
 
     let Some((&mode, rest)) = data.split_first() else { return };
     let Ok(exit) = ExitSignal::new() else { return };

@@ -14,7 +14,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use bulkhead_vmm::api::{self, bind_api_socket, prepared_info, ApiEndpoint, PreparedApi, PreparedEvent};
-use bulkhead_vmm::builder::{self, restored_config};
+use bulkhead_vmm::builder;
 use bulkhead_vmm::config::VmConfig;
 use bulkhead_vmm::crash;
 use bulkhead_vmm::exit::ExitReason;
@@ -23,7 +23,7 @@ use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
 use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
 use bulkhead_vmm_api::jail::JailConfig;
-use bulkhead_vmm_api::restore::RestoreConfig;
+use bulkhead_vmm_api::restore::{restored_config, RestoreConfig};
 
 #[derive(Parser)]
 #[command(name = "bulkhead-vmm", version, about = "bulkhead's microVM monitor")]
