@@ -67,12 +67,12 @@ pub fn disable_ipv6(name: &str) {
     }
 }
 
-/// `name` as a NUL-padded `ifr_name`: 1..=15 bytes, no NUL or '/'.
+/// `name` as a NUL-padded `ifr_name`, once it passed the one rule for interface names (the
+/// VMM checks the same rule before it attaches).
 fn ifr_name(name: &str) -> Result<[libc::c_char; libc::IFNAMSIZ], NetworkError> {
+    bulkhead_vmm_api::ifname::check_ifname(name)
+        .map_err(|e| NetworkError::Unsupported(format!("{name:?} is not a valid interface name: it {e}")))?;
     let bytes = name.as_bytes();
-    if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.iter().any(|&b| b == 0 || b == b'/') {
-        return Err(NetworkError::Unsupported(format!("{name:?} is not a valid interface name")));
-    }
     let mut out = [0 as libc::c_char; libc::IFNAMSIZ];
     for (o, &b) in out.iter_mut().zip(bytes) {
         *o = b as libc::c_char;

@@ -12,6 +12,8 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
+use bulkhead_vmm_api::ifname::{check_ifname, IfNameError};
+
 use super::packet::VNET_HDR_LEN;
 
 /// What the device needs of its host end: one frame per read or write, vnet header first.
@@ -31,8 +33,8 @@ pub trait FrameIo: Send {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TapError {
-    #[error("tap name {0:?} is not a valid interface name")]
-    Name(String),
+    #[error("tap name {name:?} is not a valid interface name: it {reason}")]
+    Name { name: String, reason: IfNameError },
     #[error("tap {0} does not exist in this network namespace (the VMM attaches to taps, it never creates them)")]
     Missing(String),
     #[error("cannot open /dev/net/tun: {0}")]
@@ -63,7 +65,9 @@ impl Tap {
     /// Attaches to the existing tap `name` in the caller's network namespace.
     pub fn open(name: &str) -> Result<Self, TapError> {
         let ifr_name = ifname(name)?;
-        let cname = CString::new(name).map_err(|_| TapError::Name(name.to_string()))?;
+        // `ifname` refused NUL bytes already.
+        let cname =
+            CString::new(name).map_err(|_| TapError::Name { name: name.to_string(), reason: IfNameError::Byte(0) })?;
         // SAFETY: `cname` is a valid NUL-terminated string that outlives the call.
         if unsafe { libc::if_nametoindex(cname.as_ptr()) } == 0 {
             return Err(TapError::Missing(name.to_string()));
@@ -109,12 +113,10 @@ impl Tap {
     }
 }
 
-/// `name` as a NUL-padded `ifr_name`: 1..=15 bytes, no NUL or '/'.
+/// `name` as a NUL-padded `ifr_name`, once it passed the one rule for interface names.
 fn ifname(name: &str) -> Result<[libc::c_char; libc::IFNAMSIZ], TapError> {
+    check_ifname(name).map_err(|reason| TapError::Name { name: name.to_string(), reason })?;
     let bytes = name.as_bytes();
-    if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.iter().any(|&b| b == 0 || b == b'/') {
-        return Err(TapError::Name(name.to_string()));
-    }
     let mut out = [0 as libc::c_char; libc::IFNAMSIZ];
     for (o, &b) in out.iter_mut().zip(bytes) {
         *o = b as libc::c_char;
@@ -157,7 +159,7 @@ mod tests {
     #[test]
     fn bad_names_are_refused_before_any_syscall() {
         for bad in ["", "a/b", "sixteen-chars-xx", "nul\0x"] {
-            assert!(matches!(Tap::open(bad), Err(TapError::Name(_))), "{bad:?}");
+            assert!(matches!(Tap::open(bad), Err(TapError::Name { .. })), "{bad:?}");
         }
         assert_eq!(ifname("tap0").unwrap()[..5], [b't' as libc::c_char, b'a' as _, b'p' as _, b'0' as _, 0]);
     }
