@@ -68,7 +68,7 @@ mod tests {
             ("tap:0", IfNameError::Byte(b':')),
             ("tap 0", IfNameError::Byte(b' ')),
             ("tap\t0", IfNameError::Byte(b'\t')),
-            ("tap\00", IfNameError::Byte(0)),
+            ("tap\0x", IfNameError::Byte(0)),
             ("t\u{e0}", IfNameError::Byte(0xa0)),
         ];
         for (name, want) in cases {
