@@ -26,6 +26,7 @@ use bulkhead_vmm::devices::virtio::block::packet::Request;
 use bulkhead_vmm::devices::virtio::block::Block;
 use bulkhead_vmm::devices::virtio::chain::{self, Desc, MAX_CHAIN_DESCRIPTORS};
 use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
+use bulkhead_vmm::devices::virtio::mmio_regs as reg;
 use bulkhead_vmm::devices::virtio::net::packet::{
     self as net_packet, TxOffloads, VnetHeader, ETH_HLEN, HDR_F_NEEDS_CSUM, MAX_BUFFER_LEN, MAX_FRAME_LEN, VNET_HDR_LEN,
 };
@@ -397,21 +398,6 @@ pub fn desc_chain(data: &[u8]) {
 
 // ---------------------------------------------------------------------------------------------
 // VMM: whole devices behind the virtio-mmio transport, driven like a hostile driver would.
-
-mod reg {
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DESC_HIGH: u64 = 0x084;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-}
 
 fn w(t: &mut MmioTransport, off: u64, v: u32) {
     t.write(off, &v.to_le_bytes());

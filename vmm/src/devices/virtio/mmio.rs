@@ -1,5 +1,6 @@
 //! The virtio-mmio (version 2) transport: register file, feature negotiation, queue setup and the
-//! driver status state machine. One instance per device, 4 KiB of MMIO each.
+//! driver status state machine. One instance per device, 4 KiB of MMIO each; the register map is
+//! `mmio_regs.rs`.
 
 use std::sync::{Arc, Mutex};
 
@@ -7,48 +8,17 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::mmio_regs::{
+    self as reg, MMIO_MAGIC, MMIO_VERSION, STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_DRIVER_OK, STATUS_FAILED,
+    STATUS_FEATURES_OK, STATUS_NEEDS_RESET,
+};
 use super::{IrqTrigger, VirtioDevice};
 use crate::devices::bus::{lock, BusDevice};
 use crate::log_throttle::LogThrottle;
 use crate::throttled;
 
-pub const MMIO_MAGIC: u32 = 0x7472_6976; // "virt"
-pub const MMIO_VERSION: u32 = 2;
-pub const VENDOR_ID: u32 = 0x4b4c_4842; // "BHLK"
-
-pub const STATUS_ACKNOWLEDGE: u32 = 1;
-pub const STATUS_DRIVER: u32 = 2;
-pub const STATUS_DRIVER_OK: u32 = 4;
-pub const STATUS_FEATURES_OK: u32 = 8;
-pub const STATUS_NEEDS_RESET: u32 = 0x40;
-pub const STATUS_FAILED: u32 = 0x80;
-
-mod reg {
-    pub const MAGIC: u64 = 0x000;
-    pub const VERSION: u64 = 0x004;
-    pub const DEVICE_ID: u64 = 0x008;
-    pub const VENDOR_ID: u64 = 0x00c;
-    pub const DEVICE_FEATURES: u64 = 0x010;
-    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM_MAX: u64 = 0x034;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const QUEUE_NOTIFY: u64 = 0x050;
-    pub const INTERRUPT_STATUS: u64 = 0x060;
-    pub const INTERRUPT_ACK: u64 = 0x064;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DESC_HIGH: u64 = 0x084;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-    pub const CONFIG_GENERATION: u64 = 0x0fc;
-    pub const CONFIG: u64 = 0x100;
-}
+/// What `VENDOR_ID` reads: "BHLK".
+pub const VENDOR_ID: u32 = 0x4b4c_4842;
 
 /// Where the driver is in the virtio initialisation sequence (spec 3.1.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

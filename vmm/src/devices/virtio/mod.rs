@@ -9,6 +9,7 @@ pub mod block;
 pub mod chain;
 pub mod fs;
 pub mod mmio;
+pub mod mmio_regs;
 pub mod net;
 pub mod persist;
 pub mod vsock;

@@ -566,6 +566,7 @@ pub(crate) mod tests {
     fn driver_sequence_through_mmio_transport() {
         use crate::devices::bus::BusDevice;
         use crate::devices::virtio::mmio::MmioTransport;
+        use crate::devices::virtio::mmio_regs as reg;
         use std::sync::{Arc, Mutex};
 
         let mem = crate::memory::create_guest_memory(16 * MIB).unwrap();
@@ -578,41 +579,41 @@ pub(crate) mod tests {
             t.read(off, &mut b);
             u32::from_le_bytes(b)
         };
-        assert_eq!(rd(&mut t, 0x008), TYPE_BALLOON);
-        w(&mut t, 0x070, 1);
-        w(&mut t, 0x070, 3);
-        w(&mut t, 0x014, 0);
-        assert_eq!(rd(&mut t, 0x010), 1 << 5);
-        w(&mut t, 0x024, 0);
-        w(&mut t, 0x020, 1 << 5);
-        w(&mut t, 0x024, 1);
-        w(&mut t, 0x020, 1);
-        w(&mut t, 0x070, 0xb);
-        assert_eq!(rd(&mut t, 0x070), 0xb);
+        assert_eq!(rd(&mut t, reg::DEVICE_ID), TYPE_BALLOON);
+        w(&mut t, reg::STATUS, 1);
+        w(&mut t, reg::STATUS, 3);
+        w(&mut t, reg::DEVICE_FEATURES_SEL, 0);
+        assert_eq!(rd(&mut t, reg::DEVICE_FEATURES), 1 << 5);
+        w(&mut t, reg::DRIVER_FEATURES_SEL, 0);
+        w(&mut t, reg::DRIVER_FEATURES, 1 << 5);
+        w(&mut t, reg::DRIVER_FEATURES_SEL, 1);
+        w(&mut t, reg::DRIVER_FEATURES, 1);
+        w(&mut t, reg::STATUS, 0xb);
+        assert_eq!(rd(&mut t, reg::STATUS), 0xb);
         let mut qs = [TestQueue::new(0x1000, 16), TestQueue::new(0x2000, 16), TestQueue::new(0x3000, 32)];
         for (i, tq) in qs.iter().enumerate() {
-            w(&mut t, 0x030, i as u32);
-            assert_eq!(rd(&mut t, 0x034), u32::from(QUEUE_SIZES[i]));
-            w(&mut t, 0x038, u32::from(tq.size));
-            w(&mut t, 0x080, tq.desc as u32);
-            w(&mut t, 0x090, tq.avail as u32);
-            w(&mut t, 0x0a0, tq.used as u32);
-            w(&mut t, 0x044, 1);
+            w(&mut t, reg::QUEUE_SEL, i as u32);
+            assert_eq!(rd(&mut t, reg::QUEUE_NUM_MAX), u32::from(QUEUE_SIZES[i]));
+            w(&mut t, reg::QUEUE_NUM, u32::from(tq.size));
+            w(&mut t, reg::QUEUE_DESC_LOW, tq.desc as u32);
+            w(&mut t, reg::QUEUE_DRIVER_LOW, tq.avail as u32);
+            w(&mut t, reg::QUEUE_DEVICE_LOW, tq.used as u32);
+            w(&mut t, reg::QUEUE_READY, 1);
         }
-        w(&mut t, 0x030, 3);
-        assert_eq!(rd(&mut t, 0x034), 0, "no fourth queue");
-        w(&mut t, 0x070, 0xf);
-        assert_eq!(rd(&mut t, 0x070), 0xf);
+        w(&mut t, reg::QUEUE_SEL, 3);
+        assert_eq!(rd(&mut t, reg::QUEUE_NUM_MAX), 0, "no fourth queue");
+        w(&mut t, reg::STATUS, 0xf);
+        assert_eq!(rd(&mut t, reg::STATUS), 0xf);
 
         touch(&mem, 2 * MIB, 2 * MIB);
         qs[2].set_desc(&mem, 0, 2 * MIB, 2 << 20, F_WRITE, 0);
         qs[2].publish(&mem, 0);
-        w(&mut t, 0x050, 2);
+        w(&mut t, reg::QUEUE_NOTIFY, 2);
         assert_eq!(dev.lock().unwrap().queue_evts()[REPORTQ].read().unwrap(), 1);
         dev.lock().unwrap().process_queue(REPORTQ);
         assert_eq!(qs[2].used_idx(&mem), 1);
         assert_eq!(mem.read_obj::<u64>(GuestAddress(3 * MIB)).unwrap(), 0);
-        assert_eq!(rd(&mut t, 0x060), VIRTIO_MMIO_INT_VRING);
+        assert_eq!(rd(&mut t, reg::INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
         assert_eq!(dev.lock().unwrap().counters().freed_bytes, 2 * MIB);
     }
 }

@@ -336,6 +336,7 @@ mod tests {
     fn driver_sequence_through_mmio_transport() {
         use crate::devices::bus::BusDevice;
         use crate::devices::virtio::mmio::MmioTransport;
+        use crate::devices::virtio::mmio_regs as reg;
         use std::sync::{Arc, Mutex};
 
         let mut f = tempfile::NamedTempFile::new().unwrap();
@@ -351,23 +352,23 @@ mod tests {
             t.read(off, &mut b);
             u32::from_le_bytes(b)
         };
-        assert_eq!(r(&mut t, 0x008), TYPE_BLOCK);
-        w(&mut t, 0x070, 1);
-        w(&mut t, 0x070, 3);
-        w(&mut t, 0x024, 1);
-        w(&mut t, 0x020, 1);
-        w(&mut t, 0x070, 0xb);
-        assert_eq!(r(&mut t, 0x070), 0xb);
+        assert_eq!(r(&mut t, reg::DEVICE_ID), TYPE_BLOCK);
+        w(&mut t, reg::STATUS, 1);
+        w(&mut t, reg::STATUS, 3);
+        w(&mut t, reg::DRIVER_FEATURES_SEL, 1);
+        w(&mut t, reg::DRIVER_FEATURES, 1);
+        w(&mut t, reg::STATUS, 0xb);
+        assert_eq!(r(&mut t, reg::STATUS), 0xb);
         let mut tq = TestQueue::new(0x1000, 8);
-        w(&mut t, 0x030, 0);
-        assert_eq!(r(&mut t, 0x034), u32::from(QUEUE_SIZE));
-        w(&mut t, 0x038, 8);
-        w(&mut t, 0x080, tq.desc as u32);
-        w(&mut t, 0x090, tq.avail as u32);
-        w(&mut t, 0x0a0, tq.used as u32);
-        w(&mut t, 0x044, 1);
-        w(&mut t, 0x070, 0xf);
-        assert_eq!(r(&mut t, 0x070), 0xf);
+        w(&mut t, reg::QUEUE_SEL, 0);
+        assert_eq!(r(&mut t, reg::QUEUE_NUM_MAX), u32::from(QUEUE_SIZE));
+        w(&mut t, reg::QUEUE_NUM, 8);
+        w(&mut t, reg::QUEUE_DESC_LOW, tq.desc as u32);
+        w(&mut t, reg::QUEUE_DRIVER_LOW, tq.avail as u32);
+        w(&mut t, reg::QUEUE_DEVICE_LOW, tq.used as u32);
+        w(&mut t, reg::QUEUE_READY, 1);
+        w(&mut t, reg::STATUS, 0xf);
+        assert_eq!(r(&mut t, reg::STATUS), 0xf);
 
         mem.write_obj(0u32, GuestAddress(0x8000)).unwrap();
         mem.write_obj(1u64, GuestAddress(0x8008)).unwrap();
@@ -375,18 +376,18 @@ mod tests {
         tq.set_desc(&mem, 1, 0x9000, 512, F_WRITE | F_NEXT, 2);
         tq.set_desc(&mem, 2, 0xa000, 1, F_WRITE, 0);
         tq.publish(&mem, 0);
-        w(&mut t, 0x050, 0);
+        w(&mut t, reg::QUEUE_NOTIFY, 0);
         // What the event loop does on the queue eventfd.
         assert_eq!(blk.lock().unwrap().queue_evt().read().unwrap(), 1);
         blk.lock().unwrap().process_queue();
         assert_eq!(tq.used_idx(&mem), 1);
         assert_eq!(mem.read_obj::<u8>(GuestAddress(0x9000)).unwrap(), 7);
-        assert_eq!(r(&mut t, 0x060), VIRTIO_MMIO_INT_VRING);
-        w(&mut t, 0x064, VIRTIO_MMIO_INT_VRING);
-        assert_eq!(r(&mut t, 0x060), 0);
+        assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
+        w(&mut t, reg::INTERRUPT_ACK, VIRTIO_MMIO_INT_VRING);
+        assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), 0);
         let snap = blk.lock().unwrap().save();
         assert_eq!((snap.queues.len(), snap.queues[0].next_avail, snap.queues[0].next_used), (1, 1, 1));
-        w(&mut t, 0x070, 0);
+        w(&mut t, reg::STATUS, 0);
         assert!(blk.lock().unwrap().save().queues.is_empty(), "reset drops the queues");
     }
 

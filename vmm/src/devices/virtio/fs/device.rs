@@ -364,17 +364,17 @@ mod tests {
     use crate::devices::bus::BusDevice;
     use crate::devices::virtio::chain::test_utils::TestQueue;
     use crate::devices::virtio::fs::test_utils::{self as fake, FakeBackend, Script};
-    use crate::devices::virtio::mmio::{MmioTransport, STATUS_FAILED, STATUS_NEEDS_RESET};
+    use crate::devices::virtio::mmio::MmioTransport;
+    use crate::devices::virtio::mmio_regs::{
+        DEVICE_FEATURES, DEVICE_FEATURES_SEL, DRIVER_FEATURES, DRIVER_FEATURES_SEL, INTERRUPT_ACK, INTERRUPT_STATUS,
+        QUEUE_DESC_LOW, QUEUE_DEVICE_LOW, QUEUE_DRIVER_LOW, QUEUE_NOTIFY, QUEUE_NUM, QUEUE_READY, QUEUE_SEL, STATUS,
+        STATUS_FAILED, STATUS_NEEDS_RESET,
+    };
     use crate::memory::create_guest_memory;
     use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
     use std::path::Path;
     use std::sync::Mutex;
     use vm_memory::{Bytes, GuestAddress};
-
-    const STATUS: u64 = 0x070;
-    const QUEUE_NOTIFY: u64 = 0x050;
-    const INTERRUPT_STATUS: u64 = 0x060;
-    const INTERRUPT_ACK: u64 = 0x064;
 
     fn fs_at(socket: &Path) -> Fs {
         let cfg = FsConfig { tag: "rootfs".into(), socket: socket.to_owned(), queue_size: 256 };
@@ -434,8 +434,8 @@ mod tests {
         w(t, STATUS, 1);
         w(t, STATUS, 3);
         for sel in 0..2u32 {
-            w(t, 0x024, sel);
-            w(t, 0x020, (features >> (32 * sel)) as u32);
+            w(t, DRIVER_FEATURES_SEL, sel);
+            w(t, DRIVER_FEATURES, (features >> (32 * sel)) as u32);
         }
         w(t, STATUS, 0xb);
         r(t, STATUS)
@@ -449,12 +449,12 @@ mod tests {
     fn driver_ok(t: &mut MmioTransport, features: u64) -> u32 {
         assert_eq!(negotiate(t, features), 0xb);
         for (i, q) in queues().iter().enumerate() {
-            w(t, 0x030, i as u32);
-            w(t, 0x038, u32::from(q.size));
-            w(t, 0x080, q.desc as u32);
-            w(t, 0x090, q.avail as u32);
-            w(t, 0x0a0, q.used as u32);
-            w(t, 0x044, 1);
+            w(t, QUEUE_SEL, i as u32);
+            w(t, QUEUE_NUM, u32::from(q.size));
+            w(t, QUEUE_DESC_LOW, q.desc as u32);
+            w(t, QUEUE_DRIVER_LOW, q.avail as u32);
+            w(t, QUEUE_DEVICE_LOW, q.used as u32);
+            w(t, QUEUE_READY, 1);
         }
         w(t, STATUS, 0xf);
         r(t, STATUS)
@@ -510,10 +510,10 @@ mod tests {
     fn feature_negotiation_through_the_transport() {
         let mut rig = rig(Path::new("/nonexistent/fs.sock"));
         let offered = |t: &mut MmioTransport| {
-            w(t, 0x014, 0);
-            let lo = r(t, 0x010);
-            w(t, 0x014, 1);
-            u64::from(lo) | (u64::from(r(t, 0x010)) << 32)
+            w(t, DEVICE_FEATURES_SEL, 0);
+            let lo = r(t, DEVICE_FEATURES);
+            w(t, DEVICE_FEATURES_SEL, 1);
+            u64::from(lo) | (u64::from(r(t, DEVICE_FEATURES)) << 32)
         };
         assert_eq!(offered(&mut rig.t), VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX);
         assert_eq!(r(&mut rig.t, 0x008), TYPE_FS);
