@@ -9,7 +9,8 @@
 //! - [`guest`]: where the pod's shared directory is in a VM guest, and how the agent learns its tag.
 //!
 //! This crate does no I/O policy of its own beyond bounded, timed reads of the
-//! preambles; it is the contract, not the runtime.
+//! preambles; it is the contract, not the runtime. It holds no unsafe code.
+#![forbid(unsafe_code)]
 
 #[allow(warnings, clippy::all, clippy::pedantic, clippy::restriction)]
 pub mod agent {
