@@ -24,15 +24,15 @@ use crate::boot;
 use crate::config::ValidConfig;
 use crate::devices::bus::{Bus, BusDevice};
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT, I8042_PORT_LEN};
-use crate::devices::legacy::persist::SerialArgs;
+use crate::devices::legacy::persist::{I8042ConstructorArgs, SerialConstructorArgs};
 use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::persist::{
     DevicesState, SaveableDevices, SaveableSlot, VirtioDeviceState, VirtioHandle, VirtioSlotState,
 };
-use crate::devices::virtio::balloon::persist::BalloonArgs;
+use crate::devices::virtio::balloon::persist::BalloonConstructorArgs;
 use crate::devices::virtio::balloon::Balloon;
-use crate::devices::virtio::block::persist::BlockArgs;
+use crate::devices::virtio::block::persist::BlockConstructorArgs;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::fs::persist::FsConstructorArgs;
 use crate::devices::virtio::fs::{BackendThreads, Fs};
@@ -40,8 +40,8 @@ use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::persist::NetConstructorArgs;
 use crate::devices::virtio::net::tap::Tap;
 use crate::devices::virtio::net::Net;
-use crate::devices::virtio::persist::MmioTransportArgs;
-use crate::devices::virtio::vsock::persist::VsockArgs;
+use crate::devices::virtio::persist::MmioTransportConstructorArgs;
+use crate::devices::virtio::vsock::persist::VsockConstructorArgs;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::exit::{ExitReason, ExitSignal};
@@ -274,7 +274,12 @@ impl<'a> VirtioSlots<'a> {
                 None => MmioTransport::new(slot.name.clone(), mem.clone(), device, slot.irq)
                     .map_err(dev_err(slot.name.clone()))?,
                 Some(s) => {
-                    let args = MmioTransportArgs { name: slot.name.clone(), mem: mem.clone(), device, irq: slot.irq };
+                    let args = MmioTransportConstructorArgs {
+                        name: slot.name.clone(),
+                        mem: mem.clone(),
+                        device,
+                        irq: slot.irq,
+                    };
                     MmioTransport::restore(args, &s.transport).map_err(|e| VmmError::Restore {
                         what: format!("{} transport", slot.name),
                         reason: e.to_string(),
@@ -327,7 +332,7 @@ fn build_devices(
     let serial_irq = EventFdTrigger(irq_line(vm, irqchip, layout::SERIAL_IRQ)?);
     let serial = match saved {
         None => SerialDevice::new(serial_irq, serial_out),
-        Some(s) => SerialDevice::restore(SerialArgs { irq: serial_irq, out: serial_out }, &s.serial)
+        Some(s) => SerialDevice::restore(SerialConstructorArgs { irq: serial_irq, out: serial_out }, &s.serial)
             .map_err(|e| restore_err("serial")(e.to_string()))?,
     };
     let serial = Arc::new(Mutex::new(serial));
@@ -339,7 +344,8 @@ fn build_devices(
     }));
     let i8042 = match saved {
         None => I8042::new(on_reset),
-        Some(s) => I8042::restore(on_reset, &s.i8042).map_err(|e| restore_err("i8042")(e.to_string()))?,
+        Some(s) => I8042::restore(I8042ConstructorArgs { on_reset }, &s.i8042)
+            .map_err(|e| restore_err("i8042")(e.to_string()))?,
     };
     let i8042 = Arc::new(Mutex::new(i8042));
     pio.insert(i8042.clone(), I8042_PORT, I8042_PORT_LEN)?;
@@ -356,7 +362,7 @@ fn build_devices(
         let blk = match slot.saved_as(VirtioDeviceState::block)? {
             None => Block::new(b, i).map_err(dev_err(format!("block {}", b.path.display())))?,
             Some(s) => {
-                let args = BlockArgs { cfg: b.clone(), index: i, mem: mem.clone(), irq: slot.irq() };
+                let args = BlockConstructorArgs { cfg: b.clone(), index: i, mem: mem.clone(), irq: slot.irq() };
                 Block::restore(args, s).map_err(|e| restore_err(slot.name.clone())(e.to_string()))?
             }
         };
@@ -369,7 +375,7 @@ fn build_devices(
         let vsock = match slot.saved_as(VirtioDeviceState::vsock)? {
             None => Vsock::new(v.guest_cid, &v.uds_path).map_err(dev_err(format!("vsock {}", v.uds_path.display())))?,
             Some(s) => {
-                let args = VsockArgs { uds_path: v.uds_path.clone(), mem: mem.clone(), irq: slot.irq() };
+                let args = VsockConstructorArgs { uds_path: v.uds_path.clone(), mem: mem.clone(), irq: slot.irq() };
                 Vsock::restore(args, s).map_err(|e| restore_err("vsock")(e.to_string()))?
             }
         };
@@ -421,7 +427,7 @@ fn build_devices(
         let balloon = match slot.saved_as(VirtioDeviceState::balloon)? {
             None => Balloon::new(b).map_err(dev_err("balloon"))?,
             Some(s) => {
-                let args = BalloonArgs { cfg: *b, mem: mem.clone(), irq: slot.irq() };
+                let args = BalloonConstructorArgs { cfg: *b, mem: mem.clone(), irq: slot.irq() };
                 Balloon::restore(args, s).map_err(|e| restore_err("balloon")(e.to_string()))?
             }
         };

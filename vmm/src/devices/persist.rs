@@ -7,27 +7,27 @@ use serde::{Deserialize, Serialize};
 
 use super::bus::lock;
 use super::legacy::i8042::I8042;
-use super::legacy::persist::{I8042Snapshot, SerialSnapshot};
+use super::legacy::persist::{I8042State, SerialState};
 use super::legacy::serial::SerialDevice;
-use super::virtio::balloon::persist::BalloonSnapshot;
+use super::virtio::balloon::persist::BalloonState;
 use super::virtio::balloon::Balloon;
-use super::virtio::block::persist::BlockSnapshot;
+use super::virtio::block::persist::BlockState;
 use super::virtio::block::Block;
-use super::virtio::fs::persist::FsSnapshot;
+use super::virtio::fs::persist::FsState;
 use super::virtio::fs::Fs;
 use super::virtio::mmio::MmioTransport;
-use super::virtio::net::persist::NetSnapshot;
+use super::virtio::net::persist::NetState;
 use super::virtio::net::Net;
-use super::virtio::persist::MmioTransportSnapshot;
-use super::virtio::vsock::persist::VsockSnapshot;
+use super::virtio::persist::MmioTransportState;
+use super::virtio::vsock::persist::VsockState;
 use super::virtio::vsock::Vsock;
 use crate::persist::Persist;
 
 /// Every device, in bus order.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DevicesState {
-    pub serial: SerialSnapshot,
-    pub i8042: I8042Snapshot,
+    pub serial: SerialState,
+    pub i8042: I8042State,
     /// One entry per virtio-mmio slot, in slot order.
     pub virtio: Vec<VirtioSlotState>,
 }
@@ -36,51 +36,51 @@ pub struct DevicesState {
 pub struct VirtioSlotState {
     /// The slot's device name (`blk0`, `vsock`, ...): a restore matches devices by it.
     pub name: String,
-    pub transport: MmioTransportSnapshot,
+    pub transport: MmioTransportState,
     pub device: VirtioDeviceState,
 }
 
 /// The state of one virtio device, by kind.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub enum VirtioDeviceState {
-    Block(BlockSnapshot),
-    Vsock(VsockSnapshot),
-    Fs(FsSnapshot),
-    Net(NetSnapshot),
+    Block(BlockState),
+    Vsock(VsockState),
+    Fs(FsState),
+    Net(NetState),
     /// Added in format version 3; last, so the earlier variants keep their tags.
-    Balloon(BalloonSnapshot),
+    Balloon(BalloonState),
 }
 
 impl VirtioDeviceState {
-    pub fn block(&self) -> Option<&BlockSnapshot> {
+    pub fn block(&self) -> Option<&BlockState> {
         match self {
             Self::Block(s) => Some(s),
             _ => None,
         }
     }
 
-    pub fn vsock(&self) -> Option<&VsockSnapshot> {
+    pub fn vsock(&self) -> Option<&VsockState> {
         match self {
             Self::Vsock(s) => Some(s),
             _ => None,
         }
     }
 
-    pub fn fs(&self) -> Option<&FsSnapshot> {
+    pub fn fs(&self) -> Option<&FsState> {
         match self {
             Self::Fs(s) => Some(s),
             _ => None,
         }
     }
 
-    pub fn net(&self) -> Option<&NetSnapshot> {
+    pub fn net(&self) -> Option<&NetState> {
         match self {
             Self::Net(s) => Some(s),
             _ => None,
         }
     }
 
-    pub fn balloon(&self) -> Option<&BalloonSnapshot> {
+    pub fn balloon(&self) -> Option<&BalloonState> {
         match self {
             Self::Balloon(s) => Some(s),
             _ => None,

@@ -244,12 +244,12 @@ pub(crate) mod tests {
         };
         use crate::devices::persist::{VirtioDeviceState, VirtioSlotState};
         use crate::devices::virtio::balloon::metrics::BalloonCounters;
-        use crate::devices::virtio::balloon::persist::BalloonSnapshot;
-        use crate::devices::virtio::block::persist::BlockSnapshot;
-        use crate::devices::virtio::fs::persist::FsSnapshot;
-        use crate::devices::virtio::net::persist::NetSnapshot;
-        use crate::devices::virtio::persist::{MmioTransportSnapshot, QueueSnapshot};
-        use crate::devices::virtio::vsock::persist::VsockSnapshot;
+        use crate::devices::virtio::balloon::persist::BalloonState;
+        use crate::devices::virtio::block::persist::BlockState;
+        use crate::devices::virtio::fs::persist::FsState;
+        use crate::devices::virtio::net::persist::NetState;
+        use crate::devices::virtio::persist::{MmioTransportState, QueueState};
+        use crate::devices::virtio::vsock::persist::VsockState;
         let mut s = sample_state();
         s.config.fs = vec![FsConfig { tag: "rootfs".into(), socket: "/f".into(), queue_size: 1024 }];
         let bucket = TokenBucketConfig { size: 1000, one_time_burst: 10, refill_time_ms: 100 };
@@ -261,13 +261,13 @@ pub(crate) mod tests {
             mtu: Some(1500),
             rate_limiter: Some(limits),
         }];
-        let q = QueueSnapshot { max_size: 256, size: 8, ready: true, next_avail: 3, ..Default::default() };
-        let transport = MmioTransportSnapshot { device_status: 0xf, queues: vec![q], ..Default::default() };
+        let q = QueueState { max_size: 256, size: 8, ready: true, next_avail: 3, ..Default::default() };
+        let transport = MmioTransportState { device_status: 0xf, queues: vec![q], ..Default::default() };
         s.devices.virtio = vec![
             VirtioSlotState {
                 name: "blk0".into(),
                 transport: transport.clone(),
-                device: VirtioDeviceState::Block(BlockSnapshot {
+                device: VirtioDeviceState::Block(BlockState {
                     path: "/d".into(),
                     read_only: false,
                     capacity_sectors: 8,
@@ -279,7 +279,7 @@ pub(crate) mod tests {
             VirtioSlotState {
                 name: "vsock".into(),
                 transport: transport.clone(),
-                device: VirtioDeviceState::Vsock(VsockSnapshot {
+                device: VirtioDeviceState::Vsock(VsockState {
                     guest_cid: 3,
                     uds_path: "/v".into(),
                     acked_features: 1,
@@ -290,7 +290,7 @@ pub(crate) mod tests {
             VirtioSlotState {
                 name: "fs0".into(),
                 transport: transport.clone(),
-                device: VirtioDeviceState::Fs(FsSnapshot {
+                device: VirtioDeviceState::Fs(FsState {
                     tag: "rootfs".into(),
                     socket: "/f".into(),
                     queue_size: 1024,
@@ -302,7 +302,7 @@ pub(crate) mod tests {
             VirtioSlotState {
                 name: "net0".into(),
                 transport: transport.clone(),
-                device: VirtioDeviceState::Net(NetSnapshot {
+                device: VirtioDeviceState::Net(NetState {
                     tap: "tap0".into(),
                     mac: [2, 0, 0, 0, 0, 1],
                     mtu: Some(1500),
@@ -314,7 +314,7 @@ pub(crate) mod tests {
             VirtioSlotState {
                 name: "balloon".into(),
                 transport,
-                device: VirtioDeviceState::Balloon(BalloonSnapshot {
+                device: VirtioDeviceState::Balloon(BalloonState {
                     free_page_reporting: true,
                     acked_features: 1 << 5,
                     actual: 7,

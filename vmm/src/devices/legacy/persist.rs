@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use serde::{Deserialize, Serialize};
-use vm_superio::serial::{NoEvents, SerialState};
+use vm_superio::serial::{NoEvents, SerialState as UartState};
 use vm_superio::Serial;
 
 use super::i8042::{ResetTrigger, I8042};
@@ -24,7 +24,7 @@ pub enum LegacyPersistError {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
-pub struct SerialSnapshot {
+pub struct SerialState {
     pub baud_divisor_low: u8,
     pub baud_divisor_high: u8,
     pub interrupt_enable: u8,
@@ -37,8 +37,8 @@ pub struct SerialSnapshot {
     pub in_buffer: Vec<u8>,
 }
 
-impl From<&SerialState> for SerialSnapshot {
-    fn from(s: &SerialState) -> Self {
+impl From<&UartState> for SerialState {
+    fn from(s: &UartState) -> Self {
         Self {
             baud_divisor_low: s.baud_divisor_low,
             baud_divisor_high: s.baud_divisor_high,
@@ -54,13 +54,13 @@ impl From<&SerialState> for SerialSnapshot {
     }
 }
 
-impl SerialSnapshot {
+impl SerialState {
     /// Back to vm-superio's state, refusing an oversized input buffer.
-    pub fn to_state(&self) -> Option<SerialState> {
+    pub fn to_state(&self) -> Option<UartState> {
         if self.in_buffer.len() > MAX_SERIAL_IN_BUFFER {
             return None;
         }
-        Some(SerialState {
+        Some(UartState {
             baud_divisor_low: self.baud_divisor_low,
             baud_divisor_high: self.baud_divisor_high,
             interrupt_enable: self.interrupt_enable,
@@ -77,21 +77,21 @@ impl SerialSnapshot {
 
 /// What a restored UART needs from the new process: its interrupt line and its output (the new
 /// run's serial log).
-pub struct SerialArgs {
+pub struct SerialConstructorArgs {
     pub irq: EventFdTrigger,
     pub out: Box<dyn Write + Send>,
 }
 
 impl Persist for SerialDevice {
-    type State = SerialSnapshot;
-    type ConstructorArgs = SerialArgs;
+    type State = SerialState;
+    type ConstructorArgs = SerialConstructorArgs;
     type Error = LegacyPersistError;
 
-    fn save(&self) -> SerialSnapshot {
-        SerialSnapshot::from(&self.serial.state())
+    fn save(&self) -> SerialState {
+        SerialState::from(&self.serial.state())
     }
 
-    fn restore(args: SerialArgs, state: &SerialSnapshot) -> Result<Self, LegacyPersistError> {
+    fn restore(args: SerialConstructorArgs, state: &SerialState) -> Result<Self, LegacyPersistError> {
         let s = state.to_state().ok_or(LegacyPersistError::SerialInBuffer(state.in_buffer.len()))?;
         let serial = Serial::from_state(&s, args.irq, NoEvents, args.out)
             .map_err(|e| LegacyPersistError::Serial(format!("{e:?}")))?;
@@ -101,19 +101,24 @@ impl Persist for SerialDevice {
 
 /// The i8042 keeps nothing between accesses; the empty record keeps the device list uniform.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-pub struct I8042Snapshot {}
+pub struct I8042State {}
+
+/// What a restored i8042 needs from the new process: the reset line that ends its VM.
+pub struct I8042ConstructorArgs {
+    pub on_reset: ResetTrigger,
+}
 
 impl Persist for I8042 {
-    type State = I8042Snapshot;
-    type ConstructorArgs = ResetTrigger;
+    type State = I8042State;
+    type ConstructorArgs = I8042ConstructorArgs;
     type Error = LegacyPersistError;
 
-    fn save(&self) -> I8042Snapshot {
-        I8042Snapshot {}
+    fn save(&self) -> I8042State {
+        I8042State {}
     }
 
-    fn restore(on_reset: ResetTrigger, _state: &I8042Snapshot) -> Result<Self, LegacyPersistError> {
-        Ok(I8042::new(on_reset))
+    fn restore(args: I8042ConstructorArgs, _state: &I8042State) -> Result<Self, LegacyPersistError> {
+        Ok(I8042::new(args.on_reset))
     }
 }
 
@@ -143,12 +148,12 @@ mod tests {
 
     #[test]
     fn serial_state_roundtrips_and_rejects_oversized_input() {
-        let state = SerialState { scratch: 0x5a, line_control: 3, ..Default::default() };
-        let snap = SerialSnapshot::from(&state);
+        let state = UartState { scratch: 0x5a, line_control: 3, ..Default::default() };
+        let snap = SerialState::from(&state);
         let json = serde_json::to_string(&snap).unwrap();
-        let back: SerialSnapshot = serde_json::from_str(&json).unwrap();
+        let back: SerialState = serde_json::from_str(&json).unwrap();
         assert_eq!(back.to_state(), Some(state));
-        let bad = SerialSnapshot { in_buffer: vec![0; 65], ..Default::default() };
+        let bad = SerialState { in_buffer: vec![0; 65], ..Default::default() };
         assert_eq!(bad.to_state(), None);
     }
 
@@ -162,10 +167,11 @@ mod tests {
         dev.write(7, &[0x99]);
         let saved = dev.save();
         let bytes = postcard::to_stdvec(&saved).unwrap();
-        let back: SerialSnapshot = postcard::from_bytes(&bytes).unwrap();
+        let back: SerialState = postcard::from_bytes(&bytes).unwrap();
 
         let out = Shared::default();
-        let mut restored = SerialDevice::restore(SerialArgs { irq: irq(), out: Box::new(out.clone()) }, &back).unwrap();
+        let mut restored =
+            SerialDevice::restore(SerialConstructorArgs { irq: irq(), out: Box::new(out.clone()) }, &back).unwrap();
         assert_eq!(restored.save(), saved);
         let mut b = [0u8];
         restored.read(7, &mut b);
@@ -175,8 +181,9 @@ mod tests {
         restored.write(0, b"x");
         assert_eq!(&*out.0.lock().unwrap(), b"x");
 
-        let bad = SerialSnapshot { in_buffer: vec![0; 65], ..saved };
-        let err = SerialDevice::restore(SerialArgs { irq: irq(), out: Box::new(std::io::sink()) }, &bad).err();
+        let bad = SerialState { in_buffer: vec![0; 65], ..saved };
+        let err =
+            SerialDevice::restore(SerialConstructorArgs { irq: irq(), out: Box::new(std::io::sink()) }, &bad).err();
         assert_eq!(err, Some(LegacyPersistError::SerialInBuffer(65)));
     }
 
@@ -186,8 +193,8 @@ mod tests {
         let saved = dev.save();
         let fired = Arc::new(AtomicBool::new(false));
         let f = fired.clone();
-        let mut restored =
-            I8042::restore(ResetTrigger(Box::new(move || f.store(true, Ordering::SeqCst))), &saved).unwrap();
+        let on_reset = ResetTrigger(Box::new(move || f.store(true, Ordering::SeqCst)));
+        let mut restored = I8042::restore(I8042ConstructorArgs { on_reset }, &saved).unwrap();
         assert_eq!(restored.save(), saved);
         restored.write(4, &[0xfe]);
         assert!(fired.load(Ordering::SeqCst));

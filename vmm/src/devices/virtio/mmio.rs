@@ -336,7 +336,7 @@ impl BusDevice for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::persist::{MmioTransportSnapshot, QueueSnapshot};
+    use crate::devices::virtio::persist::{MmioTransportState, QueueState};
     use crate::devices::virtio::DeviceError;
     use crate::persist::Persist;
     use vm_memory::GuestAddress;
@@ -506,11 +506,11 @@ mod tests {
         assert_eq!(r(&mut t, reg::QUEUE_READY), 0, "queues are fresh after reset");
     }
 
-    fn restore_with(fake: &Arc<Mutex<Fake>>, s: &MmioTransportSnapshot) -> Result<MmioTransport, String> {
-        use crate::devices::virtio::persist::MmioTransportArgs;
+    fn restore_with(fake: &Arc<Mutex<Fake>>, s: &MmioTransportState) -> Result<MmioTransport, String> {
+        use crate::devices::virtio::persist::MmioTransportConstructorArgs;
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let irq = IrqTrigger::new(EventFd::new(0).unwrap());
-        let args = MmioTransportArgs { name: "fake".into(), mem, device: fake.clone(), irq };
+        let args = MmioTransportConstructorArgs { name: "fake".into(), mem, device: fake.clone(), irq };
         MmioTransport::restore(args, s).map_err(|e| e.to_string())
     }
 
@@ -523,7 +523,7 @@ mod tests {
         t.irq.trigger(crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG);
         let saved = t.save();
         let bytes = postcard::to_stdvec(&saved).unwrap();
-        let back: MmioTransportSnapshot = postcard::from_bytes(&bytes).unwrap();
+        let back: MmioTransportState = postcard::from_bytes(&bytes).unwrap();
         let mut t2 = restore_with(&fake, &back).unwrap();
         assert_eq!(t2.save(), saved);
         assert_eq!(t2.driver_state(), DriverState::FeaturesOk);
@@ -547,18 +547,15 @@ mod tests {
         let (t, fake) = setup();
         let good = t.save();
         let cases = [
-            (MmioTransportSnapshot { device_status: 0x5, ..good.clone() }, "driver status"),
-            (MmioTransportSnapshot { driver_features: 1 << 60, ..good.clone() }, "acked features"),
-            (MmioTransportSnapshot { queues: good.queues[..1].to_vec(), ..good.clone() }, "queues saved"),
+            (MmioTransportState { device_status: 0x5, ..good.clone() }, "driver status"),
+            (MmioTransportState { driver_features: 1 << 60, ..good.clone() }, "acked features"),
+            (MmioTransportState { queues: good.queues[..1].to_vec(), ..good.clone() }, "queues saved"),
             (
-                MmioTransportSnapshot {
-                    queues: vec![QueueSnapshot { max_size: 99, ..good.queues[0] }; 2],
-                    ..good.clone()
-                },
+                MmioTransportState { queues: vec![QueueState { max_size: 99, ..good.queues[0] }; 2], ..good.clone() },
                 "max size",
             ),
             (
-                MmioTransportSnapshot { queues: vec![QueueSnapshot { size: 5, ..good.queues[0] }; 2], ..good.clone() },
+                MmioTransportState { queues: vec![QueueState { size: 5, ..good.queues[0] }; 2], ..good.clone() },
                 "queue 0",
             ),
         ];

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use virtio_queue::{Queue, QueueState, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 use super::mmio::{fresh_queues, DriverState, MmioTransport};
@@ -31,7 +31,7 @@ pub enum VirtioPersistError {
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-pub struct QueueSnapshot {
+pub struct QueueState {
     pub max_size: u16,
     pub size: u16,
     pub ready: bool,
@@ -43,7 +43,7 @@ pub struct QueueSnapshot {
     pub used_ring: u64,
 }
 
-impl From<&Queue> for QueueSnapshot {
+impl From<&Queue> for QueueState {
     fn from(q: &Queue) -> Self {
         let s = q.state();
         Self {
@@ -60,10 +60,10 @@ impl From<&Queue> for QueueSnapshot {
     }
 }
 
-impl TryFrom<QueueSnapshot> for Queue {
+impl TryFrom<QueueState> for Queue {
     type Error = virtio_queue::Error;
-    fn try_from(s: QueueSnapshot) -> Result<Self, Self::Error> {
-        Queue::try_from(QueueState {
+    fn try_from(s: QueueState) -> Result<Self, Self::Error> {
+        Queue::try_from(virtio_queue::QueueState {
             max_size: s.max_size,
             next_avail: s.next_avail,
             next_used: s.next_used,
@@ -80,7 +80,7 @@ impl TryFrom<QueueSnapshot> for Queue {
 /// Rebuilds live queues from saved ones: one per queue the device has, each within the device's
 /// maximum, ready and inside guest memory.
 pub fn restore_active_queues(
-    saved: &[QueueSnapshot],
+    saved: &[QueueState],
     max_sizes: &[u16],
     mem: &GuestMemoryMmap,
 ) -> Result<Vec<Queue>, VirtioPersistError> {
@@ -104,7 +104,7 @@ pub fn restore_active_queues(
 
 /// State of the virtio-mmio transport registers.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
-pub struct MmioTransportSnapshot {
+pub struct MmioTransportState {
     pub device_status: u32,
     pub driver_features: u64,
     pub device_features_select: u32,
@@ -113,12 +113,12 @@ pub struct MmioTransportSnapshot {
     pub interrupt_status: u32,
     pub config_generation: u32,
     /// Queues still owned by the transport (before DRIVER_OK).
-    pub queues: Vec<QueueSnapshot>,
+    pub queues: Vec<QueueState>,
 }
 
 /// What a restored transport needs from the new process: its device (restored first), guest
 /// memory and the interrupt it shares with the device.
-pub struct MmioTransportArgs {
+pub struct MmioTransportConstructorArgs {
     pub name: String,
     pub mem: GuestMemoryMmap,
     pub device: Arc<Mutex<dyn VirtioDevice>>,
@@ -126,12 +126,12 @@ pub struct MmioTransportArgs {
 }
 
 impl Persist for MmioTransport {
-    type State = MmioTransportSnapshot;
-    type ConstructorArgs = MmioTransportArgs;
+    type State = MmioTransportState;
+    type ConstructorArgs = MmioTransportConstructorArgs;
     type Error = VirtioPersistError;
 
-    fn save(&self) -> MmioTransportSnapshot {
-        MmioTransportSnapshot {
+    fn save(&self) -> MmioTransportState {
+        MmioTransportState {
             device_status: self.state.status_bits(),
             driver_features: self.driver_features,
             device_features_select: self.device_features_sel,
@@ -139,11 +139,11 @@ impl Persist for MmioTransport {
             queue_select: self.queue_sel,
             interrupt_status: self.irq.status(),
             config_generation: self.config_generation,
-            queues: self.queues.iter().map(QueueSnapshot::from).collect(),
+            queues: self.queues.iter().map(QueueState::from).collect(),
         }
     }
 
-    fn restore(args: MmioTransportArgs, s: &MmioTransportSnapshot) -> Result<Self, VirtioPersistError> {
+    fn restore(args: MmioTransportConstructorArgs, s: &MmioTransportState) -> Result<Self, VirtioPersistError> {
         let state =
             DriverState::from_status_bits(s.device_status).ok_or(VirtioPersistError::DriverStatus(s.device_status))?;
         let (queue_evts, max_sizes, device_id, offered) = {
@@ -208,9 +208,9 @@ mod tests {
         q.set_next_avail(5);
         q.set_next_used(4);
         q.set_ready(true);
-        let snap = QueueSnapshot::from(&q);
+        let snap = QueueState::from(&q);
         let json = serde_json::to_string(&snap).unwrap();
-        let back: QueueSnapshot = serde_json::from_str(&json).unwrap();
+        let back: QueueState = serde_json::from_str(&json).unwrap();
         let q2 = Queue::try_from(back).unwrap();
         assert_eq!(q2.next_avail(), 5);
         assert_eq!(q2.next_used(), 4);
@@ -220,7 +220,7 @@ mod tests {
 
     #[test]
     fn bogus_snapshot_is_rejected() {
-        let bad = QueueSnapshot { max_size: 16, size: 3, ..Default::default() };
+        let bad = QueueState { max_size: 16, size: 3, ..Default::default() };
         assert!(Queue::try_from(bad).is_err());
     }
 }

@@ -10,24 +10,24 @@ use vm_memory::GuestMemoryMmap;
 use super::device::{Active, Balloon, QUEUE_SIZES, VIRTIO_BALLOON_F_REPORTING};
 use super::metrics::BalloonCounters;
 use crate::config::BalloonConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueSnapshot, VirtioPersistError};
+use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
 use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct BalloonSnapshot {
+pub struct BalloonState {
     pub free_page_reporting: bool,
     pub acked_features: u64,
     /// The driver's `actual` config field.
     pub actual: u32,
     /// inflate, deflate (and reporting when negotiated); empty while inactive.
-    pub queues: Vec<QueueSnapshot>,
+    pub queues: Vec<QueueState>,
     pub broken: bool,
     pub counters: BalloonCounters,
 }
 
 /// What a restored balloon needs from the new process.
-pub struct BalloonArgs {
+pub struct BalloonConstructorArgs {
     /// The run's balloon config (a restore keeps the snapshot's).
     pub cfg: BalloonConfig,
     pub mem: GuestMemoryMmap,
@@ -36,17 +36,17 @@ pub struct BalloonArgs {
 }
 
 impl Persist for Balloon {
-    type State = BalloonSnapshot;
-    type ConstructorArgs = BalloonArgs;
+    type State = BalloonState;
+    type ConstructorArgs = BalloonConstructorArgs;
     type Error = VirtioPersistError;
 
-    fn save(&self) -> BalloonSnapshot {
-        BalloonSnapshot {
+    fn save(&self) -> BalloonState {
+        BalloonState {
             free_page_reporting: self.free_page_reporting,
             acked_features: self.acked_features,
             actual: self.actual,
             queues: match &self.state {
-                DeviceState::Active(a) => a.queues.iter().map(QueueSnapshot::from).collect(),
+                DeviceState::Active(a) => a.queues.iter().map(QueueState::from).collect(),
                 _ => vec![],
             },
             broken: self.state.is_broken(),
@@ -54,7 +54,7 @@ impl Persist for Balloon {
         }
     }
 
-    fn restore(args: BalloonArgs, s: &BalloonSnapshot) -> Result<Self, VirtioPersistError> {
+    fn restore(args: BalloonConstructorArgs, s: &BalloonState) -> Result<Self, VirtioPersistError> {
         if args.cfg.free_page_reporting != s.free_page_reporting {
             return Err(VirtioPersistError::Mismatch(format!(
                 "balloon free_page_reporting={} but the snapshot's device had {}",
@@ -97,8 +97,8 @@ mod tests {
         IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap())
     }
 
-    fn args(mem: &GuestMemoryMmap, reporting: bool) -> BalloonArgs {
-        BalloonArgs { cfg: BalloonConfig { free_page_reporting: reporting }, mem: mem.clone(), irq: irq() }
+    fn args(mem: &GuestMemoryMmap, reporting: bool) -> BalloonConstructorArgs {
+        BalloonConstructorArgs { cfg: BalloonConfig { free_page_reporting: reporting }, mem: mem.clone(), irq: irq() }
     }
 
     #[test]
@@ -110,7 +110,7 @@ mod tests {
         assert_eq!(saved.queues.len(), 3);
         assert_eq!((saved.queues[REPORTQ].next_avail, saved.queues[REPORTQ].next_used), (1, 1));
         assert_eq!((saved.counters.reports, saved.counters.rejected_ranges), (1, 1));
-        let back: BalloonSnapshot = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
+        let back: BalloonState = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
         assert_eq!(back, saved);
 
         let mut restored = Balloon::restore(args(&r.mem, true), &back).unwrap();
@@ -134,7 +134,7 @@ mod tests {
         let fresh = Balloon::new(&BalloonConfig { free_page_reporting: true }).unwrap().save();
         assert!(fresh.queues.is_empty());
         assert_eq!(Balloon::restore(args(&m, true), &fresh).unwrap().save(), fresh);
-        let broken = BalloonSnapshot { broken: true, ..fresh.clone() };
+        let broken = BalloonState { broken: true, ..fresh.clone() };
         assert!(Balloon::restore(args(&m, true), &broken).unwrap().is_broken());
         let r = rig(false);
         let two = r.dev.save();
@@ -146,29 +146,23 @@ mod tests {
     fn bogus_state_is_refused() {
         let r = rig(true);
         let good = r.dev.save();
-        let err = |s: &BalloonSnapshot, reporting: bool| {
+        let err = |s: &BalloonState, reporting: bool| {
             Balloon::restore(args(&r.mem, reporting), s).err().map(|e| e.to_string()).unwrap_or_default()
         };
         assert!(err(&good, false).contains("free_page_reporting"), "{}", err(&good, false));
-        let not_offered = BalloonSnapshot { free_page_reporting: false, ..good.clone() };
+        let not_offered = BalloonState { free_page_reporting: false, ..good.clone() };
         assert!(err(&not_offered, false).contains("acked features"), "{}", err(&not_offered, false));
         let (q, rq) = (good.queues[0], good.queues[REPORTQ]);
         let cases = [
-            (BalloonSnapshot { queues: vec![q, q], ..good.clone() }, "2 queues"),
+            (BalloonState { queues: vec![q, q], ..good.clone() }, "2 queues"),
+            (BalloonState { acked_features: VIRTIO_F_VERSION_1, ..good.clone() }, "3 queues saved, the device has 2"),
+            (BalloonState { queues: vec![q, q, q], ..good.clone() }, "queue 2: max size 64"),
+            (BalloonState { queues: vec![q, q, QueueState { size: 3, ..rq }], ..good.clone() }, "queue 2"),
             (
-                BalloonSnapshot { acked_features: VIRTIO_F_VERSION_1, ..good.clone() },
-                "3 queues saved, the device has 2",
-            ),
-            (BalloonSnapshot { queues: vec![q, q, q], ..good.clone() }, "queue 2: max size 64"),
-            (BalloonSnapshot { queues: vec![q, q, QueueSnapshot { size: 3, ..rq }], ..good.clone() }, "queue 2"),
-            (
-                BalloonSnapshot { queues: vec![q, q, QueueSnapshot { used_ring: 1 << 40, ..rq }], ..good.clone() },
+                BalloonState { queues: vec![q, q, QueueState { used_ring: 1 << 40, ..rq }], ..good.clone() },
                 "guest memory",
             ),
-            (
-                BalloonSnapshot { acked_features: 1 << 40 | VIRTIO_BALLOON_F_REPORTING, ..good.clone() },
-                "acked features",
-            ),
+            (BalloonState { acked_features: 1 << 40 | VIRTIO_BALLOON_F_REPORTING, ..good.clone() }, "acked features"),
         ];
         for (s, needle) in cases {
             assert!(err(&s, true).contains(needle), "{needle}: {}", err(&s, true));

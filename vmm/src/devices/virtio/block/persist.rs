@@ -11,23 +11,23 @@ use vmm_sys_util::eventfd::EventFd;
 use super::device::{Active, Block, QUEUE_SIZES};
 use super::packet::SECTOR_SIZE;
 use crate::config::BlockConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueSnapshot, VirtioPersistError};
+use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
 use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct BlockSnapshot {
+pub struct BlockState {
     pub path: String,
     pub read_only: bool,
     pub capacity_sectors: u64,
     pub acked_features: u64,
     /// Empty while the device is inactive.
-    pub queues: Vec<QueueSnapshot>,
+    pub queues: Vec<QueueState>,
     pub broken: bool,
 }
 
 /// What a restored block device needs from the new process.
-pub struct BlockArgs {
+pub struct BlockConstructorArgs {
     /// The run's backing file for this slot.
     pub cfg: BlockConfig,
     pub index: usize,
@@ -37,25 +37,25 @@ pub struct BlockArgs {
 }
 
 impl Persist for Block {
-    type State = BlockSnapshot;
-    type ConstructorArgs = BlockArgs;
+    type State = BlockState;
+    type ConstructorArgs = BlockConstructorArgs;
     type Error = VirtioPersistError;
 
-    fn save(&self) -> BlockSnapshot {
-        BlockSnapshot {
+    fn save(&self) -> BlockState {
+        BlockState {
             path: self.path.clone(),
             read_only: self.read_only,
             capacity_sectors: self.capacity_sectors,
             acked_features: self.acked_features,
             queues: match &self.state {
-                DeviceState::Active(a) => vec![QueueSnapshot::from(&a.queue)],
+                DeviceState::Active(a) => vec![QueueState::from(&a.queue)],
                 _ => vec![],
             },
             broken: self.state.is_broken(),
         }
     }
 
-    fn restore(args: BlockArgs, s: &BlockSnapshot) -> Result<Self, VirtioPersistError> {
+    fn restore(args: BlockConstructorArgs, s: &BlockState) -> Result<Self, VirtioPersistError> {
         let path = args.cfg.path.display().to_string();
         if args.cfg.read_only != s.read_only {
             return Err(VirtioPersistError::Mismatch(format!(
@@ -120,8 +120,13 @@ mod tests {
         IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap())
     }
 
-    fn args(f: &tempfile::NamedTempFile, read_only: bool, m: &GuestMemoryMmap) -> BlockArgs {
-        BlockArgs { cfg: BlockConfig { path: f.path().to_owned(), read_only }, index: 0, mem: m.clone(), irq: irq() }
+    fn args(f: &tempfile::NamedTempFile, read_only: bool, m: &GuestMemoryMmap) -> BlockConstructorArgs {
+        BlockConstructorArgs {
+            cfg: BlockConfig { path: f.path().to_owned(), read_only },
+            index: 0,
+            mem: m.clone(),
+            irq: irq(),
+        }
     }
 
     /// Reads sector `sector` into 0x9000 through chain head 0; returns the status byte.
@@ -147,7 +152,7 @@ mod tests {
         assert_eq!(read_sector(&mut blk, &m, &mut tq, 0), 0);
         let saved = blk.save();
         assert_eq!((saved.queues.len(), saved.queues[0].next_avail, saved.queues[0].next_used), (1, 1, 1));
-        let back: BlockSnapshot = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
+        let back: BlockState = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
 
         let mut restored = Block::restore(args(&f, false, &m), &back).unwrap();
         assert_eq!(restored.save(), saved);
@@ -166,7 +171,7 @@ mod tests {
         let saved = blk.save();
         let restored = Block::restore(args(&f, true, &m), &saved).unwrap();
         assert_eq!(restored.save(), saved);
-        let broken = BlockSnapshot { broken: true, ..saved };
+        let broken = BlockState { broken: true, ..saved };
         let restored = Block::restore(args(&f, true, &m), &broken).unwrap();
         assert!(restored.is_broken());
     }
@@ -176,12 +181,12 @@ mod tests {
         let f = disk(4096);
         let m = mem();
         let good = Block::new(&BlockConfig { path: f.path().to_owned(), read_only: false }, 0).unwrap().save();
-        let err = |s: &BlockSnapshot, f: &tempfile::NamedTempFile, ro: bool| {
+        let err = |s: &BlockState, f: &tempfile::NamedTempFile, ro: bool| {
             Block::restore(args(f, ro, &m), s).err().map(|e| e.to_string()).unwrap_or_default()
         };
         assert!(err(&good, &disk(8192), false).contains("16 sectors"), "a different disk size");
         assert!(err(&good, &f, true).contains("read_only"));
-        let q = QueueSnapshot {
+        let q = QueueState {
             max_size: 256,
             size: 8,
             ready: true,
@@ -191,19 +196,16 @@ mod tests {
             ..Default::default()
         };
         let bad = [
-            (BlockSnapshot { acked_features: 1 << 40, ..good.clone() }, "acked features"),
-            (BlockSnapshot { queues: vec![q, q], ..good.clone() }, "2 queues"),
-            (BlockSnapshot { queues: vec![QueueSnapshot { size: 3, ..q }], ..good.clone() }, "queue 0"),
-            (BlockSnapshot { queues: vec![QueueSnapshot { max_size: 1024, ..q }], ..good.clone() }, "max size"),
-            (
-                BlockSnapshot { queues: vec![QueueSnapshot { desc_table: 1 << 40, ..q }], ..good.clone() },
-                "guest memory",
-            ),
+            (BlockState { acked_features: 1 << 40, ..good.clone() }, "acked features"),
+            (BlockState { queues: vec![q, q], ..good.clone() }, "2 queues"),
+            (BlockState { queues: vec![QueueState { size: 3, ..q }], ..good.clone() }, "queue 0"),
+            (BlockState { queues: vec![QueueState { max_size: 1024, ..q }], ..good.clone() }, "max size"),
+            (BlockState { queues: vec![QueueState { desc_table: 1 << 40, ..q }], ..good.clone() }, "guest memory"),
         ];
         for (s, needle) in bad {
             assert!(err(&s, &f, false).contains(needle), "{needle}: {}", err(&s, &f, false));
         }
-        let gone = BlockArgs {
+        let gone = BlockConstructorArgs {
             cfg: BlockConfig { path: "/nonexistent/disk".into(), read_only: false },
             ..args(&f, false, &m)
         };

@@ -19,11 +19,11 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::persist::FsSnapshot;
+use super::persist::FsState;
 use super::vhost_user::{BackendError, Deadline};
 use super::worker::{BackendThreads, Report, Request, Start, Watch, Worker};
 use crate::config::FsConfig;
-use crate::devices::virtio::persist::QueueSnapshot;
+use crate::devices::virtio::persist::QueueState;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_FS,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
@@ -158,8 +158,8 @@ impl Fs {
     /// published to the driver: a fresh backend restarts there, so requests the old one had
     /// taken but not completed are offered again. Open files live in the backend and are not
     /// part of this state.
-    pub fn snapshot(&self) -> FsSnapshot {
-        FsSnapshot {
+    pub fn snapshot(&self) -> FsState {
+        FsState {
             tag: self.tag.clone(),
             socket: self.socket.display().to_string(),
             queue_size: self.queue_sizes[0],
@@ -274,8 +274,8 @@ impl Fs {
     }
 }
 
-fn published_position(mem: &GuestMemoryMmap, q: &Queue) -> QueueSnapshot {
-    let mut s = QueueSnapshot::from(q);
+fn published_position(mem: &GuestMemoryMmap, q: &Queue) -> QueueState {
+    let mut s = QueueState::from(q);
     if let Ok(used) = q.used_idx(mem, Ordering::Acquire) {
         s.next_avail = used.0;
         s.next_used = used.0;
@@ -756,7 +756,7 @@ mod tests {
         assert_eq!((snap.tag.as_str(), snap.queue_size), ("rootfs", 256));
         assert_eq!(snap.acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX);
         let json = serde_json::to_string(&snap).unwrap();
-        assert_eq!(serde_json::from_str::<FsSnapshot>(&json).unwrap(), snap);
+        assert_eq!(serde_json::from_str::<FsState>(&json).unwrap(), snap);
         let _ = rig.irq.status();
     }
 }

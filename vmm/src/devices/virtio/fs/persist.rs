@@ -15,12 +15,12 @@ use vm_memory::GuestMemoryMmap;
 use super::device::{Fs, AVAIL_FEATURES};
 use super::worker::BackendThreads;
 use crate::config::FsConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueSnapshot, VirtioPersistError};
+use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct FsSnapshot {
+pub struct FsState {
     pub tag: String,
     /// The backend's socket at save time (a restore is given another).
     pub socket: String,
@@ -28,7 +28,7 @@ pub struct FsSnapshot {
     pub acked_features: u64,
     /// hiprio, then the request queue: addresses, size, and the used index the backend had
     /// published (a fresh backend restarts there). Empty while inactive.
-    pub vrings: Vec<QueueSnapshot>,
+    pub vrings: Vec<QueueState>,
     pub broken: bool,
 }
 
@@ -43,17 +43,17 @@ pub struct FsConstructorArgs {
 }
 
 impl Persist for Fs {
-    type State = FsSnapshot;
+    type State = FsState;
     type ConstructorArgs = FsConstructorArgs;
     type Error = VirtioPersistError;
 
-    fn save(&self) -> FsSnapshot {
+    fn save(&self) -> FsState {
         self.snapshot()
     }
 
     /// The snapshot is untrusted: tag and queue size must be the run's, acked features ones the
     /// device offers, live vrings valid in the new guest memory.
-    fn restore(args: FsConstructorArgs, state: &FsSnapshot) -> Result<Self, VirtioPersistError> {
+    fn restore(args: FsConstructorArgs, state: &FsState) -> Result<Self, VirtioPersistError> {
         if state.tag != args.cfg.tag || state.queue_size != args.cfg.queue_size {
             return Err(VirtioPersistError::Mismatch(format!(
                 "tag {:?} with queue size {} in the snapshot, {:?} with {} in the run",
@@ -96,8 +96,8 @@ mod tests {
         }
     }
 
-    fn vring(at: u64) -> QueueSnapshot {
-        QueueSnapshot {
+    fn vring(at: u64) -> QueueState {
+        QueueState {
             max_size: 256,
             size: 8,
             ready: true,
@@ -108,8 +108,8 @@ mod tests {
         }
     }
 
-    fn saved(vrings: Vec<QueueSnapshot>) -> FsSnapshot {
-        FsSnapshot {
+    fn saved(vrings: Vec<QueueState>) -> FsState {
+        FsState {
             tag: "rootfs".into(),
             socket: "/old/fs.sock".into(),
             queue_size: 256,
@@ -142,7 +142,7 @@ mod tests {
         let fs = Fs::restore(args(absent, mem.clone()), &saved(vec![])).unwrap();
         assert!(!fs.is_broken());
         assert_eq!(fs.save().vrings.len(), 0);
-        let broken = FsSnapshot { broken: true, ..saved(vec![vring(0x10_0000), vring(0x20_0000)]) };
+        let broken = FsState { broken: true, ..saved(vec![vring(0x10_0000), vring(0x20_0000)]) };
         assert!(Fs::restore(args(absent, mem), &broken).unwrap().is_broken());
     }
 
@@ -152,12 +152,12 @@ mod tests {
         let absent = Path::new("/nonexistent/fs.sock");
         let good = saved(vec![vring(0x10_0000), vring(0x20_0000)]);
         let cases = [
-            (FsSnapshot { tag: "other".into(), ..good.clone() }, "tag"),
-            (FsSnapshot { queue_size: 128, ..good.clone() }, "queue size"),
-            (FsSnapshot { acked_features: 1, ..good.clone() }, "does not offer"),
-            (FsSnapshot { vrings: vec![vring(0x10_0000)], ..good.clone() }, "queues saved"),
+            (FsState { tag: "other".into(), ..good.clone() }, "tag"),
+            (FsState { queue_size: 128, ..good.clone() }, "queue size"),
+            (FsState { acked_features: 1, ..good.clone() }, "does not offer"),
+            (FsState { vrings: vec![vring(0x10_0000)], ..good.clone() }, "queues saved"),
             (
-                FsSnapshot { vrings: vec![vring(0x10_0000), vring((16 << 20) - 0x1000)], ..good.clone() },
+                FsState { vrings: vec![vring(0x10_0000), vring((16 << 20) - 0x1000)], ..good.clone() },
                 "outside guest memory",
             ),
         ];

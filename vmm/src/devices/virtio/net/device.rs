@@ -13,12 +13,12 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{read_tx, rx_capacity, write_rx, TxOffloads, ETH_HLEN, MAX_BUFFER_LEN, VNET_HDR_LEN};
-use super::persist::NetSnapshot;
+use super::persist::NetState;
 use super::rate_limiter::RateLimiter;
 use super::tap::{FrameIo, Tap, TapError};
 use crate::config::{parse_mac, NetConfig};
 use crate::devices::virtio::chain;
-use crate::devices::virtio::persist::QueueSnapshot;
+use crate::devices::virtio::persist::QueueState;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_NET,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
@@ -194,14 +194,14 @@ impl Net {
         self.rx_pending.is_some()
     }
 
-    pub fn snapshot(&self) -> NetSnapshot {
-        NetSnapshot {
+    pub fn snapshot(&self) -> NetState {
+        NetState {
             tap: self.tap_name.clone(),
             mac: self.mac,
             mtu: self.mtu,
             acked_features: self.acked_features,
             queues: match &self.state {
-                DeviceState::Active(a) => vec![QueueSnapshot::from(&a.rx), QueueSnapshot::from(&a.tx)],
+                DeviceState::Active(a) => vec![QueueState::from(&a.rx), QueueState::from(&a.tx)],
                 _ => vec![],
             },
             broken: self.state.is_broken(),

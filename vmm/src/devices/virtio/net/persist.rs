@@ -10,18 +10,18 @@ use vm_memory::GuestMemoryMmap;
 use super::device::{format_mac, Net, NetError};
 use super::tap::FrameIo;
 use crate::config::{NetConfig, NetRateLimiterConfig};
-use crate::devices::virtio::persist::QueueSnapshot;
+use crate::devices::virtio::persist::QueueState;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NetSnapshot {
+pub struct NetState {
     pub tap: String,
     pub mac: [u8; 6],
     pub mtu: Option<u16>,
     pub acked_features: u64,
     /// rx, tx; empty while inactive.
-    pub queues: Vec<QueueSnapshot>,
+    pub queues: Vec<QueueState>,
     pub broken: bool,
 }
 
@@ -38,17 +38,17 @@ pub struct NetConstructorArgs {
 }
 
 impl Persist for Net {
-    type State = NetSnapshot;
+    type State = NetState;
     type ConstructorArgs = NetConstructorArgs;
     type Error = NetError;
 
-    fn save(&self) -> NetSnapshot {
+    fn save(&self) -> NetState {
         self.snapshot()
     }
 
     /// Rebuilds the device on a new host end. The snapshot is untrusted: acked features must be
     /// ones this host end offers, and live queues must be valid in the new guest memory.
-    fn restore(args: NetConstructorArgs, state: &NetSnapshot) -> Result<Self, NetError> {
+    fn restore(args: NetConstructorArgs, state: &NetState) -> Result<Self, NetError> {
         let cfg = NetConfig {
             tap: args.tap.clone(),
             mac: format_mac(&state.mac),
@@ -114,7 +114,7 @@ mod tests {
         assert_eq!(snap.mac, [2, 0, 0, 0, 0, 2]);
         assert_eq!(snap.queues.len(), 2);
         let json = serde_json::to_string(&snap).unwrap();
-        let back: NetSnapshot = serde_json::from_str(&json).unwrap();
+        let back: NetState = serde_json::from_str(&json).unwrap();
         let restored = Net::restore(args(r.mem.clone(), 0), &back).unwrap();
         assert_eq!(restored.save(), snap);
         let mut mac = [0u8; 6];
@@ -129,19 +129,19 @@ mod tests {
         let tso_tap = libc::TUN_F_CSUM | libc::TUN_F_TSO4;
         let (mut offloading, _h, _) = device(&net_config(), tso_tap);
         offloading.set_acked_features(u64::MAX);
-        let needs_offloads = NetSnapshot { acked_features: offloading.save().acked_features, ..good.clone() };
+        let needs_offloads = NetState { acked_features: offloading.save().acked_features, ..good.clone() };
         let cases = [
             (needs_offloads, "not all offered"),
-            (NetSnapshot { queues: vec![good.queues[0]], ..good.clone() }, "expected 0 or 2"),
-            (NetSnapshot { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac"),
-            (NetSnapshot { mtu: Some(10), ..good.clone() }, "mtu"),
-            (NetSnapshot { queues: vec![QueueSnapshot { size: 3, ..good.queues[0] }; 2], ..good.clone() }, "queue"),
+            (NetState { queues: vec![good.queues[0]], ..good.clone() }, "expected 0 or 2"),
+            (NetState { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac"),
+            (NetState { mtu: Some(10), ..good.clone() }, "mtu"),
+            (NetState { queues: vec![QueueState { size: 3, ..good.queues[0] }; 2], ..good.clone() }, "queue"),
         ];
         for (snap, needle) in cases {
             let err = Net::restore(args(r.mem.clone(), 0), &snap).err().expect(needle).to_string();
             assert!(err.contains(needle), "{needle}: {err}");
         }
-        let inactive = NetSnapshot { queues: vec![], acked_features: VIRTIO_F_VERSION_1, broken: true, ..good };
+        let inactive = NetState { queues: vec![], acked_features: VIRTIO_F_VERSION_1, broken: true, ..good };
         let net = Net::restore(args(r.mem.clone(), 0), &inactive).unwrap();
         assert!(net.is_broken());
     }

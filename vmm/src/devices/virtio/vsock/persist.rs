@@ -9,22 +9,22 @@ use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
 
 use super::device::{Active, Vsock, QUEUE_SIZES};
-use crate::devices::virtio::persist::{restore_active_queues, QueueSnapshot, VirtioPersistError};
+use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
 use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct VsockSnapshot {
+pub struct VsockState {
     pub guest_cid: u64,
     pub uds_path: String,
     pub acked_features: u64,
     /// rx, tx, event; empty while inactive.
-    pub queues: Vec<QueueSnapshot>,
+    pub queues: Vec<QueueState>,
     pub broken: bool,
 }
 
 /// What a restored vsock device needs from the new process.
-pub struct VsockArgs {
+pub struct VsockConstructorArgs {
     /// The run's host socket (hybrid vsock listens here).
     pub uds_path: PathBuf,
     pub mem: GuestMemoryMmap,
@@ -33,24 +33,24 @@ pub struct VsockArgs {
 }
 
 impl Persist for Vsock {
-    type State = VsockSnapshot;
-    type ConstructorArgs = VsockArgs;
+    type State = VsockState;
+    type ConstructorArgs = VsockConstructorArgs;
     type Error = VirtioPersistError;
 
-    fn save(&self) -> VsockSnapshot {
-        VsockSnapshot {
+    fn save(&self) -> VsockState {
+        VsockState {
             guest_cid: self.guest_cid,
             uds_path: self.uds_path.clone(),
             acked_features: self.acked_features,
             queues: match &self.state {
-                DeviceState::Active(a) => a.queues.iter().map(QueueSnapshot::from).collect(),
+                DeviceState::Active(a) => a.queues.iter().map(QueueState::from).collect(),
                 _ => vec![],
             },
             broken: self.state.is_broken(),
         }
     }
 
-    fn restore(args: VsockArgs, s: &VsockSnapshot) -> Result<Self, VirtioPersistError> {
+    fn restore(args: VsockConstructorArgs, s: &VsockState) -> Result<Self, VirtioPersistError> {
         if s.guest_cid < 3 || s.guest_cid >= u64::from(u32::MAX) {
             return Err(VirtioPersistError::Mismatch(format!("guest CID {} is not a guest CID", s.guest_cid)));
         }
@@ -80,7 +80,7 @@ impl Persist for Vsock {
 
 /// rx and tx checked as live queues, the event queue taken as saved when the driver left it unset.
 fn restore_unused_event_queue(
-    saved: &[QueueSnapshot],
+    saved: &[QueueState],
     mem: &GuestMemoryMmap,
 ) -> Result<Vec<virtio_queue::Queue>, VirtioPersistError> {
     let mut queues = restore_active_queues(&saved[..2], &QUEUE_SIZES[..2], mem)?;
@@ -133,9 +133,9 @@ mod tests {
         Rig { dev, mem: m, ev, dir }
     }
 
-    fn restore(r: &Rig, saved: &VsockSnapshot, name: &str) -> Result<(Vsock, IrqTrigger), VirtioPersistError> {
+    fn restore(r: &Rig, saved: &VsockState, name: &str) -> Result<(Vsock, IrqTrigger), VirtioPersistError> {
         let irq = irq();
-        let args = VsockArgs { uds_path: r.dir.path().join(name), mem: r.mem.clone(), irq: irq.clone() };
+        let args = VsockConstructorArgs { uds_path: r.dir.path().join(name), mem: r.mem.clone(), irq: irq.clone() };
         Vsock::restore(args, saved).map(|d| (d, irq))
     }
 
@@ -144,7 +144,7 @@ mod tests {
         let r = rig(2);
         let saved = r.dev.save();
         assert_eq!(saved.queues.len(), 3);
-        let back: VsockSnapshot = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
+        let back: VsockState = postcard::from_bytes(&postcard::to_stdvec(&saved).unwrap()).unwrap();
         let (dev, irq) = restore(&r, &back, "b.sock").unwrap();
         assert_eq!(r.ev.used_idx(&r.mem), 1, "one event delivered");
         assert_eq!(r.ev.used_elem(&r.mem, 0), (0, 4));
@@ -192,11 +192,11 @@ mod tests {
         let r = rig(0);
         let (dev, _) = restore(&r, &idle, "c.sock").unwrap();
         let uds_path = r.dir.path().join("c.sock").display().to_string();
-        assert_eq!(dev.save(), VsockSnapshot { uds_path, ..idle });
+        assert_eq!(dev.save(), VsockState { uds_path, ..idle });
 
         // A driver that never set up the event queue.
         let mut saved = r.dev.save();
-        saved.queues[EVQ] = QueueSnapshot { max_size: 256, size: 256, ..Default::default() };
+        saved.queues[EVQ] = QueueState { max_size: 256, size: 256, ..Default::default() };
         let (dev, _) = restore(&r, &saved, "d.sock").unwrap();
         assert!(!dev.is_broken());
         assert!(!virtio_queue::Queue::try_from(dev.save().queues[EVQ]).unwrap().ready());
@@ -207,9 +207,9 @@ mod tests {
         let r = rig(0);
         let good = r.dev.save();
         let mut cases = vec![
-            (VsockSnapshot { guest_cid: 2, ..good.clone() }, "CID"),
-            (VsockSnapshot { acked_features: 1 << 50, ..good.clone() }, "acked features"),
-            (VsockSnapshot { queues: good.queues[..1].to_vec(), ..good.clone() }, "queues saved"),
+            (VsockState { guest_cid: 2, ..good.clone() }, "CID"),
+            (VsockState { acked_features: 1 << 50, ..good.clone() }, "acked features"),
+            (VsockState { queues: good.queues[..1].to_vec(), ..good.clone() }, "queues saved"),
         ];
         let mut far = good.clone();
         far.queues[0].desc_table = 1 << 45;
