@@ -1,19 +1,22 @@
-//! A private containerd 1.6 for one test: its own root, state, sockets and config in a
-//! temporary directory. It is always stopped afterwards (success, failure or panic), and
-//! only the PID the harness started is signalled.
+//! A private containerd for one test: its own root, state, sockets and config in a temporary directory, of the
+//! version the test asks for (`version`: the system's 1.6, or the 1.7 and 2.1 `make setup` unpacks), with the config
+//! format that version reads (`config`). It is always stopped afterwards (success, failure or panic), and only the
+//! PID the harness started is signalled.
+
+mod config;
+mod version;
+
+pub use version::ContainerdVersion;
 
 use crate::cri::Cri;
 use crate::images;
 use anyhow::{anyhow, bail, Context, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CONTAINERD: &str = "containerd";
-const CTR: &str = "ctr";
 /// Base for every harness directory; short, because Unix socket paths are limited.
 const BASE_DIR: &str = "/var/lib/bulkhead-test";
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -33,6 +36,8 @@ pub struct RuntimeHandler {
     pub pod_annotations: Vec<String>,
     /// An OCI spec every container of this handler starts from (CRI's `base_runtime_spec`).
     pub base_runtime_spec: Option<PathBuf>,
+    /// Other string-valued keys of the runtime's table, as written (2.x's `sandboxer`, `io_type`...).
+    pub settings: Vec<(String, String)>,
 }
 
 impl RuntimeHandler {
@@ -43,6 +48,7 @@ impl RuntimeHandler {
             options: vec![],
             pod_annotations: vec![],
             base_runtime_spec: None,
+            settings: vec![],
         }
     }
 
@@ -57,6 +63,7 @@ impl RuntimeHandler {
                 .unwrap_or_default(),
             pod_annotations: vec!["io.bulkhead.*".into()],
             base_runtime_spec: None,
+            settings: vec![],
         }
     }
 }
@@ -73,6 +80,8 @@ pub struct ContainerdConfig {
     pub extra_toml: String,
     /// The umask containerd (and so every shim it starts) runs with; `None` keeps the test's.
     pub umask: Option<u32>,
+    /// Which containerd to start; by default this run's ([`ContainerdVersion::from_env`]).
+    pub version: ContainerdVersion,
 }
 
 impl Default for ContainerdConfig {
@@ -84,6 +93,7 @@ impl Default for ContainerdConfig {
             cni_routes: Vec::new(),
             extra_toml: String::new(),
             umask: None,
+            version: ContainerdVersion::default(),
         }
     }
 }
@@ -129,6 +139,9 @@ pub struct Containerd {
     stream_port: u16,
     cni: Option<CniNetwork>,
     umask: Option<u32>,
+    version: ContainerdVersion,
+    /// What containerd's CRI says it is (`Version.runtime_version`), once it answered.
+    runtime_version: String,
 }
 
 impl Containerd {
@@ -149,13 +162,35 @@ impl Containerd {
             stream_port,
             cni: config.cni_bridge.then(|| CniNetwork::for_port(stream_port)),
             umask: config.umask,
+            version: config.version,
+            runtime_version: String::new(),
         };
+        if let Some(reason) = this.version.missing() {
+            bail!("{reason}");
+        }
         // From here on, `this` cleans up after itself if anything below fails.
         this.write_config(&config)?;
         this.spawn()?;
         this.wait_ready().await?;
+        // One line per test: which containerd it ran on (libtest shows it with --show-output and on failure).
+        println!("containerd {}", this.runtime_version);
         this.import_images().await?;
         Ok(this)
+    }
+
+    /// The containerd line this instance runs.
+    pub fn version(&self) -> ContainerdVersion {
+        self.version
+    }
+
+    /// The version containerd's CRI reports, e.g. `2.1.9+unknown` or `1.6.20~ds1`.
+    pub fn runtime_version(&self) -> &str {
+        &self.runtime_version
+    }
+
+    /// The `ctr` of this containerd's version.
+    pub fn ctr(&self) -> PathBuf {
+        self.version.ctr()
     }
 
     /// containerd's gRPC socket.
@@ -202,75 +237,7 @@ impl Containerd {
     }
 
     fn write_config(&self, config: &ContainerdConfig) -> Result<()> {
-        let d = self.dir.display();
-        let mut toml = format!(
-            r#"version = 2
-root = "{d}/root"
-state = "{d}/state"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
-
-[grpc]
-  address = "{d}/containerd.sock"
-
-[ttrpc]
-  address = "{d}/containerd.sock.ttrpc"
-
-[debug]
-  address = "{d}/debug.sock"
-  level = "info"
-
-[metrics]
-  address = ""
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{d}/opt"
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{pause}"
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "{port}"
-  enable_selinux = false
-  disable_apparmor = true
-
-[plugins."io.containerd.grpc.v1.cri".cni]
-  bin_dir = "/usr/lib/cni"
-  conf_dir = "{d}/cni"
-
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "overlayfs"
-  default_runtime_name = "{default_runtime}"
-"#,
-            pause = images::PAUSE,
-            port = self.stream_port,
-            // containerd refuses a default that names no configured runtime.
-            default_runtime = config.handlers.first().map_or("runc", |h| h.name.as_str()),
-        );
-        for h in &config.handlers {
-            let base = format!(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}]"#, toml_key(&h.name));
-            writeln!(toml, "\n{base}\n  runtime_type = {}", toml_str(&h.runtime_type))?;
-            if let Some(spec) = &h.base_runtime_spec {
-                writeln!(toml, "  base_runtime_spec = {}", toml_str(&spec.to_string_lossy()))?;
-            }
-            if !h.pod_annotations.is_empty() {
-                let list: Vec<String> = h.pod_annotations.iter().map(|a| toml_str(a)).collect();
-                writeln!(toml, "  pod_annotations = [{}]", list.join(", "))?;
-                writeln!(toml, "  container_annotations = [{}]", list.join(", "))?;
-            }
-            if !h.options.is_empty() {
-                let opts = format!(
-                    r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{}.options]"#,
-                    toml_key(&h.name)
-                );
-                writeln!(toml, "{opts}")?;
-                for (k, v) in &h.options {
-                    writeln!(toml, "  {} = {}", toml_key(k), toml_str(v))?;
-                }
-            }
-        }
-        toml.push('\n');
-        toml.push_str(&config.extra_toml);
-
+        let toml = config::render(self.version, &self.dir, self.stream_port, images::PAUSE, config)?;
         std::fs::create_dir_all(self.dir.join("cni"))?;
         if let Some(cni) = &self.cni {
             let range = serde_json::json!({
@@ -318,7 +285,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         let umask = self.umask;
         // Appended: a restarted containerd's log follows the first one's.
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let mut command = Command::new(CONTAINERD);
+        let mut command = Command::new(self.version.containerd());
+        if let Some(bin) = self.version.bin_dir() {
+            // containerd looks its shims (containerd-shim-runc-v2) up on PATH first: its own, not the system's.
+            let path = std::env::var("PATH").unwrap_or_default();
+            command.env("PATH", format!("{}:{path}", bin.display()));
+        }
         command
             .arg("--config")
             .arg(self.dir.join("config.toml"))
@@ -334,7 +306,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 });
             }
         }
-        let child = command.spawn().context("spawning containerd (is the containerd package installed?)")?;
+        let child = command.spawn().with_context(|| {
+            format!("spawning {} (is containerd {} installed?)", self.version.containerd().display(), self.version)
+        })?;
         self.child = Some(child);
         Ok(())
     }
@@ -350,7 +324,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             }
             if self.socket.exists() {
                 if let Ok(cri) = Cri::connect(&self.socket).await {
-                    if cri.version().await.is_ok() {
+                    if let Ok(version) = cri.version().await {
+                        self.runtime_version = version.runtime_version;
                         return Ok(());
                     }
                 }
@@ -367,7 +342,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         for tarball in [&tarballs.pause, &tarballs.busybox] {
             let out = tokio::time::timeout(
                 IMPORT_TIMEOUT,
-                tokio::process::Command::new(CTR)
+                tokio::process::Command::new(self.ctr())
                     .arg("--address")
                     .arg(&self.socket)
                     .args(["-n", "k8s.io", "images", "import"])
@@ -498,18 +473,6 @@ fn free_loopback_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn toml_str(s: &str) -> String {
-    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
-}
-
-fn toml_key(s: &str) -> String {
-    if s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
-        s.to_string()
-    } else {
-        toml_str(s)
-    }
-}
-
 /// Where built image tarballs are cached between test processes.
 fn images_cache_dir() -> PathBuf {
     crate::target_dir().join("bulkhead-test-images")
@@ -531,12 +494,5 @@ mod tests {
         let net = CniNetwork::for_port(35335);
         assert_eq!(net.bridge, "bkt35335");
         assert_eq!(net.host(250), std::net::Ipv4Addr::new(10, 235, 85, 250));
-    }
-
-    #[test]
-    fn toml_strings_are_quoted_and_escaped() {
-        assert_eq!(toml_str(r#"a"b\c"#), r#""a\"b\\c""#);
-        assert_eq!(toml_key("runc"), "runc");
-        assert_eq!(toml_key("a.b"), r#""a.b""#);
     }
 }

@@ -13,28 +13,45 @@ pub mod host;
 pub mod images;
 pub mod standin;
 
-pub use containerd::{CniNetwork, CniRoute, Containerd, ContainerdConfig, RuntimeHandler};
+pub use containerd::{CniNetwork, CniRoute, Containerd, ContainerdConfig, ContainerdVersion, RuntimeHandler};
 pub use cri::{container_config, pod_config, Cri};
 
 use std::path::PathBuf;
 
-/// Why end-to-end tests cannot run here, or `None` when they can.
+/// Why end-to-end tests cannot run here on this run's containerd ([`ContainerdVersion::from_env`]), or `None`.
 pub fn skip_reason() -> Option<String> {
+    match ContainerdVersion::from_env() {
+        Ok(version) => skip_reason_on(version),
+        Err(e) => Some(e),
+    }
+}
+
+/// Why end-to-end tests cannot run here on containerd `version`, or `None` when they can.
+pub fn skip_reason_on(version: ContainerdVersion) -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("end-to-end tests need root (containerd, mounts, namespaces)".into());
     }
+    // The system's containerd and runc too: 1.6 is every test's default, and 1.7 runs runc from PATH.
     for tool in ["containerd", "ctr", "runc", "cc"] {
         if which(tool).is_none() {
             return Some(format!("`{tool}` is not on PATH (run `make setup`)"));
         }
     }
-    None
+    version.missing()
 }
 
 /// Prints `SKIPPED: <reason>` and returns true when end-to-end tests cannot run here.
 /// Under `BULKHEAD_REQUIRE_E2E=1` (CI) a missing prerequisite fails the test instead.
 pub fn skip_if_unready(test: &str) -> bool {
     match skip_reason() {
+        None => false,
+        Some(reason) => skip::missing_prerequisite(test, &reason),
+    }
+}
+
+/// [`skip_if_unready`] for a test that runs on containerd `version`.
+pub fn skip_if_unready_on(test: &str, version: ContainerdVersion) -> bool {
+    match skip_reason_on(version) {
         None => false,
         Some(reason) => skip::missing_prerequisite(test, &reason),
     }
