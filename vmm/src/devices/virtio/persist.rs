@@ -9,7 +9,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 use super::mmio::{fresh_queues, DriverState, MmioTransport};
-use super::{IrqTrigger, VirtioDevice};
+use super::{DeviceError, IrqTrigger, VirtioDevice};
 use crate::devices::bus::lock;
 use crate::persist::Persist;
 
@@ -26,6 +26,10 @@ pub enum VirtioPersistError {
     Features { acked: u64, offered: u64 },
     #[error("the run's device does not match the snapshot: {0}")]
     Mismatch(String),
+    #[error("saved state the device cannot be in: {0}")]
+    Invalid(String),
+    #[error("the saved queues cannot go live: {0}")]
+    Activate(DeviceError),
     #[error("host backend: {0}")]
     Backend(String),
 }

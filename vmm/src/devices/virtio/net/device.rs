@@ -13,12 +13,10 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{read_tx, rx_capacity, write_rx, TxOffloads, ETH_HLEN, MAX_BUFFER_LEN, VNET_HDR_LEN};
-use super::persist::NetState;
 use super::rate_limiter::RateLimiter;
 use super::tap::{FrameIo, Tap, TapError};
 use crate::config::{parse_mac, NetConfig};
 use crate::devices::virtio::chain;
-use crate::devices::virtio::persist::QueueState;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_NET,
     VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
@@ -53,8 +51,6 @@ pub enum NetError {
     Timer(io::Error),
     #[error("eventfd: {0}")]
     EventFd(io::Error),
-    #[error("snapshot cannot be restored: {0}")]
-    Restore(String),
 }
 
 /// Features for a tap accepting `tun_offloads` (TUN_F_*): offloads only where it takes them.
@@ -107,8 +103,8 @@ pub fn format_mac(mac: &[u8; 6]) -> String {
 
 pub struct Active {
     mem: GuestMemoryMmap,
-    rx: Queue,
-    tx: Queue,
+    pub(super) rx: Queue,
+    pub(super) tx: Queue,
     irq: IrqTrigger,
 }
 
@@ -123,12 +119,12 @@ struct Pass {
 
 pub struct Net {
     name: String,
-    tap_name: String,
+    pub(super) tap_name: String,
     backend: Box<dyn FrameIo>,
-    mac: [u8; 6],
-    mtu: Option<u16>,
+    pub(super) mac: [u8; 6],
+    pub(super) mtu: Option<u16>,
     avail_features: u64,
-    acked_features: u64,
+    pub(super) acked_features: u64,
     queue_evts: [EventFd; 2],
     pub(super) rx_limiter: RateLimiter,
     pub(super) tx_limiter: RateLimiter,
@@ -192,20 +188,6 @@ impl Net {
     /// Whether a host frame is waiting for a guest RX buffer (backpressure).
     pub fn rx_pending(&self) -> bool {
         self.rx_pending.is_some()
-    }
-
-    pub fn snapshot(&self) -> NetState {
-        NetState {
-            tap: self.tap_name.clone(),
-            mac: self.mac,
-            mtu: self.mtu,
-            acked_features: self.acked_features,
-            queues: match &self.state {
-                DeviceState::Active(a) => vec![QueueState::from(&a.rx), QueueState::from(&a.tx)],
-                _ => vec![],
-            },
-            broken: self.state.is_broken(),
-        }
     }
 
     /// Guest -> tap frames, until the queue is empty or the TX limiter says stop.
@@ -607,7 +589,7 @@ mod tests {
     fn unoffered_features_are_not_acked() {
         let (mut dev, _host, _) = device(&net_config(), 0);
         dev.set_acked_features(u64::MAX);
-        assert_eq!(dev.snapshot().acked_features, dev.avail_features());
+        assert_eq!(dev.acked_features, dev.avail_features());
     }
 
     #[test]
@@ -734,7 +716,6 @@ mod tests {
 
     fn assert_breaks(r: &mut Rig, what: &str) {
         assert!(r.dev.is_broken(), "{what}");
-        assert!(r.dev.snapshot().broken);
         // A broken device ignores further work until reset, then serves again.
         r.dev.process_tx();
         r.dev.process_rx();
@@ -893,10 +874,10 @@ mod tests {
         r.host.send(&frame(VnetHeader::default(), 60)).unwrap();
         r.dev.process_rx();
         assert!(r.dev.rx_pending());
-        assert_eq!(r.dev.snapshot().queues.len(), 2);
+        assert!(matches!(r.dev.state, DeviceState::Active(_)));
         r.dev.reset();
         assert!(!r.dev.rx_pending());
-        assert!(r.dev.snapshot().queues.is_empty());
+        assert!(matches!(r.dev.state, DeviceState::Inactive), "reset drops the queues");
         r.dev.process_rx(); // inactive: nothing happens
         assert!(!r.dev.rx_pending());
     }

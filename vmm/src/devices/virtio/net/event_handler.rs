@@ -88,8 +88,7 @@ mod tests {
             ..net_config()
         };
         let Rig { dev, mem, mut rx, mut tx, host, .. } = rig_with(&cfg, 0, crate::devices::virtio::VIRTIO_F_VERSION_1);
-        let acked = dev.snapshot().acked_features;
-        assert_eq!(acked, crate::devices::virtio::VIRTIO_F_VERSION_1);
+        assert_eq!(dev.acked_features, crate::devices::virtio::VIRTIO_F_VERSION_1);
         let dev = Arc::new(Mutex::new(dev));
         let mut em: EventManager<Arc<Mutex<Net>>> = EventManager::new().unwrap();
         em.add_subscriber(dev.clone());

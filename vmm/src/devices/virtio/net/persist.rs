@@ -7,11 +7,11 @@ use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 
-use super::device::{format_mac, Net, NetError};
+use super::device::{format_mac, Net};
 use super::tap::FrameIo;
 use crate::config::{NetConfig, NetRateLimiterConfig};
-use crate::devices::virtio::persist::QueueState;
-use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::devices::virtio::persist::{QueueState, VirtioPersistError};
+use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -40,45 +40,57 @@ pub struct NetConstructorArgs {
 impl Persist for Net {
     type State = NetState;
     type ConstructorArgs = NetConstructorArgs;
-    type Error = NetError;
+    type Error = VirtioPersistError;
 
     fn save(&self) -> NetState {
-        self.snapshot()
+        NetState {
+            tap: self.tap_name.clone(),
+            mac: self.mac,
+            mtu: self.mtu,
+            acked_features: self.acked_features,
+            queues: match &self.state {
+                DeviceState::Active(a) => vec![QueueState::from(&a.rx), QueueState::from(&a.tx)],
+                _ => vec![],
+            },
+            broken: self.state.is_broken(),
+        }
     }
 
-    /// Rebuilds the device on a new host end. The snapshot is untrusted: acked features must be
-    /// ones this host end offers, and live queues must be valid in the new guest memory.
-    fn restore(args: NetConstructorArgs, state: &NetState) -> Result<Self, NetError> {
+    /// Rebuilds the device on a new host end. The snapshot is untrusted: its MAC must be unicast,
+    /// its MTU one a config may name, its acked features ones this host end offers, and live
+    /// queues must be valid in the new guest memory.
+    fn restore(args: NetConstructorArgs, state: &NetState) -> Result<Self, VirtioPersistError> {
+        if state.mac[0] & 1 != 0 {
+            return Err(VirtioPersistError::Invalid(format!("mac {} is not unicast", format_mac(&state.mac))));
+        }
+        if state.mtu.is_some_and(|m| m < 68) {
+            return Err(VirtioPersistError::Invalid(format!("mtu {:?} is below 68", state.mtu)));
+        }
         let cfg = NetConfig {
             tap: args.tap.clone(),
             mac: format_mac(&state.mac),
             mtu: state.mtu,
             rate_limiter: args.rate_limiter,
         };
-        if state.mtu.is_some_and(|m| m < 68) {
-            return Err(NetError::Restore(format!("mtu {:?} is below 68", state.mtu)));
-        }
-        let mut net = Net::with_backend(&cfg, args.index, args.backend)?;
-        if state.acked_features & !net.avail_features() != 0 {
-            return Err(NetError::Restore(format!(
-                "acked features {:#x} are not all offered by tap {} ({:#x})",
-                state.acked_features,
-                args.tap,
-                net.avail_features()
-            )));
+        let mut net = Net::with_backend(&cfg, args.index, args.backend)
+            .map_err(|e| VirtioPersistError::Backend(format!("tap {}: {e}", args.tap)))?;
+        let offered = net.avail_features();
+        if state.acked_features & !offered != 0 {
+            return Err(VirtioPersistError::Features { acked: state.acked_features, offered });
         }
         net.set_acked_features(state.acked_features);
         match state.queues.as_slice() {
             [] => {}
             [rx, tx] => {
-                let queues = [rx, tx]
-                    .into_iter()
-                    .map(|q| Queue::try_from(*q))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| NetError::Restore(format!("bad queue: {e}")))?;
-                net.activate(args.mem, queues, args.irq).map_err(|e| NetError::Restore(e.to_string()))?;
+                let mut queues = Vec::with_capacity(2);
+                for (index, q) in [rx, tx].into_iter().enumerate() {
+                    let q =
+                        Queue::try_from(*q).map_err(|e| VirtioPersistError::Queue { index, reason: e.to_string() })?;
+                    queues.push(q);
+                }
+                net.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
             }
-            other => return Err(NetError::Restore(format!("{} queues, expected 0 or 2", other.len()))),
+            other => return Err(VirtioPersistError::QueueCount { expected: 2, got: other.len() }),
         }
         if state.broken {
             net.mark_broken();
@@ -131,9 +143,9 @@ mod tests {
         offloading.set_acked_features(u64::MAX);
         let needs_offloads = NetState { acked_features: offloading.save().acked_features, ..good.clone() };
         let cases = [
-            (needs_offloads, "not all offered"),
-            (NetState { queues: vec![good.queues[0]], ..good.clone() }, "expected 0 or 2"),
-            (NetState { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac"),
+            (needs_offloads, "the device does not offer"),
+            (NetState { queues: vec![good.queues[0]], ..good.clone() }, "1 queues saved, the device has 2"),
+            (NetState { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac 01:00:00:00:00:01 is not unicast"),
             (NetState { mtu: Some(10), ..good.clone() }, "mtu"),
             (NetState { queues: vec![QueueState { size: 3, ..good.queues[0] }; 2], ..good.clone() }, "queue"),
         ];

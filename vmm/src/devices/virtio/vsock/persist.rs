@@ -52,7 +52,7 @@ impl Persist for Vsock {
 
     fn restore(args: VsockConstructorArgs, s: &VsockState) -> Result<Self, VirtioPersistError> {
         if s.guest_cid < 3 || s.guest_cid >= u64::from(u32::MAX) {
-            return Err(VirtioPersistError::Mismatch(format!("guest CID {} is not a guest CID", s.guest_cid)));
+            return Err(VirtioPersistError::Invalid(format!("guest CID {} is not a guest CID", s.guest_cid)));
         }
         let mut dev = Vsock::new(s.guest_cid, &args.uds_path)
             .map_err(|e| VirtioPersistError::Backend(format!("vsock {}: {e}", args.uds_path.display())))?;
