@@ -5,10 +5,17 @@
 //! - `delete`: called after a shim died; tears the pod's sandbox down through its backend (the
 //!   bundle record says which and where): processes, mounts, cgroups, state.
 //! - serve mode (no action): the ttrpc Task server until Shutdown.
+//! - `-info` (containerd 1.7+ introspection, `PluginInfo` of the runtime): what the runtime is.
 //!
 //! The bootstrap is ours rather than `containerd_shim::run`'s: that library answers `start`
 //! with the JSON of newer containerd versions (1.6 reads a bare address) and registers the
 //! Task service only as `containerd.task.v3.Task` (1.6 calls `containerd.task.v2.Task`).
+//!
+//! `start` prints a bare address on every containerd version, and that is deliberate on 2.x too:
+//! 2.x reads it as bootstrap version 2 (ttrpc, Task API v2). A version 3 answer would tell 2.x that
+//! the shim implements the sandbox API and streaming I/O, and 2.x would then stop running `start`
+//! and `delete` for a pod's containers; this shim relies on both (pod grouping, cleanup after a
+//! crash) and implements neither of those APIs.
 
 use std::io::Write;
 use std::path::Path;
@@ -48,6 +55,17 @@ pub fn main() {
         println!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION"));
         return;
     }
+    if flags.info {
+        // Before any action: containerd runs `-info` with no action and the runtime options on stdin.
+        if let Err(e) = runtime_info().and_then(|bytes| {
+            let mut out = std::io::stdout();
+            out.write_all(&bytes).and_then(|()| out.flush()).context("write runtime info")
+        }) {
+            eprintln!("{RUNTIME_ID} -info: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let result = match flags.action.as_str() {
         "start" => runtime.block_on(start(&flags)).map(|address| {
             // containerd 1.6 takes stdout (and stderr) as the address: print nothing else.
@@ -63,6 +81,31 @@ pub fn main() {
         eprintln!("{RUNTIME_ID} {}: {e:#}", flags.action);
         std::process::exit(1);
     }
+}
+
+/// The type URL containerd registers the OCI runtime-spec `features` document under (a JSON value).
+const FEATURES_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/features/Features";
+
+/// `-info`: the runtime's name and version, and the one OCI feature containerd checks a runtime for before it
+/// creates a container (idmapped mounts, for user-namespaced pods): not supported, so such a container fails at
+/// create naming that, rather than with whatever this binary would print without an action.
+fn runtime_info() -> anyhow::Result<Vec<u8>> {
+    use containerd_shim::protos::protobuf::well_known_types::any::Any;
+    use containerd_shim::protos::protobuf::Message;
+    use containerd_shim::protos::types::introspection::{RuntimeInfo, RuntimeVersion};
+    let features = serde_json::json!({ "linux": { "mountExtensions": { "idmap": { "enabled": false } } } });
+    let info = RuntimeInfo {
+        name: RUNTIME_ID.into(),
+        version: Some(RuntimeVersion { version: env!("CARGO_PKG_VERSION").into(), ..Default::default() }).into(),
+        features: Some(Any {
+            type_url: FEATURES_TYPE_URL.into(),
+            value: serde_json::to_vec(&features)?,
+            ..Default::default()
+        })
+        .into(),
+        ..Default::default()
+    };
+    info.write_to_bytes().context("encode RuntimeInfo")
 }
 
 fn start_opts(flags: &Flags) -> StartOpts {
@@ -221,5 +264,22 @@ async fn delete_after_crash(namespace: &str, id: &str, containerd_address: &str)
         if Path::new(socket).exists() && !socket_alive(&pod_shim) {
             let _ = std::fs::remove_file(socket);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use containerd_shim::protos::protobuf::Message;
+    use containerd_shim::protos::types::introspection::RuntimeInfo;
+
+    #[test]
+    fn info_names_the_runtime_and_says_idmapped_mounts_are_unsupported() {
+        let info = RuntimeInfo::parse_from_bytes(&runtime_info().unwrap()).unwrap();
+        assert_eq!(info.name, RUNTIME_ID);
+        assert_eq!(info.version.version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(info.features.type_url, FEATURES_TYPE_URL);
+        let features: serde_json::Value = serde_json::from_slice(&info.features.value).unwrap();
+        assert_eq!(features.pointer("/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(false)));
     }
 }
