@@ -1,7 +1,8 @@
 //! `bulkhead-ctl doctor`: one pass/fail line per thing a bulkhead pod depends on on this node:
 //! - the host probe (`bulkhead_vmm_api::probe`, the one probe): can the `vm` backend run here;
-//! - containerd, asked over CRI (`Status` with the effective CRI config): does it answer, does it
-//!   know the handler, which shim does it run and with which `ConfigPath`;
+//! - containerd, asked over CRI (`Version`, and `Status` with the effective CRI config): which
+//!   containerd answers, does it know the handler, which shim does it run (its `runtime_path` on 1.7
+//!   and 2.x, which 1.6 ignores) and with which `ConfigPath`, through which sandboxer (2.x);
 //! - the shim config, parsed with the shim's own parser (the config containerd passes unless
 //!   `--config` names another);
 //! - the artifacts that config names, present and with their versions.
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
-use k8s_cri::v1::StatusRequest;
+use k8s_cri::v1::{StatusRequest, VersionRequest};
 use serde::Serialize;
 use serde_json::Value;
 use tonic::transport::{Endpoint, Uri};
@@ -47,17 +48,21 @@ fn check(name: impl Into<String>, result: Result<String, String>) -> Check {
 #[derive(Debug, Default, PartialEq)]
 struct Handler {
     runtime_type: String,
+    /// `runtime_path`: the shim binary 1.7 and 2.x run instead of resolving `runtime_type`.
+    runtime_path: Option<String>,
     config_path: Option<String>,
+    /// 2.x: who runs the pod's sandbox (`podsandbox`: a task of this shim; `shim`: the sandbox API).
+    sandboxer: Option<String>,
 }
 
 pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handler_name: &str) -> Outcome {
     let mut checks = Vec::new();
     let handler = match cri_config(containerd_socket).await {
-        Ok(config) => {
+        Ok((version, config)) => {
             checks.push(Check {
                 name: "containerd".into(),
                 ok: true,
-                detail: format!("answers CRI at {}", containerd_socket.display()),
+                detail: format!("{version} answers CRI at {}", containerd_socket.display()),
             });
             let handler = find_handler(&config, handler_name);
             checks.push(check(
@@ -74,7 +79,16 @@ pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handl
                 ),
             ));
             if let Some(h) = &handler {
-                checks.push(check("shim binary", shim_binary(&h.runtime_type).await));
+                checks.push(check("shim binary", shim_binary(h, honours_runtime_path(&version)).await));
+                if let Some(sandboxer) = h.sandboxer.as_deref().filter(|s| !s.is_empty() && *s != "podsandbox") {
+                    checks.push(check(
+                        "sandboxer",
+                        Err(format!(
+                            "{handler_name} has sandboxer {sandboxer:?}: bulkhead serves containerd's Task API, not its \
+                             sandbox API; set sandboxer = \"podsandbox\""
+                        )),
+                    ));
+                }
             }
             handler
         }
@@ -132,7 +146,8 @@ fn probe_check(kind: KvmKind, backend: Option<Backend>) -> Check {
     check("host probe", result)
 }
 
-async fn cri_config(socket: &Path) -> Result<Value, String> {
+/// containerd's version as its CRI reports it (`containerd 2.1.9`, ...) and its effective CRI config.
+async fn cri_config(socket: &Path) -> Result<(String, Value), String> {
     let path = socket.to_path_buf();
     // The URI is a placeholder: the connector always dials the Unix socket.
     let channel = Endpoint::try_from("http://[::1]:1")
@@ -145,7 +160,14 @@ async fn cri_config(socket: &Path) -> Result<Value, String> {
         }))
         .await
         .map_err(|e| format!("cannot reach containerd's CRI at {}: {}", socket.display(), chain(&e)))?;
-    let status = RuntimeServiceClient::new(channel)
+    let mut client = RuntimeServiceClient::new(channel);
+    let version = client
+        .version(VersionRequest { version: "v1".into() })
+        .await
+        .map_err(|e| format!("CRI Version at {}: {}", socket.display(), e.message()))?
+        .into_inner();
+    let version: String = format!("{} {}", version.runtime_name, version.runtime_version).chars().take(200).collect();
+    let status = client
         .status(StatusRequest { verbose: true })
         .await
         .map_err(|e| format!("CRI Status at {}: {}", socket.display(), e.message()))?
@@ -154,7 +176,17 @@ async fn cri_config(socket: &Path) -> Result<Value, String> {
     if json.len() > MAX_CONFIG_JSON {
         return Err(format!("containerd's config JSON is over {MAX_CONFIG_JSON} bytes"));
     }
-    serde_json::from_str(json).map_err(|e| format!("containerd's config JSON: {e}"))
+    let config = serde_json::from_str(json).map_err(|e| format!("containerd's config JSON: {e}"))?;
+    Ok((version, config))
+}
+
+/// Whether this containerd (`containerd 1.6.20~ds1`, `containerd 2.1.9+unknown`...) runs a runtime's
+/// `runtime_path`: 1.7 and later do; 1.6 accepts the key and ignores it (measured on 1.6.20).
+fn honours_runtime_path(version: &str) -> bool {
+    let number = version.rsplit(' ').next().unwrap_or_default().trim_start_matches('v');
+    let mut parts = number.split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (1, 7)
 }
 
 fn chain(e: &dyn std::error::Error) -> String {
@@ -170,15 +202,22 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 fn find_handler(config: &Value, name: &str) -> Option<Handler> {
     let runtime = config.pointer("/containerd/runtimes")?.get(name)?;
+    let text = |key: &str| runtime.pointer(key).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
     Some(Handler {
-        runtime_type: runtime.get("runtimeType").and_then(Value::as_str).unwrap_or_default().into(),
-        config_path: runtime.pointer("/options/ConfigPath").and_then(Value::as_str).map(str::to_string),
+        runtime_type: text("/runtimeType").unwrap_or_default(),
+        runtime_path: text("/runtimePath"),
+        config_path: text("/options/ConfigPath"),
+        sandboxer: text("/sandboxer"),
     })
 }
 
-/// The shim containerd runs: an absolute `runtime_type`, or the binary containerd finds on its PATH.
-async fn shim_binary(runtime_type: &str) -> Result<String, String> {
-    let path = if runtime_type.starts_with('/') {
+/// The shim containerd runs: the `runtime_path` where containerd honours it, an absolute `runtime_type`, or the
+/// binary containerd finds on its PATH.
+async fn shim_binary(handler: &Handler, honours_runtime_path: bool) -> Result<String, String> {
+    let runtime_type = handler.runtime_type.as_str();
+    let path = if let Some(path) = handler.runtime_path.as_ref().filter(|_| honours_runtime_path) {
+        PathBuf::from(path)
+    } else if runtime_type.starts_with('/') {
         PathBuf::from(runtime_type)
     } else if runtime_type == crate::RUNTIME_ID {
         let on_path = std::env::var_os("PATH").and_then(|p| {
@@ -299,6 +338,25 @@ mod tests {
         assert_eq!(h.config_path.as_deref(), Some("/opt/bulkhead/current/config.toml"));
         assert_eq!(find_handler(&config, "runc").unwrap().config_path, None);
         assert_eq!(find_handler(&config, "kata"), None);
+    }
+
+    #[test]
+    fn a_2x_handler_carries_its_runtime_path_and_sandboxer() {
+        let config = serde_json::json!({"containerd": {"runtimes": {"bulkhead": {
+            "runtimeType": "io.containerd.bulkhead.v2", "runtimePath": "/opt/bulkhead/current/containerd-shim-bulkhead-v2",
+            "sandboxer": "podsandbox", "options": {"ConfigPath": "/opt/bulkhead/current/config.toml"}}}}});
+        let h = find_handler(&config, "bulkhead").unwrap();
+        assert_eq!(h.runtime_path.as_deref(), Some("/opt/bulkhead/current/containerd-shim-bulkhead-v2"));
+        assert_eq!(h.sandboxer.as_deref(), Some("podsandbox"));
+    }
+
+    #[test]
+    fn only_1_7_and_later_run_the_runtime_path() {
+        assert!(!honours_runtime_path("containerd 1.6.20~ds1"));
+        assert!(honours_runtime_path("containerd 1.7.24~ds1"));
+        assert!(honours_runtime_path("containerd v2.1.9"));
+        assert!(honours_runtime_path("containerd 2.1.9+unknown"));
+        assert!(!honours_runtime_path("containerd garbage"));
     }
 
     #[test]
