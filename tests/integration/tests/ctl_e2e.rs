@@ -11,11 +11,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
+    ContainerdVersion, Cri, RuntimeHandler,
 };
 use prometheus_parse::{LineInfo, Scrape, Value};
 use serde_json::Value as Json;
+
+/// The containerd these tests run on: this run's (`BULKHEAD_CONTAINERD`, default 1.6), or the one a
+/// `*_on_containerd_<x>_<y>` twin binary, which compiles this same file, is named after.
+fn containerd_version() -> ContainerdVersion {
+    ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
+}
 
 struct Env {
     containerd: Containerd,
@@ -26,7 +32,7 @@ struct Env {
 }
 
 async fn setup(test: &str) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
+    if skip_if_unready_on(test, containerd_version()) {
         return Ok(None);
     }
     for bin in ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"] {
@@ -51,7 +57,8 @@ async fn setup(test: &str) -> Result<Option<Env>> {
         ),
     )?;
     let handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
-    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let containerd =
+        Containerd::start(ContainerdConfig { handlers, version: containerd_version(), ..Default::default() }).await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, config, state_dir, _config_dir: config_dir }))
 }
@@ -169,6 +176,10 @@ async fn ctl_commands_report_a_namespace_pod() -> Result<()> {
     assert!(doctor.ok && d["ok"] == true, "{d}");
     let handler = checks.iter().find(|c| c["name"] == "containerd handler").unwrap();
     assert!(handler["detail"].as_str().unwrap().contains(&env.config.display().to_string()), "{handler}");
+    // The containerd line names the containerd that answers, as its CRI reports itself.
+    let line = checks.iter().find(|c| c["name"] == "containerd").unwrap();
+    let version = format!("containerd {}", env.containerd.runtime_version());
+    assert!(line["detail"].as_str().unwrap().starts_with(&version), "{line}");
 
     // doctor on a broken shim config: a failing line naming the bad key, and exit code 1.
     let broken = env._config_dir.path().join("broken.toml");

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, CniNetwork, CniRoute, Containerd,
-    ContainerdConfig, Cri, RuntimeHandler,
+    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, CniNetwork, CniRoute, Containerd,
+    ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler,
 };
 use k8s_cri::v1 as cri;
 
@@ -34,6 +34,12 @@ use k8s_cri::v1 as cri;
 const STANDIN_HOST: u8 = 250;
 const METADATA_IP: &str = "169.254.169.254";
 const STANDIN_REPLY: &str = "metadata-standin";
+
+/// The containerd these tests run on: this run's (`BULKHEAD_CONTAINERD`, default 1.6), or the one a
+/// `*_on_containerd_<x>_<y>` twin binary, which compiles this same file, is named after.
+fn containerd_version() -> ContainerdVersion {
+    ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
+}
 
 struct Env {
     containerd: Containerd,
@@ -46,7 +52,7 @@ struct Env {
 /// (`[network] allow_metadata = true`), all on one CNI bridge; with `vm`, also `bulkhead-vm`
 /// (the vm backend with the real guest on that VMM, metadata blocked).
 async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
+    if skip_if_unready_on(test, containerd_version()) {
         return Ok(None);
     }
     let agent = workspace_bin("bulkhead-agent");
@@ -87,6 +93,7 @@ async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
         handlers,
         cni_bridge: true,
         cni_routes: vec![CniRoute { dst: format!("{METADATA_IP}/32"), gateway_host: STANDIN_HOST }],
+        version: containerd_version(),
         ..Default::default()
     })
     .await?;
@@ -225,7 +232,7 @@ async fn vm_pod_is_on_the_pod_network_and_metadata_is_blocked_on_bulkhead_vmm() 
 }
 
 async fn vm_pod_network(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready(test) || vmm.skip(test) {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
     println!("{test}: the guest runs on {}", vmm.name());

@@ -10,13 +10,19 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
-    cgroups, container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    cgroups, container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
+    ContainerdVersion, Cri, RuntimeHandler,
 };
 use k8s_cri::v1 as cri;
 
 const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
 const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
+
+/// The containerd these tests run on: this run's (`BULKHEAD_CONTAINERD`, default 1.6), or the one a
+/// `*_on_containerd_<x>_<y>` twin binary, which compiles this same file, is named after.
+fn containerd_version() -> ContainerdVersion {
+    ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
+}
 
 /// A private containerd with the bulkhead handler on the namespace backend.
 struct Env {
@@ -64,7 +70,7 @@ async fn setup_full(
     config_extra: &str,
     umask: Option<u32>,
 ) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
+    if skip_if_unready_on(test, containerd_version()) {
         return Ok(None);
     }
     let agent = workspace_bin("bulkhead-agent");
@@ -91,7 +97,14 @@ async fn setup_full(
     )?;
     let mut handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
     handlers.extend(extra);
-    let containerd = Containerd::start(ContainerdConfig { handlers, cni_bridge, umask, ..Default::default() }).await?;
+    let containerd = Containerd::start(ContainerdConfig {
+        handlers,
+        cni_bridge,
+        umask,
+        version: containerd_version(),
+        ..Default::default()
+    })
+    .await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
 }
@@ -544,7 +557,7 @@ async fn shim_pod_network_namespace_is_joined() -> Result<()> {
 async fn ctr(env: &Env, args: &[&str]) -> Result<String> {
     let out = tokio::time::timeout(
         Duration::from_secs(30),
-        tokio::process::Command::new("ctr")
+        tokio::process::Command::new(env.containerd.ctr())
             .arg("--address")
             .arg(env.containerd.address())
             .args(["-n", "k8s.io"])

@@ -13,12 +13,19 @@ use bulkhead_integration::guests::{self, GuestVmm};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::images::CONFORMANCE_BIN;
 use bulkhead_integration::{
-    container_config, pod_config, skip_if_unready, Containerd, ContainerdConfig, Cri, RuntimeHandler,
+    container_config, pod_config, skip_if_unready_on, Containerd, ContainerdConfig, ContainerdVersion, Cri,
+    RuntimeHandler,
 };
 use k8s_cri::v1 as cri;
 
 const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
 const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
+
+/// The containerd these tests run on: this run's (`BULKHEAD_CONTAINERD`, default 1.6), or the one a
+/// `*_on_containerd_<x>_<y>` twin binary, which compiles this same file, is named after.
+fn containerd_version() -> ContainerdVersion {
+    ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
+}
 /// How long the shim waits for the agent: TCG boots in seconds, but a loaded CI host is slow.
 /// Below the harness's 60 s CRI deadline, so a guest that never answers fails with the shim's
 /// own error and console tail.
@@ -52,7 +59,12 @@ impl VmEnv {
             std::fs::write(&path, serde_json::to_vec_pretty(&spec)?)?;
             handler.base_runtime_spec = Some(path);
         }
-        let containerd = Containerd::start(ContainerdConfig { handlers: vec![handler], ..Default::default() }).await?;
+        let containerd = Containerd::start(ContainerdConfig {
+            handlers: vec![handler],
+            version: containerd_version(),
+            ..Default::default()
+        })
+        .await?;
         let cri = containerd.cri().await?;
         Ok(Self { containerd, cri, state_dir, _cfg_dir: cfg_dir })
     }
@@ -97,7 +109,7 @@ async fn vm_backend_pod_runs_and_execs_on_bulkhead_vmm() -> Result<()> {
 }
 
 async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready(test) || vmm.skip(test) {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
     let env = VmEnv::start(test, vmm, None).await?;
@@ -209,7 +221,10 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
 /// the three (containerd drops the limits when the host has no hugetlb controller), so the test
 /// hands them to containerd as the handler's base spec.
 fn base_spec_of_an_ordinary_node() -> Result<serde_json::Value> {
-    let out = std::process::Command::new("ctr").args(["oci", "spec"]).output().context("ctr oci spec")?;
+    let out = std::process::Command::new(containerd_version().ctr())
+        .args(["oci", "spec"])
+        .output()
+        .context("ctr oci spec")?;
     if !out.status.success() {
         bail!("ctr oci spec: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -234,7 +249,7 @@ async fn vm_guest_runs_what_ordinary_pods_need_on_bulkhead_vmm() -> Result<()> {
 
 /// What kubelet and ordinary programs expect of a pod, in a container of a vm pod.
 async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready(test) || vmm.skip(test) {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
     let env = VmEnv::start(test, vmm, Some(base_spec_of_an_ordinary_node()?)).await?;
@@ -349,6 +364,7 @@ async fn failed_boot(test: &str, init: &Path) -> Result<String> {
     std::fs::write(&cfg, guests::vm_config(state_dir.path(), CONNECT_TIMEOUT_MS, vmm, &kernel, &initramfs))?;
     let containerd = Containerd::start(ContainerdConfig {
         handlers: vec![RuntimeHandler::bulkhead(Some(&cfg))],
+        version: containerd_version(),
         ..Default::default()
     })
     .await?;
@@ -373,7 +389,7 @@ async fn failed_boot(test: &str, init: &Path) -> Result<String> {
 #[tokio::test]
 async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail() -> Result<()> {
     let test = "a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail";
-    if skip_if_unready(test) || GuestVmm::QemuStandIn.skip(test) {
+    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
         return Ok(());
     }
     // An /init that is no program: the kernel finds no working init and panics.
@@ -389,7 +405,7 @@ async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail(
 #[tokio::test]
 async fn an_agent_that_exits_early_fails_the_pod_with_the_console_tail() -> Result<()> {
     let test = "an_agent_that_exits_early_fails_the_pod_with_the_console_tail";
-    if skip_if_unready(test) || GuestVmm::QemuStandIn.skip(test) {
+    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;

@@ -1,0 +1,160 @@
+//! What only containerd 2.x does with the shim, on containerd 2.1 whatever the run's default (the suites themselves
+//! run on 2.1 through their `*_on_containerd_2_1` twins):
+//! - it reads the shim's bare-address answer to `start` as bootstrap version 2 (ttrpc, Task API v2), and the pod's
+//!   later containers still go through `start` to the pod's one shim: the shim never claims version 3, which would
+//!   tell 2.x it implements the sandbox API and streaming I/O and stop 2.x running `start` and `delete` for them;
+//! - its introspection (`PluginInfo` of a runtime, `shim -info`) gets the runtime's name and version and the
+//!   one feature it checks before creating a container, idmapped mounts: not supported;
+//! - `bulkhead-ctl doctor` names the containerd version and fails a handler whose `sandboxer` would need the
+//!   sandbox API (2.1.9 itself crashes on such a pod before any shim is reached; fixed upstream after 2.1.9).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bulkhead_integration::{
+    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
+    ContainerdVersion, Cri, RuntimeHandler,
+};
+
+const VERSION: ContainerdVersion = ContainerdVersion::V2_1;
+
+struct Env {
+    containerd: Containerd,
+    cri: Cri,
+    config: std::path::PathBuf,
+    _state_dir: tempfile::TempDir,
+    _config_dir: tempfile::TempDir,
+}
+
+/// containerd 2.1 with `bulkhead` on the namespace backend, plus `handlers` made from it.
+async fn setup(test: &str, more: impl Fn(RuntimeHandler) -> Vec<RuntimeHandler>) -> Result<Option<Env>> {
+    if skip_if_unready_on(test, VERSION) {
+        return Ok(None);
+    }
+    for bin in ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"] {
+        let path = workspace_bin(bin);
+        if !path.is_file() {
+            skip::missing_prerequisite(
+                test,
+                &format!("{} is not built (run `cargo build --workspace`)", path.display()),
+            );
+            return Ok(None);
+        }
+    }
+    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("bulkhead.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+            state_dir.path().display(),
+            workspace_bin("bulkhead-agent").display()
+        ),
+    )?;
+    let bulkhead = RuntimeHandler::bulkhead(Some(&config));
+    let mut handlers = vec![bulkhead.clone()];
+    handlers.extend(more(bulkhead));
+    let containerd = Containerd::start(ContainerdConfig { handlers, version: VERSION, ..Default::default() }).await?;
+    let cri = containerd.cri().await?;
+    Ok(Some(Env { containerd, cri, config, _state_dir: state_dir, _config_dir: config_dir }))
+}
+
+/// containerd's log lines `connecting to shim <id>` (with the address, protocol and bootstrap version it uses).
+fn connections(containerd: &Containerd, id: &str) -> Vec<String> {
+    let log = std::fs::read_to_string(containerd.log_path()).unwrap_or_default();
+    log.lines().filter(|l| l.contains(&format!("connecting to shim {id}"))).map(str::to_string).collect()
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|f| f.strip_prefix(&format!("{key}="))).map(|v| v.trim_matches('"'))
+}
+
+#[tokio::test]
+async fn containerd_2_reaches_the_pods_one_shim_through_the_version_2_bootstrap() -> Result<()> {
+    let test = "containerd_2_reaches_the_pods_one_shim_through_the_version_2_bootstrap";
+    let Some(env) = setup(test, |_| vec![]).await? else { return Ok(()) };
+    let pod = pod_config("bootstrap", &env.containerd.new_log_dir("bootstrap")?);
+    let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(40))?;
+    let script = "trap 'exit 0' TERM; while true; do sleep 0.2; done";
+    let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", script]), &pod).await?;
+    env.cri.start_container(&ctr).await?;
+    let out = env.cri.exec_sync(&ctr, &["echo", "on-2.1"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "on-2.1\n");
+
+    let (sandbox, container) = (connections(&env.containerd, &pod_id), connections(&env.containerd, &ctr));
+    assert_eq!(sandbox.len(), 1, "{sandbox:?}");
+    assert_eq!(container.len(), 1, "{container:?}");
+    for line in [&sandbox[0], &container[0]] {
+        assert_eq!((field(line, "protocol"), field(line, "version")), (Some("ttrpc"), Some("2")), "{line}");
+    }
+    // The container's `start` handed back the pod's shim: one socket, one shim.
+    assert_eq!(field(&container[0], "address"), field(&sandbox[0], "address"));
+    let socket = bulkhead_integration::host::shim_socket(&env.containerd, &pod_id);
+    assert_eq!(field(&sandbox[0], "address"), Some(format!("unix://{}", socket.display()).as_str()));
+
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    bulkhead_integration::host::eventually_nothing("the pod's shim", Duration::from_secs(15), || {
+        bulkhead_integration::host::processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn containerd_2_introspects_the_runtime() -> Result<()> {
+    let test = "containerd_2_introspects_the_runtime";
+    let Some(env) = setup(test, |_| vec![]).await? else { return Ok(()) };
+    // PluginInfo of the runtime: containerd runs `shim -info` and decodes what it prints.
+    let out = Command::new(env.containerd.ctr())
+        .arg("--address")
+        .arg(env.containerd.address())
+        .args(["plugins", "inspect-runtime", "--runtime"])
+        .arg(workspace_bin("containerd-shim-bulkhead-v2"))
+        .output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(info["Name"], "io.containerd.bulkhead.v2", "{info}");
+    assert!(!info["Version"]["Version"].as_str().unwrap_or_default().is_empty(), "{info}");
+    assert_eq!(info.pointer("/Features/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(false)));
+    Ok(())
+}
+
+#[tokio::test]
+async fn doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api() -> Result<()> {
+    let test = "doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api";
+    let with_sandboxer = |bulkhead: RuntimeHandler| {
+        let mut h = RuntimeHandler { name: "bulkhead-sandboxer".into(), ..bulkhead };
+        h.settings.push(("sandboxer".into(), "shim".into()));
+        vec![h]
+    };
+    let Some(env) = setup(test, with_sandboxer).await? else { return Ok(()) };
+    let doctor = |handler: &str| {
+        let out = Command::new(workspace_bin("bulkhead-ctl"))
+            .arg("--config")
+            .arg(&env.config)
+            .args(["doctor", "--json", "--containerd-socket"])
+            .arg(env.containerd.address())
+            .args(["--handler", handler])
+            .output()
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let line = |name: &str| json["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).cloned();
+        (out.status.success(), line("containerd").unwrap(), line("shim binary"), line("sandboxer"), json.clone())
+    };
+    let (ok, containerd, shim, sandboxer, json) = doctor("bulkhead");
+    assert!(ok, "{json}");
+    let version = format!("containerd {}", env.containerd.runtime_version());
+    assert!(containerd["detail"].as_str().unwrap().starts_with(&version), "{containerd}");
+    assert_eq!(shim.map(|s| s["ok"].clone()), Some(serde_json::json!(true)), "{json}");
+    assert!(sandboxer.is_none(), "the default sandboxer (podsandbox) is fine: {json}");
+
+    let (ok, _, _, sandboxer, json) = doctor("bulkhead-sandboxer");
+    assert!(!ok, "{json}");
+    let sandboxer = sandboxer.unwrap();
+    assert_eq!(sandboxer["ok"], false);
+    assert!(sandboxer["detail"].as_str().unwrap().contains("sandboxer = \"podsandbox\""), "{sandboxer}");
+    Ok(())
+}
