@@ -12,7 +12,7 @@ use oci_spec::runtime::LinuxResources;
 
 use crate::error::{AgentError, Result};
 
-const ROOT: &str = "/sys/fs/cgroup";
+pub const ROOT: &str = "/sys/fs/cgroup";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Hierarchy {

@@ -15,7 +15,7 @@ use oci_spec::runtime::Spec;
 
 use crate::{
     bundle,
-    cgroups::{Cgroup, Hierarchy},
+    cgroups::{self, Cgroup, Hierarchy},
     cli::{AgentOpts, Mode},
     container::{Container, Event, ExitRecord, NewContainer},
     dns,
@@ -114,7 +114,9 @@ impl Sandbox {
     }
 
     pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
-        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir))
+        let pod_cgroup =
+            Path::new(cgroups::ROOT).join(self.cgroup_parent.strip_prefix("/").unwrap_or(&self.cgroup_parent));
+        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)
     }
 
     // ---- create / exec ---------------------------------------------------------------

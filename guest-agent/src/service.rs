@@ -89,6 +89,7 @@ impl Agent for AgentService {
             wall_clock_unix_nanos: req.wall_clock_unix_nanos,
             entropy_seed: req.entropy_seed,
             mounts: mounts(&req.guest_mounts),
+            pids_limit: u64::try_from(req.pids_limit).ok().filter(|&limit| limit > 0),
         };
         let interfaces = crate::network::parse_interfaces(
             &req.interfaces

@@ -17,6 +17,8 @@ pub struct SandboxSettings {
     pub wall_clock_unix_nanos: i64,
     pub entropy_seed: Vec<u8>,
     pub mounts: Vec<GuestMount>,
+    /// The pod's pids limit for the parent of every container cgroup; `None` is unlimited.
+    pub pids_limit: Option<u64>,
 }
 
 const MAX_RESOLV_CONF: usize = 64 << 10;
@@ -25,8 +27,16 @@ const MAX_ENTROPY: usize = 4096;
 /// Applies the settings. The pod's resolv.conf goes to `pod_dns_file`, which every
 /// container's `/etc/resolv.conf` mount is pointed at (crate::dns), and in guest mode also to
 /// the guest's own /etc/resolv.conf. In namespace mode the host owns the clock, the entropy pool
-/// and its /etc/resolv.conf, so those are skipped and logged.
-pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall, pod_dns_file: &Path) -> Result<()> {
+/// and its /etc/resolv.conf, so those are skipped and logged. The pod's pids limit goes to
+/// `pod_cgroup_dir` (the cgroupfs directory parenting every container) in guest mode; in namespace
+/// mode the host's pod cgroup, which holds the agent and all it starts, already enforces it.
+pub fn apply_setup(
+    s: &SandboxSettings,
+    mode: Mode,
+    sys: &dyn Syscall,
+    pod_dns_file: &Path,
+    pod_cgroup_dir: &Path,
+) -> Result<()> {
     validate(s)?;
     if !s.hostname.is_empty() {
         sys.sethostname(&s.hostname).map_err(|e| AgentError::internal("sethostname", e))?;
@@ -66,9 +76,19 @@ pub fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall, pod_dns_f
             if !s.entropy_seed.is_empty() {
                 sys.add_entropy(&s.entropy_seed).map_err(|e| AgentError::internal("RNDADDENTROPY", e))?;
             }
+            if let Some(limit) = s.pids_limit {
+                sys.mkdir_all(pod_cgroup_dir).map_err(|e| AgentError::internal("mkdir the pod's cgroup", e))?;
+                sys.write_file(&pod_cgroup_dir.join("pids.max"), limit.to_string().as_bytes())
+                    .map_err(|e| AgentError::FailedPrecondition(format!("the pod's pids limit {limit}: {e}")))?;
+                tracing::info!(limit, "the pod's pids limit is set");
+            }
         }
         Mode::Namespace => {
-            tracing::info!("namespace mode: the host provides clock, entropy and its own resolv.conf; skipped");
+            tracing::info!(
+                pids_limit = ?s.pids_limit,
+                "namespace mode: the host provides clock, entropy, its own resolv.conf and the pod's pids limit; \
+                 skipped"
+            );
         }
     }
     Ok(())
@@ -149,8 +169,10 @@ mod tests {
 
     const POD_DNS: &str = "/run/bulkhead-agent/resolv.conf";
 
+    const POD_CGROUP: &str = "/sys/fs/cgroup/bulkhead";
+
     fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result<()> {
-        super::apply_setup(s, mode, sys, Path::new(POD_DNS))
+        super::apply_setup(s, mode, sys, Path::new(POD_DNS), Path::new(POD_CGROUP))
     }
 
     fn settings() -> SandboxSettings {
@@ -166,6 +188,7 @@ mod tests {
                 fstype: "virtiofs".into(),
                 options: vec!["ro".into()],
             }],
+            pids_limit: Some(1024),
         }
     }
 
@@ -180,6 +203,7 @@ mod tests {
         assert!(calls.contains(&Call::Write(POD_DNS.into(), b"nameserver 10.0.0.10\n".to_vec())));
         assert!(calls.contains(&Call::Clock(1_700_000_000_123_456_789)));
         assert!(calls.contains(&Call::Entropy(32)));
+        assert!(calls.contains(&Call::Write(format!("{POD_CGROUP}/pids.max").into(), b"1024".to_vec())));
         assert!(calls.iter().any(|c| matches!(c, Call::Mount { fstype: Some(t), flags, .. }
             if t == "virtiofs" && flags.contains(nix::mount::MsFlags::MS_RDONLY))));
     }
@@ -190,6 +214,8 @@ mod tests {
         apply_setup(&settings(), Mode::Namespace, &sys).unwrap();
         let calls = sys.calls();
         assert!(!calls.iter().any(|c| matches!(c, Call::Clock(_) | Call::Entropy(_))));
+        // The host's pod cgroup holds the agent and everything it starts: its limit already applies.
+        assert!(!calls.iter().any(|c| matches!(c, Call::Write(p, _) if p.starts_with(POD_CGROUP))));
         assert!(!calls.iter().any(|c| matches!(c, Call::Write(p, _) if p == Path::new("/etc/resolv.conf"))));
         // The containers' copy is written in both modes.
         assert!(calls.contains(&Call::Write(POD_DNS.into(), b"nameserver 10.0.0.10\n".to_vec())));

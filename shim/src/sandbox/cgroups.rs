@@ -226,6 +226,16 @@ impl PodCgroup {
         Some((slice, scope))
     }
 
+    /// The pod's process limit on the host: the lowest `pids.max` on the way from `parent` (kubelet's
+    /// pod cgroup, where podPidsLimit lands) up to the root of the pids hierarchy. The host's
+    /// limit counts only the pod's host processes, so a vm pod carries it into its guest.
+    pub fn pids_limit(&self) -> Option<u64> {
+        if !plain_absolute(&self.parent) {
+            return None;
+        }
+        cgroup_mounts().iter().filter(|mount| has_pids(mount)).find_map(|mount| lowest_pids_max(mount, &self.parent))
+    }
+
     /// Records that a container's cgroup `<parent>/<id>` is this pod's. Returns false (and
     /// records nothing) for an id that is not a plain name.
     pub fn add_container(&mut self, id: &str) -> bool {
@@ -379,6 +389,35 @@ fn remove_tree(dir: &Path) -> usize {
     left
 }
 
+/// Whether the hierarchy mounted at `mount` has the pids controller (a v1 `pids` mount, or v2 with
+/// pids among its controllers).
+fn has_pids(mount: &Path) -> bool {
+    mount.file_name().is_some_and(|n| n.to_string_lossy().split(',').any(|c| c == "pids"))
+        || std::fs::read_to_string(mount.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|c| c == "pids"))
+}
+
+/// The lowest numeric `pids.max` of `cgroup` (absolute within the hierarchy at `mount`) and its
+/// ancestors; `None` when all say `max` or none exists. Unreadable or garbled files are skipped.
+fn lowest_pids_max(mount: &Path, cgroup: &Path) -> Option<u64> {
+    let relative = cgroup.strip_prefix("/").ok()?;
+    relative
+        .ancestors()
+        .filter_map(|dir| {
+            let text = read_small(&mount.join(dir).join("pids.max"))?;
+            text.trim().parse::<u64>().ok()
+        })
+        .min()
+}
+
+/// A cgroup control file's text, at most a page of it.
+fn read_small(file: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(file).ok()?.take(4096).read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
 /// Mount points of every cgroup hierarchy (v1 controllers, named, and v2), from mountinfo.
 pub fn cgroup_mounts() -> Vec<PathBuf> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
@@ -413,6 +452,28 @@ mod tests {
             sandbox_name: None,
             containers: BTreeSet::new(),
         }
+    }
+
+    #[test]
+    fn the_pods_pids_limit_is_the_lowest_on_the_way_up() {
+        let root = tempfile::tempdir().unwrap();
+        let pod = Path::new("/kubepods/burstable/pod1");
+        let write = |dir: &str, value: &str| {
+            let dir = root.path().join(dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("pids.max"), value).unwrap();
+        };
+        assert_eq!(lowest_pids_max(root.path(), pod), None, "no pids.max files");
+        write("kubepods/burstable/pod1", "max\n");
+        write("kubepods", "max\n");
+        assert_eq!(lowest_pids_max(root.path(), pod), None, "unlimited all the way");
+        write("kubepods/burstable/pod1", "1024\n");
+        assert_eq!(lowest_pids_max(root.path(), pod), Some(1024), "kubelet's podPidsLimit");
+        write("kubepods", "512\n");
+        assert_eq!(lowest_pids_max(root.path(), pod), Some(512), "a node-wide limit above is lower");
+        write("kubepods/burstable", "\u{0}garbage");
+        assert_eq!(lowest_pids_max(root.path(), pod), Some(512), "garbage is skipped");
+        assert_eq!(lowest_pids_max(root.path(), Path::new("relative")), None);
     }
 
     #[test]

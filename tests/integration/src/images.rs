@@ -14,9 +14,13 @@ pub const PAUSE: &str = "localhost/bulkhead/pause:test";
 const BUSYBOX_BIN: &str = "/bin/busybox";
 const PAUSE_SOURCE: &str = include_str!("../images/pause.c");
 const CONFORMANCE_SOURCE: &str = include_str!("../images/conformance.c");
+const FORKBOMB_SOURCE: &str = include_str!("../images/forkbomb.c");
 const EARLY_EXIT_SOURCE: &str = include_str!("../images/early-exit.c");
 /// In the busybox image: `images/conformance.c`, the kernel facilities ordinary programs use.
 pub const CONFORMANCE_BIN: &str = "/bin/bulkhead-conformance";
+/// In the busybox image: `images/forkbomb.c`, a fork bomb that prints how many forks it made and
+/// how many the kernel refused, once a second.
+pub const FORKBOMB_BIN: &str = "/bin/bulkhead-forkbomb";
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Paths of the two image tarballs, built on first use into `dir` and reused after.
@@ -36,7 +40,7 @@ pub fn build_all(dir: &Path) -> Result<ImageTarballs> {
         // Named by what goes into it, so a changed conformance program replaces a cached image.
         busybox: ensure(
             dir,
-            &format!("busybox-{}.oci.tar", short_hash(CONFORMANCE_SOURCE)),
+            &format!("busybox-{}.oci.tar", short_hash(&[CONFORMANCE_SOURCE, FORKBOMB_SOURCE].concat())),
             build_busybox_layer,
             BUSYBOX,
             &["sh"],
@@ -123,6 +127,8 @@ fn build_busybox_layer(dir: &Path) -> Result<Vec<u8>> {
     tar.file("bin/busybox", &busybox, 0o755)?;
     let conformance = compile_static(dir, "conformance", CONFORMANCE_SOURCE)?;
     tar.file(CONFORMANCE_BIN.trim_start_matches('/'), &conformance, 0o755)?;
+    let forkbomb = compile_static(dir, "forkbomb", FORKBOMB_SOURCE)?;
+    tar.file(FORKBOMB_BIN.trim_start_matches('/'), &forkbomb, 0o755)?;
     for applet in applets.lines().map(str::trim).filter(|a| !a.is_empty()) {
         if applet == "busybox" || applet.contains('/') {
             continue;

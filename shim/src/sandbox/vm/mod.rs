@@ -359,6 +359,11 @@ impl Sandbox for VmSandbox {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
             .unwrap_or(0);
+        // kubelet's pod pids limit binds only host processes; the guest's are counted there.
+        if let Some(limit) = self.cgroup.pids_limit() {
+            info!(limit, "the pod's pids limit goes to the guest");
+            setup.pids_limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        }
         let mut seed = vec![0u8; 64];
         match getrandom_fill(&mut seed) {
             Ok(()) => setup.entropy_seed = seed,
