@@ -19,28 +19,19 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::persist::FsState;
 use super::vhost_user::{BackendError, Deadline};
 use super::worker::{BackendThreads, Report, Request, Start, Watch, Worker};
+use super::{AVAIL_FEATURES, NUM_QUEUES, NUM_REQUEST_QUEUES};
 use crate::config::FsConfig;
-use crate::devices::virtio::persist::QueueState;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_FS,
-    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
+    VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
 use crate::thread::Slot;
 
-pub const NUM_REQUEST_QUEUES: u32 = 1;
-/// The hiprio queue, then the request queues.
-pub const NUM_QUEUES: usize = 1 + NUM_REQUEST_QUEUES as usize;
 pub const TAG_LEN: usize = 36;
 /// tag[36] then num_request_queues (le32).
 pub const CONFIG_LEN: usize = TAG_LEN + 4;
-pub const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
-pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
-/// What the driver is offered. The ring features concern only driver and backend (the VMM never
-/// walks these rings); a backend lacking one the driver acked fails activation.
-pub const AVAIL_FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX;
 /// Bound on each activation (connect, handshake, vring setup) and each reset, start to end.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long past its deadline a reset waits for the backend thread's word: the watchdog ends the
@@ -59,8 +50,8 @@ pub enum Phase {
 }
 
 pub struct Active {
-    mem: GuestMemoryMmap,
-    queues: Vec<Queue>,
+    pub(super) mem: GuestMemoryMmap,
+    pub(super) queues: Vec<Queue>,
     irq: IrqTrigger,
     phase: Phase,
 }
@@ -74,11 +65,11 @@ pub enum WatchUpdate {
 
 pub struct Fs {
     name: String,
-    tag: String,
-    socket: PathBuf,
+    pub(super) tag: String,
+    pub(super) socket: PathBuf,
     config: [u8; CONFIG_LEN],
-    queue_sizes: [u16; NUM_QUEUES],
-    acked_features: u64,
+    pub(super) queue_sizes: [u16; NUM_QUEUES],
+    pub(super) acked_features: u64,
     /// Kicks: the transport signals them on QueueNotify and the backend reads them. Until the
     /// backend has them, an eventfd keeps counting, so no kick is lost.
     queue_evts: [EventFd; NUM_QUEUES],
@@ -91,7 +82,7 @@ pub struct Fs {
     activation: u64,
     /// The connection the backend thread reported, registered with the event loop for hang-up.
     pub(super) watch: Option<Watch>,
-    state: DeviceState<Active>,
+    pub(super) state: DeviceState<Active>,
     timeout: Duration,
     last_failure_log: Option<Instant>,
 }
@@ -151,24 +142,6 @@ impl Fs {
         match &self.state {
             DeviceState::Active(a) => Some(a.phase),
             _ => None,
-        }
-    }
-
-    /// The backend owns the ring positions. Each vring is saved at the used index the backend
-    /// published to the driver: a fresh backend restarts there, so requests the old one had
-    /// taken but not completed are offered again. Open files live in the backend and are not
-    /// part of this state.
-    pub fn snapshot(&self) -> FsState {
-        FsState {
-            tag: self.tag.clone(),
-            socket: self.socket.display().to_string(),
-            queue_size: self.queue_sizes[0],
-            acked_features: self.acked_features,
-            vrings: match &self.state {
-                DeviceState::Active(a) => a.queues.iter().map(|q| published_position(&a.mem, q)).collect(),
-                _ => vec![],
-            },
-            broken: self.state.is_broken(),
         }
     }
 
@@ -274,15 +247,6 @@ impl Fs {
     }
 }
 
-fn published_position(mem: &GuestMemoryMmap, q: &Queue) -> QueueState {
-    let mut s = QueueState::from(q);
-    if let Ok(used) = q.used_idx(mem, Ordering::Acquire) {
-        s.next_avail = used.0;
-        s.next_used = used.0;
-    }
-    s
-}
-
 impl VirtioDevice for Fs {
     fn device_type(&self) -> u32 {
         TYPE_FS
@@ -364,13 +328,16 @@ mod tests {
     use crate::devices::bus::BusDevice;
     use crate::devices::virtio::chain::test_utils::TestQueue;
     use crate::devices::virtio::fs::test_utils::{self as fake, FakeBackend, Script};
+    use crate::devices::virtio::fs::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
     use crate::devices::virtio::mmio::MmioTransport;
     use crate::devices::virtio::mmio_regs::{
         DEVICE_FEATURES, DEVICE_FEATURES_SEL, DRIVER_FEATURES, DRIVER_FEATURES_SEL, INTERRUPT_ACK, INTERRUPT_STATUS,
         QUEUE_DESC_LOW, QUEUE_DEVICE_LOW, QUEUE_DRIVER_LOW, QUEUE_NOTIFY, QUEUE_NUM, QUEUE_READY, QUEUE_SEL, STATUS,
         STATUS_FAILED, STATUS_NEEDS_RESET,
     };
+    use crate::devices::virtio::VIRTIO_F_VERSION_1;
     use crate::memory::create_guest_memory;
+    use crate::persist::Persist;
     use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
     use std::path::Path;
     use std::sync::Mutex;
@@ -552,7 +519,7 @@ mod tests {
         assert_eq!(backend.requests(), expected);
         let fs = rig.fs.lock().unwrap();
         assert_eq!((fs.phase(), fs.connection_id()), (Some(Phase::Serving), Some(1)));
-        let snap = fs.snapshot();
+        let snap = fs.save();
         assert_eq!(snap.vrings.len(), NUM_QUEUES);
         assert_eq!((snap.vrings[1].desc_table, snap.vrings[1].size), (0x2_0000, 8));
     }
@@ -596,7 +563,7 @@ mod tests {
         assert_eq!(r(&mut rig.t, INTERRUPT_STATUS), VIRTIO_MMIO_INT_CONFIG, "the driver is told");
         assert!(broken_reason(&rig.fs).contains("closed the connection"));
         assert!(rig.fs.lock().unwrap().watch.is_none(), "the dead connection is no longer watched");
-        assert!(rig.fs.lock().unwrap().snapshot().broken);
+        assert!(rig.fs.lock().unwrap().save().broken);
 
         // A driver reset clears the failure; the next DRIVER_OK would connect afresh.
         w(&mut rig.t, STATUS, 0);
@@ -750,13 +717,11 @@ mod tests {
         assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
         let q = &queues()[1];
         rig.mem.write_obj(3u16, GuestAddress(q.used + 2)).unwrap(); // as the backend would
-        let snap = rig.fs.lock().unwrap().snapshot();
+        let snap = rig.fs.lock().unwrap().save();
         assert_eq!((snap.vrings[1].next_avail, snap.vrings[1].next_used), (3, 3));
         assert_eq!(snap.vrings[0].next_used, 0);
         assert_eq!((snap.tag.as_str(), snap.queue_size), ("rootfs", 256));
         assert_eq!(snap.acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX);
-        let json = serde_json::to_string(&snap).unwrap();
-        assert_eq!(serde_json::from_str::<FsState>(&json).unwrap(), snap);
         let _ = rig.irq.status();
     }
 }

@@ -9,14 +9,18 @@
 //! then be shared memory: the builder restores such VMs into a memfd) and starts the vrings where
 //! the saved ones stood. A backend that fails breaks the device, as after DRIVER_OK.
 
+use std::sync::atomic::Ordering;
+
 use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
-use super::device::{Fs, AVAIL_FEATURES};
+use super::device::Fs;
 use super::worker::BackendThreads;
+use super::AVAIL_FEATURES;
 use crate::config::FsConfig;
 use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
-use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -47,8 +51,22 @@ impl Persist for Fs {
     type ConstructorArgs = FsConstructorArgs;
     type Error = VirtioPersistError;
 
+    /// The backend owns the ring positions. Each vring is saved at the used index the backend
+    /// published to the driver: a fresh backend restarts there, so requests the old one had
+    /// taken but not completed are offered again. Open files live in the backend and are not
+    /// part of this state.
     fn save(&self) -> FsState {
-        self.snapshot()
+        FsState {
+            tag: self.tag.clone(),
+            socket: self.socket.display().to_string(),
+            queue_size: self.queue_sizes[0],
+            acked_features: self.acked_features,
+            vrings: match &self.state {
+                DeviceState::Active(a) => a.queues.iter().map(|q| published_position(&a.mem, q)).collect(),
+                _ => vec![],
+            },
+            broken: self.state.is_broken(),
+        }
     }
 
     /// The snapshot is untrusted: tag and queue size must be the run's, acked features ones the
@@ -70,10 +88,21 @@ impl Persist for Fs {
             fs.mark_broken();
         } else if !state.vrings.is_empty() {
             let queues = restore_active_queues(&state.vrings, fs.queue_max_sizes(), &args.mem)?;
-            fs.activate(args.mem, queues, args.irq).map_err(|e| VirtioPersistError::Backend(e.to_string()))?;
+            fs.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
         }
         Ok(fs)
     }
+}
+
+/// A vring as a fresh backend must pick it up: both indices at the used index the old backend
+/// published (or as the transport left them, if guest memory cannot be read).
+fn published_position(mem: &GuestMemoryMmap, q: &Queue) -> QueueState {
+    let mut s = QueueState::from(q);
+    if let Ok(used) = q.used_idx(mem, Ordering::Acquire) {
+        s.next_avail = used.0;
+        s.next_used = used.0;
+    }
+    s
 }
 
 #[cfg(test)]
@@ -131,6 +160,8 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         let back = fs.save();
+        let json = serde_json::to_string(&back).unwrap();
+        assert_eq!(serde_json::from_str::<FsState>(&json).unwrap(), back);
         assert_eq!((back.tag, back.vrings.len(), back.acked_features), ("rootfs".into(), 2, VIRTIO_F_VERSION_1));
         assert_eq!(back.socket, backend.path.display().to_string(), "the run's socket");
     }

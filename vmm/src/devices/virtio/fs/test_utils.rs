@@ -51,7 +51,7 @@ impl Script {
     /// What virtiofsd offers, as far as the frontend cares.
     pub fn virtiofsd_like() -> Self {
         Self {
-            features: super::device::AVAIL_FEATURES | super::vhost_user::VHOST_USER_F_PROTOCOL_FEATURES,
+            features: super::AVAIL_FEATURES | super::vhost_user::VHOST_USER_F_PROTOCOL_FEATURES,
             protocol_features: PROTOCOL_MQ | PROTOCOL_REPLY_ACK,
             queue_num: 2,
             refuse: None,

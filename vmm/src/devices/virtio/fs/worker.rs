@@ -22,9 +22,9 @@ use virtio_queue::{Queue, QueueState};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::device::NUM_QUEUES;
 use super::vhost_user::{Backend, BackendError, Deadline, Vring};
 use super::watchdog::Watchdog;
+use super::NUM_QUEUES;
 use crate::thread::{spawn_confined, unconfined, Confine, Mailbox, Slot};
 
 /// How the device's two threads confine themselves (vmm.rs installs their seccomp filters).
