@@ -1,5 +1,6 @@
-//! A scratch root laid out like a node, a private containerd 1.6 started from that root's config, a fake shim
-//! that records how it was called, and a local pause image. Only processes started here are stopped, by PID.
+//! A scratch root laid out like a node, a private containerd started from that root's config (the system's 1.6, or
+//! the 2.1 `make setup` unpacks, as `bulkhead_integration::ContainerdVersion` finds them), a fake shim that records
+//! how it was called, and a local pause image. Only processes started here are stopped, by PID.
 #![allow(dead_code)]
 
 use std::fs;
@@ -10,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use bulkhead_integration::ContainerdVersion;
 use bulkhead_node_installer::error::{Error, Result as IResult};
 use bulkhead_node_installer::installer::Settings;
 use bulkhead_node_installer::layout::Layout;
@@ -22,6 +24,11 @@ pub const PAUSE_IMAGE: &str = "bulkhead.test/pause:1";
 
 /// Prints one SKIPPED line and returns false when this host cannot run the real-containerd tests.
 pub fn can_run_containerd() -> bool {
+    can_run_containerd_on(ContainerdVersion::V1_6)
+}
+
+/// [`can_run_containerd`] for containerd `version` (1.7 and 2.1: unpacked by `make setup`).
+pub fn can_run_containerd_on(version: ContainerdVersion) -> bool {
     let test = std::thread::current().name().unwrap_or("real containerd test").to_string();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -34,6 +41,9 @@ pub fn can_run_containerd() -> bool {
                 &format!("{bin} not installed (make setup)"),
             );
         }
+    }
+    if let Some(reason) = version.missing() {
+        return !bulkhead_integration::skip::missing_prerequisite(&test, &reason);
     }
     true
 }
@@ -138,6 +148,64 @@ state = "{r}/run/containerd"
     )
 }
 
+/// The user's own containerd 2.x config (version 3), as a node would have it: its CRI settings partly in a file of
+/// its own that the main config imports (`etc/containerd/user.toml`, [`user_import_v3`]). NRI is off: on by default
+/// in 2.x, it takes one host-wide socket that concurrent test containerds would fight over.
+pub fn user_config_v3(root: &Path) -> String {
+    let r = root.display();
+    format!(
+        r#"# The node's own config: the installer must never rewrite this.
+version = 3
+root = "{r}/var/lib/containerd"
+state = "{r}/run/containerd"
+imports = ["{r}/etc/containerd/user.toml"]
+
+[grpc]
+  address = "{r}/run/containerd/containerd.sock"
+
+[ttrpc]
+  address = "{r}/run/containerd/containerd.sock.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{r}/var/lib/containerd-opt"
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+
+[plugins."io.containerd.cri.v1.runtime".cni]
+  bin_dirs = ["/usr/lib/cni"]
+  conf_dir = "{r}/etc/cni/net.d"
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+"#
+    )
+}
+
+/// The file [`user_config_v3`] imports: settings a drop-in must not lose (2.x merges imports key by key).
+pub fn user_import_v3() -> String {
+    format!(
+        r#"version = 3
+
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{PAUSE_IMAGE}"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+  NoNewKeyring = true
+"#
+    )
+}
+
 /// Lay out the scratch node: containerd config, /opt, a VMX cpuinfo and a /dev/kvm stand-in; and an image
 /// artifact dir whose shim is a script that logs its arguments and fails.
 pub fn node(kvm: bool) -> Node {
@@ -162,6 +230,14 @@ pub fn node(kvm: bool) -> Node {
     fs::write(img.join("vmlinux"), vec![0x7fu8; 4096]).expect("kernel");
     fs::write(img.join("initramfs.cpio.gz"), vec![0x1fu8; 2048]).expect("initramfs");
     Node { dir, artifacts }
+}
+
+/// [`node`] with the user's version-3 config ([`user_config_v3`] and its import) in place of the version-2 one.
+pub fn node_v3(kvm: bool) -> Node {
+    let node = node(kvm);
+    fs::write(node.config(), user_config_v3(node.root())).expect("config");
+    fs::write(node.root().join("etc/containerd/user.toml"), user_import_v3()).expect("user import");
+    node
 }
 
 /// Makes the image's shim an ELF (a copy of `sleep`) instead of the recording script, so that a process can
@@ -293,25 +369,46 @@ impl Drop for Script {
 pub struct Containerd {
     config: PathBuf,
     log: PathBuf,
+    version: ContainerdVersion,
     child: Mutex<Option<Child>>,
     pub restarts: AtomicUsize,
 }
 
 impl Containerd {
     pub fn start(node: &Node) -> Self {
+        Self::start_on(node, ContainerdVersion::V1_6)
+    }
+
+    /// The node's containerd, of `version`.
+    pub fn start_on(node: &Node, version: ContainerdVersion) -> Self {
         let c = Self {
             config: node.config(),
             log: node.root().join("var/containerd.log"),
+            version,
             child: Mutex::new(None),
             restarts: AtomicUsize::new(0),
         };
         c.spawn().expect("start containerd");
+        println!("containerd {version}");
         c
+    }
+
+    pub fn version(&self) -> ContainerdVersion {
+        self.version
     }
 
     fn spawn(&self) -> std::io::Result<()> {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let child = Command::new(CONTAINERD)
+        let mut command = match self.version.bin_dir() {
+            None => Command::new(CONTAINERD),
+            Some(bin) => {
+                let mut c = Command::new(bin.join("containerd"));
+                // Its own shims (containerd-shim-runc-v2) before the system's.
+                c.env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()));
+                c
+            }
+        };
+        let child = command
             .arg("--config")
             .arg(&self.config)
             .stdin(Stdio::null())
@@ -322,7 +419,8 @@ impl Containerd {
         Ok(())
     }
 
-    fn stop(&self) {
+    /// Stops containerd (by its PID) and leaves it down, as a restart that failed would.
+    pub fn stop(&self) {
         let Some(mut child) = self.child.lock().expect("lock").take() else { return };
         // SAFETY: signalling the PID of the child we spawned and have not yet reaped.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -428,14 +526,29 @@ pub async fn registered(node: &Node, handler: &str) -> bool {
 
 /// Import the pause image into the k8s.io namespace (retrying while containerd comes up).
 pub fn import_pause(node: &Node) {
+    import_pause_on(node, ContainerdVersion::V1_6)
+}
+
+/// [`import_pause`] with the `ctr` of containerd `version`.
+pub fn import_pause_on(node: &Node, version: ContainerdVersion) {
     let tar = pause_image_tar(node.artifacts.path());
+    import_on(node, version, &tar);
+}
+
+/// Imports the OCI archive `tar` into the node's containerd, k8s.io namespace, with its version's `ctr`.
+pub fn import_on(node: &Node, version: ContainerdVersion, tar: &Path) {
+    let ctr = version.bin_dir().map_or_else(|| PathBuf::from("/usr/bin/ctr"), |d| d.join("ctr"));
+    // 2.x's ctr imports through the transfer service, which unpacks only for its configured snapshotters (not
+    // `native`); `--local` is the classic import that takes `--snapshotter`, as 1.x's ctr does.
+    let local: &[&str] = if version.config_format() == 3 { &["--local"] } else { &[] };
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let out = Command::new("/usr/bin/ctr")
+        let out = Command::new(&ctr)
             .arg("--address")
             .arg(node.socket())
             .args(["-n", "k8s.io", "images", "import", "--snapshotter", "native"])
-            .arg(&tar)
+            .args(local)
+            .arg(tar)
             .output()
             .expect("run ctr");
         if out.status.success() {
