@@ -764,7 +764,7 @@ const FUZZ_CPU: (&str, &[u8; 32]) = ("FuzzCPU", &[7; 32]);
 /// A small valid state (one vCPU, a serial port, no virtio devices), to mutate.
 fn sample_state() -> VmState {
     use bulkhead_vmm::config::{BootSource, RawFormat, RawGuestConfig, ValidConfig};
-    use bulkhead_vmm::devices::persist::DevicesState;
+    use bulkhead_vmm::device_manager::persist::DevicesState;
     let config = ValidConfig {
         boot: BootSource::Raw(RawGuestConfig { image: "/g".into(), format: RawFormat::Elf, load_addr: 0x10_0000 }),
         vcpus: 1,

@@ -9,7 +9,8 @@
 //!
 //! Boundaries: the VMM knows nothing about pods or containers; the shim owns those. Every device
 //! implements [`persist::Persist`], so a snapshot is a walk over the devices (`snapshotter.rs`),
-//! and boot and restore share one builder (`builder.rs`).
+//! and boot and restore share one builder (`builder.rs`: KVM VM, memory, vCPUs) and one device
+//! manager (`device_manager/`: every device, its bus slot and interrupt, the set's state).
 //!
 //! Threads: one per vCPU (KVM_RUN + bus dispatch), one event loop (event-manager) for device
 //! queues (the balloon's freed pages included), host sockets and signals, and one for the API
@@ -22,7 +23,9 @@ pub mod arch;
 pub mod boot;
 pub mod builder;
 pub mod crash;
+pub mod device_manager;
 pub mod devices;
+pub mod error;
 pub mod exit;
 pub mod jail;
 pub mod layout;

@@ -210,7 +210,8 @@ fn prepared(
     let mut vm = match prepared.restore(&run, filters) {
         Ok(vm) => vm,
         Err(e) => {
-            let msg = format!("restore failed: {e:#}");
+            // The whole chain: which device refused its state, and why.
+            let msg = format!("restore failed: {:#}", anyhow::Error::new(e));
             let _ = std::io::Write::write_all(&mut client, &encode_line(&Response::error(msg.clone())));
             let _ = std::fs::remove_file(api_path);
             tracing::error!("{msg}");

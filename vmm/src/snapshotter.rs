@@ -27,7 +27,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::ValidConfig;
-use crate::devices::persist::SaveableDevices;
+use crate::device_manager::persist::SaveableDevices;
 use crate::memory::{save_guest_memory, MemoryError};
 use crate::snapshot::cpu::HostCpu;
 use crate::snapshot::file::{self, SnapshotFileError};

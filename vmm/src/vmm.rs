@@ -9,9 +9,11 @@ use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, Subscrib
 use vmm_sys_util::epoll::EventSet;
 
 use crate::api::{self, ApiEndpoint, VmController};
-pub use crate::builder::VmmError;
-use crate::builder::{dev_err, Subscriber, Vm};
+use crate::builder::Vm;
 use crate::crash::PanicWatcher;
+use crate::device_manager::Subscriber;
+use crate::error::dev_err;
+pub use crate::error::VmmError;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::seccomp::{self, Filters, ThreadKind};
 use crate::snapshotter::{self, Snapshotter};

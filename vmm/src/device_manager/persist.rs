@@ -1,26 +1,31 @@
-//! The state of a VM's whole device set, and handles on the live devices that produce it: a
-//! snapshot walks these, a restore hands each entry back to its device's `Persist::restore`.
+//! The device set as a snapshot sees it (Firecracker's `device_manager/persist.rs`): the state of
+//! every device in bus order ([`DevicesState`]), and handles on the live devices that produce it
+//! ([`SaveableDevices`]). A snapshot walks the handles; a restore hands each saved entry back to
+//! its device's `Persist::restore` (`mmio.rs`, `legacy.rs`). Each virtio device kind appears here
+//! once: a variant of [`VirtioDeviceState`] and of [`VirtioHandle`], and its [`VirtioKind`].
 
 use std::sync::{Arc, Mutex};
 
+use event_manager::MutEventSubscriber;
 use serde::{Deserialize, Serialize};
 
-use super::bus::lock;
-use super::legacy::i8042::I8042;
-use super::legacy::persist::{I8042State, SerialState};
-use super::legacy::serial::SerialDevice;
-use super::virtio::balloon::persist::BalloonState;
-use super::virtio::balloon::Balloon;
-use super::virtio::block::persist::BlockState;
-use super::virtio::block::Block;
-use super::virtio::fs::persist::FsState;
-use super::virtio::fs::Fs;
-use super::virtio::mmio::MmioTransport;
-use super::virtio::net::persist::NetState;
-use super::virtio::net::Net;
-use super::virtio::persist::MmioTransportState;
-use super::virtio::vsock::persist::VsockState;
-use super::virtio::vsock::Vsock;
+use crate::devices::bus::lock;
+use crate::devices::legacy::i8042::I8042;
+use crate::devices::legacy::persist::{I8042State, SerialState};
+use crate::devices::legacy::serial::SerialDevice;
+use crate::devices::virtio::balloon::persist::BalloonState;
+use crate::devices::virtio::balloon::Balloon;
+use crate::devices::virtio::block::persist::BlockState;
+use crate::devices::virtio::block::Block;
+use crate::devices::virtio::fs::persist::FsState;
+use crate::devices::virtio::fs::Fs;
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::persist::NetState;
+use crate::devices::virtio::net::Net;
+use crate::devices::virtio::persist::{MmioTransportState, VirtioPersistError};
+use crate::devices::virtio::vsock::persist::VsockState;
+use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::VirtioDevice;
 use crate::persist::Persist;
 
 /// Every device, in bus order.
@@ -40,55 +45,19 @@ pub struct VirtioSlotState {
     pub device: VirtioDeviceState,
 }
 
-/// The state of one virtio device, by kind.
+/// The state of one virtio device, by kind. The variants' order is their tag in the state file:
+/// a new kind goes last (and the file's format version goes up).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub enum VirtioDeviceState {
     Block(BlockState),
     Vsock(VsockState),
     Fs(FsState),
     Net(NetState),
-    /// Added in format version 3; last, so the earlier variants keep their tags.
+    /// Added in format version 3.
     Balloon(BalloonState),
 }
 
-impl VirtioDeviceState {
-    pub fn block(&self) -> Option<&BlockState> {
-        match self {
-            Self::Block(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn vsock(&self) -> Option<&VsockState> {
-        match self {
-            Self::Vsock(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn fs(&self) -> Option<&FsState> {
-        match self {
-            Self::Fs(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn net(&self) -> Option<&NetState> {
-        match self {
-            Self::Net(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn balloon(&self) -> Option<&BalloonState> {
-        match self {
-            Self::Balloon(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-/// A virtio device by kind, so a snapshot can save its typed state.
+/// A live virtio device by kind, so a snapshot can save its typed state.
 #[derive(Clone)]
 pub enum VirtioHandle {
     Block(Arc<Mutex<Block>>),
@@ -115,6 +84,82 @@ impl VirtioHandle {
             VirtioHandle::Fs(d) => lock(d).snapshot_blocker(),
             VirtioHandle::Block(_) | VirtioHandle::Vsock(_) | VirtioHandle::Net(_) | VirtioHandle::Balloon(_) => None,
         }
+    }
+}
+
+/// A virtio device kind as the device set knows it: which saved state is its own, and how a live
+/// one is held for snapshots. Every virtio device restores with [`VirtioPersistError`] and serves
+/// its queues on the event loop.
+pub trait VirtioKind:
+    Persist<Error = VirtioPersistError> + VirtioDevice + MutEventSubscriber + Send + Sized + 'static
+{
+    /// This kind's state, if `state` is of this kind.
+    fn saved(state: &VirtioDeviceState) -> Option<&Self::State>;
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle;
+}
+
+impl VirtioKind for Block {
+    fn saved(state: &VirtioDeviceState) -> Option<&BlockState> {
+        match state {
+            VirtioDeviceState::Block(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle {
+        VirtioHandle::Block(device)
+    }
+}
+
+impl VirtioKind for Vsock {
+    fn saved(state: &VirtioDeviceState) -> Option<&VsockState> {
+        match state {
+            VirtioDeviceState::Vsock(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle {
+        VirtioHandle::Vsock(device)
+    }
+}
+
+impl VirtioKind for Fs {
+    fn saved(state: &VirtioDeviceState) -> Option<&FsState> {
+        match state {
+            VirtioDeviceState::Fs(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle {
+        VirtioHandle::Fs(device)
+    }
+}
+
+impl VirtioKind for Net {
+    fn saved(state: &VirtioDeviceState) -> Option<&NetState> {
+        match state {
+            VirtioDeviceState::Net(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle {
+        VirtioHandle::Net(device)
+    }
+}
+
+impl VirtioKind for Balloon {
+    fn saved(state: &VirtioDeviceState) -> Option<&BalloonState> {
+        match state {
+            VirtioDeviceState::Balloon(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn handle(device: Arc<Mutex<Self>>) -> VirtioHandle {
+        VirtioHandle::Balloon(device)
     }
 }
 

@@ -2,5 +2,4 @@
 
 pub mod bus;
 pub mod legacy;
-pub mod persist;
 pub mod virtio;

@@ -184,7 +184,7 @@ pub enum ReadError {
 pub(crate) mod tests {
     use super::*;
     use crate::config::{BootSource, RawFormat, RawGuestConfig, ValidConfig};
-    use crate::devices::persist::DevicesState;
+    use crate::device_manager::persist::DevicesState;
     use crate::snapshot::state::*;
 
     /// A small, consistent state (one vCPU, no irqchip, no virtio devices).
@@ -242,7 +242,7 @@ pub(crate) mod tests {
         use crate::config::{
             BalloonConfig, FsConfig, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig,
         };
-        use crate::devices::persist::{VirtioDeviceState, VirtioSlotState};
+        use crate::device_manager::persist::{VirtioDeviceState, VirtioSlotState};
         use crate::devices::virtio::balloon::metrics::BalloonCounters;
         use crate::devices::virtio::balloon::persist::BalloonState;
         use crate::devices::virtio::block::persist::BlockState;

@@ -11,7 +11,7 @@ use kvm_bindings::{
 use crate::config::{
     ValidConfig, MAX_BLOCK_DEVICES, MAX_FS_DEVICES, MAX_MEM_MIB, MAX_NET_DEVICES, MAX_VCPUS, MIN_MEM_MIB,
 };
-use crate::devices::persist::DevicesState;
+use crate::device_manager::persist::DevicesState;
 
 /// More MSRs or CPUID entries than KVM can ever report means a corrupt file.
 pub const MAX_MSRS: usize = 1024;
