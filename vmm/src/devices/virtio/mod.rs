@@ -2,7 +2,10 @@
 //!
 //! Every device lives in its own folder with the same rooms: `device.rs` (virtio semantics),
 //! `event_handler.rs` (fd readiness -> device work), `packet.rs` (wire parsing, every length checked
-//! against guest memory) and `persist.rs` (plain serialisable state, virtqueue indices included).
+//! against guest memory) and `persist.rs` (plain serialisable state, virtqueue indices included,
+//! built from the live device by its `save`: persist imports device, never the reverse); what
+//! several rooms share is in the folder's `mod.rs`. The transport is `mmio.rs`, its register map
+//! `mmio_regs.rs`; which devices a VM gets, in which slot, is `device_manager/`'s business.
 
 pub mod balloon;
 pub mod block;

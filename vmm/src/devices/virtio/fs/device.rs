@@ -331,9 +331,9 @@ mod tests {
     use crate::devices::virtio::fs::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
     use crate::devices::virtio::mmio::MmioTransport;
     use crate::devices::virtio::mmio_regs::{
-        DEVICE_FEATURES, DEVICE_FEATURES_SEL, DRIVER_FEATURES, DRIVER_FEATURES_SEL, INTERRUPT_ACK, INTERRUPT_STATUS,
-        QUEUE_DESC_LOW, QUEUE_DEVICE_LOW, QUEUE_DRIVER_LOW, QUEUE_NOTIFY, QUEUE_NUM, QUEUE_READY, QUEUE_SEL, STATUS,
-        STATUS_FAILED, STATUS_NEEDS_RESET,
+        DEVICE_FEATURES, DEVICE_FEATURES_SEL, DEVICE_ID, DRIVER_FEATURES, DRIVER_FEATURES_SEL, INTERRUPT_ACK,
+        INTERRUPT_STATUS, QUEUE_DESC_LOW, QUEUE_DEVICE_LOW, QUEUE_DRIVER_LOW, QUEUE_NOTIFY, QUEUE_NUM, QUEUE_READY,
+        QUEUE_SEL, STATUS, STATUS_FAILED, STATUS_NEEDS_RESET,
     };
     use crate::devices::virtio::VIRTIO_F_VERSION_1;
     use crate::memory::create_guest_memory;
@@ -483,7 +483,7 @@ mod tests {
             u64::from(lo) | (u64::from(r(t, DEVICE_FEATURES)) << 32)
         };
         assert_eq!(offered(&mut rig.t), VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX);
-        assert_eq!(r(&mut rig.t, 0x008), TYPE_FS);
+        assert_eq!(r(&mut rig.t, DEVICE_ID), TYPE_FS);
 
         // VIRTIO_FS_F_NOTIFICATION (bit 0) is not offered: negotiation fails.
         assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1 | 1) & 0x8, 0);
