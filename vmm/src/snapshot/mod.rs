@@ -6,8 +6,9 @@
 //! - `cpu.rs`: the host-CPU fingerprint a snapshot is bound to;
 //! - `kvm.rs`: reading and writing KVM's share of the state through ioctls.
 //!
-//! Boundaries: devices save and restore themselves (`Persist`); building the VM around restored
-//! state is the builder's job, taking a snapshot the controller's.
+//! Boundaries: devices save and restore themselves (`Persist`), and the device manager keeps the
+//! device set's state (`device_manager/persist.rs`); building the VM around restored state is the
+//! builder's job, taking a snapshot the snapshotter's.
 
 pub mod cpu;
 pub mod file;
