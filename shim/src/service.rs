@@ -127,6 +127,15 @@ fn socket_alive(address: &str) -> bool {
 
 /// `start`: spawn or reuse the pod's shim; returns its address.
 async fn start(flags: &Flags) -> anyhow::Result<String> {
+    // containerd writes a task's spec into its bundle before `start`, on every version. Only 2.x's sandbox
+    // controller (a runtime configured with `sandboxer = "shim"`) starts a shim in a bundle without one, and then
+    // calls the sandbox API, which this shim does not serve: say so rather than fail on a missing file.
+    if !Path::new("config.json").exists() {
+        anyhow::bail!(
+            "the bundle has no config.json: containerd is starting this shim as a pod sandboxer (the runtime's \
+             sandboxer = \"shim\"), and bulkhead serves only the Task API; set sandboxer = \"podsandbox\" for it"
+        );
+    }
     let spec = BundleSpec::load(Path::new(".")).context("read bundle spec")?;
     let role = spec.role();
     let group = role.group(&flags.id).to_string();
