@@ -5,8 +5,10 @@
 //!   tell 2.x it implements the sandbox API and streaming I/O and stop 2.x running `start` and `delete` for them;
 //! - its introspection (`PluginInfo` of a runtime, `shim -info`) gets the runtime's name and version and the
 //!   one feature it checks before creating a container, idmapped mounts: not supported;
-//! - `bulkhead-ctl doctor` names the containerd version and fails a handler whose `sandboxer` would need the
-//!   sandbox API (2.1.9 itself crashes on such a pod before any shim is reached; fixed upstream after 2.1.9).
+//! - a runtime configured with `sandboxer = "shim"` (containerd's sandbox API, which the shim does not serve) fails a
+//!   pod-network pod's RunPodSandbox naming the fix, and leaves nothing behind (a host-network pod never reaches the
+//!   shim: 2.1.9 itself crashes on it, fixed upstream in 2.3.0);
+//! - `bulkhead-ctl doctor` names the containerd version and fails a handler with such a sandboxer.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::process::Command;
@@ -28,8 +30,23 @@ struct Env {
     _config_dir: tempfile::TempDir,
 }
 
+/// `bulkhead` as a second handler, `bulkhead-sandboxer`, whose 2.x `sandboxer` is the shim itself.
+fn with_sandboxer(bulkhead: RuntimeHandler) -> Vec<RuntimeHandler> {
+    let mut h = RuntimeHandler { name: "bulkhead-sandboxer".into(), ..bulkhead };
+    h.settings.push(("sandboxer".into(), "shim".into()));
+    vec![h]
+}
+
 /// containerd 2.1 with `bulkhead` on the namespace backend, plus `handlers` made from it.
 async fn setup(test: &str, more: impl Fn(RuntimeHandler) -> Vec<RuntimeHandler>) -> Result<Option<Env>> {
+    setup_with(test, more, false).await
+}
+
+async fn setup_with(
+    test: &str,
+    more: impl Fn(RuntimeHandler) -> Vec<RuntimeHandler>,
+    cni_bridge: bool,
+) -> Result<Option<Env>> {
     if skip_if_unready_on(test, VERSION) {
         return Ok(None);
     }
@@ -57,7 +74,8 @@ async fn setup(test: &str, more: impl Fn(RuntimeHandler) -> Vec<RuntimeHandler>)
     let bulkhead = RuntimeHandler::bulkhead(Some(&config));
     let mut handlers = vec![bulkhead.clone()];
     handlers.extend(more(bulkhead));
-    let containerd = Containerd::start(ContainerdConfig { handlers, version: VERSION, ..Default::default() }).await?;
+    let containerd =
+        Containerd::start(ContainerdConfig { handlers, cni_bridge, version: VERSION, ..Default::default() }).await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, config, _state_dir: state_dir, _config_dir: config_dir }))
 }
@@ -125,11 +143,6 @@ async fn containerd_2_introspects_the_runtime() -> Result<()> {
 #[tokio::test]
 async fn doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api() -> Result<()> {
     let test = "doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api";
-    let with_sandboxer = |bulkhead: RuntimeHandler| {
-        let mut h = RuntimeHandler { name: "bulkhead-sandboxer".into(), ..bulkhead };
-        h.settings.push(("sandboxer".into(), "shim".into()));
-        vec![h]
-    };
     let Some(env) = setup(test, with_sandboxer).await? else { return Ok(()) };
     let doctor = |handler: &str| {
         let out = Command::new(workspace_bin("bulkhead-ctl"))
@@ -157,4 +170,30 @@ async fn doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_
     assert_eq!(sandboxer["ok"], false);
     assert!(sandboxer["detail"].as_str().unwrap().contains("sandboxer = \"podsandbox\""), "{sandboxer}");
     Ok(())
+}
+
+#[tokio::test]
+async fn a_sandboxer_that_needs_the_sandbox_api_fails_the_pod_naming_the_fix() -> Result<()> {
+    let test = "a_sandboxer_that_needs_the_sandbox_api_fails_the_pod_naming_the_fix";
+    let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    let mut pod = pod_config("sandboxer", &env.containerd.new_log_dir("sandboxer")?);
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    let err = match env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await {
+        Ok(id) => anyhow::bail!("pod {id} started through a sandboxer the shim does not serve"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("sandboxer = \"podsandbox\""), "{err}");
+    // No pod, and no shim of it, is left.
+    assert!(env.cri.list_pod_sandboxes().await?.is_empty());
+    bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
+        let address = format!("-address {}", env.containerd.address().display());
+        let shims = bulkhead_integration::host::processes_with(&address);
+        shims
+            .into_iter()
+            .filter(|(_, c)| c.contains("containerd-shim-bulkhead"))
+            .map(|(p, c)| format!("{p} {c}"))
+            .collect()
+    })
+    .await
 }
