@@ -4,6 +4,9 @@
 # "skipped" counts passing tests that printed a `SKIPPED: <reason>` line; each such skip must be
 # allowed for this host kind (the host probe, `bulkhead-vmm --probe`) by tests/skips.ledger, or
 # the run fails. A test that printed SKIPPED and then failed counts as failed.
+# The containerd matrix needs nothing here: the end-to-end suites run on the run's containerd
+# (BULKHEAD_CONTAINERD, default the system's 1.6), and their `*_on_containerd_<x>_<y>` twin test
+# binaries (tests/integration/tests/) run the same tests on 1.7 and 2.1 from `make setup`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
