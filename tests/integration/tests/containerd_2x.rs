@@ -8,7 +8,8 @@
 //! - a runtime configured with `sandboxer = "shim"` (containerd's sandbox API, which the shim does not serve) fails a
 //!   pod-network pod's RunPodSandbox naming the fix, and leaves nothing behind (a host-network pod never reaches the
 //!   shim: 2.1.9 itself crashes on it, fixed upstream in 2.3.0);
-//! - `bulkhead-ctl doctor` names the containerd version and fails a handler with such a sandboxer.
+//! - `bulkhead-ctl doctor` names the containerd version and fails a handler with such a sandboxer;
+//! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::process::Command;
@@ -196,4 +197,17 @@ async fn a_sandboxer_that_needs_the_sandbox_api_fails_the_pod_naming_the_fix() -
             .collect()
     })
     .await
+}
+
+#[tokio::test]
+async fn the_runc_runtime_runs_runc_1_3() -> Result<()> {
+    let test = "the_runc_runtime_runs_runc_1_3";
+    let Some(env) = setup(test, |_| vec![RuntimeHandler::runc()]).await? else { return Ok(()) };
+    // containerd introspects runc's `features`: CRI user namespaces need its idmap mounts, which runc 1.1 lacks.
+    let status = env.cri.status().await?;
+    let runc = status.runtime_handlers.iter().find(|h| h.name == "runc").context("no runc handler in CRI Status")?;
+    assert_eq!(runc.features.as_ref().map(|f| f.user_namespaces), Some(true), "{runc:?}");
+    let out = Command::new(VERSION.runc().context("2.1 has a runc of its own")?).arg("--version").output()?;
+    assert!(String::from_utf8_lossy(&out.stdout).contains("runc version 1.3."), "{out:?}");
+    Ok(())
 }
