@@ -2,10 +2,13 @@
 //! the agent's stream connections on the other. Kept out of the RPC code.
 //!
 //! - Outputs (stdout/stderr, or the TTY's output) are relayed until the agent closes the
-//!   stream, through a bounded buffer of [`OUTPUT_BUFFER`] bytes per stream: the agent's side is
-//!   always read, so a slow or absent reader on containerd's side (a stalled log reader, a
-//!   containerd restart) costs the oldest bytes, counted in [`OutputDrops`], never the stream.
-//!   [`IoSession::finish`] lets the exit path drain them before TaskExit.
+//!   stream, through a bounded buffer of [`OUTPUT_BUFFER`] bytes per stream. While containerd's
+//!   side keeps taking bytes, a full buffer holds the process back as runc's pipe would, so a
+//!   flood runs at the pace of containerd's log writer and loses nothing. A reader that takes
+//!   nothing for [`READER_STALL`] (a stalled log reader, a containerd restart) no longer holds
+//!   it back: the agent's side is read on, and the oldest bytes go, counted in
+//!   [`OutputDrops`], never the stream. [`IoSession::finish`] lets the exit path drain them
+//!   before TaskExit.
 //! - stdin (or the TTY's input) is copied until containerd's CloseIO, which half-closes the
 //!   agent stream. FIFOs are opened read-write so opening never blocks and containerd's
 //!   reopening never yields a spurious EOF.
@@ -14,7 +17,7 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_protocol::stream::StreamKind;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -25,8 +28,12 @@ use tracing::{debug, info, warn, Instrument};
 /// Output held per stream while containerd's side does not keep up (1 MiB, as the agent's own
 /// backlog): past it the oldest bytes go.
 pub const OUTPUT_BUFFER: usize = 1 << 20;
-/// Largest write handed to containerd's side at once.
+/// Largest write handed to containerd's side at once, and largest read from the agent's.
 const WRITE_CHUNK: usize = 64 * 1024;
+/// containerd's side that takes nothing for this long stops holding the process back.
+pub const READER_STALL: Duration = Duration::from_millis(500);
+/// Longest the exit path drains a reader that keeps making progress.
+const FINISH_CAP: Duration = Duration::from_secs(10);
 
 /// Bytes of the pod's output the shim dropped (added to the agent's in the pod's metrics).
 pub type OutputDrops = Arc<AtomicU64>;
@@ -218,7 +225,7 @@ impl IoSession {
         R: AsyncRead + Send + Unpin + 'static,
         W: AsyncWrite + Send + Unpin + 'static,
     {
-        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, self.drops.clone()));
+        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, READER_STALL, self.drops.clone()));
         self.buffers.push(buffer.clone());
         self.outputs.push(tokio::spawn(relay_out(from, to, name, buffer).instrument(span.clone())));
     }
@@ -228,15 +235,26 @@ impl IoSession {
         self.close_stdin.send_replace(true);
     }
 
-    /// Waits up to `limit` for the outputs to drain (the agent closes them after exit), then
-    /// stops every copy. A grandchild holding stdout open must not hold up TaskExit forever.
-    pub async fn finish(&mut self, limit: Duration) {
+    /// Lets the outputs drain (the agent closes them after exit) while containerd's side makes
+    /// progress, giving up after `stall` without any (or [`FINISH_CAP`] in all), then stops every
+    /// copy. A grandchild holding stdout open must not hold up TaskExit for long.
+    pub async fn finish(&mut self, stall: Duration) {
         let outputs = std::mem::take(&mut self.outputs);
         let aborts: Vec<_> = outputs.iter().map(|h| h.abort_handle()).collect();
-        if tokio::time::timeout(limit, futures_join_all(outputs)).await.is_err() {
+        let deadline = Instant::now() + FINISH_CAP;
+        let drained = futures_join_all(outputs);
+        tokio::pin!(drained);
+        loop {
+            if tokio::time::timeout(stall, &mut drained).await.is_ok() {
+                break;
+            }
+            if Instant::now() < deadline && self.buffers.iter().any(|b| b.progressed_within(stall)) {
+                continue;
+            }
             let left: usize = self.buffers.iter().map(|b| b.abandon()).sum();
-            warn!(undelivered_bytes = left, "stdio still open {limit:?} after exit; closing it");
+            warn!(undelivered_bytes = left, "stdio still open and not drained {stall:?} after exit; closing it");
             aborts.iter().for_each(|a| a.abort());
+            break;
         }
         self.close_stdin();
         if let Some(stdin) = self.stdin.take() {
@@ -260,27 +278,62 @@ async fn futures_join_all(handles: Vec<JoinHandle<()>>) {
     }
 }
 
-/// One output stream's bytes between the agent's side and containerd's: bounded, oldest
-/// dropped (and counted) when full.
+/// One output stream's bytes between the agent's side and containerd's: bounded; when full,
+/// the agent's side waits while containerd's makes progress, else the oldest bytes are dropped
+/// (and counted).
 struct Buffer {
     state: Mutex<BufferState>,
+    /// Bytes to write arrived (or the agent's side closed).
     ready: Notify,
+    /// containerd's side took a chunk: there is room.
+    room: Notify,
     capacity: usize,
+    /// How long containerd's side may take nothing before the agent's side stops waiting for it.
+    stall: Duration,
     drops: OutputDrops,
 }
 
-#[derive(Default)]
 struct BufferState {
     bytes: VecDeque<u8>,
     /// The agent's side ended: what is left is the last of it.
     closed: bool,
     /// Bytes dropped since the buffer last ran empty (one warning per episode).
     dropped_now: u64,
+    /// When containerd's side last started or finished a write.
+    last_progress: Instant,
 }
 
 impl Buffer {
-    fn new(capacity: usize, drops: OutputDrops) -> Self {
-        Self { state: Mutex::default(), ready: Notify::new(), capacity, drops }
+    fn new(capacity: usize, stall: Duration, drops: OutputDrops) -> Self {
+        let state =
+            BufferState { bytes: VecDeque::new(), closed: false, dropped_now: 0, last_progress: Instant::now() };
+        Self { state: Mutex::new(state), ready: Notify::new(), room: Notify::new(), capacity, stall, drops }
+    }
+
+    /// Returns once the buffer has room, or once containerd's side has taken nothing for `stall`
+    /// (the next [`Buffer::push`] then drops the oldest bytes).
+    async fn wait_for_room(&self) {
+        loop {
+            let wait = {
+                let state = self.lock();
+                let since = state.last_progress.elapsed();
+                if state.bytes.len() < self.capacity || since >= self.stall {
+                    return;
+                }
+                self.stall - since
+            };
+            let _ = tokio::time::timeout(wait, self.room.notified()).await;
+        }
+    }
+
+    /// containerd's side finished a write.
+    fn progressed(&self) {
+        self.lock().last_progress = Instant::now();
+        self.room.notify_one();
+    }
+
+    fn progressed_within(&self, window: Duration) -> bool {
+        self.lock().last_progress.elapsed() < window
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BufferState> {
@@ -290,6 +343,10 @@ impl Buffer {
     /// Adds `chunk`, dropping the oldest bytes past capacity.
     fn push(&self, chunk: &[u8], name: &str) {
         let mut state = self.lock();
+        if state.bytes.is_empty() {
+            // containerd's side is given its full allowance from when bytes start to wait.
+            state.last_progress = Instant::now();
+        }
         let over = (state.bytes.len() + chunk.len()).saturating_sub(self.capacity);
         if over > 0 {
             let from_old = over.min(state.bytes.len());
@@ -318,7 +375,11 @@ impl Buffer {
                 let mut state = self.lock();
                 if !state.bytes.is_empty() {
                     let n = state.bytes.len().min(WRITE_CHUNK);
-                    return state.bytes.drain(..n).collect();
+                    state.last_progress = Instant::now();
+                    let chunk = state.bytes.drain(..n).collect();
+                    drop(state);
+                    self.room.notify_one();
+                    return chunk;
                 }
                 if state.dropped_now > 0 {
                     info!(stream = name, dropped_bytes = state.dropped_now, "output flows again");
@@ -342,17 +403,18 @@ impl Buffer {
     }
 }
 
-/// Relays one output stream: the agent's side is read into `buffer` at once, always, while
-/// containerd's side is written at its own pace.
+/// Relays one output stream: the agent's side is read into `buffer` while it has room or
+/// containerd's side is stalled, and containerd's side is written at its own pace.
 async fn relay_out<R, W>(mut from: R, mut to: W, name: &'static str, buffer: Arc<Buffer>)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let read = async {
-        let mut chunk = vec![0u8; 16 * 1024];
+        let mut chunk = vec![0u8; WRITE_CHUNK];
         let mut total = 0u64;
         loop {
+            buffer.wait_for_room().await;
             match from.read(&mut chunk).await {
                 Ok(0) => break,
                 Ok(n) => {
@@ -381,6 +443,7 @@ where
                 while !buffer.next(name).await.is_empty() {}
                 break;
             }
+            buffer.progressed();
         }
         let _ = to.flush().await;
     };
@@ -441,7 +504,7 @@ mod tests {
         let mut reader = tokio::net::unix::pipe::OpenOptions::new().open_receiver(&fifo).unwrap();
         let writer = open_writer(&Target::Fifo(fifo.clone())).await.unwrap().unwrap();
         let (mut agent_side, shim_side) = tokio::io::duplex(64);
-        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, OutputDrops::default()));
+        let buffer = Arc::new(Buffer::new(OUTPUT_BUFFER, READER_STALL, OutputDrops::default()));
         let task = tokio::spawn(relay_out(shim_side, writer, "stdout", buffer));
         agent_side.write_all(b"hello").await.unwrap();
         drop(agent_side);
@@ -464,11 +527,11 @@ mod tests {
     #[tokio::test]
     async fn a_stalled_reader_costs_the_oldest_bytes_counted_never_the_stream() {
         // containerd's side accepts nothing (a 4 KiB pipe nobody reads); the agent's side writes
-        // 64 KiB through a 16 KiB buffer and is never held up.
+        // 64 KiB through a 16 KiB buffer and is held up only for the stall allowance.
         let (agent_side, shim_side) = tokio::io::duplex(1024);
         let (stalled, mut later) = tokio::io::duplex(4096);
         let drops = OutputDrops::default();
-        let buffer = Arc::new(Buffer::new(16 * 1024, drops.clone()));
+        let buffer = Arc::new(Buffer::new(16 * 1024, Duration::from_millis(50), drops.clone()));
         let relay = tokio::spawn(relay_out(shim_side, stalled, "stdout", buffer.clone()));
         let mut agent_side = agent_side;
         let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 251) as u8).collect();
@@ -487,10 +550,42 @@ mod tests {
         assert!(data.ends_with(&got[got.len() - 16 * 1024..]), "the newest bytes arrive");
     }
 
+    #[tokio::test]
+    async fn a_slow_reader_that_keeps_reading_loses_nothing() {
+        // containerd's side reads 1 KiB at a time with pauses shorter than the stall allowance:
+        // the agent's side is held back instead, and every byte arrives in order.
+        let (mut agent_side, shim_side) = tokio::io::duplex(1024);
+        let (to_containerd, mut containerd) = tokio::io::duplex(1024);
+        let drops = OutputDrops::default();
+        let buffer = Arc::new(Buffer::new(4 * 1024, Duration::from_secs(5), drops.clone()));
+        let relay = tokio::spawn(relay_out(shim_side, to_containerd, "stdout", buffer));
+        let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let writer = {
+            let data = data.clone();
+            tokio::spawn(async move {
+                agent_side.write_all(&data).await.unwrap();
+            })
+        };
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 1024];
+        loop {
+            let n = tokio::time::timeout(Duration::from_secs(10), containerd.read(&mut chunk)).await.unwrap().unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        writer.await.unwrap();
+        relay.await.unwrap();
+        assert_eq!(drops.load(Ordering::Relaxed), 0, "nothing dropped");
+        assert!(got == data, "every byte, in order");
+    }
+
     #[test]
     fn a_chunk_larger_than_the_buffer_keeps_its_end() {
         let drops = OutputDrops::default();
-        let buffer = Buffer::new(4, drops.clone());
+        let buffer = Buffer::new(4, READER_STALL, drops.clone());
         buffer.push(b"ab", "stdout");
         buffer.push(b"cdefgh", "stdout");
         assert_eq!(buffer.lock().bytes.iter().copied().collect::<Vec<_>>(), b"efgh");
