@@ -1,10 +1,10 @@
 //! What a test looks at on the host to say "nothing of the pod is left": processes by their
 //! command line, mounts, containerd's shim sockets, and polling until leftovers are gone.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::Containerd;
 
@@ -57,4 +57,22 @@ pub async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The pod's `bulkhead_output_dropped_bytes_total`, from its shim's metrics socket
+/// (`<backend state dir>/<pod id>/metrics.sock`, in whichever state dir under `state_root` runs it).
+pub fn dropped_output(state_root: &Path, pod_id: &str) -> Result<u64> {
+    use std::io::{Read, Write};
+    let socket = std::fs::read_dir(state_root)?
+        .flatten()
+        .map(|backend| backend.path().join(pod_id).join("metrics.sock"))
+        .find(|s| s.exists())
+        .context("the pod's metrics socket")?;
+    let mut stream = std::os::unix::net::UnixStream::connect(&socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    let line = text.lines().find(|l| l.starts_with("bulkhead_output_dropped_bytes_total")).context("the metric")?;
+    Ok(line.split_whitespace().last().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as u64)
 }

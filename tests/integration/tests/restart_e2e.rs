@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::GuestVmm;
-use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::host::{dropped_output, eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
     container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
     RuntimeHandler,
@@ -53,24 +53,6 @@ async fn start_pod(cri: &Cri, containerd: &Containerd, handler: &str, name: &str
     let exiter = cri.create_container(&id, &exits_later(&format!("{name}-exiter"), 4), &config).await?;
     cri.start_container(&exiter).await?;
     Ok(Pod { name: name.into(), id, counter: counter_id, exiter })
-}
-
-/// The pod's `bulkhead_output_dropped_bytes_total`, from its shim's metrics socket (in the
-/// state dir of whichever backend runs it).
-fn dropped_output(state_dir: &std::path::Path, pod: &Pod) -> Result<u64> {
-    use std::io::{Read, Write};
-    let socket = std::fs::read_dir(state_dir)?
-        .flatten()
-        .map(|backend| backend.path().join(&pod.id).join("metrics.sock"))
-        .find(|s| s.exists())
-        .context("the pod's metrics socket")?;
-    let mut stream = std::os::unix::net::UnixStream::connect(&socket)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text)?;
-    let line = text.lines().find(|l| l.starts_with("bulkhead_output_dropped_bytes_total")).context("the metric")?;
-    Ok(line.split_whitespace().last().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as u64)
 }
 
 #[tokio::test]
@@ -174,7 +156,7 @@ async fn pods_outlive_a_containerd_restart() -> Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         let holes: Vec<(u64, u64)> = seen.windows(2).filter(|w| w[1] != w[0] + 1).map(|w| (w[0], w[1])).collect();
-        let dropped = dropped_output(state_dir.path(), pod)?;
+        let dropped = dropped_output(state_dir.path(), &pod.id)?;
         println!(
             "{test}: {name}: counter at {last_before} before the gap, log continues to {}; holes {holes:?}",
             seen.last().unwrap_or(&0)
