@@ -44,6 +44,16 @@ pub struct CreateRequest {
     pub stdio: StdioRequest,
 }
 
+/// Whether the shim has given this sandbox its identity (SetupSandbox: hostname, clock, entropy,
+/// mounts, network). A VM restored from a template starts `Awaited` however long the template
+/// ran, because templates are snapshotted before any pod's SetupSandbox: no container may start
+/// with the template's clock, random state or hostname.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Identity {
+    Awaited,
+    Given,
+}
+
 pub struct Sandbox {
     pub mode: Mode,
     /// Namespace mode in the minimal root with the capability drop (crate::privileges): every
@@ -58,6 +68,7 @@ pub struct Sandbox {
     containers: Mutex<HashMap<String, Arc<Container>>>,
     /// Ids between reservation and insertion (create in progress), and exec ids likewise.
     reserved: Mutex<HashSet<String>>,
+    identity: Mutex<Identity>,
     sys: LinuxSyscall,
 }
 
@@ -95,6 +106,7 @@ impl Sandbox {
             oom: Arc::new(OomEvents::default()),
             containers: Mutex::new(HashMap::new()),
             reserved: Mutex::new(HashSet::new()),
+            identity: Mutex::new(Identity::Awaited),
             sys: LinuxSyscall,
         })
     }
@@ -116,13 +128,26 @@ impl Sandbox {
     pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
         let pod_cgroup =
             Path::new(cgroups::ROOT).join(self.cgroup_parent.strip_prefix("/").unwrap_or(&self.cgroup_parent));
-        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)
+        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)?;
+        *lock(&self.identity) = Identity::Given;
+        Ok(())
+    }
+
+    /// Refuses work that needs the pod's identity before SetupSandbox has given it.
+    fn check_identity(&self, what: &str) -> Result<()> {
+        match *lock(&self.identity) {
+            Identity::Given => Ok(()),
+            Identity::Awaited => Err(AgentError::FailedPrecondition(format!(
+                "{what} before SetupSandbox: the sandbox has no identity yet (hostname, clock, entropy)"
+            ))),
+        }
     }
 
     // ---- create / exec ---------------------------------------------------------------
 
     pub async fn create_container(self: &Arc<Self>, req: CreateRequest) -> Result<i32> {
         validate_id(&req.id)?;
+        self.check_identity(&format!("create of container {}", req.id))?;
         let _res = self.reserve(req.id.clone(), "container")?;
         let hierarchy = Hierarchy::detect()?;
         let mut spec = spec::parse_spec(&req.spec_json)?;

@@ -517,3 +517,30 @@ async fn spec_security_settings_are_applied() {
     agent.remove("sec").await;
     agent.remove("box").await;
 }
+
+#[tokio::test]
+async fn no_container_starts_before_the_sandbox_has_its_identity() {
+    if !can_run("no_container_starts_before_the_sandbox_has_its_identity") {
+        return;
+    }
+    // As a VM restored from a template is: serving, but never given SetupSandbox.
+    let agent = Agent::start("identity").await;
+    let rootfs = busybox_rootfs(agent.dir.path(), "rootfs");
+    let req = CreateContainerRequest {
+        container_id: "early".into(),
+        oci_spec_json: serde_json::to_vec(&plain_spec(&rootfs, &["true"])).unwrap(),
+        ..Default::default()
+    };
+    let e = agent.client.create_container(ctx(), &req).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
+    assert!(format!("{e}").contains("before SetupSandbox"), "{e}");
+    // SetupSandbox gives it (what it applies is guest_mode's and setup.rs's to test); then
+    // containers start.
+    let setup = SetupSandboxRequest { hostname: "given-pod".into(), ..Default::default() };
+    agent.client.setup_sandbox(ctx(), &setup).await.unwrap_or_else(|e| panic!("setup: {e}\n{}", agent.log()));
+    agent.create_ok("later", &plain_spec(&rootfs, &["echo", "started"])).await;
+    let mut out = agent.stream("later", None, StreamKind::Stdout).await;
+    agent.start_ctr("later").await;
+    assert_eq!(read_all(&mut out).await, "started\n");
+    assert_eq!(agent.wait("later", "").await.exit_code, 0);
+}

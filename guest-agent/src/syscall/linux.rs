@@ -78,8 +78,13 @@ impl Syscall for LinuxSyscall {
         buf.resize(8 + seed.len().div_ceil(4) * 4, 0);
         let f = std::fs::OpenOptions::new().write(true).open("/dev/random")?;
         const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+        const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
         // SAFETY: buf is a valid rand_pool_info of the advertised size and outlives the call.
-        zero_or_errno(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })
+        zero_or_errno(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })?;
+        // Credited entropy reseeds the CRNG only at the kernel's pace; a VM cloned from a template
+        // must stop handing out the template's stream now.
+        // SAFETY: RNDRESEEDCRNG takes no argument.
+        zero_or_errno(unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG as _) })
     }
 
     fn mknod_char(&self, path: &Path, major: u64, minor: u64, mode: u32) -> io::Result<()> {

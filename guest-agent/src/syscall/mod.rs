@@ -28,6 +28,7 @@ pub trait Syscall: Send + Sync {
     fn set_child_subreaper(&self) -> io::Result<()>;
     fn sethostname(&self, name: &str) -> io::Result<()>;
     fn set_realtime_clock(&self, unix_nanos: i64) -> io::Result<()>;
+    /// Mixes `seed` into the kernel's pool, credited, and reseeds the CRNG at once.
     fn add_entropy(&self, seed: &[u8]) -> io::Result<()>;
     /// A character device node `major:minor` at `path` with permissions `mode`.
     fn mknod_char(&self, path: &Path, major: u64, minor: u64, mode: u32) -> io::Result<()>;

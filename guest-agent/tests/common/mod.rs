@@ -53,6 +53,8 @@ pub struct Agent {
     pub cgroup_parent: String,
     child: Option<Child>,
     pub client: AgentClient,
+    /// Whether [`Agent::create`] already sent the sandbox its identity.
+    identified: std::sync::atomic::AtomicBool,
 }
 
 impl Agent {
@@ -152,7 +154,7 @@ impl Agent {
             assert!(Instant::now() < deadline, "agent did not come up; log:\n{}", read_log(dir.path()));
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        Agent { dir, sock, cgroup_parent, child: child.0.take(), client }
+        Agent { dir, sock, cgroup_parent, child: child.0.take(), client, identified: Default::default() }
     }
 
     /// The agent's pid in the test's pid namespace (the child of `unshare`).
@@ -187,7 +189,16 @@ impl Agent {
         s
     }
 
+    /// Gives the sandbox its identity (an empty SetupSandbox, which changes nothing), as the shim
+    /// does before any container; tests of SetupSandbox itself send their own first.
+    pub async fn identify(&self) -> ttrpc::Result<()> {
+        self.client.setup_sandbox(ctx(), &SetupSandboxRequest::default()).await.map(|_| ())
+    }
+
     pub async fn create(&self, id: &str, spec: &Value, terminal: bool) -> ttrpc::Result<u32> {
+        if !self.identified.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.identify().await?;
+        }
         let req = CreateContainerRequest {
             container_id: id.into(),
             oci_spec_json: serde_json::to_vec(spec).unwrap(),

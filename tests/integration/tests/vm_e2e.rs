@@ -151,6 +151,10 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_string();
     assert!(!guest_release.is_empty());
     assert_ne!(guest_release, host_release, "the container must run on the guest kernel, not the host's");
+    // Its identity came from SetupSandbox: the guest's clock started at 1970 and is the host's now.
+    let guest_now: i64 = run_in(cri, &w, &["date", "+%s"]).await?.trim().parse()?;
+    let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs() as i64;
+    assert!((guest_now - host_now).abs() < 120, "guest clock {guest_now}, host clock {host_now}");
     // The guest's boot phases as its console shows them (diagnosis only: TCG is not KVM).
     let console = env.state_dir.path().join(&pod_id).join("vm/root/run/console.log");
     let console = std::fs::read_to_string(&console).unwrap_or_default();
