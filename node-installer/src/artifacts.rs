@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{io, Error, Result};
 use crate::failpoint::FailPoints;
 use crate::fsutil;
-use crate::layout::{Layout, SHIM_BINARY, SHIM_CONFIG};
+use crate::node_paths::{NodePaths, SHIM_BINARY, SHIM_CONFIG};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
@@ -51,7 +51,7 @@ pub struct CopyReport {
     pub missing: Vec<&'static str>,
 }
 
-pub fn install(layout: &Layout, src: &Path, version: &str, fp: &FailPoints) -> Result<CopyReport> {
+pub fn install(layout: &NodePaths, src: &Path, version: &str, fp: &FailPoints) -> Result<CopyReport> {
     let root = layout.install_dir();
     let dir = root.join(version);
     fs::create_dir_all(&dir).map_err(io("create dir", &dir))?;
@@ -111,7 +111,7 @@ pub fn install(layout: &Layout, src: &Path, version: &str, fp: &FailPoints) -> R
 /// on its own, so `current/...` could pair a VMM of one release with a kernel of the next). The running VM then
 /// holds those files by these paths, which is what keeps the version in use (`usage`) until the pod ends.
 /// virtiofsd sits beside the VMM.
-pub fn default_shim_config(layout: &Layout, version: &str) -> String {
+pub fn default_shim_config(layout: &NodePaths, version: &str) -> String {
     let d = layout.view(&layout.prefix.join(version));
     format!(
         "# Written by bulkhead-node-installer {version}. Ship config.toml in the image to override.\n\
@@ -122,7 +122,7 @@ pub fn default_shim_config(layout: &Layout, version: &str) -> String {
 }
 
 /// Remove everything under the prefix (artifacts, state). Idempotent.
-pub fn remove_all(layout: &Layout) -> Result<()> {
+pub fn remove_all(layout: &NodePaths) -> Result<()> {
     let root = layout.install_dir();
     match fs::remove_dir_all(&root) {
         Ok(()) => {
@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn default_shim_config_is_read_by_the_shims_parser() {
-        let layout = Layout::new("/host", "/");
+        let layout = NodePaths::new("/host", "/");
         let text = default_shim_config(&layout, "1.2.3");
         let config = bulkhead_shim::config::Config::parse(Path::new("config.toml"), &text).unwrap();
         assert_eq!(config.backend, bulkhead_shim::config::Backend::Vm);

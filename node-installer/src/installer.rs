@@ -10,8 +10,8 @@ use crate::cri;
 use crate::error::{Error, Result};
 use crate::failpoint::FailPoints;
 use crate::kube::{self, NodeApi};
-use crate::layout::{self, Layout, HANDLER};
 use crate::lock::{InstallLock, LOCK_WAIT};
+use crate::node_paths::{self, NodePaths, HANDLER};
 use crate::probe::{self, Verdict};
 use crate::restart::Restarter;
 use crate::usage;
@@ -19,7 +19,7 @@ use crate::versions;
 
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub layout: Layout,
+    pub layout: NodePaths,
     /// Where the image keeps the artifacts (a path inside the installer's own filesystem).
     pub artifacts_dir: PathBuf,
     pub version: String,
@@ -51,7 +51,7 @@ pub enum WhileInUse {
 const SETTLE: Duration = Duration::from_secs(10);
 
 /// What runs, once processes that belong to no live pod have had [`SETTLE`] to end.
-async fn settled_usage(layout: &Layout) -> Result<usage::Usage> {
+async fn settled_usage(layout: &NodePaths) -> Result<usage::Usage> {
     let deadline = tokio::time::Instant::now() + SETTLE;
     loop {
         let u = usage::scan(layout)?;
@@ -141,7 +141,7 @@ impl Installer<'_> {
 
     async fn install_steps(&self) -> Result<Report> {
         let s = &self.settings;
-        layout::check_version(&s.version)?;
+        node_paths::check_version(&s.version)?;
         let (mut restarted, mut artifacts_changed, mut collected) = (false, false, vec![]);
         let (mut config_version, mut ready_reason) = (None, String::new());
         let mut step = Step::Guard;

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use bulkhead_node_installer::failpoint::FailPoints;
 use bulkhead_node_installer::installer::{Installer, Outcome, Settings, WhileInUse, GC_GRACE};
 use bulkhead_node_installer::kube::{InCluster, NodeApi};
-use bulkhead_node_installer::layout::Layout;
+use bulkhead_node_installer::node_paths::NodePaths;
 use bulkhead_node_installer::probe;
 use bulkhead_node_installer::restart::CommandRestarter;
 // Boolean environment variables take 1/0, true/false, yes/no, on/off: `BULKHEAD_FORCE_UNINSTALL=1` must work.
@@ -117,7 +117,7 @@ fn init_logs(format: LogFormat) {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     init_logs(cli.log_format);
-    let mut layout = Layout::new(&cli.host_root, &cli.view_root);
+    let mut layout = NodePaths::new(&cli.host_root, &cli.view_root);
     layout.containerd_config = cli.containerd_config.clone();
     let settings = Settings {
         layout,

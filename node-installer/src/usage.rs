@@ -25,7 +25,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 
 use crate::error::{io, Result};
-use crate::layout::{self, Layout, SHIM_BINARY, SHIM_CONFIG, SHIM_STATE_DIR};
+use crate::node_paths::{self, NodePaths, SHIM_BINARY, SHIM_CONFIG, SHIM_STATE_DIR};
 
 /// The shim's pod record (`pod.json`) and cmdline are read with a bound: nothing larger comes from a shim.
 const MAX_READ: u64 = 64 * 1024;
@@ -108,7 +108,7 @@ impl Usage {
 /// Looks at the node's processes and the shims' state dirs.
 ///
 /// An unreadable `/proc` is an error (nothing can be told); so is a state dir that exists but cannot be listed.
-pub fn scan(layout: &Layout) -> Result<Usage> {
+pub fn scan(layout: &NodePaths) -> Result<Usage> {
     let roots = version_roots(layout);
     let procs = processes(&layout.proc_dir, &roots)?;
     let mut usage = Usage { unreadable: procs.unreadable, ..Usage::default() };
@@ -121,7 +121,7 @@ pub fn scan(layout: &Layout) -> Result<Usage> {
 
 /// The prefix as the processes' paths may show it: containerd's view (it and the shims exec what the config names)
 /// and the installer's (the same files, if the kernel prints the path relative to our root).
-fn version_roots(layout: &Layout) -> Vec<PathBuf> {
+fn version_roots(layout: &NodePaths) -> Vec<PathBuf> {
     let mut roots = vec![layout.view(&layout.prefix), layout.install_dir()];
     roots.dedup();
     roots
@@ -134,7 +134,7 @@ pub fn version_of(exe: &Path, roots: &[PathBuf]) -> Option<String> {
         let mut rest = exe.strip_prefix(root).ok()?.components();
         let (Some(Component::Normal(dir)), Some(_)) = (rest.next(), rest.next()) else { return None };
         let dir = dir.to_str()?;
-        layout::check_version(dir).ok().map(|()| dir.to_string())
+        node_paths::check_version(dir).ok().map(|()| dir.to_string())
     })
 }
 
@@ -236,7 +236,7 @@ fn shim_id(cmdline: &Path) -> Option<String> {
 
 /// The shim state dirs, as the installer sees them: the shim's default and every `state_dir` an installed
 /// version's config names (a config that moved it must not hide its pods).
-fn state_dirs(layout: &Layout) -> Vec<PathBuf> {
+fn state_dirs(layout: &NodePaths) -> Vec<PathBuf> {
     let mut dirs = vec![layout.host(Path::new(SHIM_STATE_DIR))];
     let root = layout.install_dir();
     let versions = fs::read_dir(&root).into_iter().flatten().flatten();
@@ -359,9 +359,9 @@ mod tests {
         fs::write(state.join(id).join("pod.json"), r.to_string()).unwrap();
     }
 
-    fn node() -> (tempfile::TempDir, Layout) {
+    fn node() -> (tempfile::TempDir, NodePaths) {
         let d = tempfile::tempdir().unwrap();
-        let mut l = Layout::new(d.path().join("host"), "/");
+        let mut l = NodePaths::new(d.path().join("host"), "/");
         l.proc_dir = d.path().join("proc");
         for v in ["1.0", "2.0"] {
             fs::create_dir_all(l.version_dir(v)).unwrap();

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::error::{io, Result};
 use crate::fsutil;
-use crate::layout::{self, Layout};
+use crate::node_paths::{self, NodePaths};
 use crate::usage::{self, Usage};
 
 /// Suffix of a version directory being removed.
@@ -115,7 +115,7 @@ pub fn installed(root: &Path) -> Result<Vec<String>> {
     for entry in entries {
         let entry = entry.map_err(io("read dir", root))?;
         let Some(name) = entry.file_name().to_str().map(str::to_string) else { continue };
-        if entry.file_type().is_ok_and(|t| t.is_dir()) && layout::check_version(&name).is_ok() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) && node_paths::check_version(&name).is_ok() {
             out.push(name);
         }
     }
@@ -124,12 +124,12 @@ pub fn installed(root: &Path) -> Result<Vec<String>> {
 }
 
 /// The version `current` names, if it names one.
-pub fn current(layout: &Layout) -> Option<String> {
+pub fn current(layout: &NodePaths) -> Option<String> {
     let target = fs::read_link(layout.current_link()).ok()?;
     let mut parts = target.components();
     match (parts.next(), parts.next()) {
         (Some(Component::Normal(v)), None) => {
-            v.to_str().filter(|v| layout::check_version(v).is_ok()).map(str::to_string)
+            v.to_str().filter(|v| node_paths::check_version(v).is_ok()).map(str::to_string)
         }
         _ => None,
     }
@@ -142,7 +142,7 @@ pub struct GcReport {
 }
 
 /// Removes every old version nothing uses any more (see the module doc). Called with the install lock held.
-pub fn collect(layout: &Layout, installing: &str, grace: Duration) -> Result<GcReport> {
+pub fn collect(layout: &NodePaths, installing: &str, grace: Duration) -> Result<GcReport> {
     let root = layout.install_dir();
     finish_interrupted_removals(&root)?;
     let installed = installed(&root)?;
@@ -308,7 +308,7 @@ mod tests {
     #[test]
     fn collection_renames_then_deletes_and_finishes_an_interrupted_removal() {
         let d = tempfile::tempdir().unwrap();
-        let mut l = Layout::new(d.path(), d.path());
+        let mut l = NodePaths::new(d.path(), d.path());
         l.proc_dir = d.path().join("proc");
         fs::create_dir_all(&l.proc_dir).unwrap();
         for v in ["1.0", "2.0"] {

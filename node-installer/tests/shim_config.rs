@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_node_installer::artifacts::{default_shim_config, ARTIFACTS};
-use bulkhead_node_installer::layout::{Layout, SHIM_CONFIG};
+use bulkhead_node_installer::node_paths::{NodePaths, SHIM_CONFIG};
 use bulkhead_shim::config::{Backend, Config};
 
 /// Every string value of a TOML document that is an absolute path, with its key.
@@ -21,7 +21,7 @@ fn paths_in(value: &toml::Value, key: &str, out: &mut Vec<(String, PathBuf)>) {
 
 #[test]
 fn the_rendered_shim_config_parses_and_names_only_copied_artifacts() {
-    let layout = Layout::new("/host", "/");
+    let layout = NodePaths::new("/host", "/");
     let version = "1.2.3";
     let text = default_shim_config(&layout, version);
     let config = Config::parse(Path::new(SHIM_CONFIG), &text).unwrap_or_else(|e| panic!("{e}\n{text}"));
@@ -44,7 +44,7 @@ fn the_rendered_shim_config_parses_and_names_only_copied_artifacts() {
 #[test]
 fn paths_follow_the_view_root() {
     // containerd may see the host under another root than the installer: the config uses containerd's view.
-    let layout = Layout::new("/host", "/node");
+    let layout = NodePaths::new("/host", "/node");
     let text = default_shim_config(&layout, "v1");
     let config = Config::parse(Path::new(SHIM_CONFIG), &text).unwrap();
     assert_eq!(config.vm.vmm_path, PathBuf::from("/node/opt/bulkhead/v1/bulkhead-vmm"));

@@ -14,7 +14,7 @@ use toml::{Table, Value};
 use crate::error::{io, Error, Result};
 use crate::failpoint::FailPoints;
 use crate::fsutil;
-use crate::layout::{Layout, HANDLER};
+use crate::node_paths::{NodePaths, HANDLER};
 
 /// Sorts after other drop-ins so that, under 1.x's "last import wins" merge, our CRI table is the one kept.
 pub const DROPIN_NAME: &str = "zz-bulkhead.toml";
@@ -66,7 +66,7 @@ pub struct StateFiles {
 }
 
 impl StateFiles {
-    pub fn new(layout: &Layout) -> Self {
+    pub fn new(layout: &NodePaths) -> Self {
         let d = layout.state_dir();
         Self {
             backup: d.join("containerd-config.toml.orig"),
@@ -93,7 +93,7 @@ fn cfg_err(path: &Path, msg: impl Into<String>) -> Error {
     Error::Config { path: path.to_path_buf(), msg: msg.into() }
 }
 
-fn read_config(layout: &Layout) -> Result<(Vec<u8>, String, Table)> {
+fn read_config(layout: &NodePaths) -> Result<(Vec<u8>, String, Table)> {
     let path = layout.config_file();
     let bytes = fsutil::read_opt(&path)?
         .ok_or_else(|| cfg_err(&path, "missing: bulkhead needs the node's containerd config to wire its handler"))?;
@@ -102,7 +102,7 @@ fn read_config(layout: &Layout) -> Result<(Vec<u8>, String, Table)> {
     Ok((bytes, text, doc))
 }
 
-fn plan(layout: &Layout, doc: &Table) -> Result<Plan> {
+fn plan(layout: &NodePaths, doc: &Table) -> Result<Plan> {
     let cfg = layout.config_file();
     let version = detect_version(doc).map_err(|m| cfg_err(&cfg, m))?;
     let view_cfg = layout.view(&layout.containerd_config);
@@ -143,7 +143,7 @@ fn plan(layout: &Layout, doc: &Table) -> Result<Plan> {
 
 /// The CRI plugin table containerd 1.x would use without us: the main file's, replaced wholesale by each import
 /// that sets it, in import order (globs sorted, as Go's filepath.Glob does). Our own drop-in is skipped.
-fn effective_cri_v2(layout: &Layout, doc: &Table, view_dir: &Path, ours: &Path) -> Result<Option<Table>> {
+fn effective_cri_v2(layout: &NodePaths, doc: &Table, view_dir: &Path, ours: &Path) -> Result<Option<Table>> {
     let key = ConfigVersion::V2.cri_runtime_plugin();
     let pick = |d: &Table| d.get("plugins").and_then(|p| p.get(key)).and_then(Value::as_table).cloned();
     let mut effective = pick(doc);
@@ -166,7 +166,7 @@ fn effective_cri_v2(layout: &Layout, doc: &Table, view_dir: &Path, ours: &Path) 
 }
 
 /// Expand one import entry into files (view paths). Globs are supported in the last component only.
-fn expand(layout: &Layout, entry: &str, view_dir: &Path) -> Result<Vec<PathBuf>> {
+fn expand(layout: &NodePaths, entry: &str, view_dir: &Path) -> Result<Vec<PathBuf>> {
     let resolved = imports::resolve(entry, view_dir);
     if !imports::is_glob(entry) {
         return Ok(vec![resolved]);
@@ -197,7 +197,7 @@ fn mark_restart(state: &StateFiles, fp: &FailPoints) -> Result<()> {
 }
 
 /// Install the drop-in and, if needed, the imports entry. Returns the config version wired.
-pub fn install(layout: &Layout, fp: &FailPoints) -> Result<ConfigVersion> {
+pub fn install(layout: &NodePaths, fp: &FailPoints) -> Result<ConfigVersion> {
     let cfg = layout.config_file();
     let (bytes, text, doc) = read_config(layout)?;
     let p = plan(layout, &doc)?;
@@ -243,7 +243,7 @@ pub fn install(layout: &Layout, fp: &FailPoints) -> Result<ConfigVersion> {
 }
 
 /// Remove the drop-in and our imports entry, restoring the original bytes when nobody changed the file since.
-pub fn uninstall(layout: &Layout, fp: &FailPoints) -> Result<()> {
+pub fn uninstall(layout: &NodePaths, fp: &FailPoints) -> Result<()> {
     let state = StateFiles::new(layout);
     let cfg = layout.config_file();
 
@@ -310,11 +310,11 @@ fn remove_entry_in_place(state: &StateFiles, cfg: &Path, text: &str, entry: &str
     Ok(())
 }
 
-pub fn restart_pending(layout: &Layout) -> bool {
+pub fn restart_pending(layout: &NodePaths) -> bool {
     StateFiles::new(layout).restart_pending.exists()
 }
 
-pub fn clear_restart_pending(layout: &Layout) -> Result<()> {
+pub fn clear_restart_pending(layout: &NodePaths) -> Result<()> {
     let p = StateFiles::new(layout).restart_pending;
     if fsutil::remove_if_exists(&p)? {
         tracing::info!(marker = %p.display(), "containerd restart no longer pending");

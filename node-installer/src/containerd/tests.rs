@@ -1,11 +1,11 @@
 use super::*;
 
-fn scratch(config: &str) -> (tempfile::TempDir, Layout) {
+fn scratch(config: &str) -> (tempfile::TempDir, NodePaths) {
     let d = tempfile::tempdir().unwrap();
     fs::create_dir_all(d.path().join("etc/containerd")).unwrap();
     fs::create_dir_all(d.path().join("opt")).unwrap();
     fs::write(d.path().join("etc/containerd/config.toml"), config).unwrap();
-    let l = Layout::new(d.path(), d.path());
+    let l = NodePaths::new(d.path(), d.path());
     (d, l)
 }
 
@@ -126,7 +126,7 @@ fn unsupported_versions_are_refused_with_reason() {
 #[test]
 fn missing_config_is_an_error_not_a_new_file() {
     let d = tempfile::tempdir().unwrap();
-    let l = Layout::new(d.path(), d.path());
+    let l = NodePaths::new(d.path(), d.path());
     assert!(install(&l, &FailPoints::none()).is_err());
     assert!(!l.config_file().exists());
 }

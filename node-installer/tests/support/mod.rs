@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bulkhead_integration::ContainerdVersion;
 use bulkhead_node_installer::error::{Error, Result as IResult};
 use bulkhead_node_installer::installer::Settings;
-use bulkhead_node_installer::layout::Layout;
+use bulkhead_node_installer::node_paths::NodePaths;
 use bulkhead_node_installer::restart::Restarter;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -72,7 +72,7 @@ impl Node {
 
     pub fn settings(&self) -> Settings {
         Settings {
-            layout: Layout::new(self.root(), self.root()),
+            layout: NodePaths::new(self.root(), self.root()),
             artifacts_dir: self.artifacts.path().join("image"),
             version: "0.1.0-test".into(),
             containerd_socket: "/run/containerd/containerd.sock".into(),

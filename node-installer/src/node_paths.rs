@@ -18,7 +18,7 @@ pub const STATE: &str = "state";
 pub const SHIM_STATE_DIR: &str = "/run/bulkhead";
 
 #[derive(Clone, Debug)]
-pub struct Layout {
+pub struct NodePaths {
     pub host_root: PathBuf,
     pub view_root: PathBuf,
     /// containerd's main config, as a host path (e.g. /etc/containerd/config.toml).
@@ -31,7 +31,7 @@ pub struct Layout {
     pub proc_dir: PathBuf,
 }
 
-impl Layout {
+impl NodePaths {
     pub fn new(host_root: impl Into<PathBuf>, view_root: impl Into<PathBuf>) -> Self {
         Self {
             host_root: host_root.into(),
@@ -129,7 +129,7 @@ mod tests {
 
     #[test]
     fn host_and_view_paths() {
-        let l = Layout::new("/host", "/");
+        let l = NodePaths::new("/host", "/");
         assert_eq!(l.config_file(), PathBuf::from("/host/etc/containerd/config.toml"));
         assert_eq!(l.view_shim(), PathBuf::from("/opt/bulkhead/current/containerd-shim-bulkhead-v2"));
         assert_eq!(
