@@ -408,6 +408,23 @@ fn a_forbidden_syscall_kills_every_thread_kind_with_sigsys() {
     wait_until(Duration::from_secs(10), "the VMM to die with its waiter", || is_dead(pid));
 }
 
+/// The panic hook's eventfd is the VMM's own, made before the jail closes inherited fds: a jailed
+/// VMM whose vCPU thread panics still stops the VM (exit 1 through the waiter, the panic on stderr)
+/// instead of running on with a dead vCPU and writing the wake-up into whatever reused that fd.
+#[test]
+fn a_panic_probe_on_a_jailed_vcpu_ends_the_vm() {
+    if skip_unless_root("a_panic_probe_on_a_jailed_vcpu_ends_the_vm") || !cfg!(debug_assertions) {
+        return;
+    }
+    let Some(guest) = guest_or_skip("panic_probe") else { return };
+    let jail = Jail::new(false);
+    let run = jail.spawn(&guest, &[("BULKHEAD_VMM_PANIC_PROBE", "vcpu")]).wait();
+    assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
+    assert!(run.stderr.contains("a guest write panicked the vCPU thread"), "{}", run.stderr);
+    assert!(run.stderr.contains("bulkhead-vmm: VM failed"), "{}", run.stderr);
+    assert!(!run.stderr.contains("cannot watch for thread panics"), "{}", run.stderr);
+}
+
 #[test]
 fn seccomp_applies_without_the_jail() {
     let Some(guest) = guest_or_skip("idle") else { return };

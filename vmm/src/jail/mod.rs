@@ -5,7 +5,7 @@
 //! Steps, in this order, one module each:
 //! 1. `checks`: the host side of the document (chroot owned by root, files and devices exist, we
 //!    are root and single-threaded). A refusal here has changed nothing.
-//! 2. `process`: close every inherited fd above 2.
+//! 2. `process`: close every inherited fd above 2 (the panic hook's eventfd is ours and stays).
 //! 3. `cgroup`: join the pod's cgroup in every mounted hierarchy (v1 and v2), creating it if
 //!    missing, so guest memory is charged to the pod.
 //! 4. `process`: join the pod's network namespace; unshare mount and PID namespaces; fork. The
@@ -71,7 +71,10 @@ pub enum Jailed {
 pub fn enter(jail: &JailConfig) -> Result<Jailed, JailError> {
     jail.validate().map_err(|e| JailError::Refused(e.to_string()))?;
     let host = checks::check_host(jail)?;
-    process::close_inherited_fds()?;
+    // The panic hook's eventfd is ours, not inherited: closed, a panic would go unnoticed and its
+    // wake-up would land in whatever file reused the number.
+    let own: Vec<_> = crate::crash::wake_fd().into_iter().collect();
+    process::close_inherited_fds(&own)?;
     if let Some(cgroup) = &jail.cgroup {
         cgroup::join(cgroup)?;
     }

@@ -1,7 +1,7 @@
 //! The process side of the jail: inherited fds, the network namespace, the mount and PID
 //! namespaces, the fork, the waiter that stays behind, and the child's tie to it.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::errno::Errno;
@@ -14,13 +14,14 @@ use nix::unistd::{fork, pipe2, ForkResult, Pid};
 
 use super::{sys, JailError};
 
-/// Closes every fd above stderr. Called before the jail opens anything, so all of them are
-/// inherited and neither the waiter nor the VMM keeps one.
-pub fn close_inherited_fds() -> Result<(), JailError> {
+/// Closes every fd above stderr but `keep`. Called before the jail opens anything, so all of them
+/// are inherited (`keep` lists the few the VMM made itself before, such as the panic hook's
+/// eventfd) and neither the waiter nor the VMM keeps one.
+pub fn close_inherited_fds(keep: &[RawFd]) -> Result<(), JailError> {
     let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .map_err(sys("list /proc/self/fd"))?
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .filter(|fd| *fd > 2)
+        .filter(|fd| *fd > 2 && !keep.contains(fd))
         .collect();
     // The listing's own fd is among them and already closed: EBADF is fine.
     for fd in fds {
