@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{
-    encode_line, parse_request, MessageError, Request, Response, RestoreReport, RunState, SnapshotReport, VmInfo,
-    MAX_REQUEST_LINE,
+    encode_line, parse_request, BootReport, MessageError, Request, Response, RestoreReport, RunState, SnapshotReport,
+    VmInfo, MAX_REQUEST_LINE,
 };
 use bulkhead_vmm_api::restore::RestoreConfig;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
@@ -51,6 +51,8 @@ pub struct VmController {
     pub snapshots: Option<SnapshotRequests>,
     /// For a restored VM: how the restore went.
     pub restore: Option<RestoreReport>,
+    /// For a booted VM: how the boot went.
+    pub boot: Option<BootReport>,
 }
 
 impl VmController {
@@ -99,6 +101,7 @@ impl VmController {
                     start_unix_ns: self.start_unix_ns,
                     first_kvm_run_unix_ns: self.control.first_run_unix_ns.get().copied(),
                     restore: self.restore.clone(),
+                    boot: self.boot.clone(),
                 }),
                 ..ok
             },
@@ -532,6 +535,7 @@ pub fn prepared_info(vcpus: u8, mem_mib: u64, irqchip: bool, start_unix_ns: u64,
         start_unix_ns,
         first_kvm_run_unix_ns: None,
         restore: Some(restore),
+        boot: None,
     }
 }
 
@@ -552,6 +556,7 @@ mod tests {
             start_unix_ns: 5,
             snapshots: None,
             restore: None,
+            boot: None,
         };
         let info = c.handle(Request::Info).0.info.unwrap();
         assert_eq!((info.state, info.vcpus, info.first_kvm_run_unix_ns), (RunState::Running, 2, None));
@@ -579,6 +584,7 @@ mod tests {
             start_unix_ns: 5,
             snapshots: None,
             restore: None,
+            boot: None,
         };
         let answers: Vec<Response> = std::iter::from_fn(|| lines.next_line())
             .map(|line| {

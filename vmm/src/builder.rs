@@ -8,9 +8,8 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
-use bulkhead_vmm_api::api::{RestorePhase, RestoreReport};
+use bulkhead_vmm_api::api::RestoreReport;
 use bulkhead_vmm_api::restore::{restored_config, RestoreConfig};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -23,6 +22,7 @@ use crate::error::{dev_err, VmmError};
 use crate::exit::ExitSignal;
 use crate::layout;
 use crate::memory::{copy_snapshot_memory, create_guest_memory, map_snapshot_memory};
+use crate::phases::Phases;
 use crate::seccomp::Filters;
 use crate::snapshot::cpu::HostCpu;
 use crate::snapshot::state::VmState;
@@ -45,6 +45,8 @@ pub struct Vm {
     pub snapshot_host: Result<SnapshotHost, String>,
     /// For a restored VM: how the restore went.
     pub restore: Option<RestoreReport>,
+    /// For a booted VM: its start so far, which `vmm::run` ends when it starts the vCPUs.
+    pub boot: Option<Phases>,
 }
 
 fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmmError> {
@@ -103,12 +105,14 @@ fn snapshot_host(kvm: &Kvm, cpu: HostCpu) -> Result<SnapshotHost, String> {
 }
 
 /// Builds a VM from a config and loads its guest. `filters`: the seccomp filters of the threads
-/// the devices start.
-pub fn boot(cfg: ValidConfig, start_unix_ns: u64, filters: &Filters) -> Result<Vm, VmmError> {
-    tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "building the VM");
+/// the devices start. `phases`: the start so far (from `main`), which goes on here.
+pub fn boot(cfg: ValidConfig, filters: &Filters, mut phases: Phases) -> Result<Vm, VmmError> {
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
+    phases.mark("open /dev/kvm", true);
     let vm = create_vm(&kvm)?;
+    phases.mark("KVM_CREATE_VM, KVM_SET_TSS_ADDR", true);
     let mem = create_guest_memory(cfg.mem_bytes)?;
+    phases.mark("guest memory (memfd, mmap)", false);
     // The first memslot costs milliseconds on some hosts (PVM); overlap it with device setup.
     let registration = {
         let (vm, mem) = (vm.clone(), mem.clone());
@@ -117,14 +121,17 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64, filters: &Filters) -> Result<V
             .spawn(move || register_memory(&vm, &mem))
             .map_err(dev_err("memslot thread"))?
     };
+    phases.mark("memslot thread spawned", false);
     let irqchip = create_irqchip(&vm);
-    tracing::debug!(irqchip, "vm created");
+    phases.mark("KVM_CREATE_IRQCHIP, KVM_CREATE_PIT2", true);
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
     let ctx = DeviceContext { vm: &vm, irqchip, mem: &mem, exit: &exit, filters };
     let devices = DeviceManager::build(&cfg, &ctx, None)?;
+    phases.mark("devices (with KVM_IRQFD, KVM_IOEVENTFD)", false);
 
     let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &devices.cmdline_devices, cfg.vcpus)?;
+    phases.mark("load guest (kernel, initramfs, boot data)", false);
     tracing::debug!(?entry, irqchip, "guest loaded");
 
     let shared = VcpuShared {
@@ -137,6 +144,7 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64, filters: &Filters) -> Result<V
     let supported = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(|source| VmmError::KvmSetup { what: "supported cpuid", source })?;
+    phases.mark("KVM_GET_SUPPORTED_CPUID", true);
     let mut vcpus = Vec::new();
     for id in 0..cfg.vcpus {
         let fd = vm.create_vcpu(u64::from(id)).map_err(|e| crate::vcpu::VcpuError::Create(id, e))?;
@@ -144,29 +152,25 @@ pub fn boot(cfg: ValidConfig, start_unix_ns: u64, filters: &Filters) -> Result<V
         vcpu.configure_boot(&supported, cfg.vcpus, &entry)?;
         vcpus.push(vcpu);
     }
+    phases.mark("KVM_CREATE_VCPU, vCPU registers, CPUID, MSRs, LAPIC", true);
     let snapshot_host = snapshot_host(&kvm, HostCpu::from_entries(supported.as_slice()));
+    phases.mark("host probe for snapshots (KVM_GET_MSR_INDEX_LIST)", true);
     registration.join().map_err(|_| VmmError::EventLoop("memslot registration thread panicked".into()))??;
+    phases.mark("wait for KVM_SET_USER_MEMORY_REGION", true);
     tracing::debug!("vcpus configured, guest memory registered");
-    Ok(Vm { fd: vm, mem, irqchip, config: cfg, devices, vcpus, exit, control, snapshot_host, restore: None })
-}
-
-/// Times the steps of a restore.
-struct Phases {
-    list: Vec<RestorePhase>,
-    last: Instant,
-}
-
-impl Phases {
-    fn new() -> Self {
-        Self { list: Vec::new(), last: Instant::now() }
-    }
-
-    /// Ends the current step.
-    fn mark(&mut self, name: &str, kvm: bool) {
-        let now = Instant::now();
-        self.list.push(RestorePhase { name: name.into(), us: (now - self.last).as_micros() as u64, kvm });
-        self.last = now;
-    }
+    Ok(Vm {
+        fd: vm,
+        mem,
+        irqchip,
+        config: cfg,
+        devices,
+        vcpus,
+        exit,
+        control,
+        snapshot_host,
+        restore: None,
+        boot: Some(phases),
+    })
 }
 
 /// A snapshot with the host-heavy half of its restore done: state read and checked, memory
@@ -182,8 +186,8 @@ pub struct Prepared {
 }
 
 /// Reads the snapshot in `dir` and does every host step that does not depend on the run.
-pub fn prepare(dir: &Path) -> Result<Prepared, VmmError> {
-    let mut phases = Phases::new();
+/// `phases`: the start so far (from `main`), which goes on here.
+pub fn prepare(dir: &Path, mut phases: Phases) -> Result<Prepared, VmmError> {
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     kvm_state::check_xsave_size(&kvm)?;
     let host = HostCpu::probe(&kvm).map_err(|source| VmmError::KvmSetup { what: "supported cpuid", source })?;
@@ -236,7 +240,7 @@ impl Prepared {
 
     /// The prepare steps so far, for the report of a VMM still waiting.
     pub fn report(&self) -> RestoreReport {
-        RestoreReport { phases: self.phases.list.clone(), requested_unix_ns: None, ready_unix_ns: 0 }
+        RestoreReport { phases: self.phases.list().to_vec(), requested_unix_ns: None, ready_unix_ns: 0 }
     }
 
     /// The config the snapshot was taken with (a run's settings are checked against it).
@@ -247,7 +251,8 @@ impl Prepared {
     /// Builds this run's devices and puts the guest state back. The VM starts paused.
     /// `filters`: the seccomp filters of the threads the devices start.
     pub fn restore(mut self, run: &RestoreConfig, filters: &Filters) -> Result<Vm, VmmError> {
-        self.phases.last = Instant::now();
+        // A prepared VMM waited for this request; that wait is not part of the restore.
+        self.phases.restart();
         let cfg = restored_config(&self.state.config, run)?;
         let irqchip = self.state.vm.irqchip.is_some();
         let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
@@ -270,7 +275,8 @@ impl Prepared {
         }
         kvm_state::restore_vm(&self.vm, &self.state.vm)?;
         self.phases.mark("vCPU, irqchip, PIT and clock state", true);
-        let report = RestoreReport { phases: self.phases.list, requested_unix_ns: None, ready_unix_ns: unix_ns() };
+        let report =
+            RestoreReport { phases: self.phases.into_list(), requested_unix_ns: None, ready_unix_ns: unix_ns() };
         Ok(Vm {
             fd: self.vm,
             mem: self.mem,
@@ -282,6 +288,7 @@ impl Prepared {
             control,
             snapshot_host: self.snapshot_host,
             restore: Some(report),
+            boot: None,
         })
     }
 }

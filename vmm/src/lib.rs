@@ -32,6 +32,7 @@ pub mod layout;
 pub mod log_throttle;
 pub mod memory;
 pub mod persist;
+pub mod phases;
 pub mod seccomp;
 pub mod snapshot;
 pub mod snapshotter;

@@ -19,6 +19,7 @@ use bulkhead_vmm::config::VmConfig;
 use bulkhead_vmm::crash;
 use bulkhead_vmm::exit::ExitReason;
 use bulkhead_vmm::jail::{self, Jailed};
+use bulkhead_vmm::phases::Phases;
 use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
 use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
@@ -59,18 +60,21 @@ struct Args {
 
 fn main() {
     let start = vmm::now_unix_ns();
+    let mut phases = Phases::start();
     let args = Args::parse();
     if args.probe {
         std::process::exit(probe());
     }
+    phases.mark("parse arguments", false);
     init_logging(args.log_json);
     if let Err(e) = crash::install_hook() {
         eprintln!("bulkhead-vmm: error: cannot install the panic hook: {e}");
         std::process::exit(1);
     }
+    phases.mark("logging, panic hook", false);
     // A panic on this thread (the event loop, once the VM runs) unwinds to here; other threads'
     // panics stop the VM through the event loop (`crash.rs`).
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(args, start))) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(args, start, phases))) {
         Ok(Ok(code)) => std::process::exit(code),
         Ok(Err(e)) => {
             tracing::error!("{e:#}");
@@ -127,13 +131,16 @@ fn mode(args: &Args) -> anyhow::Result<Mode> {
     Ok(Mode::Boot(VmConfig::from_file(path).context("invalid VM config")?))
 }
 
-fn run(args: Args, start: u64) -> anyhow::Result<i32> {
+fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
     let filters = Filters::compile().context("building the seccomp filters")?;
+    phases.mark("seccomp filters", false);
     // Read on the host side; the paths inside are checked once jailed, where they must resolve.
     let mode = mode(&args)?;
+    phases.mark("read config", false);
     if let Some(jail_path) = &args.jail {
         let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
-        if let Jailed::Exited(code) = jail::enter(&jail).context("cannot jail the VMM")? {
+        phases.mark("read jail config", false);
+        if let Jailed::Exited(code) = jail::enter(&jail, &mut phases).context("cannot jail the VMM")? {
             return Ok(code);
         }
     }
@@ -143,11 +150,13 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Before any thread exists, so every thread inherits the blocked mask.
     let signal_fd = vmm::block_termination_signals().context("blocking termination signals")?;
+    phases.mark("umask, signal mask", false);
     let reason = match mode {
         Mode::Boot(doc) => {
             let cfg = doc.validate().context("invalid VM config")?;
+            phases.mark("check config", false);
             let api = cfg.api_socket.clone().map(ApiEndpoint::Bind);
-            let vm = builder::boot(cfg, start, &filters).context("VM failed to start")?;
+            let vm = builder::boot(cfg, &filters, phases).context("VM failed to start")?;
             vmm::run(vm, signal_fd, start, &filters, api).context("VM failed")?
         }
         Mode::Restore { dir, run } => {
@@ -156,13 +165,13 @@ fn run(args: Args, start: u64) -> anyhow::Result<i32> {
                 .api_socket
                 .clone()
                 .context("a restored VM waits for `resume`: the restore config needs api_socket")?;
-            let vm = builder::prepare(&dir)
+            let vm = builder::prepare(&dir, phases)
                 .and_then(|p| p.restore(&run, &filters))
                 .with_context(|| format!("cannot restore the snapshot in {}", dir.display()))?;
             tracing::info!(dir = %dir.display(), "VM restored; paused until `resume`");
             vmm::run(vm, signal_fd, start, &filters, Some(ApiEndpoint::Bind(api))).context("VM failed")?
         }
-        Mode::Prepare { dir, api } => match prepared(&dir, &api, signal_fd, start, &filters)? {
+        Mode::Prepare { dir, api } => match prepared(&dir, &api, signal_fd, start, &filters, phases)? {
             Some(reason) => reason,
             None => return Ok(1),
         },
@@ -186,9 +195,10 @@ fn prepared(
     signal_fd: OwnedFd,
     start: u64,
     filters: &Filters,
+    phases: Phases,
 ) -> anyhow::Result<Option<ExitReason>> {
     let prepared =
-        builder::prepare(dir).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
+        builder::prepare(dir, phases).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
     let listener = bind_api_socket(api_path).with_context(|| format!("api socket {}", api_path.display()))?;
     let info =
         prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, prepared.irqchip(), start, prepared.report());

@@ -5,6 +5,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use bulkhead_vmm_api::api::BootReport;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::epoll::EventSet;
 
@@ -100,7 +101,7 @@ pub fn run(
     filters: &Filters,
     api: Option<ApiEndpoint>,
 ) -> Result<ExitReason, VmmError> {
-    let Vm { fd, mem, irqchip, config, devices, vcpus, exit, control, snapshot_host, restore } = vm;
+    let Vm { fd, mem, irqchip, config, devices, vcpus, exit, control, snapshot_host, restore, boot } = vm;
     let _bound_sockets = BoundSockets(
         config.vsock.iter().map(|v| v.uds_path.clone()).chain(api.as_ref().map(|a| a.path().to_owned())).collect(),
     );
@@ -124,6 +125,10 @@ pub fn run(
     em.add_subscriber(service);
 
     install_kick_handler().map_err(dev_err("vcpu kick signal"))?;
+    let boot = boot.map(|mut phases| {
+        phases.mark("event loop, snapshot service, kick handler", false);
+        BootReport { phases: phases.into_list(), ready_unix_ns: unix_ns() }
+    });
     for (id, vcpu) in vcpus.into_iter().enumerate() {
         let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
         let handle = std::thread::Builder::new()
@@ -147,6 +152,7 @@ pub fn run(
             start_unix_ns,
             snapshots: Some(snapshots),
             restore,
+            boot,
         };
         api::spawn(endpoint, controller, filters.api().clone())
             .map_err(dev_err(format!("api socket {}", path.display())))?;

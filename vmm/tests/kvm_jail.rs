@@ -347,6 +347,13 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
     let info: serde_json::Value = serde_json::from_str(&line).unwrap();
     assert_eq!((info["ok"].as_bool(), info["info"]["pid"].as_u64()), (Some(true), Some(1)), "{line}");
     drop(s);
+    // The boot's phases crossed the jail's fork: main's, the jail's steps, then the builder's.
+    let phases: Vec<&str> =
+        info["info"]["boot"]["phases"].as_array().unwrap().iter().filter_map(|p| p["name"].as_str()).collect();
+    for step in ["parse arguments", "jail: join cgroup", "jail: drop privileges", "KVM_CREATE_VM, KVM_SET_TSS_ADDR"] {
+        assert!(phases.contains(&step), "no {step:?} in {phases:?}");
+    }
+    assert!(info["info"]["boot"]["ready_unix_ns"].as_u64() <= info["info"]["first_kvm_run_unix_ns"].as_u64(), "{line}");
 
     assert!(host_mounts_under(&jail.chroot).is_empty(), "jail mounts leaked to the host");
 

@@ -58,6 +58,9 @@ pub struct VmInfo {
     /// How the restore went, for a restored VM.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub restore: Option<RestoreReport>,
+    /// How the boot went, for a booted VM.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub boot: Option<BootReport>,
 }
 
 /// What a snapshot wrote and how long it took.
@@ -75,23 +78,33 @@ pub struct SnapshotReport {
     pub msrs_unreadable: Vec<u32>,
 }
 
-/// One timed step of a restore. `kvm` steps are host KVM ioctls; the others are the VMM's own work.
+/// One timed step of a VMM's start (boot or restore). `kvm` steps are host KVM ioctls; the others
+/// are the VMM's own work.
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
-pub struct RestorePhase {
+pub struct Phase {
     pub name: String,
     pub us: u64,
     pub kvm: bool,
 }
 
-/// How a restore went, step by step, from reading the snapshot to vCPU threads waiting to run.
-/// A `--prepare`d VMM reports the prepare steps too (`prepared: true` on those).
+/// How a restore went, step by step, from `main` (arguments, filters, jail) through reading the
+/// snapshot to vCPU threads waiting to run. A `--prepare`d VMM reports the prepare steps too.
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone, Default)]
 pub struct RestoreReport {
-    pub phases: Vec<RestorePhase>,
+    pub phases: Vec<Phase>,
     /// Wall-clock ns when the restore request arrived, for a prepared VMM.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub requested_unix_ns: Option<u64>,
     /// Wall-clock ns when the VM was ready to resume.
+    pub ready_unix_ns: u64,
+}
+
+/// How a boot went, step by step, from `main` to the moment the vCPU threads are spawned
+/// (`ready_unix_ns`); the rest of the way to the first KVM_RUN is `first_kvm_run_unix_ns` minus
+/// `ready_unix_ns`: thread start, its seccomp filter, KVM_RUN.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone, Default)]
+pub struct BootReport {
+    pub phases: Vec<Phase>,
     pub ready_unix_ns: u64,
 }
 
@@ -186,9 +199,13 @@ mod tests {
             start_unix_ns: 1,
             first_kvm_run_unix_ns: None,
             restore: Some(RestoreReport {
-                phases: vec![RestorePhase { name: "memslots".into(), us: 5000, kvm: true }],
+                phases: vec![Phase { name: "memslots".into(), us: 5000, kvm: true }],
                 requested_unix_ns: None,
                 ready_unix_ns: 2,
+            }),
+            boot: Some(BootReport {
+                phases: vec![Phase { name: "jail".into(), us: 700, kvm: false }],
+                ready_unix_ns: 3,
             }),
         };
         let resp = Response { info: Some(info), snapshot: Some(SnapshotReport::default()), ..Response::ok() };

@@ -31,6 +31,7 @@ use std::path::PathBuf;
 
 use bulkhead_vmm_api::jail::JailConfig;
 
+use crate::phases::Phases;
 use crate::seccomp::{self, ThreadKind};
 
 #[derive(Debug, thiserror::Error)]
@@ -67,21 +68,27 @@ pub enum Jailed {
 }
 
 /// Applies `jail` to this (single-threaded, root) process. Returns once in the jailed VMM and
-/// once, when the VMM has exited, in the waiter.
-pub fn enter(jail: &JailConfig) -> Result<Jailed, JailError> {
+/// once, when the VMM has exited, in the waiter. Each step is timed into `phases`.
+pub fn enter(jail: &JailConfig, phases: &mut Phases) -> Result<Jailed, JailError> {
     jail.validate().map_err(|e| JailError::Refused(e.to_string()))?;
     let host = checks::check_host(jail)?;
+    phases.mark("jail: host checks", false);
     // The panic hook's eventfd is ours, not inherited: closed, a panic would go unnoticed and its
     // wake-up would land in whatever file reused the number.
     let own: Vec<_> = crate::crash::wake_fd().into_iter().collect();
     process::close_inherited_fds(&own)?;
+    phases.mark("jail: close inherited fds", false);
     if let Some(cgroup) = &jail.cgroup {
         cgroup::join(cgroup)?;
+        phases.mark("jail: join cgroup", false);
     }
     if let Some(netns) = &jail.netns {
         process::join_netns(netns)?;
+        phases.mark("jail: join netns", false);
     }
-    match process::unshare_and_fork()? {
+    let forked = process::unshare_and_fork()?;
+    phases.mark("jail: unshare mount+pid, fork", false);
+    match forked {
         process::Forked::Parent { child, parent_end } => {
             tracing::info!(id = %jail.id, vmm_pid = child.as_raw(), "jailed VMM started");
             seccomp::install(ThreadKind::Waiter, &seccomp::waiter_filter(child.as_raw())?)?;
@@ -92,9 +99,11 @@ pub fn enter(jail: &JailConfig) -> Result<Jailed, JailError> {
         process::Forked::Child(watch) => {
             watch.arm()?;
             root::build(jail, &host)?;
+            phases.mark("jail: mounts, device nodes, pivot_root", false);
             privileges::drop_to(jail.uid, jail.gid)?;
             // Changing the uid cleared the parent-death signal: set it again.
             watch.arm()?;
+            phases.mark("jail: drop privileges", false);
             tracing::info!(id = %jail.id, uid = jail.uid, gid = jail.gid, "jailed");
             Ok(Jailed::Vmm)
         }

@@ -90,6 +90,7 @@ impl Api {
                             start_unix_ns: self.shape.start_unix_ns,
                             first_kvm_run_unix_ns: None,
                             restore: None,
+                            boot: None,
                         }),
                         ..Response::ok()
                     }
