@@ -1,5 +1,8 @@
 //! Helpers the VMM benches share.
 
+pub mod phases;
+pub mod procmem;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
