@@ -125,14 +125,7 @@ async fn run() -> Result<()> {
     }
     let state_dir = tempfile_dir()?;
     let config = state_dir.join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-            state_dir.join("s").display(),
-            agent.display()
-        ),
-    )?;
+    std::fs::write(&config, bulkhead_integration::guests::namespace_config(&state_dir.join("s"), &agent))?;
     let result = async {
         for version in [ContainerdVersion::V1_6, ContainerdVersion::V2_1] {
             if let Some(reason) = skip_reason_on(version) {

@@ -168,6 +168,15 @@ pub fn real_vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm) 
     Ok(vm_config(state_dir, connect_timeout_ms, vmm, &kernel, &initramfs))
 }
 
+/// A shim config (TOML) for the `namespace` backend: pods' state in `state_dir`, `agent` as the agent.
+pub fn namespace_config(state_dir: &Path, agent: &Path) -> String {
+    format!(
+        "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
+        state_dir.display(),
+        agent.display()
+    )
+}
+
 /// A shim config (TOML) for the `vm` backend booting `kernel` and `initramfs` on `vmm`.
 pub fn vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm, kernel: &Path, initramfs: &Path) -> String {
     format!(

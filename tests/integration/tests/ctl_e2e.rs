@@ -50,11 +50,7 @@ async fn setup(test: &str) -> Result<Option<Env>> {
     let config = config_dir.path().join("bulkhead.toml");
     std::fs::write(
         &config,
-        format!(
-            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-            state_dir.path().display(),
-            workspace_bin("bulkhead-agent").display()
-        ),
+        bulkhead_integration::guests::namespace_config(state_dir.path(), &workspace_bin("bulkhead-agent")),
     )?;
     let handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
     let containerd =

@@ -50,14 +50,7 @@ async fn setup(test: &str) -> Result<Option<Env>> {
     let config_dir = tempfile::tempdir()?;
     let config = |name: &str, agent_path: &Path| -> Result<std::path::PathBuf> {
         let path = config_dir.path().join(format!("{name}.toml"));
-        std::fs::write(
-            &path,
-            format!(
-                "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-                state_dir.path().display(),
-                agent_path.display()
-            ),
-        )?;
+        std::fs::write(&path, bulkhead_integration::guests::namespace_config(state_dir.path(), agent_path))?;
         Ok(path)
     };
     let mut handlers = vec![RuntimeHandler::bulkhead(Some(&config("bulkhead", &agent)?))];

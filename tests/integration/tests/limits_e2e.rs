@@ -83,11 +83,7 @@ impl Stand {
         let ns_config = config_dir.path().join("namespace.toml");
         std::fs::write(
             &ns_config,
-            format!(
-                "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-                state_dir.path().join("ns").display(),
-                agent.display()
-            ),
+            bulkhead_integration::guests::namespace_config(&state_dir.path().join("ns"), &agent),
         )?;
         let runc = RuntimeHandler { base_runtime_spec: Some(base_spec.clone()), ..RuntimeHandler::runc() };
         let mut handlers = vec![runc, handler("bulkhead", &ns_config)];

@@ -69,11 +69,7 @@ async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
     assert!(bulkhead_integration::which("ip").is_some(), "ip (iproute2) is not installed: run `make setup`");
     let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
     let config_dir = tempfile::tempdir()?;
-    let base = format!(
-        "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-        state_dir.path().display(),
-        agent.display()
-    );
+    let base = bulkhead_integration::guests::namespace_config(state_dir.path(), &agent);
     let blocked = config_dir.path().join("bulkhead.toml");
     std::fs::write(&blocked, &base)?;
     let allowed = config_dir.path().join("bulkhead-md.toml");

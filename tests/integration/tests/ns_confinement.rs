@@ -52,14 +52,7 @@ async fn setup(test: &str) -> Result<Option<Env>> {
     let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
     let config_dir = tempfile::tempdir()?;
     let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-            state_dir.path().display(),
-            agent.display()
-        ),
-    )?;
+    std::fs::write(&config, bulkhead_integration::guests::namespace_config(state_dir.path(), &agent))?;
     let handlers = vec![RuntimeHandler::bulkhead(Some(&config))];
     let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
     let cri = containerd.cri().await?;

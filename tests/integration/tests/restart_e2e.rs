@@ -69,14 +69,7 @@ async fn pods_outlive_a_containerd_restart() -> Result<()> {
     let state_dir = tempfile::Builder::new().prefix("br").tempdir_in("/run")?;
     let config_dir = tempfile::tempdir()?;
     let ns_config = config_dir.path().join("namespace.toml");
-    std::fs::write(
-        &ns_config,
-        format!(
-            "backend = \"namespace\"\nstate_dir = \"{}\"\n[namespace]\nagent_path = \"{}\"\n",
-            state_dir.path().join("ns").display(),
-            agent.display()
-        ),
-    )?;
+    std::fs::write(&ns_config, bulkhead_integration::guests::namespace_config(&state_dir.path().join("ns"), &agent))?;
     let mut handlers = vec![RuntimeHandler::bulkhead(Some(&ns_config))];
     let vmms: Vec<GuestVmm> = [GuestVmm::QemuStandIn, GuestVmm::Bulkhead]
         .into_iter()
