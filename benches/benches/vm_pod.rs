@@ -15,9 +15,9 @@
 //! marginal PSS of an idle vm pod <= 12 MiB. Also each vm pod's VMM start (`info`: `main` -> first
 //! KVM_RUN, phase by phase, as the shim started it: jailed, in the pod's cgroup).
 //!
-//! `BULKHEAD_BENCH_BASELINE=<dir>` adds a `bulkhead-baseline` handler whose shim and VMM are
-//! that dir's (`containerd-shim-bulkhead-v2`, `bulkhead-vmm`): before/after figures of a change,
-//! in one run. Feeds `overhead.podFixed` (runtimeclass/README.md). Skips with one line where it
+//! `BULKHEAD_BENCH_BASELINE=<dir>[:<dir>...]` adds a `bulkhead-<dir name>` handler per dir whose
+//! shim and VMM are that dir's (`containerd-shim-bulkhead-v2`, `bulkhead-vmm`): before/after
+//! figures of a change, in one run. Feeds `overhead.podFixed` (runtimeclass/README.md). Skips with one line where it
 //! cannot run.
 
 use std::collections::BTreeMap;
@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use bulkhead_benches::baselines;
 use bulkhead_benches::phases::{print_table, Start};
 use bulkhead_benches::procmem::{children_named, mib, mib_i, parent_and_children, processes, Mem, Proc};
 use bulkhead_integration::{
@@ -286,12 +287,14 @@ async fn run() -> Result<()> {
     }
     let virtiofsd = bulkhead_integration::virtiofsd_path();
     let (vmm, shim) = (workspace_bin("bulkhead-vmm"), workspace_bin("containerd-shim-bulkhead-v2"));
-    let baseline = std::env::var_os("BULKHEAD_BENCH_BASELINE").map(PathBuf::from);
-    let mut bins = vec![vmm.clone(), shim.clone(), virtiofsd.clone()];
-    if let Some(b) = &baseline {
-        bins.extend([b.join("bulkhead-vmm"), b.join("containerd-shim-bulkhead-v2")]);
-    }
-    for bin in &bins {
+    // Each build's handler: its name, VMM and shim; this build's first.
+    let builds: Vec<(String, PathBuf, PathBuf)> = std::iter::once(("bulkhead".to_string(), vmm, shim))
+        .chain(baselines().into_iter().map(|(label, dir)| {
+            (format!("bulkhead-{label}"), dir.join("bulkhead-vmm"), dir.join("containerd-shim-bulkhead-v2"))
+        }))
+        .collect();
+    let bins = builds.iter().flat_map(|(_, vmm, shim)| [vmm.clone(), shim.clone()]).chain([virtiofsd.clone()]);
+    for bin in bins {
         if !bin.is_file() {
             skip(&format!("{} is missing (make setup; cargo build --workspace)", bin.display()));
             return Ok(());
@@ -309,29 +312,24 @@ async fn run() -> Result<()> {
         };
         let mut handlers = vec![RuntimeHandler::runc()];
         let mut vm_handlers = Vec::new();
-        let baselines = baseline
-            .iter()
-            .map(|b| ("bulkhead-baseline", b.join("bulkhead-vmm"), b.join("containerd-shim-bulkhead-v2")));
-        for (i, (name, vmm, shim)) in
-            std::iter::once(("bulkhead", vmm.clone(), shim.clone())).chain(baselines).enumerate()
-        {
+        for (i, (name, vmm, shim)) in builds.iter().enumerate() {
             // Short: the pods' sockets live below it (108 bytes at most).
             let own = dir.join(i.to_string());
             std::fs::create_dir_all(own.join("s"))?;
-            let config = vm_config(&own, &vmm, &guest, &virtiofsd)?;
+            let config = vm_config(&own, vmm, &guest, &virtiofsd)?;
             let mut h = RuntimeHandler::bulkhead(Some(&config));
-            h.name = name.into();
+            h.name = name.clone();
             h.runtime_type = shim.display().to_string();
             handlers.push(h);
-            vm_handlers.push((name, own.join("s")));
+            vm_handlers.push((name.clone(), own.join("s")));
         }
         let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
         let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
         println!("vm_pod: {PODS} idle pods per handler (vm pods: the idle test guest), loadavg {}", load.trim());
-        println!("  bulkhead: shim {}, VMM {}, virtiofsd {}", shim.display(), vmm.display(), virtiofsd.display());
-        if let Some(b) = &baseline {
-            println!("  bulkhead-baseline: shim and VMM from {}", b.display());
+        for (name, vmm, shim) in &builds {
+            println!("  {name}: shim {}, VMM {}", shim.display(), vmm.display());
         }
+        println!("  virtiofsd {}", virtiofsd.display());
         let runc = runc_round(&containerd).await.context("runc pods")?;
         let mut rounds = Vec::new();
         for (name, state) in &vm_handlers {

@@ -2,10 +2,12 @@
 //! VMM costs.
 //!
 //! Two shapes, `RUNS` starts each (after one warm-up), interleaved so host drift hits both alike:
-//! - `pod`: as the shim starts it (as root): jailed (a fresh chroot, a cgroup, a network
-//!   namespace, the pod's uid), the shim's device set (serial log, vsock, virtio-fs, balloon, API
-//!   socket), 256 MiB, and the real guest kernel and initramfs (`guest-kernel/`, built and cached
-//!   like the tests do). The goal (<= 5 ms spawn -> first KVM_RUN) is judged here.
+//! - `pod`: as the shim starts it (as root): first the pod's virtiofsd (its listener in the
+//!   chroot, joined to the pod's cgroup before exec, as the shim does), then the VMM, jailed (a
+//!   fresh chroot, that cgroup, a network namespace, the pod's uid), with the shim's device set
+//!   (serial log, vsock, virtio-fs, balloon, API socket), 256 MiB, and the real guest kernel and
+//!   initramfs (`guest-kernel/`, built and cached like the tests do). The goal (<= 5 ms spawn ->
+//!   first KVM_RUN) is judged here.
 //! - `bare`: no jail, no devices, a 3-byte raw guest (`hlt; jmp .-1`), 128 MiB: the figure this
 //!   bench printed before the phase split.
 //!
@@ -13,20 +15,23 @@
 //! apart from the VMM's own work) and the first KVM_RUN; the spawn -> `main` phase is this side's.
 //! Then, once idle, the VMM's (and for `pod` its waiter's) RSS, PSS and USS.
 //!
-//! `BULKHEAD_BENCH_BASELINE=<dir>` adds that dir's `bulkhead-vmm` (a build with boot phases) to
-//! every round: before/after figures of a change, in one run.
+//! `BULKHEAD_BENCH_BASELINE=<dir>[:<dir>...]` adds each dir's `bulkhead-vmm` (a build with boot
+//! phases) to every round: before/after figures of a change, in one run.
 //! Skips with one line when /dev/kvm is unusable.
 
+use std::ffi::CString;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::DirBuilderExt;
-use std::os::unix::net::UnixStream;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bulkhead_benches::phases::{median, print_table, Start};
 use bulkhead_benches::procmem::{mib, processes, Mem};
-use bulkhead_benches::{unix_ns, vmm_binary};
+use bulkhead_benches::{baselines, unix_ns, vmm_binary};
 use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 
@@ -60,13 +65,78 @@ struct Sample {
     vmm_rss_kib: u64,
 }
 
-/// What every `pod` start shares: the guest files, a cgroup and a network namespace.
+/// What every `pod` start shares: the guest files, virtiofsd, a cgroup (made in every
+/// hierarchy) and a network namespace.
 struct PodHost {
     dir: PathBuf,
     kernel: PathBuf,
     initramfs: PathBuf,
+    virtiofsd: PathBuf,
     cgroup: String,
+    /// `cgroup.procs` of the cgroup in every hierarchy.
+    procs: Vec<CString>,
     netns: Option<String>,
+}
+
+/// The `cgroup.procs` files of `cgroup` in every mounted hierarchy, made where missing (a new v1
+/// cpuset cgroup gets its parent's cpus and mems, as the jail does).
+fn make_cgroup(cgroup: &str) -> Res<Vec<CString>> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").map_err(|e| e.to_string())?;
+    let mut procs = Vec::new();
+    for line in mounts.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 || !(f[2] == "cgroup" || f[2] == "cgroup2") {
+            continue;
+        }
+        let (root, dir) = (Path::new(f[1]), Path::new(f[1]).join(cgroup.trim_start_matches('/')));
+        if !dir.exists() {
+            std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            if f[3].split(',').any(|o| o == "cpuset") {
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    let v = std::fs::read_to_string(root.join(file)).map_err(|e| e.to_string())?;
+                    std::fs::write(dir.join(file), v.trim()).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        let file = dir.join("cgroup.procs");
+        procs.push(CString::new(file.into_os_string().into_encoded_bytes()).map_err(|e| e.to_string())?);
+    }
+    Ok(procs)
+}
+
+/// The pod's virtiofsd as the shim starts it: serving `shared` on `listener` (inherited), in the
+/// pod's cgroup (joined between fork and exec).
+fn spawn_virtiofsd(bin: &Path, shared: &Path, listener: &UnixListener, procs: Vec<CString>) -> Res<Child> {
+    let fd = listener.as_raw_fd();
+    let mut cmd = Command::new(bin);
+    cmd.arg(format!("--fd={fd}"))
+        .arg("--shared-dir")
+        .arg(shared)
+        .args(["--sandbox", "namespace", "--seccomp", "kill", "--cache", "auto"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: between fork and exec: fcntl, open, write and close only, on an fd this process
+    // holds and on paths made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            for file in &procs {
+                let cg = libc::open(file.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if cg < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let written = libc::write(cg, b"0".as_ptr().cast(), 1);
+                libc::close(cg);
+                if written != 1 {
+                    return Err(std::io::Error::other("join the cgroup"));
+                }
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|e| format!("spawn {}: {e}", bin.display()))
 }
 
 impl PodHost {
@@ -86,17 +156,30 @@ impl PodHost {
         if netns.is_none() {
             println!("  (no `ip netns add` here: the pod shape starts without a network namespace)");
         }
-        Ok(Self { dir: dir.to_owned(), kernel, initramfs, cgroup: format!("/bulkhead-bench-{pid}"), netns })
+        let virtiofsd = bulkhead_integration::virtiofsd_path();
+        if !virtiofsd.is_file() {
+            return Err(format!("{} is missing (make setup)", virtiofsd.display()));
+        }
+        let cgroup = format!("/bulkhead-bench-{pid}");
+        let procs = make_cgroup(&cgroup)?;
+        Ok(Self { dir: dir.to_owned(), kernel, initramfs, virtiofsd, cgroup, procs, netns })
     }
 
-    /// A fresh root-owned chroot and the two documents, as the shim lays them out.
-    fn lay_out(&self, i: usize) -> Res<(PathBuf, PathBuf, PathBuf)> {
+    /// A fresh root-owned chroot, the two documents and the pod's virtiofsd (started), as the
+    /// shim lays them out and starts it.
+    fn lay_out(&self, i: usize) -> Res<(PathBuf, PathBuf, PathBuf, Vmm)> {
         let pod = self.dir.join(format!("pod{i}"));
         let chroot = pod.join("root");
         let e = |e: std::io::Error| format!("{}: {e}", pod.display());
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&pod).map_err(e)?;
         std::fs::DirBuilder::new().mode(0o755).create(&chroot).map_err(e)?;
         std::fs::DirBuilder::new().mode(0o755).create(chroot.join("run")).map_err(e)?;
+        std::fs::DirBuilder::new().mode(0o755).create(pod.join("shared")).map_err(e)?;
+        let socket = chroot.join("run/fs0.sock");
+        let listener = UnixListener::bind(&socket).map_err(e)?;
+        std::os::unix::fs::lchown(&socket, Some(JAIL_ID), Some(JAIL_ID)).map_err(e)?;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)).map_err(e)?;
+        let virtiofsd = Vmm(spawn_virtiofsd(&self.virtiofsd, &pod.join("shared"), &listener, self.procs.clone())?);
         let jail = JailConfig {
             id: format!("bench{i}"),
             chroot: chroot.clone(),
@@ -121,7 +204,7 @@ impl PodHost {
             serial_log: Some("/run/console.log".into()),
             vsock: Some(VsockConfig { uds_path: "/run/vsock.sock".into(), guest_cid: 3 }),
             block: Vec::new(),
-            // Never probed within a start: nothing needs to listen there.
+            // The VMM connects once the guest's driver is ready, which is after a start.
             fs: vec![FsConfig { tag: "bulkhead".into(), socket: "/run/fs0.sock".into(), queue_size: 1024 }],
             net: Vec::new(),
             api_socket: Some("/run/api.sock".into()),
@@ -131,7 +214,7 @@ impl PodHost {
         let json = |v: serde_json::Result<Vec<u8>>| v.map_err(|e| e.to_string());
         std::fs::write(&jail_path, json(serde_json::to_vec(&jail))?).map_err(e)?;
         std::fs::write(&vm_path, json(serde_json::to_vec(&vm))?).map_err(e)?;
-        Ok((vm_path, jail_path, chroot.join("run/api.sock")))
+        Ok((vm_path, jail_path, chroot.join("run/api.sock"), virtiofsd))
     }
 
     /// The cgroup in every hierarchy (the jail made them), once every VMM is gone.
@@ -149,11 +232,17 @@ impl PodHost {
     }
 }
 
-/// A spawned VMM, killed (by pid) and reaped when dropped.
+/// A spawned VMM (or virtiofsd), killed (by pid) with its children and reaped when dropped.
 struct Vmm(Child);
 
 impl Drop for Vmm {
     fn drop(&mut self) {
+        let pid = self.0.id();
+        let children = processes().into_iter().filter(|p| p.ppid == pid).map(|p| p.pid);
+        for child in children.collect::<Vec<_>>() {
+            // SAFETY: kill(2) on a child of the process this bench spawned, found just now.
+            unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -200,6 +289,7 @@ fn spawn(vmm: &Path, args: &[&std::ffi::OsStr], err: &Path) -> Res<(Vmm, u64)> {
 
 fn one_run(vmm: &Path, shape: Shape, dir: &Path, pod: Option<&PodHost>, i: usize) -> Res<Sample> {
     let err = dir.join(format!("vmm{i}.err"));
+    let mut virtiofsd = None;
     let (child, t0, api) = match (shape, pod) {
         (Shape::Bare, _) => {
             let api = dir.join(format!("api{i}.sock"));
@@ -215,7 +305,8 @@ fn one_run(vmm: &Path, shape: Shape, dir: &Path, pod: Option<&PodHost>, i: usize
             (child, t0, api)
         }
         (Shape::Pod, Some(pod)) => {
-            let (vm, jail, api) = pod.lay_out(i)?;
+            let (vm, jail, api, fsd) = pod.lay_out(i)?;
+            virtiofsd = Some(fsd);
             let (child, t0) =
                 spawn(vmm, &["--config".as_ref(), vm.as_os_str(), "--jail".as_ref(), jail.as_os_str()], &err)?;
             (child, t0, api)
@@ -235,6 +326,7 @@ fn one_run(vmm: &Path, shape: Shape, dir: &Path, pod: Option<&PodHost>, i: usize
     let mems: Vec<Mem> = pids.iter().filter_map(|p| Mem::of(*p)).collect();
     let vmm_rss_kib = Mem::of(*pids.last().unwrap_or(&waiter)).map_or(0, |m| m.rss);
     drop(child);
+    drop(virtiofsd);
     if shape == Shape::Pod {
         // The jailed VMM dies with its waiter; its chroot can go once it is gone.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -288,9 +380,7 @@ fn main() -> std::io::Result<()> {
         }
     };
     let mut binaries = vec![("this build".to_string(), vmm)];
-    if let Some(dir) = std::env::var_os("BULKHEAD_BENCH_BASELINE") {
-        binaries.push(("baseline".to_string(), PathBuf::from(dir).join("bulkhead-vmm")));
-    }
+    binaries.extend(baselines().into_iter().map(|(label, dir)| (label, dir.join("bulkhead-vmm"))));
     // Short: the pod shape's sockets live below it.
     let dir = PathBuf::from(format!("/run/bhs{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

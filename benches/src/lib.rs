@@ -12,6 +12,17 @@ pub fn unix_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
+/// Other builds to measure beside this one, for before/after figures in one run:
+/// `BULKHEAD_BENCH_BASELINE=<dir>[:<dir>...]`, each dir holding a build's binaries; each is
+/// labelled by its dir's name.
+pub fn baselines() -> Vec<(String, PathBuf)> {
+    let Some(list) = std::env::var_os("BULKHEAD_BENCH_BASELINE") else { return Vec::new() };
+    std::env::split_paths(&list)
+        .filter(|p| !p.as_os_str().is_empty())
+        .map(|p| (p.file_name().map_or("baseline".into(), |n| n.to_string_lossy().into_owned()), p))
+        .collect()
+}
+
 /// The release VMM binary, built on demand (override with BULKHEAD_VMM).
 pub fn vmm_binary() -> Result<PathBuf, String> {
     if let Ok(p) = std::env::var("BULKHEAD_VMM") {
