@@ -1,5 +1,6 @@
 //! Loading what the guest boots: a Linux kernel (ELF vmlinux or bzImage, cmdline, initramfs,
-//! zero page) or a raw test guest. Produces the entry state every vCPU starts from.
+//! zero page) or a raw test guest. Produces the entry state every vCPU starts from. The kernel
+//! and initramfs go into guest memory through `memory::ImageFile` (one copy, in the kernel).
 
 use std::fs::File;
 use std::path::Path;
@@ -15,6 +16,7 @@ use crate::config::{BootSource, RawFormat};
 use crate::layout::{
     BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, RAW_STACK_TOP, ZERO_PAGE_START,
 };
+use crate::memory::ImageFile;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
@@ -92,7 +94,8 @@ fn load_linux(
     mmio_devices: &[(u64, u64, u32)],
     cr3: u64,
 ) -> Result<EntryPoint, BootError> {
-    let mut file = open(kernel)?;
+    // Into the memfd in the kernel (sendfile), not through the VMM's mapping.
+    let mut file = ImageFile::new(open(kernel)?, mem);
     let start = GuestAddress(HIMEM_START);
     let (entry, setup_header, kernel_end) = match Elf::load(mem, None, &mut file, Some(start)) {
         Ok(r) => (r.kernel_load.raw_value(), None, r.kernel_end),
@@ -143,8 +146,9 @@ fn load_initramfs(
     mem_bytes: u64,
     kernel_end: u64,
 ) -> Result<(u64, u32), BootError> {
-    let mut file = open(path)?;
-    let size = file.metadata().map_err(|source| BootError::Open { path: path.display().to_string(), source })?.len();
+    let mut file = ImageFile::new(open(path)?, mem);
+    let size =
+        file.file().metadata().map_err(|source| BootError::Open { path: path.display().to_string(), source })?.len();
     let top = mem_bytes.min(MMIO_HOLE_START);
     let addr = top.checked_sub(size).map(|a| a & !0xfff);
     let addr = match addr {

@@ -2,17 +2,21 @@
 //! for a restored VM a private mapping of the snapshot's memory file (so every VM restored from
 //! one snapshot shares its clean pages with the others and none writes to the file), or, when a
 //! vhost-user backend must share it, a memfd the memory file is copied into. Also writes guest
-//! memory out as a sparse memory file.
+//! memory out as a sparse memory file, and reads boot images (kernel, initramfs) into a memfd in
+//! the kernel ([`ImageFile`]).
 
 use std::ffi::CString;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use vm_memory::bitmap::BitmapSlice;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
     Address, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+    MemoryRegionAddress, ReadVolatile, VolatileMemoryError, VolatileSlice,
 };
 
 use crate::layout;
@@ -177,10 +181,124 @@ fn map_memfd(file: File, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError>
     Ok(GuestMemoryMmap::from_ranges_with_files(ranges)?)
 }
 
+/// A boot image (kernel, initramfs) as the loaders read it into guest memory (linux-loader's ELF
+/// and bzImage loaders, the initramfs load): where the bytes land in a shared, writable memfd
+/// region, they go in with sendfile, page cache to memfd inside the kernel. Read through the
+/// mapping instead, every page would first be faulted in and zero-filled by the VMM (a second
+/// pass over the whole image) and then copied. The VMM does not map those pages until the guest
+/// touches them. Anywhere else (a header read into a struct, anonymous memory in unit tests, a
+/// private mapping) it is a plain read.
+pub struct ImageFile<'a> {
+    file: File,
+    mem: &'a GuestMemoryMmap,
+}
+
+impl<'a> ImageFile<'a> {
+    pub fn new(file: File, mem: &'a GuestMemoryMmap) -> Self {
+        Self { file, mem }
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The memfd and offset that back `len` bytes at host address `ptr`, when one shared,
+    /// writable file mapping holds all of them.
+    fn backing(&self, ptr: *const u8, len: usize) -> Option<(RawFd, u64)> {
+        let addr = ptr as usize;
+        self.mem.iter().find_map(|region| {
+            let base = region.get_host_address(MemoryRegionAddress(0)).ok()? as usize;
+            let inside = addr >= base && addr.checked_add(len)? <= base.checked_add(region.len() as usize)?;
+            let shared = region.flags() & libc::MAP_SHARED != 0 && region.prot() & libc::PROT_WRITE != 0;
+            let fo = region.file_offset().filter(|_| inside && shared)?;
+            Some((fo.file().as_raw_fd(), fo.start() + (addr - base) as u64))
+        })
+    }
+}
+
+impl Read for ImageFile<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.file.read(buf)
+    }
+}
+
+impl Seek for ImageFile<'_> {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        self.file.seek(pos)
+    }
+}
+
+impl ReadVolatile for ImageFile<'_> {
+    fn read_volatile<B: BitmapSlice>(&mut self, buf: &mut VolatileSlice<B>) -> Result<usize, VolatileMemoryError> {
+        let Some((memfd, offset)) = self.backing(buf.ptr_guard_mut().as_ptr(), buf.len()) else {
+            return (&self.file).read_volatile(buf);
+        };
+        let io = |e: std::io::Error| VolatileMemoryError::IOError(e);
+        // SAFETY: lseek on the memfd this guest memory maps (only this thread uses its position
+        // while the guest is loaded); the result is checked.
+        if unsafe { libc::lseek64(memfd, offset as libc::off64_t, libc::SEEK_SET) } < 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        // SAFETY: both fds are open for the call; a null offset reads at (and advances) the
+        // image's own position, as read(2) would; at most `buf.len()` bytes land in the memfd,
+        // inside the region `backing` found.
+        let n = unsafe { libc::sendfile64(memfd, self.file.as_raw_fd(), std::ptr::null_mut(), buf.len()) };
+        if n < 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        let n = n as usize;
+        buf.bitmap().mark_dirty(0, n);
+        Ok(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use vm_memory::Bytes;
+
+    #[test]
+    fn an_image_lands_in_a_memfd_without_the_vmm_touching_the_pages() {
+        let mem = create_guest_memory(16 << 20).unwrap();
+        let mut image = tempfile::tempfile().unwrap();
+        let data: Vec<u8> = (0..(3 << 20) + 123).map(|i| (i % 251) as u8).collect();
+        std::io::Write::write_all(&mut image, &data[..]).unwrap();
+        let mut image = ImageFile::new(image, &mem);
+        image.seek(SeekFrom::Start(100)).unwrap();
+        let mut header = [0u8; 4];
+        image.read_exact(&mut header).unwrap();
+        assert_eq!(header, data[100..104]);
+        let rss = || rss_of(&mem);
+        let before = rss();
+        image.rewind().unwrap();
+        mem.read_exact_volatile_from(GuestAddress(0x20_0000), &mut image, data.len()).unwrap();
+        assert!(rss() < before + 64, "loading mapped {} KiB into the VMM", rss() - before);
+        assert_eq!(image.file().stream_position().unwrap(), data.len() as u64, "the image's position moved on");
+        let mut back = vec![0u8; data.len()];
+        mem.read_slice(&mut back, GuestAddress(0x20_0000)).unwrap();
+        assert!(back == data, "the guest sees the image");
+        // Not memfd-backed: a plain read.
+        let anon = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut image = ImageFile::new(image.file, &anon);
+        image.rewind().unwrap();
+        anon.read_exact_volatile_from(GuestAddress(0x1000), &mut image, 4096).unwrap();
+        assert_eq!(anon.read_obj::<u8>(GuestAddress(0x1001)).unwrap(), data[1]);
+    }
+
+    /// KiB of this process's resident pages of `mem`'s (first) mapping.
+    fn rss_of(mem: &GuestMemoryMmap) -> u64 {
+        let base = mem.iter().next().unwrap().get_host_address(MemoryRegionAddress(0)).unwrap() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines();
+        while let Some(line) = lines.next() {
+            let start = line.split('-').next().and_then(|s| usize::from_str_radix(s, 16).ok());
+            if start == Some(base) {
+                let rss = lines.find(|l| l.starts_with("Rss:")).unwrap();
+                return rss.split_whitespace().nth(1).unwrap().parse().unwrap();
+            }
+        }
+        panic!("no mapping at {base:#x}");
+    }
 
     #[test]
     fn saved_memory_maps_back_privately_and_sparsely() {
