@@ -65,6 +65,8 @@ pub struct Config {
     pub vm: VmConfig,
     #[serde(default)]
     pub network: NetworkConfig,
+    #[serde(default)]
+    pub emptydir: EmptyDirConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -125,6 +127,52 @@ pub struct NetworkConfig {
     /// default: the shim drops that traffic in the pod's network namespace.
     #[serde(default)]
     pub allow_metadata: bool,
+}
+
+/// Smallest emptyDir size limit the shim enforces: below it, ext4's own metadata would leave
+/// the volume next to no room (1 MiB keeps about 90% of itself free).
+pub const MIN_EMPTYDIR_BYTES: u64 = 1 << 20;
+/// Largest emptyDir size limit accepted anywhere (annotation or config): 16 TiB, a sanity bound
+/// well inside what ext4 and a loop device take.
+pub const MAX_EMPTYDIR_BYTES: u64 = 16 << 40;
+
+/// A size written as a Kubernetes quantity (`"1Gi"`, `"500M"`), held in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        crate::quantity::parse_bytes(&text).map(ByteSize).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Size limits of pods' emptyDir volumes, enforced where the data lives (`sandbox/emptydir`):
+/// a limited emptyDir is an ext4 image of exactly its limit, loop-mounted for the pod.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmptyDirConfig {
+    /// The limit of every disk-backed emptyDir whose pod names none for it (the
+    /// `bulkhead.io/emptydir-size-limits` annotation). None: such emptyDirs stay unlimited, as
+    /// with runc (kubelet's eviction is all that bounds them).
+    #[serde(default)]
+    pub default_size_limit: Option<ByteSize>,
+    /// No emptyDir may be larger: a pod annotation above it is refused at RunPodSandbox.
+    #[serde(default)]
+    pub max_size_limit: Option<ByteSize>,
+    /// `mkfs.ext4` (e2fsprogs), run by the shim on the host to format a new emptyDir image.
+    #[serde(default = "default_mkfs_path")]
+    pub mkfs_path: PathBuf,
+}
+
+impl Default for EmptyDirConfig {
+    fn default() -> Self {
+        Self { default_size_limit: None, max_size_limit: None, mkfs_path: default_mkfs_path() }
+    }
+}
+
+fn default_mkfs_path() -> PathBuf {
+    PathBuf::from("/sbin/mkfs.ext4")
 }
 
 fn default_backend() -> Backend {
@@ -255,6 +303,29 @@ impl Config {
         if self.vm.memory_mib < 64 || u64::from(self.vm.memory_mib) > MAX_MEM_MIB {
             return Err(invalid("vm.memory_mib", &format!("must be between 64 and {MAX_MEM_MIB}")));
         }
+        let bounds = format!(
+            "must be between {} and {}",
+            crate::quantity::format_bytes(MIN_EMPTYDIR_BYTES),
+            crate::quantity::format_bytes(MAX_EMPTYDIR_BYTES)
+        );
+        for (field, size) in [
+            ("emptydir.default_size_limit", self.emptydir.default_size_limit),
+            ("emptydir.max_size_limit", self.emptydir.max_size_limit),
+        ] {
+            if size.is_some_and(|ByteSize(b)| !(MIN_EMPTYDIR_BYTES..=MAX_EMPTYDIR_BYTES).contains(&b)) {
+                return Err(invalid(field, &bounds));
+            }
+        }
+        if let (Some(ByteSize(default)), Some(ByteSize(max))) =
+            (self.emptydir.default_size_limit, self.emptydir.max_size_limit)
+        {
+            if default > max {
+                return Err(invalid("emptydir.default_size_limit", "must not be larger than emptydir.max_size_limit"));
+            }
+        }
+        if !self.emptydir.mkfs_path.is_absolute() {
+            return Err(invalid("emptydir.mkfs_path", "must be an absolute path"));
+        }
         let last = u64::from(self.vm.jail_id_first) + u64::from(self.vm.jail_id_count);
         if self.vm.jail_id_first == 0 || self.vm.jail_id_count == 0 || last >= u64::from(u32::MAX) {
             return Err(invalid(
@@ -349,6 +420,29 @@ mod tests {
         let config = parse(text).unwrap();
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
+    }
+
+    #[test]
+    fn emptydir_limits_are_quantities_within_bounds() {
+        let config = parse("").unwrap();
+        assert_eq!(config.emptydir, EmptyDirConfig::default(), "unlimited unless configured");
+        let config = parse("[emptydir]\ndefault_size_limit = \"1Gi\"\nmax_size_limit = \"100G\"\n").unwrap();
+        assert_eq!(config.emptydir.default_size_limit, Some(ByteSize(1 << 30)));
+        assert_eq!(config.emptydir.max_size_limit, Some(ByteSize(100_000_000_000)));
+        for (bad, named) in [
+            ("default_size_limit = \"1 Gi\"", "line 2"),
+            ("default_size_limit = 1073741824", "line 2"),
+            ("default_size_limit = \"-1Gi\"", "negative"),
+            ("max_size_limit = \"500m\"", "milli"),
+            ("default_size_limit = \"512Ki\"", "emptydir.default_size_limit"),
+            ("max_size_limit = \"17Ti\"", "emptydir.max_size_limit"),
+            ("default_size_limit = \"2Gi\"\nmax_size_limit = \"1Gi\"", "emptydir.default_size_limit"),
+            ("mkfs_path = \"mkfs.ext4\"", "emptydir.mkfs_path"),
+            ("size_limit = \"1Gi\"", "size_limit"),
+        ] {
+            let err = parse(&format!("[emptydir]\n{bad}\n")).unwrap_err();
+            assert!(err.to_string().contains(named), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! - [`spec`]: OCI spec validation and translation for the agent.
 //! - [`io`]: containerd FIFOs / log files <-> agent stream connections.
 //! - [`events`]: publishing task events to containerd.
-//! - [`config`]: the TOML config.
+//! - [`config`]: the TOML config; [`quantity`]: Kubernetes quantities (sizes) read as bytes.
 //! - Shared vocabulary, below all of the above: [`error`] (the Task error), [`exit`] (how a
 //!   process ended) and [`trans`] (every protobuf <-> domain conversion).
 //! - [`network`]: the host side of the pod's network (taps and redirects for the VM, the
@@ -42,6 +42,7 @@ pub mod observe;
 pub mod options;
 pub mod process;
 pub mod procfs;
+pub mod quantity;
 pub mod sandbox;
 pub mod service;
 pub mod spec;
