@@ -4,6 +4,7 @@
 //!
 //! Works on the JSON value, so fields the shim does not know pass through untouched.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -27,6 +28,23 @@ pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 /// (kubelet removes it with the pod).
 pub const SANDBOX_LOG_DIRECTORY: &str = "io.kubernetes.cri.sandbox-log-directory";
 
+/// CRI annotation: the Kubernetes pod's UID (containerd 1.6+), which names the pod's directory
+/// under kubelet's root (`<root>/pods/<uid>/volumes/...`).
+pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
+
+/// Pod annotation: size limits of the pod's emptyDir volumes, `name=quantity` pairs separated
+/// by commas (`"scratch=1Gi, cache=500Mi"`), as an operator or a mutating webhook copies them
+/// from the volumes' `sizeLimit` (CRI carries no sizeLimit). One annotation for all volumes,
+/// not one per volume: containerd passes a pod annotation to the shim only when it matches the
+/// handler's `pod_annotations` with Go's `path.Match`, where `*` never matches `/`, so the
+/// installer's `bulkhead.io/*` admits `bulkhead.io/<name>` and nothing deeper; and a per-volume
+/// key `bulkhead.io/<prefix><volume>` would not fit every volume name (63 characters) into
+/// Kubernetes' 63-character name part.
+pub const EMPTYDIR_SIZE_LIMITS: &str = "bulkhead.io/emptydir-size-limits";
+/// Upper bounds of that annotation: its length and its number of volumes.
+const MAX_SIZE_LIMITS_BYTES: usize = 8 << 10;
+const MAX_SIZE_LIMITS_VOLUMES: usize = 128;
+
 /// The pod's sandbox-level resources; `None` where containerd passes nothing (or zero: no limit).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PodResources {
@@ -45,6 +63,8 @@ pub enum SpecError {
     Read { path: String, message: String },
     #[error("OCI spec field {field}: {message}")]
     Unsupported { field: String, message: String },
+    #[error("pod annotation {key}: {message}")]
+    Annotation { key: &'static str, message: String },
 }
 
 fn unsupported(field: impl Into<String>, message: impl Into<String>) -> SpecError {
@@ -119,6 +139,23 @@ impl BundleSpec {
             _ => None,
         };
         PodResources { cpus, memory_bytes: positive(SANDBOX_MEMORY) }
+    }
+
+    /// The Kubernetes pod's UID, as CRI annotates the sandbox (and every container).
+    pub fn pod_uid(&self) -> Option<&str> {
+        self.annotation(SANDBOX_UID).filter(|uid| !uid.is_empty())
+    }
+
+    /// The emptyDir size limits the pod's [`EMPTYDIR_SIZE_LIMITS`] annotation sets (none
+    /// without it), each checked against `max`; a malformed one is an error naming the
+    /// annotation and what is wrong.
+    pub fn emptydir_size_limits(&self, max: u64) -> Result<BTreeMap<String, u64>, SpecError> {
+        let Some(value) = self.value.get("annotations").and_then(|a| a.get(EMPTYDIR_SIZE_LIMITS)) else {
+            return Ok(BTreeMap::new());
+        };
+        let bad = |message: String| SpecError::Annotation { key: EMPTYDIR_SIZE_LIMITS, message };
+        let value = value.as_str().ok_or_else(|| bad("not a string".into()))?;
+        parse_size_limits(value, max).map_err(bad)
     }
 
     /// The pod's log directory, when containerd names an absolute one.
@@ -257,6 +294,59 @@ impl BundleSpec {
         }
         serde_json::to_vec(&value).map_err(|e| SpecError::Read { path: "config.json".into(), message: e.to_string() })
     }
+}
+
+/// Whether `name` is a Kubernetes volume name: a DNS-1123 label (1 to 63 of `a-z`, `0-9` and
+/// `-`, starting and ending alphanumeric). So it is also a safe file name.
+pub fn is_volume_name(name: &str) -> bool {
+    let alnum = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let bytes = name.as_bytes();
+    (1..=63).contains(&bytes.len())
+        && bytes.iter().all(|b| alnum(b) || *b == b'-')
+        && bytes.first().is_some_and(alnum)
+        && bytes.last().is_some_and(alnum)
+}
+
+/// Parses [`EMPTYDIR_SIZE_LIMITS`]'s value: `name=quantity` pairs separated by commas, spaces
+/// allowed around a pair, each name a volume name at most once, each size a Kubernetes
+/// quantity between [`MIN_EMPTYDIR_BYTES`] and `max` (at most [`MAX_EMPTYDIR_BYTES`]).
+///
+/// [`MIN_EMPTYDIR_BYTES`]: crate::config::MIN_EMPTYDIR_BYTES
+/// [`MAX_EMPTYDIR_BYTES`]: crate::config::MAX_EMPTYDIR_BYTES
+pub fn parse_size_limits(value: &str, max: u64) -> Result<BTreeMap<String, u64>, String> {
+    use crate::config::{MAX_EMPTYDIR_BYTES, MIN_EMPTYDIR_BYTES};
+    use crate::quantity::{format_bytes, parse_bytes};
+    if value.len() > MAX_SIZE_LIMITS_BYTES {
+        return Err(format!("longer than {MAX_SIZE_LIMITS_BYTES} bytes"));
+    }
+    let max = max.min(MAX_EMPTYDIR_BYTES);
+    let mut limits = BTreeMap::new();
+    for (n, pair) in value.split(',').enumerate() {
+        let pair = pair.trim_matches(' ');
+        let Some((name, size)) = pair.split_once('=') else {
+            return Err(format!("entry {} {pair:?} is not name=size (e.g. \"scratch=1Gi, cache=500Mi\")", n + 1));
+        };
+        if !is_volume_name(name) {
+            return Err(format!(
+                "{name:?} is not a volume name (1-63 of a-z, 0-9 and '-', starting and ending alphanumeric)"
+            ));
+        }
+        let bytes = parse_bytes(size).map_err(|e| format!("volume {name}: {e}"))?;
+        if !(MIN_EMPTYDIR_BYTES..=max).contains(&bytes) {
+            return Err(format!(
+                "volume {name}: {size} is outside {}..={} (the node's emptydir.max_size_limit or bulkhead's bounds)",
+                format_bytes(MIN_EMPTYDIR_BYTES),
+                format_bytes(max)
+            ));
+        }
+        if limits.insert(name.to_string(), bytes).is_some() {
+            return Err(format!("volume {name} is named twice"));
+        }
+        if limits.len() > MAX_SIZE_LIMITS_VOLUMES {
+            return Err(format!("more than {MAX_SIZE_LIMITS_VOLUMES} volumes"));
+        }
+    }
+    Ok(limits)
 }
 
 /// The host's LSM labels, which name profiles and contexts of the host's AppArmor or SELinux
@@ -452,6 +542,63 @@ mod tests {
         let out: Value = serde_json::from_slice(&exec_process_json(exec, Backend::Vm).unwrap()).unwrap();
         assert_eq!(out, json!({"args": ["ls"]}));
         assert_eq!(exec_process_json(exec, Backend::Namespace).unwrap(), exec.to_vec());
+    }
+
+    #[test]
+    fn emptydir_size_limits_come_from_one_pod_annotation() {
+        const MAX: u64 = crate::config::MAX_EMPTYDIR_BYTES;
+        let s = spec(json!({"annotations": {
+            EMPTYDIR_SIZE_LIMITS: "scratch=32Mi, cache=1G,x=2e6",
+            SANDBOX_UID: "0b1c-uid"
+        }}));
+        let limits = s.emptydir_size_limits(MAX).unwrap();
+        let want = [("cache", 1_000_000_000), ("scratch", 32 << 20), ("x", 2_000_000)];
+        assert_eq!(limits, want.into_iter().map(|(k, v)| (k.to_string(), v)).collect());
+        assert_eq!(s.pod_uid(), Some("0b1c-uid"));
+        assert!(spec(json!({})).emptydir_size_limits(MAX).unwrap().is_empty());
+        assert_eq!(spec(json!({"annotations": {SANDBOX_UID: ""}})).pod_uid(), None);
+    }
+
+    #[test]
+    fn malformed_emptydir_size_limits_name_the_annotation_and_the_fault() {
+        const MAX: u64 = crate::config::MAX_EMPTYDIR_BYTES;
+        for (value, fault) in [
+            ("", "entry 1"),
+            ("scratch", "is not name=size"),
+            ("scratch=32Mi,", "entry 2"),
+            ("scratch=32Mi,,cache=1Gi", "entry 2"),
+            ("scratch = 32Mi", "\"scratch \" is not a volume name"),
+            ("Scratch=32Mi", "not a volume name"),
+            ("-a=32Mi", "not a volume name"),
+            ("a-=32Mi", "not a volume name"),
+            ("../x=32Mi", "not a volume name"),
+            ("a/b=32Mi", "not a volume name"),
+            ("=32Mi", "not a volume name"),
+            ("scratch=", "volume scratch: empty quantity"),
+            ("scratch=32MiB", "volume scratch"),
+            ("scratch=-1Gi", "negative"),
+            ("scratch=500m", "milli"),
+            ("scratch=1e40", "volume scratch"),
+            ("scratch=999999999999999999999", "digits"),
+            ("scratch=512Ki", "outside 1Mi..=16Ti"),
+            ("scratch=17Ti", "outside 1Mi..=16Ti"),
+            ("scratch=1Mi,scratch=2Mi", "named twice"),
+        ] {
+            let s = spec(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: value}}));
+            let err = s.emptydir_size_limits(MAX).unwrap_err().to_string();
+            assert!(err.starts_with("pod annotation bulkhead.io/emptydir-size-limits: "), "{value:?}: {err}");
+            assert!(err.contains(fault), "{value:?}: {err}");
+        }
+        let long = format!("a={}", "1".repeat(9000));
+        assert!(parse_size_limits(&long, MAX).unwrap_err().contains("longer than"));
+        let many: Vec<String> = (0..129).map(|i| format!("v{i}=1Mi")).collect();
+        assert!(parse_size_limits(&many.join(","), MAX).unwrap_err().contains("more than 128"));
+        let s = spec(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: 5}}));
+        assert!(s.emptydir_size_limits(MAX).unwrap_err().to_string().contains("not a string"));
+        // The node's ceiling: an annotation above it is refused, naming the ceiling.
+        let err = parse_size_limits("scratch=2Gi", 1 << 30).unwrap_err();
+        assert!(err.contains("outside 1Mi..=1Gi"), "{err}");
+        assert!(is_volume_name(&"a".repeat(63)) && !is_volume_name(&"a".repeat(64)));
     }
 
     #[test]
