@@ -1,10 +1,20 @@
 //! Host mounts a pod may leave behind, found from `/proc/self/mountinfo` and lazily unmounted
-//! (teardown and `delete` after a crash). Never wider than the directory asked for.
+//! (teardown and `delete` after a crash). Never wider than the directory asked for. Also what
+//! counts as a bind mount in an OCI spec, for every module that handles the spec's host paths.
 
 use std::path::{Path, PathBuf};
 
 use nix::mount::{umount2, MntFlags};
+use serde_json::Value;
 use tracing::debug;
+
+/// Whether an OCI spec mount binds a host path (by its type, or a `bind`/`rbind` option).
+pub fn is_bind(m: &Value) -> bool {
+    m.get("type").and_then(Value::as_str) == Some("bind")
+        || m.get("options")
+            .and_then(Value::as_array)
+            .is_some_and(|o| o.iter().any(|v| matches!(v.as_str(), Some("bind" | "rbind"))))
+}
 
 /// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
 pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {

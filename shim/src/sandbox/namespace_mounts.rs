@@ -42,7 +42,7 @@ use nix::NixPath;
 use serde_json::Value;
 use tracing::warn;
 
-use super::mounts::{mounts_below, unmount_all};
+use super::mounts::{is_bind, mounts_below, unmount_all};
 use super::paths::PodPaths;
 
 #[derive(Debug, thiserror::Error)]
@@ -90,14 +90,6 @@ fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
         }
     }
     (flags, (!data.is_empty()).then(|| data.join(",")))
-}
-
-/// Whether an OCI mount binds a host path (the ones whose sources come through view/).
-fn is_bind(m: &Value) -> bool {
-    m.get("type").and_then(Value::as_str) == Some("bind")
-        || m.get("options")
-            .and_then(Value::as_array)
-            .is_some_and(|o| o.iter().any(|v| matches!(v.as_str(), Some("bind" | "rbind"))))
 }
 
 fn options_of(m: &Value) -> Vec<String> {

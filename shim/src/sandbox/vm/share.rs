@@ -35,7 +35,7 @@ use nix::sys::stat::{mkdirat, Mode};
 use serde_json::Value;
 use tracing::warn;
 
-use super::super::mounts::{mounts_below, unmount_all};
+use super::super::mounts::{is_bind, mounts_below, unmount_all};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShareError {
@@ -108,14 +108,6 @@ fn remount_read_only(target: &Path) -> Result<(), ShareError> {
         mount(None::<&str>, &point, None::<&str>, flags, None::<&str>).map_err(mount_err("read-only", &point))?;
     }
     Ok(())
-}
-
-/// Whether an OCI mount is a bind of a host path (the ones the guest reaches through the share).
-fn is_bind(m: &Value) -> bool {
-    m.get("type").and_then(Value::as_str) == Some("bind")
-        || m.get("options")
-            .and_then(Value::as_array)
-            .is_some_and(|o| o.iter().any(|v| matches!(v.as_str(), Some("bind" | "rbind"))))
 }
 
 fn options_of(m: &Value) -> Vec<String> {
