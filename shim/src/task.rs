@@ -179,6 +179,8 @@ impl TaskService {
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox(config.backend)?;
+        // Before anything starts: a bad size-limit annotation fails the pod here, naming it.
+        let emptydirs = crate::sandbox::emptydir::EmptyDirPolicy::for_pod(&config.emptydir, spec)?;
         let resolv_conf = crate::network::dns::pod_resolv_conf(spec).map_err(|e| TaskError::Internal(e.to_string()))?;
         // The pod's config is known from here on; it sets the shim's log level.
         crate::logging::set_config_level(&config.log_level);
@@ -204,6 +206,7 @@ impl TaskService {
                     cgroup: crate::sandbox::cgroups::PodCgroup::for_pod(&req.id, &self.namespace, spec.cgroups_path()),
                     resources: spec.pod_resources(),
                     log_dir: spec.log_directory(),
+                    emptydirs,
                 },
             )
             .await?;

@@ -2,10 +2,12 @@
 //! namespaces, no VM isolation) and [`vm`] (one jailed microVM per pod). Everything above this
 //! trait is the same code on both backends; [`supervise`] is what both do with their host
 //! processes, [`cgroups`] and [`cgroup_stats`] the pod's host cgroups, [`mounts`] and [`paths`]
-//! what teardown finds on the host.
+//! what teardown finds on the host, [`emptydir`] the disks that hold size-limited emptyDirs
+//! (both backends, before their own sharing of a container's volumes).
 
 pub mod cgroup_stats;
 pub mod cgroups;
+pub mod emptydir;
 pub mod launcher;
 pub mod mounts;
 pub mod namespace;
@@ -47,6 +49,8 @@ pub enum SandboxError {
     VmmApi(Box<vm::api::ApiError>),
     #[error("sharing with the VM: {0}")]
     Share(Box<vm::share::ShareError>),
+    #[error("size-limited emptyDir: {0}")]
+    EmptyDir(Box<emptydir::EmptyDirError>),
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error(transparent)]
@@ -65,6 +69,12 @@ impl From<vm::share::ShareError> for SandboxError {
     }
 }
 
+impl From<emptydir::EmptyDirError> for SandboxError {
+    fn from(e: emptydir::EmptyDirError) -> Self {
+        Self::EmptyDir(Box::new(e))
+    }
+}
+
 /// What a backend needs to start a pod.
 #[derive(Debug, Clone)]
 pub struct SandboxRequest {
@@ -77,6 +87,8 @@ pub struct SandboxRequest {
     pub resources: PodResources,
     /// The pod's log directory (kubelet's, removed with the pod), if containerd names one.
     pub log_dir: Option<PathBuf>,
+    /// The size limits of the pod's emptyDir volumes, read from the sandbox spec.
+    pub emptydirs: emptydir::EmptyDirPolicy,
 }
 
 /// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)
@@ -210,6 +222,21 @@ async fn remove_pod_state(paths: &paths::PodPaths) {
             tracing::warn!("remove {}: {e}", paths.dir.display());
         }
     }
+}
+
+/// Points the limited emptyDirs of a container's spec at the pod's disks for them
+/// ([`emptydir`]), off the async runtime's workers (mkfs and mounts block); both backends call
+/// it before they share the container's volumes.
+async fn redirect_emptydirs(
+    emptydirs: &Arc<emptydir::PodEmptyDirs>,
+    container_id: &str,
+    mut spec: serde_json::Value,
+) -> Result<serde_json::Value, SandboxError> {
+    let disks = emptydirs.clone();
+    tokio::task::spawn_blocking(move || disks.redirect(&mut spec).map(|()| spec))
+        .await
+        .map_err(|e| SandboxError::Setup(format!("container {container_id}: emptyDir volumes: {e}")))?
+        .map_err(SandboxError::from)
 }
 
 /// The sandbox cgroup's usage on the host.

@@ -10,7 +10,8 @@
 //! the agent's own state dir, the console log (the agent's output, also relayed into the shim
 //! log by [`crate::logrelay`]), and the pod's container mounts ([`PodMounts`]: `rootfs/`, where
 //! the shim mounts each container's rootfs and volume sources before CreateContainer, and
-//! `view/`, its read-only slave view).
+//! `view/`, its read-only slave view). A size-limited emptyDir is first given its own
+//! filesystem ([`crate::sandbox::emptydir`]), which is then bound into `rootfs/` like any volume.
 //!
 //! The agent confines itself (guest-agent README, "Namespace mode"): it pivots into a minimal
 //! root of its own that keeps only its binary, /proc, /sys with the cgroup hierarchies, a small
@@ -37,6 +38,7 @@ use nix::sys::signal::Signal;
 use tracing::{info, warn};
 
 use super::cgroups::PodCgroup;
+use super::emptydir::PodEmptyDirs;
 use super::launcher::{LaunchArgs, LAUNCH_ARG};
 use super::namespace_mounts::PodMounts;
 use super::paths::PodPaths;
@@ -61,6 +63,8 @@ pub struct NamespaceSandbox {
     cgroup: Mutex<PodCgroup>,
     /// Where the containers' rootfs and volumes are mounted for the agent.
     mounts: PodMounts,
+    /// The pod's size-limited emptyDirs, mounted before they are bound into `mounts`.
+    emptydirs: Arc<PodEmptyDirs>,
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SandboxError {
@@ -174,6 +178,7 @@ impl NamespaceSandbox {
         };
         info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
         Ok(Arc::new(Self {
+            emptydirs: Arc::new(PodEmptyDirs::new(&paths, req.emptydirs, &config.emptydir)),
             id: req.sandbox_id,
             paths,
             agent: Arc::new(agent),
@@ -242,7 +247,8 @@ impl Sandbox for NamespaceSandbox {
         let setup = |what: &str, e: &dyn std::fmt::Display| {
             SandboxError::Setup(format!("container {container_id}: {what}: {e}"))
         };
-        let mut spec: serde_json::Value = serde_json::from_slice(&spec_json).map_err(|e| setup("OCI spec", &e))?;
+        let spec: serde_json::Value = serde_json::from_slice(&spec_json).map_err(|e| setup("OCI spec", &e))?;
+        let mut spec = super::redirect_emptydirs(&self.emptydirs, container_id, spec).await?;
         let (pod, id, bundle_rootfs, mounts) =
             (self.mounts.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
         // Mounts are blocking system calls: off the runtime's workers.

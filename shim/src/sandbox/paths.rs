@@ -54,6 +54,12 @@ impl PodPaths {
         self.rootfs_dir().join(container_id)
     }
 
+    /// Where the pod's size-limited emptyDir volumes are mounted (`sandbox/emptydir`), each
+    /// `<name>` below it; a private mount of its own, host-only.
+    pub fn emptydir_dir(&self) -> PathBuf {
+        self.dir.join("emptydir")
+    }
+
     /// What the shim recorded about the pod for `bulkhead-ctl` ([`PodRecord`]).
     pub fn record_file(&self) -> PathBuf {
         self.dir.join("pod.json")

@@ -17,7 +17,8 @@
 //! Running: the sandbox task's pid is the VMM's waiter (the jail's parent process, which relays
 //! SIGTERM/SIGINT and dies with the shim); Pause/Resume go to the VMM's API socket ([`api`]);
 //! Stats are the VMM's cgroup. A container's rootfs and volumes are mounted into the shared
-//! directory and its spec points at them in the guest. virtiofsd ending while the VM runs is
+//! directory and its spec points at them in the guest; a size-limited emptyDir is first given
+//! its own filesystem ([`super::emptydir`]), which virtiofsd then serves like any volume. virtiofsd ending while the VM runs is
 //! logged and ends the VM (the pod's sandbox fails); it is never restarted.
 
 pub mod api;
@@ -45,6 +46,7 @@ use self::layout::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
 use super::cgroups::{self, PodCgroup};
+use super::emptydir::PodEmptyDirs;
 use super::paths::{HostPids, PodPaths};
 use super::supervise::{self, LogTo, Supervised};
 use super::{ContainerPlan, Sandbox, SandboxError, SandboxRequest, SandboxState};
@@ -73,6 +75,8 @@ pub struct VmSandbox {
     vmm: Supervised,
     virtiofsd: Supervised,
     share: SharedDir,
+    /// The pod's size-limited emptyDirs, mounted before they are shared.
+    emptydirs: Arc<PodEmptyDirs>,
     api: VmmApi,
     cgroup: PodCgroup,
     /// The guest's NICs and routes (none for a host-network pod).
@@ -133,6 +137,7 @@ impl VmSandbox {
                     id: req.sandbox_id,
                     api: VmmApi::new(&layout.api_socket(), API_TIMEOUT),
                     share: SharedDir::new(layout.shared_dir),
+                    emptydirs: Arc::new(PodEmptyDirs::new(&paths, req.emptydirs, &config.emptydir)),
                     paths,
                     agent: Arc::new(agent),
                     state: Mutex::new(SandboxState::Running { pid: vmm.pid }),
@@ -378,8 +383,9 @@ impl Sandbox for VmSandbox {
         mounts: &[Mount],
         spec_json: Vec<u8>,
     ) -> Result<ContainerPlan, SandboxError> {
-        let mut spec: serde_json::Value = serde_json::from_slice(&spec_json)
+        let spec: serde_json::Value = serde_json::from_slice(&spec_json)
             .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
+        let mut spec = super::redirect_emptydirs(&self.emptydirs, container_id, spec).await?;
         let (share, id, bundle_rootfs, mounts) =
             (self.share.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
         // Mounts are blocking system calls: off the runtime's workers.
