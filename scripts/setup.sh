@@ -11,10 +11,11 @@ log() { printf 'setup: %s\n' "$*"; }
 # test network namespaces, openssl for the installer's TLS client test certificates, the
 # guest kernel's source and build tools (guest-kernel/build-kernel.sh), and libseccomp/libcap-ng
 # headers and pkg-config to build virtiofsd, and QEMU: the test-only stand-in CPU that runs the
-# real guest on hosts whose /dev/kvm runs no ordinary guest (tests/integration, `bulkhead-qemu-vmm`).
+# real guest on hosts whose /dev/kvm runs no ordinary guest (tests/integration, `bulkhead-qemu-vmm`);
+# e2fsprogs for mkfs.ext4, which the shim runs to give a size-limited emptyDir its own filesystem.
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
-  musl-tools gcc g++ libc6-dev make file iproute2 util-linux python3 python3-venv ca-certificates openssl
+  musl-tools gcc g++ libc6-dev make file iproute2 util-linux e2fsprogs python3 python3-venv ca-certificates openssl
   linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
   libseccomp-dev libcap-ng-dev pkg-config
   qemu-system-x86
