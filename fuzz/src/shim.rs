@@ -83,4 +83,25 @@ pub fn shim_spec(data: &[u8]) {
             assert!(serde_json::from_slice::<serde_json::Value>(&json).is_ok());
         }
     }
+    emptydir_limits(&spec);
+}
+
+/// The pod's emptyDir size limits (its annotation, a pod author's text): every limit accepted is
+/// within bounds, and a bind source is taken for one of the pod's emptyDirs only below its UID.
+fn emptydir_limits(spec: &BundleSpec) {
+    use bulkhead_shim::config::{EmptyDirConfig, MAX_EMPTYDIR_BYTES, MIN_EMPTYDIR_BYTES};
+    use bulkhead_shim::sandbox::emptydir::{EmptyDirPolicy, Volume};
+    if let Ok(limits) = spec.emptydir_size_limits(MAX_EMPTYDIR_BYTES) {
+        assert!(limits.values().all(|b| (MIN_EMPTYDIR_BYTES..=MAX_EMPTYDIR_BYTES).contains(b)));
+        assert!(limits.keys().all(|name| spec::is_volume_name(name)));
+    }
+    let Ok(policy) = EmptyDirPolicy::for_pod(&EmptyDirConfig::default(), spec) else { return };
+    let mounts = spec.value.get("mounts").and_then(serde_json::Value::as_array);
+    for source in mounts.into_iter().flatten().filter_map(|m| m.get("source")?.as_str()) {
+        let path = std::path::Path::new(source);
+        if let Volume::EmptyDir { name } | Volume::SubPath { name, .. } = policy.classify(path) {
+            let uid = spec.pod_uid().unwrap_or_default();
+            assert!(source.contains(&format!("/pods/{uid}/")) && spec::is_volume_name(name), "{source}");
+        }
+    }
 }

@@ -64,10 +64,16 @@ fn seeds() -> Vec<Vec<u8>> {
         br#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox","io.kubernetes.cri.sandbox-cpu-quota":"150000","io.kubernetes.cri.sandbox-cpu-period":"100000","io.kubernetes.cri.sandbox-memory":"268435456","io.kubernetes.cri.sandbox-log-directory":"/var/log/pods/x"},"hostname":"pod","linux":{"cgroupsPath":"kubepods-burstable-pod1.slice:cri-containerd:sb1","namespaces":[{"type":"pid"},{"type":"ipc"},{"type":"network","path":"/var/run/netns/x"},{"type":"cgroup"}],"sysctl":{"net.ipv4.ping_group_range":"0 1"}},"process":{"args":["sh"],"apparmorProfile":"p"},"mounts":[{"destination":"/dev/shm","type":"bind","source":"/x"}]}"#
             .to_vec(),
     );
+    // shim_spec: a pod's emptyDir size limits, with one of its emptyDirs and a subPath of it.
+    s.push(
+        br#"{"annotations":{"io.kubernetes.cri.sandbox-uid":"u-1","bulkhead.io/emptydir-size-limits":"scratch=32Mi, cache=1.5Gi"},"mounts":[{"destination":"/d","type":"bind","source":"/var/lib/kubelet/pods/u-1/volumes/kubernetes.io~empty-dir/scratch","options":["rbind"]},{"destination":"/s","type":"bind","source":"/var/lib/kubelet/pods/u-1/volume-subpaths/cache/c/1"}]}"#
+            .to_vec(),
+    );
     // shim_options: runtimeoptions.v1.Options with a type URL and a config path; a config.
     let (url, path) = (&b"type.googleapis.com/runtimeoptions.v1.Options"[..], &b"/etc/bulkhead/config.toml"[..]);
     s.push([&[0x0a, url.len() as u8][..], url, &[0x12, path.len() as u8], path].concat());
     s.push(b"backend = \"vm\"\nstate_dir = \"/run/bulkhead\"\n[vm]\njail_id_first = 5\njail_id_count = 2\n".to_vec());
+    s.push(b"[emptydir]\ndefault_size_limit = \"1Gi\"\nmax_size_limit = \"1e12\"\n".to_vec());
     // agent_reply: each kind, encoded as the agent would.
     use protobuf::Message;
     let wait = bulkhead_protocol::agent::WaitProcessResponse {
