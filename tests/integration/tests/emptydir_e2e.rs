@@ -5,7 +5,8 @@
 //! container fills it with `dd`. The writer gets ENOSPC at the limit, the node's disk gives the
 //! volume no more than the limit, a second container of the pod shares the same full volume,
 //! deleting files gives the space back, and stopping and removing the pod leaves no process,
-//! mount, loop device or state.
+//! mount, loop device or state. A shim killed with SIGKILL leaves no mount or loop device after
+//! containerd's `shim delete`, and the sandbox kubelet then recreates finds the volume's data.
 //!
 //! The node's disk is the test's own: a loop-mounted ext4 holding kubelet's root (the pod's
 //! emptyDir directory, made as kubelet makes it) and the shim's state dir, so its free space
@@ -338,6 +339,78 @@ async fn namespace_pod_fills_its_emptydir_to_the_limit_and_no_further() -> Resul
         return Ok(());
     }
     disk_fill(test, |state_dir| namespace_config(state_dir, "")).await
+}
+
+/// The shim dies (SIGKILL) while the pod's limited emptyDir is mounted: containerd's `shim
+/// delete` leaves no mount and no loop device, and a sandbox kubelet recreates for the same pod
+/// finds the volume's data again (the image stays in kubelet's directory, as a plain emptyDir's
+/// files would).
+async fn shim_crash(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> Result<()> {
+    let env = Env::start(config).await?;
+    let mut pod = env.pod("emptydir-crash", "scratch=8Mi")?;
+    let uid = pod.metadata.as_ref().map(|m| m.uid.clone()).unwrap_or_default();
+    let host_dir = kubelet_emptydir(&env.kubelet_root(), &uid, "scratch")?;
+    let image = host_dir.join(".bulkhead-emptydir.ext4");
+    let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
+    let c = env.cri.create_container(&pod_id, &with_volume("c", &host_dir), &pod).await?;
+    env.cri.start_container(&c).await?;
+    env.cri.wait_container(&c, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+    let (code, out) = env.exec(&c, "echo kept > /data/f && sync").await?;
+    ensure!(code == 0, "write: {out}");
+    ensure!(!loop_devices_of(&image).is_empty(), "the volume is on a loop device while the pod runs");
+
+    let shims: Vec<u32> = processes_with("containerd-shim-bulkhead-v2")
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains(&pod_id) && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect();
+    ensure!(shims.len() == 1, "one shim serves the pod: {shims:?}");
+    // The shim is a descendant of the containerd this test started; signalled by PID only.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
+    let state = env.state_dir.display().to_string();
+    let within = Duration::from_secs(30);
+    eventually_nothing("loop devices on the volume's image after the shim died", within, || loop_devices_of(&image))
+        .await?;
+    eventually_nothing("mounts of the pod after the shim died", within, || mounts_with(&state)).await?;
+    println!("{test}: after the shim's SIGKILL, containerd's delete left no mount and no loop device");
+    let _ = env.cri.stop_container(&c, 1).await;
+    env.cri.remove_container(&c).await?;
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+
+    // kubelet makes the pod a new sandbox: the volume's data is there.
+    if let Some(m) = pod.metadata.as_mut() {
+        m.attempt = 1;
+    }
+    let again = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
+    let c = env.cri.create_container(&again, &with_volume("c", &host_dir), &pod).await?;
+    env.cri.start_container(&c).await?;
+    env.cri.wait_container(&c, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+    let (_, out) = env.exec(&c, "cat /data/f").await?;
+    ensure!(out == "kept\n", "the recreated sandbox sees {out:?}");
+    env.cri.stop_pod_sandbox(&again).await?;
+    env.cri.remove_pod_sandbox(&again).await?;
+    eventually_nothing("loop devices on the volume's image", within, || loop_devices_of(&image)).await?;
+    eventually_nothing("mounts of the pod", within, || mounts_with(&state)).await
+}
+
+#[tokio::test]
+async fn vm_shim_crash_leaves_no_loop_device_and_the_data_stays_with_the_pod() -> Result<()> {
+    let test = "vm_shim_crash_leaves_no_loop_device_and_the_data_stays_with_the_pod";
+    let vmm = GuestVmm::QemuStandIn;
+    if skip_if_unready(test) || vmm.skip(test) || skip_without_disk_tools(test) {
+        return Ok(());
+    }
+    shim_crash(test, |state_dir| guests::real_vm_config(state_dir, CONNECT_TIMEOUT_MS, vmm)).await
+}
+
+#[tokio::test]
+async fn namespace_shim_crash_leaves_no_loop_device_and_the_data_stays_with_the_pod() -> Result<()> {
+    let test = "namespace_shim_crash_leaves_no_loop_device_and_the_data_stays_with_the_pod";
+    if skip_if_unready(test) || skip_without_disk_tools(test) {
+        return Ok(());
+    }
+    shim_crash(test, |state_dir| namespace_config(state_dir, "")).await
 }
 
 /// The node's default limit applies to an emptyDir the pod names no limit for; a malformed
