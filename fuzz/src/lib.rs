@@ -869,6 +869,7 @@ pub fn api_request(data: &[u8]) {
         start_unix_ns: 1,
         snapshots: None,
         restore: None,
+        boot: None,
     };
     let saved = api_saved_config();
     let mut lines = RequestLines::default();

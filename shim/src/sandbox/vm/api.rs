@@ -146,6 +146,7 @@ mod tests {
                     start_unix_ns: 10,
                     first_kvm_run_unix_ns: Some(20),
                     restore: None,
+                    boot: None,
                 }),
                 snapshot: None,
                 restore: None,
