@@ -87,32 +87,39 @@ impl Round {
         let nth = self.total(n - 1) - self.total(n - 2);
         let mean = mib_i(self.total(n - 1).pss as i64 - self.total(0).pss as i64) / (n - 1) as f64;
         println!(
-            "    marginal cost of pod {n} (MiB): PSS {:.2}, USS {:.2}, RSS {:.2}; mean PSS of pods 2..{n}: {mean:.2}",
+            "    marginal cost of pod {n} (MiB): PSS {:.2}, USS {:.2}, RSS {:.2}; mean PSS of pods 2..{n}: {mean:.2}; \
+             kernel (page tables, thread stacks; not in PSS) {:.2}",
             mib_i(nth.pss),
             mib_i(nth.uss),
             mib_i(nth.rss),
+            mib_i(nth.kernel),
         );
-        println!("    {:<18} {:>13} {:>9} {:>9} {:>9}", "process (MiB)", "marginal PSS", "PSS", "USS", "RSS");
+        println!(
+            "    {:<18} {:>13} {:>9} {:>9} {:>9} {:>9}",
+            "process (MiB)", "marginal PSS", "PSS", "USS", "RSS", "kernel"
+        );
         for kind in self.kinds {
             let at = |k: usize| self.totals[k].get(kind).copied().unwrap_or_default();
             let m = at(n - 1) - at(n - 2);
             let own = self.last.get(kind).copied().unwrap_or_default();
             println!(
-                "    {kind:<18} {:>13.2} {:>9.2} {:>9.2} {:>9.2}",
+                "    {kind:<18} {:>13.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
                 mib_i(m.pss),
                 mib(own.pss),
                 mib(own.uss),
-                mib(own.rss)
+                mib(own.rss),
+                mib(own.kernel)
             );
         }
         let own = Mem::sum(self.last.values());
         println!(
-            "    {:<18} {:>13.2} {:>9.2} {:>9.2} {:>9.2}",
+            "    {:<18} {:>13.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
             "pod total",
             mib_i(nth.pss),
             mib(own.pss),
             mib(own.uss),
-            mib(own.rss)
+            mib(own.rss),
+            mib(own.kernel)
         );
         if let Some(goal) = goal {
             let met = mib_i(nth.pss) <= goal;

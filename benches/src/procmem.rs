@@ -1,6 +1,7 @@
 //! What a process costs the host in memory, read from `/proc/<pid>/smaps_rollup`: RSS (every
 //! resident page in full), PSS (shared pages split between the processes mapping them) and USS
-//! (pages only this process maps). Summed PSS over a set of processes is what the set occupies;
+//! (pages only this process maps); and from `/proc/<pid>/status` the kernel memory PSS does not
+//! see that is the process's own: its page tables and its threads' kernel stacks. Summed PSS over a set of processes is what the set occupies;
 //! the growth of that sum when one more pod starts is the pod's marginal cost. Also finds a pod's
 //! processes by their command lines and parents.
 
@@ -16,6 +17,19 @@ pub struct Mem {
     pub pss_anon: u64,
     pub pss_file: u64,
     pub pss_shmem: u64,
+    /// Page tables (VmPTE) and kernel stacks (`KERNEL_STACK_KIB` per thread): not in PSS.
+    pub kernel: u64,
+}
+
+/// An x86-64 thread's kernel stack (THREAD_SIZE), KiB.
+pub const KERNEL_STACK_KIB: u64 = 16;
+
+/// Page tables plus kernel stacks (KiB) from the text of `/proc/<pid>/status`.
+pub fn kernel_kib(status: &str) -> Option<u64> {
+    let field = |name: &str| -> Option<u64> {
+        status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))?.split_whitespace().next()?.parse().ok()
+    };
+    Some(field("VmPTE")? + KERNEL_STACK_KIB * field("Threads")?)
 }
 
 impl Mem {
@@ -33,12 +47,15 @@ impl Mem {
             pss_anon: field("Pss_Anon").unwrap_or(0),
             pss_file: field("Pss_File").unwrap_or(0),
             pss_shmem: field("Pss_Shmem").unwrap_or(0),
+            kernel: 0,
         })
     }
 
     /// The figures of a live process; None once it is gone (or for a kernel thread).
     pub fn of(pid: u32) -> Option<Self> {
-        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?)
+        let mut m = Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?)?;
+        m.kernel = kernel_kib(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)?;
+        Some(m)
     }
 
     pub fn sum<'a>(all: impl IntoIterator<Item = &'a Mem>) -> Mem {
@@ -56,23 +73,30 @@ impl Add for Mem {
             pss_anon: self.pss_anon + o.pss_anon,
             pss_file: self.pss_file + o.pss_file,
             pss_shmem: self.pss_shmem + o.pss_shmem,
+            kernel: self.kernel + o.kernel,
         }
     }
 }
 
-/// Signed difference of PSS, USS and RSS (KiB): a later sum minus an earlier one.
+/// Signed difference of PSS, USS, RSS and kernel memory (KiB): a later sum minus an earlier one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemDelta {
     pub rss: i64,
     pub pss: i64,
     pub uss: i64,
+    pub kernel: i64,
 }
 
 impl Sub for Mem {
     type Output = MemDelta;
     fn sub(self, o: Mem) -> MemDelta {
         let d = |a: u64, b: u64| a as i64 - b as i64;
-        MemDelta { rss: d(self.rss, o.rss), pss: d(self.pss, o.pss), uss: d(self.uss, o.uss) }
+        MemDelta {
+            rss: d(self.rss, o.rss),
+            pss: d(self.pss, o.pss),
+            uss: d(self.uss, o.uss),
+            kernel: d(self.kernel, o.kernel),
+        }
     }
 }
 
@@ -154,14 +178,18 @@ mod tests {
         assert_eq!((m.rss, m.pss, m.uss), (8200, 3100, 2100));
         assert_eq!((m.pss_anon, m.pss_file, m.pss_shmem), (1900, 1100, 100));
         assert_eq!(Mem::parse("Rss: 1 kB\n"), None);
+        let m = Mem { kernel: 100, ..m };
         let two = Mem::sum(&[m, m]);
-        assert_eq!(two - m, MemDelta { rss: 8200, pss: 3100, uss: 2100 });
+        assert_eq!(two - m, MemDelta { rss: 8200, pss: 3100, uss: 2100, kernel: 100 });
+        assert_eq!(kernel_kib("Name:\tx\nVmPTE:\t      52 kB\nThreads:\t3\n"), Some(52 + 3 * KERNEL_STACK_KIB));
+        assert_eq!(kernel_kib("Name:\tx\n"), None);
     }
 
     #[test]
     fn this_process_has_figures_and_a_parent() {
         let me = Mem::of(std::process::id()).unwrap();
         assert!(me.rss >= me.pss && me.pss >= me.uss && me.uss > 0, "{me:?}");
+        assert!(me.kernel >= KERNEL_STACK_KIB, "{me:?}");
         let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
         assert_eq!(parse_ppid(&stat), Some(std::os::unix::process::parent_id()));
         assert_eq!(parse_ppid("12 (a) b) S 7 12"), Some(7), "a name with a parenthesis");
