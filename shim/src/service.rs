@@ -44,13 +44,6 @@ pub fn main() {
             std::process::exit(1);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("{RUNTIME_ID}: tokio runtime: {e}");
-            std::process::exit(1);
-        }
-    };
     if flags.version {
         println!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION"));
         return;
@@ -66,6 +59,13 @@ pub fn main() {
         }
         return;
     }
+    let runtime = match runtime_for(&flags.action) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{RUNTIME_ID}: tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
     let result = match flags.action.as_str() {
         "start" => runtime.block_on(start(&flags)).map(|address| {
             // containerd 1.6 takes stdout (and stderr) as the address: print nothing else.
@@ -80,6 +80,22 @@ pub fn main() {
     if let Err(e) = result {
         eprintln!("{RUNTIME_ID} {}: {e:#}", flags.action);
         std::process::exit(1);
+    }
+}
+
+/// Worker threads of a shim that serves its pod (serve mode, for the pod's whole life). A shim
+/// serves one pod: containerd's RPCs, the agent connection, a few stdio relays and the metrics
+/// socket. Two workers keep one slow RPC from holding the others. tokio's default, one per core,
+/// gave every pod's shim a thread per host core (a stack, a malloc arena, a kernel stack), idle
+/// for the pod's whole life: on a 64-core node, 64 threads per pod.
+const SERVE_WORKERS: usize = 2;
+
+/// The runtime an action runs on: `start` and `delete` are short-lived commands that need no
+/// thread of their own; serve mode gets [`SERVE_WORKERS`].
+fn runtime_for(action: &str) -> std::io::Result<tokio::runtime::Runtime> {
+    match action {
+        "" => tokio::runtime::Builder::new_multi_thread().worker_threads(SERVE_WORKERS).enable_all().build(),
+        _ => tokio::runtime::Builder::new_current_thread().enable_all().build(),
     }
 }
 
