@@ -61,7 +61,8 @@ impl RuntimeHandler {
             options: config_path
                 .map(|p| vec![("ConfigPath".to_string(), p.to_string_lossy().into_owned())])
                 .unwrap_or_default(),
-            pod_annotations: vec!["io.bulkhead.*".into()],
+            // What the node installer's drop-in lets through (node-installer/src/containerd/dropin.rs).
+            pod_annotations: vec!["bulkhead.io/*".into()],
             base_runtime_spec: None,
             settings: vec![],
         }
