@@ -163,6 +163,12 @@ impl NamespaceSandbox {
         };
         supervise::write_pid_file(&paths.pid_file(), launcher.pid)?;
         info!(sandbox = %req.sandbox_id, pid = launcher.pid, netns = ?req.netns, "agent launched");
+        // Under systemd, the pod's scope in kubelet's slice is a unit of its own, as runc makes it.
+        if let Some((slice, scope)) = req.cgroup.systemd_unit().filter(|_| super::cgroups::systemd_is_init()) {
+            if let Err(e) = super::cgroups::systemd_scope(&slice, scope, launcher.pid) {
+                warn!("the pod's systemd scope: {e}; its cgroup is used as it is");
+            }
+        }
 
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
