@@ -28,6 +28,7 @@ use crate::snapshot::cpu::HostCpu;
 use crate::snapshot::state::VmState;
 use crate::snapshot::{file, kvm as kvm_state, MEMORY_FILE, STATE_FILE};
 use crate::snapshotter::SnapshotHost;
+use crate::thread::Unconfirmed;
 use crate::vcpu::{unix_ns, Vcpu, VcpuControl, VcpuFeatures, VcpuShared};
 
 /// A built VM, ready to run.
@@ -122,7 +123,9 @@ pub fn boot(cfg: ValidConfig, filters: &Filters, mut phases: Phases) -> Result<V
     phases.mark("KVM_CREATE_IRQCHIP, KVM_CREATE_PIT2", true);
     let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
     let control = Arc::new(VcpuControl::new());
-    let ctx = DeviceContext { vm: &vm, irqchip, mem: &mem, exit: &exit, filters };
+    // Device threads confine themselves while the rest is built; confirmed below.
+    let threads = Unconfirmed::default();
+    let ctx = DeviceContext { vm: &vm, irqchip, mem: &mem, exit: &exit, filters, threads: &threads };
     let devices = DeviceManager::build(&cfg, &ctx, None)?;
     phases.mark("devices (with KVM_IRQFD, KVM_IOEVENTFD)", false);
 
@@ -151,6 +154,8 @@ pub fn boot(cfg: ValidConfig, filters: &Filters, mut phases: Phases) -> Result<V
     phases.mark("KVM_CREATE_VCPU, vCPU registers, CPUID, MSRs, LAPIC", true);
     let snapshot_host = snapshot_host(&kvm, HostCpu::from_entries(supported.as_slice()));
     phases.mark("host probe for snapshots (KVM_GET_MSR_INDEX_LIST)", true);
+    threads.confirm_all().map_err(dev_err("device threads"))?;
+    phases.mark("device threads confined (wait)", false);
     tracing::debug!("vcpus configured");
     Ok(Vm {
         fd: vm,
@@ -251,7 +256,8 @@ impl Prepared {
         let irqchip = self.state.vm.irqchip.is_some();
         let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
         let control = Arc::new(VcpuControl::new_paused());
-        let ctx = DeviceContext { vm: &self.vm, irqchip, mem: &self.mem, exit: &exit, filters };
+        let threads = Unconfirmed::default();
+        let ctx = DeviceContext { vm: &self.vm, irqchip, mem: &self.mem, exit: &exit, filters, threads: &threads };
         let devices = DeviceManager::build(&cfg, &ctx, Some(&self.state.devices))?;
         self.phases.mark("devices from saved state (with KVM_IRQFD)", false);
         let shared = VcpuShared {
@@ -269,6 +275,8 @@ impl Prepared {
         }
         kvm_state::restore_vm(&self.vm, &self.state.vm)?;
         self.phases.mark("vCPU, irqchip, PIT and clock state", true);
+        threads.confirm_all().map_err(dev_err("device threads"))?;
+        self.phases.mark("device threads confined (wait)", false);
         let report =
             RestoreReport { phases: self.phases.into_list(), requested_unix_ns: None, ready_unix_ns: unix_ns() };
         Ok(Vm {

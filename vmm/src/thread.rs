@@ -1,6 +1,7 @@
 //! Plumbing between the VMM's threads: spawning one that confines itself (its seccomp filter)
-//! before it runs, `Mailbox`, a queue between threads, and `Slot`, a one-value hand-over. The
-//! virtio-fs device's backend and watchdog threads, the API thread and the event loop use them.
+//! before it runs (confirmed at once, or later with others: `Unconfirmed`), `Mailbox`, a queue
+//! between threads, and `Slot`, a one-value hand-over. The virtio-fs device's backend and
+//! watchdog threads, the API thread and the event loop use them.
 //!
 //! Everything here waits on a `Mutex` and `Condvar` only, which park and wake through futexes:
 //! std's channels may also `sched_yield` under contention, which no seccomp list allows.
@@ -29,9 +30,41 @@ pub fn spawn_confined(
     confine: Confine,
     body: impl FnOnce() + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
+    let (handle, confined) = spawn(name.clone(), confine, body)?;
+    match wait_confined(&name, &confined, Instant::now() + CONFINE_TIMEOUT) {
+        Ok(()) => Ok(handle),
+        Err(e) => {
+            let _ = handle.join();
+            Err(e)
+        }
+    }
+}
+
+/// Like [`spawn_confined`], but returns at once: the thread's confinement is confirmed later with
+/// the others in `unconfirmed` ([`Unconfirmed::confirm_all`]). Either way `body` runs only once
+/// `confine` succeeded. Used while a VM is built: its device threads confine themselves while
+/// the rest is built, instead of the builder waiting for each in turn.
+pub fn spawn_confined_later(
+    name: String,
+    confine: Confine,
+    unconfirmed: &Unconfirmed,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    let (handle, confined) = spawn(name.clone(), confine, body)?;
+    unconfirmed.lock().push((name, confined));
+    Ok(handle)
+}
+
+type Confined = Arc<Slot<Result<(), String>>>;
+
+fn spawn(
+    name: String,
+    confine: Confine,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<(JoinHandle<()>, Confined)> {
     let confined = Slot::new();
     let report = Arc::clone(&confined);
-    let handle = std::thread::Builder::new().name(name.clone()).spawn(move || {
+    let handle = std::thread::Builder::new().name(name).spawn(move || {
         let res = confine();
         let ok = res.is_ok();
         report.put(res);
@@ -39,13 +72,32 @@ pub fn spawn_confined(
             body();
         }
     })?;
-    match confined.take_until(Instant::now() + CONFINE_TIMEOUT) {
-        Some(Ok(())) => Ok(handle),
-        Some(Err(e)) => {
-            let _ = handle.join();
-            Err(std::io::Error::other(format!("thread {name} could not confine itself: {e}")))
-        }
+    Ok((handle, confined))
+}
+
+fn wait_confined(name: &str, confined: &Confined, until: Instant) -> std::io::Result<()> {
+    match confined.take_until(until) {
+        Some(Ok(())) => Ok(()),
+        Some(Err(e)) => Err(std::io::Error::other(format!("thread {name} could not confine itself: {e}"))),
         None => Err(std::io::Error::other(format!("thread {name} did not confine itself in time"))),
+    }
+}
+
+/// Threads started by [`spawn_confined_later`] whose confinement is still to be confirmed.
+#[derive(Clone, Default)]
+pub struct Unconfirmed(Arc<Mutex<Vec<(String, Confined)>>>);
+
+impl Unconfirmed {
+    /// Waits until every thread listed so far confined itself; the first that could not (or did
+    /// not in time) is the error. The list is empty afterwards.
+    pub fn confirm_all(&self) -> std::io::Result<()> {
+        let until = Instant::now() + CONFINE_TIMEOUT;
+        let pending: Vec<_> = self.lock().drain(..).collect();
+        pending.iter().try_for_each(|(name, confined)| wait_confined(name, confined, until))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<(String, Confined)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -150,6 +202,24 @@ mod tests {
         let r = Arc::clone(&ran);
         spawn_confined("t".into(), unconfined(), move || r.put(())).unwrap().join().unwrap();
         assert_eq!(ran.take_until(Instant::now()), Some(()));
+    }
+
+    #[test]
+    fn threads_confirmed_later_run_only_once_confined_and_a_failure_surfaces_at_confirmation() {
+        let unconfirmed = Unconfirmed::default();
+        let ran = Slot::new();
+        let r = Arc::clone(&ran);
+        let good = spawn_confined_later("good".into(), unconfined(), &unconfirmed, move || r.put(1)).unwrap();
+        let r = Arc::clone(&ran);
+        let bad =
+            spawn_confined_later("bad".into(), Box::new(|| Err("no filter".into())), &unconfirmed, move || r.put(2))
+                .unwrap();
+        let err = unconfirmed.confirm_all().unwrap_err();
+        assert!(err.to_string().contains("thread bad could not confine itself: no filter"), "{err}");
+        good.join().unwrap();
+        bad.join().unwrap();
+        assert_eq!(ran.take_until(Instant::now()), Some(1), "only the confined thread ran its body");
+        unconfirmed.confirm_all().unwrap();
     }
 
     #[test]

@@ -9,6 +9,7 @@ use vm_memory::GuestMemoryMmap;
 
 use crate::exit::ExitSignal;
 use crate::seccomp::Filters;
+use crate::thread::Unconfirmed;
 
 /// A device's event-loop half.
 pub type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
@@ -26,4 +27,7 @@ pub struct DeviceContext<'a> {
     pub exit: &'a Arc<ExitSignal>,
     /// The seccomp filters of the threads devices start.
     pub filters: &'a Filters,
+    /// Where those threads' confinement waits to be confirmed (the builder does, before the VM
+    /// runs).
+    pub threads: &'a Unconfirmed,
 }

@@ -101,6 +101,7 @@ impl DeviceManager {
             let threads = || BackendThreads {
                 worker: confine(ThreadKind::FsBackend, ctx.filters.fs_backend()),
                 watchdog: confine(ThreadKind::FsWatchdog, ctx.filters.fs_watchdog()),
+                unconfirmed: ctx.threads.clone(),
             };
             let fs = virtio.add(
                 format!("fs{i}"),

@@ -275,7 +275,7 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     fn watchdog() -> Watchdog {
-        Watchdog::spawn("test-watchdog".into(), unconfined()).unwrap()
+        Watchdog::spawn("test-watchdog".into(), unconfined(), &Default::default()).unwrap()
     }
 
     #[test]

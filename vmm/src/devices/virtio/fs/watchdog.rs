@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use nix::sys::socket::Shutdown;
 
-use crate::thread::{spawn_confined, Confine};
+use crate::thread::{spawn_confined_later, Confine, Unconfirmed};
 
 enum Watch {
     Idle,
@@ -72,11 +72,11 @@ pub struct Watchdog {
 }
 
 impl Watchdog {
-    /// Starts the watchdog thread `name`, confined by `confine`.
-    pub fn spawn(name: String, confine: Confine) -> std::io::Result<Self> {
+    /// Starts the watchdog thread `name`, confined by `confine` (confirmed with `unconfirmed`).
+    pub fn spawn(name: String, confine: Confine, unconfirmed: &Unconfirmed) -> std::io::Result<Self> {
         let shared = Arc::new(Shared { watch: Mutex::new(Watch::Idle), changed: Condvar::new() });
         let watcher = Arc::clone(&shared);
-        let thread = spawn_confined(name, confine, move || watcher.run())?;
+        let thread = spawn_confined_later(name, confine, unconfirmed, move || watcher.run())?;
         Ok(Self { shared, thread: Some(thread) })
     }
 
@@ -109,7 +109,7 @@ mod tests {
 
     #[test]
     fn a_blocked_read_is_woken_at_the_deadline_and_a_quick_one_is_left_alone() {
-        let dog = Watchdog::spawn("test-watchdog".into(), unconfined()).unwrap();
+        let dog = Watchdog::spawn("test-watchdog".into(), unconfined(), &Default::default()).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         let start = Instant::now();
         let (n, fired) = dog.bound(&ours, start + Duration::from_millis(100), || (&ours).read(&mut [0u8; 4]).ok());

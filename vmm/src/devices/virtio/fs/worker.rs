@@ -25,18 +25,20 @@ use vmm_sys_util::eventfd::EventFd;
 use super::vhost_user::{Backend, BackendError, Deadline, Vring};
 use super::watchdog::Watchdog;
 use super::NUM_QUEUES;
-use crate::thread::{spawn_confined, unconfined, Confine, Mailbox, Slot};
+use crate::thread::{spawn_confined_later, unconfined, Confine, Mailbox, Slot, Unconfirmed};
 
-/// How the device's two threads confine themselves (vmm.rs installs their seccomp filters).
+/// How the device's two threads confine themselves (vmm.rs installs their seccomp filters), and
+/// where that is confirmed: the builder confirms every device thread at once before the VM runs.
 pub struct BackendThreads {
     pub worker: Confine,
     pub watchdog: Confine,
+    pub unconfirmed: Unconfirmed,
 }
 
 impl BackendThreads {
     /// Unfiltered threads, for unit tests.
     pub fn unconfined() -> Self {
-        Self { worker: unconfined(), watchdog: unconfined() }
+        Self { worker: unconfined(), watchdog: unconfined(), unconfirmed: Unconfirmed::default() }
     }
 }
 
@@ -109,13 +111,15 @@ impl Worker {
             calls: dup(calls)?,
             conn: None,
             connections: 0,
-            watchdog: Watchdog::spawn(format!("{device}-watchdog"), threads.watchdog)?,
+            watchdog: Watchdog::spawn(format!("{device}-watchdog"), threads.watchdog, &threads.unconfirmed)?,
             reports: Arc::clone(&reports),
             wake: reports_evt.try_clone()?,
         };
         let inbox = Arc::clone(&requests);
         // Detached: it ends when this handle closes the mailbox.
-        spawn_confined(format!("{device}-backend"), threads.worker, move || thread.run(&inbox))?;
+        spawn_confined_later(format!("{device}-backend"), threads.worker, &threads.unconfirmed, move || {
+            thread.run(&inbox)
+        })?;
         Ok(Self { requests, reports, reports_evt })
     }
 
