@@ -53,6 +53,80 @@ pub fn of_pid(pid: u32) -> Option<String> {
     path_in(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
 }
 
+/// kubelet's cgroup for one pod, made as kubelet makes it: in every hierarchy, level by level, a
+/// new v1 cpuset cgroup given its parent's CPUs and memory nodes (else nothing could join it).
+/// Dropping it removes what it made, deepest first, where nothing else lives (the shim must
+/// never remove it: tests check that it is still there first).
+pub struct KubeletPodCgroup {
+    /// The cgroup's path inside each hierarchy.
+    pub path: String,
+    /// What the pod's `linux.cgroup_parent` says: the path (cgroupfs driver) or the slice's name.
+    pub cri_parent: String,
+}
+
+impl KubeletPodCgroup {
+    /// The cgroupfs driver's pod cgroup at `path`.
+    pub fn cgroupfs(path: &str) -> std::io::Result<Self> {
+        make_levels(path)?;
+        Ok(Self { path: path.into(), cri_parent: path.into() })
+    }
+
+    /// The systemd driver's slice for a besteffort pod `uid`; containerd then names the sandbox's
+    /// cgroup `<slice>:cri-containerd:<id>`.
+    pub fn systemd_slice(uid: &str) -> std::io::Result<Self> {
+        let slice = format!("kubepods-besteffort-pod{uid}.slice");
+        let path = format!("/kubepods.slice/kubepods-besteffort.slice/{slice}");
+        make_levels(&path)?;
+        Ok(Self { path, cri_parent: slice })
+    }
+
+    /// Writes `value` to `file` in every hierarchy that has it (a limit kubelet sets); returns how
+    /// many did.
+    pub fn set(&self, file: &str, value: &str) -> std::io::Result<usize> {
+        let mut n = 0;
+        for dir in dirs(&self.path) {
+            if dir.join(file).exists() {
+                std::fs::write(dir.join(file), value)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Every hierarchy's directory of it.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        dirs(&self.path)
+    }
+}
+
+impl Drop for KubeletPodCgroup {
+    fn drop(&mut self) {
+        for mount in mounts() {
+            let mut dir = mount.join(self.path.trim_start_matches('/'));
+            while dir != mount {
+                let _ = std::fs::remove_dir(&dir);
+                dir.pop();
+            }
+        }
+    }
+}
+
+fn make_levels(path: &str) -> std::io::Result<()> {
+    for mount in mounts() {
+        let mut dir = mount.clone();
+        for part in path.trim_start_matches('/').split('/').filter(|p| !p.is_empty()) {
+            let parent = dir.clone();
+            dir.push(part);
+            if std::fs::create_dir(&dir).is_ok() && dir.join("cpuset.cpus").exists() {
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    std::fs::write(dir.join(file), std::fs::read_to_string(parent.join(file))?.trim())?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

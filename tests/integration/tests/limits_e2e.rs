@@ -169,39 +169,6 @@ fn sleeper(name: &str) -> cri::ContainerConfig {
     container_config(name, &["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.2; done"])
 }
 
-/// kubelet's pod cgroup, made as kubelet makes it (every hierarchy), with its pids limit; removed
-/// when dropped (the pod's own cgroups below it are the shim's to remove first).
-struct KubeletPodCgroup {
-    path: String,
-}
-
-impl KubeletPodCgroup {
-    fn new(tag: &str, pids_max: u64) -> Result<Self> {
-        let path = format!("/bhlimits-{}-{tag}", std::process::id());
-        for dir in cgroups::dirs(&path) {
-            std::fs::create_dir_all(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
-            // v1 cpuset: a new cgroup has no CPUs until given its parent's, as kubelet gives them.
-            for file in ["cpuset.cpus", "cpuset.mems"] {
-                if let Some(Ok(value)) = dir.parent().map(|parent| std::fs::read(parent.join(file))) {
-                    std::fs::write(dir.join(file), value)?;
-                }
-            }
-            if dir.join("pids.max").exists() {
-                std::fs::write(dir.join("pids.max"), pids_max.to_string())?;
-            }
-        }
-        Ok(Self { path })
-    }
-}
-
-impl Drop for KubeletPodCgroup {
-    fn drop(&mut self) {
-        for dir in cgroups::dirs(&self.path) {
-            let _ = std::fs::remove_dir(dir);
-        }
-    }
-}
-
 /// How long `exec` into `id` takes, each of `n` times; any failure is an error.
 async fn exec_times(cri: &Cri, id: &str, n: usize) -> Result<Vec<Duration>> {
     let mut times = Vec::with_capacity(n);
@@ -266,8 +233,9 @@ async fn a_fork_bomb_stops_at_the_pids_limit() -> Result<()> {
 async fn fork_bomb_on(test: &str, stand: &Stand, backend: &Backend, i: usize) -> Result<()> {
     let label = &backend.label;
     let cri = &stand.cri;
-    let kubelet_cgroup = KubeletPodCgroup::new(&format!("bomb{i}"), POD_PIDS)?;
-    let bomb_pod = stand.pod(backend, &format!("bomb{i}"), Some(&kubelet_cgroup.path)).await?;
+    let kubelet_cgroup = cgroups::KubeletPodCgroup::cgroupfs(&format!("/bhlimits-{}-bomb{i}", std::process::id()))?;
+    kubelet_cgroup.set("pids.max", &POD_PIDS.to_string())?;
+    let bomb_pod = stand.pod(backend, &format!("bomb{i}"), Some(&kubelet_cgroup.cri_parent)).await?;
     let probe_pod = stand.pod(backend, &format!("probe{i}"), None).await?;
     let probe = stand.container(&probe_pod, &sleeper("probe")).await?;
     let idle = exec_times(cri, &probe, 5).await?;
@@ -303,7 +271,8 @@ async fn fork_bomb_on(test: &str, stand: &Stand, backend: &Backend, i: usize) ->
     assert_eq!(exec_times(cri, &probe, 1).await?.len(), 1);
     stand.remove_pods(&[&probe_pod.0]).await?;
     eventually_nothing("the bomb pod's cgroups", Duration::from_secs(20), || {
-        cgroups::dirs(&kubelet_cgroup.path)
+        kubelet_cgroup
+            .dirs()
             .iter()
             .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))

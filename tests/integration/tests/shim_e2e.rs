@@ -680,6 +680,57 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
     Ok(())
 }
 
+/// kubelet with the systemd cgroup driver (EKS, kubeadm): the pod's parent is a slice kubelet made,
+/// with the pod's limit on it, and containerd names the sandbox `<slice>:cri-containerd:<id>`. The
+/// agent lives in the sandbox's scope in that slice, the containers beside it, and kubelet's limit
+/// holds them all. (systemd is not PID 1 on these hosts, so this runs the cgroupfs expansion; where
+/// it is, the scope is also registered with systemd.)
+#[tokio::test]
+async fn shim_pods_live_in_kubelets_systemd_slice() -> Result<()> {
+    let Some(env) = setup("shim_pods_live_in_kubelets_systemd_slice", vec![]).await? else { return Ok(()) };
+    let uid = format!("ns{}x{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
+    let kubelet = cgroups::KubeletPodCgroup::systemd_slice(&uid)?;
+    let limit = 512u64 << 20;
+    for file in ["memory.limit_in_bytes", "memory.max"] {
+        kubelet.set(file, &limit.to_string())?;
+    }
+    let mut pod = env.pod("slice")?;
+    if let Some(linux) = pod.linux.as_mut() {
+        linux.cgroup_parent = kubelet.cri_parent.clone();
+    }
+    let (pod_id, ctr) =
+        env.pod_with(&pod, &sleeper("sleeper", &unique("slice"))).await.with_context(|| env.fail_context())?;
+    let scope = format!("{}/cri-containerd-{pod_id}.scope", kubelet.path);
+    let agents: Vec<u32> = processes_with(&pod_id)
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
+    assert_eq!(cgroups::of_pid(agents[0]), Some(scope.clone()), "the agent's cgroup");
+    let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(cgroups::path_in(&text), Some(format!("{}/{ctr}", kubelet.path)), "{text}");
+    // kubelet's limit is on the slice, and the pod is charged to it.
+    let charged = kubelet.dirs().iter().find_map(|dir| {
+        ["memory.usage_in_bytes", "memory.current"]
+            .iter()
+            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    });
+    let charged = charged.context("the slice's memory usage")?;
+    assert!(charged > 0 && charged < limit, "the slice accounts the pod: {charged} bytes of {limit}");
+
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    eventually_nothing("the pod's scope and container cgroups", Duration::from_secs(15), || {
+        [scope.clone(), format!("{}/{ctr}", kubelet.path)].iter().flat_map(|cg| cgroups::existing(cg)).collect()
+    })
+    .await?;
+    assert!(kubelet.dirs().iter().all(|d| d.exists()), "kubelet's slice stays kubelet's");
+    Ok(())
+}
+
 /// Issue 13: pods without a cgroup parent (as crictl makes them) each get a cgroup of their
 /// own; stopping one is quick and touches nothing of the others.
 #[tokio::test]

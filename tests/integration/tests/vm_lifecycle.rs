@@ -435,29 +435,12 @@ async fn vm_pod_under_kubelets_systemd_slice() -> Result<()> {
     // kubelet with the systemd cgroup driver: the pod's parent is a slice it made, with the
     // pod's limits on it; containerd then names the sandbox `slice:cri-containerd:<id>`.
     let uid = format!("{}x{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
-    let slice = format!("kubepods-besteffort-pod{uid}.slice");
-    let slice_path = format!("/kubepods.slice/kubepods-besteffort.slice/{slice}");
-    let made: Vec<PathBuf> = cgroups::dirs(&slice_path);
-    for mount in cgroups::mounts() {
-        // Level by level, as kubelet makes them: a new v1 cpuset cgroup gets its parent's CPUs.
-        let mut dir = mount.clone();
-        for part in slice_path.trim_start_matches('/').split('/') {
-            let parent = dir.clone();
-            dir.push(part);
-            if std::fs::create_dir(&dir).is_ok() && dir.join("cpuset.cpus").exists() {
-                for file in ["cpuset.cpus", "cpuset.mems"] {
-                    std::fs::write(dir.join(file), std::fs::read_to_string(parent.join(file))?.trim())?;
-                }
-            }
-        }
-    }
+    let kubelet = cgroups::KubeletPodCgroup::systemd_slice(&uid)?;
+    let (slice, slice_path) = (kubelet.cri_parent.clone(), kubelet.path.clone());
+    let made: Vec<PathBuf> = kubelet.dirs();
     let limit = 768u64 << 20;
-    for dir in &made {
-        for (file, value) in [("memory.limit_in_bytes", limit.to_string()), ("memory.max", limit.to_string())] {
-            if dir.join(file).exists() {
-                std::fs::write(dir.join(file), value)?;
-            }
-        }
+    for file in ["memory.limit_in_bytes", "memory.max"] {
+        kubelet.set(file, &limit.to_string())?;
     }
     let (mut pod, _) = env.pod("slice")?;
     pod.linux.as_mut().unwrap().cgroup_parent = slice.clone();
@@ -490,12 +473,5 @@ async fn vm_pod_under_kubelets_systemd_slice() -> Result<()> {
     // kubelet's slice stays kubelet's: the shim never removes it. The test made it, so removes it
     // (and the levels above, unless something else lives there).
     assert!(made.iter().all(|d| d.exists()), "the shim removed kubelet's slice");
-    for mount in cgroups::mounts() {
-        let mut dir = mount.join(slice_path.trim_start_matches('/'));
-        while dir != mount {
-            let _ = std::fs::remove_dir(&dir);
-            dir.pop();
-        }
-    }
     Ok(())
 }
