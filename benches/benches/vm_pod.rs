@@ -38,6 +38,10 @@ const PODS: usize = 8;
 /// Long enough for every pod of a round to be up at once (each is ended early, by SIGTERM).
 const CONNECT_TIMEOUT_MS: u64 = 45_000;
 const GOAL_MARGINAL_PSS_MIB: f64 = 12.0;
+/// The guest's terms of the podFixed formula, measured elsewhere (runtimeclass/README.md): what the
+/// real guest uses idle (`vm_e2e`) and its kernel image in guest memory, MiB.
+const GUEST_USED_MIB: f64 = 39.0;
+const GUEST_KERNEL_IMAGE_MIB: f64 = 10.8;
 const GOAL_START_MS: f64 = 5.0;
 /// Pages a fresh process touches lazily settle within this (log lines, first RPCs).
 const SETTLE: Duration = Duration::from_millis(500);
@@ -74,6 +78,42 @@ struct Round {
 impl Round {
     fn total(&self, k: usize) -> Mem {
         Mem::sum(self.totals[k].values())
+    }
+
+    /// The podFixed formula (runtimeclass/README.md) with this round's host figures.
+    fn pod_fixed(&self) {
+        let n = self.totals.len();
+        if n < 2 {
+            return;
+        }
+        let own = |kind: &str| self.last.get(kind).copied().unwrap_or_default();
+        let in_cgroup: u64 =
+            ["VMM jail waiter", "jailed VMM", "virtiofsd", "virtiofsd worker"].iter().map(|k| own(k).rss).sum();
+        let shim = |k: usize| self.totals[k].get("shim").copied().unwrap_or_default();
+        let shim_marginal = mib_i((shim(n - 1) - shim(n - 2)).pss);
+        let kernel = mib(Mem::sum(self.last.values()).kernel);
+        let sum = mib(in_cgroup) + shim_marginal + kernel + GUEST_USED_MIB + GUEST_KERNEL_IMAGE_MIB;
+        let needed = ((1.25 * sum).ceil() as u64).div_ceil(16) * 16;
+        let shipped =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../runtimeclass/runtimeclass.yaml"))
+                .ok()
+                .and_then(|y| {
+                    Some(
+                        y.split_once("podFixed:")?
+                            .1
+                            .lines()
+                            .find_map(|l| l.trim().strip_prefix("memory:"))?
+                            .trim()
+                            .to_string(),
+                    )
+                })
+                .unwrap_or_else(|| "?".into());
+        println!(
+            "    podFixed memory (runtimeclass/README.md) with this run's host terms: ceil_16Mi( 1.25 x ( {:.1} in the pod's \
+             cgroup (RSS) + {shim_marginal:.2} shim + {kernel:.2} kernel + {GUEST_USED_MIB} guest used + \
+             {GUEST_KERNEL_IMAGE_MIB} guest kernel image ) MiB ) = {needed}Mi; runtimeclass.yaml: {shipped}",
+            mib(in_cgroup)
+        );
     }
 
     fn report(&self, goal: Option<f64>) {
@@ -345,6 +385,7 @@ async fn run() -> Result<()> {
         runc.report(None);
         for round in &rounds {
             round.report(Some(GOAL_MARGINAL_PSS_MIB));
+            round.pod_fixed();
             print_table(
                 &format!("{}: VMM main -> first KVM_RUN, as the shim starts it (jailed)", round.handler),
                 "main -> first KVM_RUN",
