@@ -79,8 +79,11 @@ pub fn shim_spec(data: &[u8]) {
     assert!(cgroup.sandbox().starts_with(&cgroup.parent), "the sandbox's cgroup stays below its parent");
     for backend in [Backend::Vm, Backend::Namespace] {
         let _ = spec.validate_sandbox(backend);
-        if let Ok(json) = spec.translate_container(42, backend) {
-            assert!(serde_json::from_slice::<serde_json::Value>(&json).is_ok());
+        if let Ok(translated) = spec.translate_container(42, backend) {
+            // What the shim sends parses, as the agent parses it, back to what the shim meant.
+            let json = spec::encode(&translated).expect("a parsed spec encodes");
+            let sent = BundleSpec::from_bytes(&json).expect("the agent parses what the shim sends");
+            assert_eq!(sent.spec(), &translated);
         }
     }
     emptydir_limits(&spec);
@@ -96,11 +99,11 @@ fn emptydir_limits(spec: &BundleSpec) {
         assert!(limits.keys().all(|name| spec::is_volume_name(name)));
     }
     let Ok(policy) = EmptyDirPolicy::for_pod(&EmptyDirConfig::default(), spec) else { return };
-    let mounts = spec.value.get("mounts").and_then(serde_json::Value::as_array);
-    for source in mounts.into_iter().flatten().filter_map(|m| m.get("source")?.as_str()) {
-        let path = std::path::Path::new(source);
+    let mounts = spec.spec().mounts().iter().flatten();
+    for path in mounts.filter_map(|m| m.source().as_deref()) {
         if let Volume::EmptyDir { name } | Volume::SubPath { name, .. } = policy.classify(path) {
             let uid = spec.pod_uid().unwrap_or_default();
+            let source = path.display().to_string();
             assert!(source.contains(&format!("/pods/{uid}/")) && spec::is_volume_name(name), "{source}");
         }
     }

@@ -59,16 +59,7 @@ fn seeds() -> Vec<Vec<u8>> {
         .concat(),
     ];
     s.push(StreamHeader::new("ctr", Some("exec-1"), StreamKind::Tty).encode().expect("valid header"));
-    // shim_spec: a CRI sandbox spec with every annotation and field the shim reads.
-    s.push(
-        br#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox","io.kubernetes.cri.sandbox-cpu-quota":"150000","io.kubernetes.cri.sandbox-cpu-period":"100000","io.kubernetes.cri.sandbox-memory":"268435456","io.kubernetes.cri.sandbox-log-directory":"/var/log/pods/x"},"hostname":"pod","linux":{"cgroupsPath":"kubepods-burstable-pod1.slice:cri-containerd:sb1","namespaces":[{"type":"pid"},{"type":"ipc"},{"type":"network","path":"/var/run/netns/x"},{"type":"cgroup"}],"sysctl":{"net.ipv4.ping_group_range":"0 1"}},"process":{"args":["sh"],"apparmorProfile":"p"},"mounts":[{"destination":"/dev/shm","type":"bind","source":"/x"}]}"#
-            .to_vec(),
-    );
-    // shim_spec: a pod's emptyDir size limits, with one of its emptyDirs and a subPath of it.
-    s.push(
-        br#"{"annotations":{"io.kubernetes.cri.sandbox-uid":"u-1","bulkhead.io/emptydir-size-limits":"scratch=32Mi, cache=1.5Gi"},"mounts":[{"destination":"/d","type":"bind","source":"/var/lib/kubelet/pods/u-1/volumes/kubernetes.io~empty-dir/scratch","options":["rbind"]},{"destination":"/s","type":"bind","source":"/var/lib/kubelet/pods/u-1/volume-subpaths/cache/c/1"}]}"#
-            .to_vec(),
-    );
+    s.extend(spec_seeds());
     // shim_options: runtimeoptions.v1.Options with a type URL and a config path; a config.
     let (url, path) = (&b"type.googleapis.com/runtimeoptions.v1.Options"[..], &b"/etc/bulkhead/config.toml"[..]);
     s.push([&[0x0a, url.len() as u8][..], url, &[0x12, path.len() as u8], path].concat());
@@ -86,6 +77,41 @@ fn seeds() -> Vec<Vec<u8>> {
     let oom = bulkhead_protocol::agent::OomEvent { container_id: "c1".into(), ..Default::default() };
     s.push([&[1u8][..], &oom.write_to_bytes().expect("encodes")].concat());
     s
+}
+
+/// shim_spec's seeds: OCI specs (and an exec's process) as containerd writes them.
+fn spec_seeds() -> Vec<Vec<u8>> {
+    vec![
+        // A CRI sandbox spec with every annotation and field the shim reads.
+        br#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox","io.kubernetes.cri.sandbox-cpu-quota":"150000","io.kubernetes.cri.sandbox-cpu-period":"100000","io.kubernetes.cri.sandbox-memory":"268435456","io.kubernetes.cri.sandbox-log-directory":"/var/log/pods/x"},"hostname":"pod","linux":{"cgroupsPath":"kubepods-burstable-pod1.slice:cri-containerd:sb1","namespaces":[{"type":"pid"},{"type":"ipc"},{"type":"network","path":"/var/run/netns/x"},{"type":"cgroup"}],"sysctl":{"net.ipv4.ping_group_range":"0 1"}},"process":{"args":["sh"],"cwd":"/","user":{"uid":0,"gid":0},"apparmorProfile":"p"},"mounts":[{"destination":"/dev/shm","type":"bind","source":"/x"}]}"#
+            .to_vec(),
+        // A pod's emptyDir size limits, with one of its emptyDirs and a subPath of it.
+        br#"{"annotations":{"io.kubernetes.cri.sandbox-uid":"u-1","bulkhead.io/emptydir-size-limits":"scratch=32Mi, cache=1.5Gi"},"mounts":[{"destination":"/d","type":"bind","source":"/var/lib/kubelet/pods/u-1/volumes/kubernetes.io~empty-dir/scratch","options":["rbind"]},{"destination":"/s","type":"bind","source":"/var/lib/kubelet/pods/u-1/volume-subpaths/cache/c/1"}]}"#
+            .to_vec(),
+        // A container of the pod whose sandbox is pid 42: its namespaces, labels and resources
+        // go through the translation the agent gets.
+        br#"{"ociVersion":"1.2.0","annotations":{"io.kubernetes.cri.container-type":"container","io.kubernetes.cri.sandbox-id":"sb1"},"process":{"args":["sh"],"cwd":"/","user":{"uid":1000,"gid":1000},"selinuxLabel":"l","capabilities":{"bounding":["CAP_KILL"]}},"root":{"path":"rootfs","readonly":true},"linux":{"namespaces":[{"type":"pid"},{"type":"network","path":"/proc/42/ns/net"},{"type":"ipc","path":"/proc/42/ns/ipc"}],"mountLabel":"m","resources":{"memory":{"limit":268435456},"unified":{"memory.high":"1"},"hugepageLimits":[{"pageSize":"2MB","limit":0}]}},"mounts":[{"destination":"/etc/hosts","type":"bind","source":"/h","options":["rbind","ro"]}]}"#
+            .to_vec(),
+        // An exec's process.
+        br#"{"args":["ls"],"cwd":"/","user":{"uid":0,"gid":0},"apparmorProfile":"p","env":["A=1"]}"#.to_vec(),
+    ]
+}
+
+#[test]
+fn shim_spec_seeds_are_what_the_shim_takes() {
+    let (exec, specs) = spec_seeds().split_last().map(|(e, s)| (e.clone(), s.to_vec())).expect("seeds");
+    use bulkhead_shim::config::Backend;
+    use bulkhead_shim::spec::{BundleSpec, Role};
+    for seed in specs {
+        let spec = BundleSpec::from_bytes(&seed).unwrap_or_else(|e| panic!("{}: {e}", String::from_utf8_lossy(&seed)));
+        if let Role::Container { .. } = spec.role() {
+            for backend in [Backend::Vm, Backend::Namespace] {
+                assert!(spec.translate_container(42, backend).is_ok(), "{backend:?}");
+            }
+        }
+    }
+    let process = bulkhead_shim::spec::exec_process_json(&exec, Backend::Vm);
+    assert!(process.is_ok(), "{process:?}");
 }
 
 /// xorshift64*: deterministic, so a failure reproduces.

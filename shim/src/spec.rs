@@ -2,12 +2,17 @@
 //! what the backend can honour (errors name the field), and translation into the spec the
 //! agent runs (namespace paths that point at the sandbox become "the agent's own").
 //!
-//! Works on the JSON value, so fields the shim does not know pass through untouched.
+//! A bundle's spec is parsed once into `oci_spec::runtime::Spec`, the type the agent parses it
+//! into (the same crate and version: the workspace pins it), edited as that type by every step
+//! on the way (this module, the emptyDir disks, the backend's sharing) and encoded once, by
+//! [`encode`], when it goes to the agent. A field oci-spec does not know is dropped here, as the
+//! agent would drop it; `shim/tests/spec_round_trip.rs` checks that what containerd writes
+//! reaches the agent whole.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
+use oci_spec::runtime::{Hooks, LinuxNamespace, LinuxNamespaceType, Process, Spec};
 
 use crate::config::Backend;
 
@@ -65,6 +70,8 @@ pub enum SpecError {
     Unsupported { field: String, message: String },
     #[error("pod annotation {key}: {message}")]
     Annotation { key: &'static str, message: String },
+    #[error("encode the {what}: {message}")]
+    Encode { what: &'static str, message: String },
 }
 
 fn unsupported(field: impl Into<String>, message: impl Into<String>) -> SpecError {
@@ -90,13 +97,20 @@ impl Role {
     }
 }
 
-/// A bundle's spec.
-#[derive(Debug, Clone)]
+/// A bundle's spec, parsed once into the type the agent parses it into.
+#[derive(Debug, Clone, PartialEq)]
 pub struct BundleSpec {
-    pub value: Value,
+    spec: Spec,
+}
+
+impl From<Spec> for BundleSpec {
+    fn from(spec: Spec) -> Self {
+        Self { spec }
+    }
 }
 
 impl BundleSpec {
+    /// Reads `<bundle>/config.json`, at most [`MAX_SPEC_BYTES`] of it.
     pub fn load(bundle: &Path) -> Result<Self, SpecError> {
         use std::io::Read;
         let path = bundle.join("config.json");
@@ -110,13 +124,17 @@ impl BundleSpec {
         Self::from_bytes(&bytes).map_err(|e| err(e.to_string()))
     }
 
+    /// Parses a spec as the agent does (`serde_json` into [`Spec`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
-        let value: Value = serde_json::from_slice(bytes)?;
-        Ok(Self { value })
+        serde_json::from_slice(bytes).map(|spec| Self { spec })
+    }
+
+    pub fn spec(&self) -> &Spec {
+        &self.spec
     }
 
     fn annotation(&self, key: &str) -> Option<&str> {
-        self.value.get("annotations")?.get(key)?.as_str()
+        self.spec.annotations().as_ref()?.get(key).map(String::as_str)
     }
 
     /// Pod grouping from the CRI annotations. A bundle without them (plain `ctr run`) is a
@@ -150,12 +168,10 @@ impl BundleSpec {
     /// without it), each checked against `max`; a malformed one is an error naming the
     /// annotation and what is wrong.
     pub fn emptydir_size_limits(&self, max: u64) -> Result<BTreeMap<String, u64>, SpecError> {
-        let Some(value) = self.value.get("annotations").and_then(|a| a.get(EMPTYDIR_SIZE_LIMITS)) else {
+        let Some(value) = self.annotation(EMPTYDIR_SIZE_LIMITS) else {
             return Ok(BTreeMap::new());
         };
-        let bad = |message: String| SpecError::Annotation { key: EMPTYDIR_SIZE_LIMITS, message };
-        let value = value.as_str().ok_or_else(|| bad("not a string".into()))?;
-        parse_size_limits(value, max).map_err(bad)
+        parse_size_limits(value, max).map_err(|message| SpecError::Annotation { key: EMPTYDIR_SIZE_LIMITS, message })
     }
 
     /// The pod's log directory, when containerd names an absolute one.
@@ -166,7 +182,7 @@ impl BundleSpec {
 
     /// `linux.cgroupsPath`, if set.
     pub fn cgroups_path(&self) -> Option<&str> {
-        self.value.pointer("/linux/cgroupsPath")?.as_str()
+        self.spec.linux().as_ref()?.cgroups_path().as_deref()?.to_str()
     }
 
     /// The Kubernetes pod's name and namespace, as CRI annotates the sandbox.
@@ -179,56 +195,42 @@ impl BundleSpec {
     }
 
     pub fn hostname(&self) -> Option<&str> {
-        self.value.get("hostname")?.as_str()
+        self.spec.hostname().as_deref()
     }
 
+    /// `linux.sysctl`, sorted by name.
     pub fn sysctls(&self) -> Vec<(String, String)> {
-        self.value
-            .pointer("/linux/sysctl")
-            .and_then(Value::as_object)
-            .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-            .unwrap_or_default()
+        let map = self.spec.linux().as_ref().and_then(|l| l.sysctl().as_ref());
+        let mut sysctls: Vec<_> = map.into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
+        sysctls.sort();
+        sysctls
     }
 
-    fn namespaces(&self) -> Vec<(String, Option<String>)> {
-        self.value
-            .pointer("/linux/namespaces")
-            .and_then(Value::as_array)
-            .map(|list| {
-                list.iter()
-                    .filter_map(|ns| {
-                        let typ = ns.get("type")?.as_str()?.to_string();
-                        let path = ns.get("path").and_then(Value::as_str).filter(|p| !p.is_empty()).map(str::to_string);
-                        Some((typ, path))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// `linux.namespaces` as (type, path); an empty path is no path.
+    fn namespaces(&self) -> Vec<(LinuxNamespaceType, Option<&Path>)> {
+        let list = self.spec.linux().as_ref().and_then(|l| l.namespaces().as_ref());
+        list.into_iter().flatten().map(|ns| (ns.typ(), ns_path(ns))).collect()
     }
 
     /// Fields the backend cannot honour; refused for sandbox and containers alike.
     fn validate_common(&self, backend: Backend) -> Result<(), SpecError> {
-        if let Some(hooks) = self.value.get("hooks").and_then(Value::as_object) {
-            if hooks.values().any(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
-                return Err(unsupported(
-                    "hooks",
-                    "OCI hooks would run on the host, outside the sandbox; not supported",
-                ));
-            }
+        if self.spec.hooks().as_ref().is_some_and(has_hooks) {
+            return Err(unsupported("hooks", "OCI hooks would run on the host, outside the sandbox; not supported"));
         }
-        if self.value.pointer("/linux/intelRdt").is_some_and(|v| !v.is_null()) {
+        if self.spec.linux().as_ref().is_some_and(|l| l.intel_rdt().is_some()) {
             return Err(unsupported("linux.intelRdt", "not supported by bulkhead"));
         }
         // The guest kernel has cgroup namespaces (containerd gives every container one on cgroup
         // v2 hosts); the namespace backend's agent cannot nest them inside the host's.
-        let refused: &[&str] = match backend {
-            Backend::Vm => &["user", "time"],
-            Backend::Namespace => &["user", "time", "cgroup"],
+        use LinuxNamespaceType::{Cgroup, Time, User};
+        let refused: &[LinuxNamespaceType] = match backend {
+            Backend::Vm => &[User, Time],
+            Backend::Namespace => &[User, Time, Cgroup],
         };
         for (typ, _) in self.namespaces() {
-            if refused.contains(&typ.as_str()) {
+            if refused.contains(&typ) {
                 return Err(unsupported(
-                    format!("linux.namespaces[type={typ}]"),
+                    format!("linux.namespaces[type={}]", oci_name(typ)),
                     format!("not supported by the bulkhead {} backend", backend.as_str()),
                 ));
             }
@@ -240,60 +242,100 @@ impl BundleSpec {
     pub fn validate_sandbox(&self, backend: Backend) -> Result<Option<PathBuf>, SpecError> {
         self.validate_common(backend)?;
         let namespaces = self.namespaces();
-        let has = |t: &str| namespaces.iter().any(|(typ, _)| typ == t);
-        if !has("pid") {
+        let has = |t: LinuxNamespaceType| namespaces.iter().any(|(typ, _)| *typ == t);
+        if !has(LinuxNamespaceType::Pid) {
             return Err(unsupported(
                 "linux.namespaces[type=pid]",
                 "the pod asks for the host PID namespace (hostPID), which bulkhead cannot honour",
             ));
         }
-        if !has("ipc") {
+        if !has(LinuxNamespaceType::Ipc) {
             return Err(unsupported(
                 "linux.namespaces[type=ipc]",
                 "the pod asks for the host IPC namespace (hostIPC), which bulkhead cannot honour",
             ));
         }
         for (typ, path) in &namespaces {
-            if typ != "network" && path.is_some() {
+            if *typ != LinuxNamespaceType::Network && path.is_some() {
                 return Err(unsupported(
-                    format!("linux.namespaces[type={typ}].path"),
+                    format!("linux.namespaces[type={}].path", oci_name(*typ)),
                     "a sandbox can only join an existing network namespace",
                 ));
             }
         }
-        Ok(namespaces.into_iter().find(|(typ, _)| typ == "network").and_then(|(_, path)| path.map(PathBuf::from)))
+        Ok(namespaces
+            .into_iter()
+            .find(|(typ, _)| *typ == LinuxNamespaceType::Network)
+            .and_then(|(_, path)| path.map(Path::to_path_buf)))
     }
 
-    /// Checks a container spec and returns the JSON the agent runs. Namespace paths that
-    /// name the sandbox (`/proc/<sandbox pid>/ns/<type>`, CRI's convention) are removed: in
-    /// the sandbox, the agent's own namespaces are the pod's. On the vm backend, the host's LSM
-    /// labels are removed too ([`drop_lsm_labels`]).
-    pub fn translate_container(&self, sandbox_pid: u32, backend: Backend) -> Result<Vec<u8>, SpecError> {
+    /// Checks a container spec and returns the spec the agent runs, for the backend to adapt
+    /// further. Namespace paths that name the sandbox (`/proc/<sandbox pid>/ns/<type>`, CRI's
+    /// convention) are removed: in the sandbox, the agent's own namespaces are the pod's. On the
+    /// vm backend, the host's LSM labels are removed too ([`drop_lsm_labels`]).
+    pub fn translate_container(&self, sandbox_pid: u32, backend: Backend) -> Result<Spec, SpecError> {
         self.validate_common(backend)?;
-        let mut value = self.value.clone();
+        let mut spec = self.spec.clone();
         if backend == Backend::Vm {
-            drop_lsm_labels(&mut value);
+            drop_lsm_labels(&mut spec);
         }
-        if let Some(list) = value.pointer_mut("/linux/namespaces").and_then(Value::as_array_mut) {
-            let mut kept = Vec::new();
+        if let Some(list) = spec.linux_mut().as_mut().and_then(|l| l.namespaces_mut().as_mut()) {
+            let mut kept = Vec::with_capacity(list.len());
             for ns in list.drain(..) {
-                let typ = ns.get("type").and_then(Value::as_str).unwrap_or_default();
-                let path = ns.get("path").and_then(Value::as_str).filter(|p| !p.is_empty());
-                match path {
+                match ns_path(&ns) {
                     None => kept.push(ns),
-                    Some(path) if points_at_sandbox(path, sandbox_pid, typ) => {}
+                    Some(path) if points_at_sandbox(path, sandbox_pid, ns.typ()) => {}
                     Some(path) => {
                         return Err(unsupported(
-                            format!("linux.namespaces[type={typ}].path"),
-                            format!("{path} is not the pod sandbox's namespace"),
+                            format!("linux.namespaces[type={}].path", oci_name(ns.typ())),
+                            format!("{} is not the pod sandbox's namespace", path.display()),
                         ))
                     }
                 }
             }
             *list = kept;
         }
-        serde_json::to_vec(&value).map_err(|e| SpecError::Read { path: "config.json".into(), message: e.to_string() })
+        Ok(spec)
     }
+}
+
+/// The JSON the agent gets: the one place a spec the shim parsed is encoded again.
+pub fn encode(spec: &Spec) -> Result<Vec<u8>, SpecError> {
+    serde_json::to_vec(spec).map_err(|e| SpecError::Encode { what: "OCI spec", message: e.to_string() })
+}
+
+/// A namespace's path, if it names one (an empty path names none).
+fn ns_path(ns: &LinuxNamespace) -> Option<&Path> {
+    ns.path().as_deref().filter(|p| !p.as_os_str().is_empty())
+}
+
+/// A namespace type as the OCI spec names it (`linux.namespaces[].type`).
+fn oci_name(typ: LinuxNamespaceType) -> &'static str {
+    match typ {
+        LinuxNamespaceType::Mount => "mount",
+        LinuxNamespaceType::Cgroup => "cgroup",
+        LinuxNamespaceType::Uts => "uts",
+        LinuxNamespaceType::Ipc => "ipc",
+        LinuxNamespaceType::User => "user",
+        LinuxNamespaceType::Pid => "pid",
+        LinuxNamespaceType::Network => "network",
+        LinuxNamespaceType::Time => "time",
+    }
+}
+
+/// Whether the spec sets any hook, of any kind.
+#[allow(deprecated)] // `prestart`: deprecated by the runtime spec, and still a hook to refuse
+fn has_hooks(hooks: &Hooks) -> bool {
+    [
+        hooks.prestart(),
+        hooks.create_runtime(),
+        hooks.create_container(),
+        hooks.start_container(),
+        hooks.poststart(),
+        hooks.poststop(),
+    ]
+    .into_iter()
+    .any(|list| list.as_ref().is_some_and(|l| !l.is_empty()))
 }
 
 /// Whether `name` is a Kubernetes volume name: a DNS-1123 label (1 to 63 of `a-z`, `0-9` and
@@ -352,78 +394,128 @@ pub fn parse_size_limits(value: &str, max: u64) -> Result<BTreeMap<String, u64>,
 /// The host's LSM labels, which name profiles and contexts of the host's AppArmor or SELinux
 /// policy. The guest kernel has no LSM, so libcontainer would refuse them; the VM boundary is
 /// the isolation there. Each one dropped is logged.
-fn drop_lsm_labels(value: &mut Value) {
-    for pointer in ["/process", "/linux", ""] {
-        let Some(object) = value.pointer_mut(pointer).and_then(Value::as_object_mut) else { continue };
-        for field in ["apparmorProfile", "selinuxLabel", "mountLabel"] {
-            if let Some(label) = object.remove(field) {
-                tracing::info!(
-                    field,
-                    %label,
-                    "the guest kernel has no LSM: the host's label is not applied inside the VM"
-                );
-            }
+fn drop_lsm_labels(spec: &mut Spec) {
+    if let Some(process) = spec.process_mut() {
+        drop_process_labels(process);
+    }
+    if let Some(linux) = spec.linux_mut() {
+        if let Some(label) = linux.mount_label_mut().take() {
+            log_dropped("mountLabel", &label);
         }
     }
 }
 
-/// Whether `path` is `/proc/<sandbox_pid>/ns/<typ>` (CRI names "network" as "net").
-fn points_at_sandbox(path: &str, sandbox_pid: u32, typ: &str) -> bool {
-    let file = match typ {
-        "network" => "net",
-        "mount" => "mnt",
-        other => other,
-    };
-    path == format!("/proc/{sandbox_pid}/ns/{file}")
+/// [`drop_lsm_labels`] of a process (a container's, or an exec's).
+fn drop_process_labels(process: &mut Process) {
+    if let Some(label) = process.apparmor_profile().clone() {
+        log_dropped("apparmorProfile", &label);
+        process.set_apparmor_profile(None);
+    }
+    if let Some(label) = process.selinux_label().clone() {
+        log_dropped("selinuxLabel", &label);
+        process.set_selinux_label(None);
+    }
 }
 
-/// The OCI `process` of an Exec request (containerd sends it as JSON in an Any), checked; on
-/// the vm backend without the host's LSM labels, as for the container itself.
+fn log_dropped(field: &str, label: &str) {
+    tracing::info!(field, label, "the guest kernel has no LSM: the host's label is not applied inside the VM");
+}
+
+/// Whether `path` is `/proc/<sandbox_pid>/ns/<file>` of namespace `typ`.
+fn points_at_sandbox(path: &Path, sandbox_pid: u32, typ: LinuxNamespaceType) -> bool {
+    let file = match typ {
+        LinuxNamespaceType::Network => "net",
+        LinuxNamespaceType::Mount => "mnt",
+        other => oci_name(other),
+    };
+    path.as_os_str() == format!("/proc/{sandbox_pid}/ns/{file}").as_str()
+}
+
+/// The OCI `process` of an Exec request (containerd sends it as JSON in an Any), parsed as the
+/// agent parses it, checked, and encoded for the agent; on the vm backend without the host's
+/// LSM labels, as for the container itself.
 pub fn exec_process_json(value: &[u8], backend: Backend) -> Result<Vec<u8>, SpecError> {
-    let parsed: Map<String, Value> = serde_json::from_slice(value)
+    let mut process: Process = serde_json::from_slice(value)
         .map_err(|e| SpecError::Read { path: "exec process".into(), message: e.to_string() })?;
-    match parsed.get("args").and_then(Value::as_array) {
-        Some(args) if !args.is_empty() => {}
-        _ => return Err(unsupported("process.args", "an exec needs a command")),
+    if process.args().as_ref().is_none_or(|args| args.is_empty()) {
+        return Err(unsupported("process.args", "an exec needs a command"));
     }
-    if backend == Backend::Namespace {
-        return Ok(value.to_vec());
+    if backend == Backend::Vm {
+        drop_process_labels(&mut process);
     }
-    let mut process = Value::Object(parsed);
-    drop_lsm_labels(&mut process);
-    serde_json::to_vec(&process).map_err(|e| SpecError::Read { path: "exec process".into(), message: e.to_string() })
+    serde_json::to_vec(&process).map_err(|e| SpecError::Encode { what: "exec process", message: e.to_string() })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oci_spec::runtime::LinuxNamespaceType::{Cgroup, Ipc, Mount, Network, Pid, Uts};
     use serde_json::json;
 
-    fn spec(value: Value) -> BundleSpec {
-        BundleSpec { value }
+    /// A spec as containerd hands it over: JSON, parsed as the shim parses a bundle's.
+    fn spec(json: impl serde::Serialize) -> BundleSpec {
+        BundleSpec::from_bytes(&serde_json::to_vec(&json).unwrap()).unwrap()
     }
 
-    fn sandbox_spec() -> Value {
-        json!({
-            "annotations": {CONTAINER_TYPE: "sandbox"},
+    /// An OCI process as containerd writes one (`user` and `cwd` are required).
+    fn process(args: &[&str]) -> Process {
+        serde_json::from_value(json!({"args": args, "user": {"uid": 0, "gid": 0}, "cwd": "/"})).unwrap()
+    }
+
+    fn ns(typ: LinuxNamespaceType, path: Option<&str>) -> LinuxNamespace {
+        let mut ns = LinuxNamespace::default();
+        ns.set_typ(typ);
+        ns.set_path(path.map(PathBuf::from));
+        ns
+    }
+
+    /// A pod sandbox's spec as CRI makes it, with `extra` annotations.
+    fn sandbox_spec_with(extra: &[(&str, &str)]) -> BundleSpec {
+        let mut annotations = BTreeMap::from([(CONTAINER_TYPE, "sandbox")]);
+        annotations.extend(extra.iter().copied());
+        spec(json!({
+            "annotations": annotations,
             "hostname": "pod-a",
+            "process": process(&["/pause"]),
             "linux": {
                 "namespaces": [
                     {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
                     {"type": "network", "path": "/var/run/netns/cni-1"}
                 ],
-                "sysctl": {"net.ipv4.ip_forward": "1"}
+                "sysctl": {"net.ipv4.ip_forward": "1", "kernel.shm_rmid_forced": "1"}
             }
-        })
+        }))
+    }
+
+    fn sandbox_spec() -> BundleSpec {
+        sandbox_spec_with(&[])
+    }
+
+    /// The sandbox spec, edited.
+    fn sandbox_edited(edit: impl FnOnce(&mut Spec)) -> BundleSpec {
+        let mut s = sandbox_spec();
+        edit(&mut s.spec);
+        s
+    }
+
+    fn linux(spec: &mut Spec) -> &mut oci_spec::runtime::Linux {
+        spec.linux_mut().as_mut().unwrap()
+    }
+
+    fn namespaces(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
+        let list = spec.linux().as_ref().unwrap().namespaces().as_ref().unwrap();
+        list.iter().map(|ns| (ns.typ(), ns.path().clone())).collect()
     }
 
     #[test]
     fn roles_follow_cri_annotations() {
-        assert_eq!(spec(sandbox_spec()).role(), Role::Sandbox);
+        assert_eq!(sandbox_spec().role(), Role::Sandbox);
         let c = spec(json!({"annotations": {CONTAINER_TYPE: "container", SANDBOX_ID: "sb1"}}));
         assert_eq!(c.role(), Role::Container { sandbox_id: "sb1".into() });
         assert_eq!(c.role().group("c1"), "sb1");
         assert_eq!(spec(json!({})).role(), Role::Sandbox);
+        let no_id = spec(json!({"annotations": {CONTAINER_TYPE: "container", SANDBOX_ID: ""}}));
+        assert_eq!(no_id.role(), Role::Sandbox);
     }
 
     #[test]
@@ -435,113 +527,209 @@ mod tests {
 
     #[test]
     fn sandbox_netns_and_settings_are_read() {
-        let s = spec(sandbox_spec());
+        let s = sandbox_spec();
         assert_eq!(s.validate_sandbox(Backend::Namespace).unwrap(), Some(PathBuf::from("/var/run/netns/cni-1")));
         assert_eq!(s.hostname(), Some("pod-a"));
-        assert_eq!(s.sysctls(), vec![("net.ipv4.ip_forward".into(), "1".into())]);
+        let sorted = vec![
+            ("kernel.shm_rmid_forced".to_string(), "1".to_string()),
+            ("net.ipv4.ip_forward".to_string(), "1".to_string()),
+        ];
+        assert_eq!(s.sysctls(), sorted);
+        let cgroups = spec(json!({"linux": {"cgroupsPath": "kubepods-pod1.slice:cri-containerd:sb1"}}));
+        assert_eq!(cgroups.cgroups_path(), Some("kubepods-pod1.slice:cri-containerd:sb1"));
+        assert_eq!(spec(json!({})).cgroups_path(), None);
+        assert_eq!(spec(json!({})).hostname(), None);
+        assert!(spec(json!({})).sysctls().is_empty());
+        // Host network: no network namespace, or one without a path (or an empty path).
+        let host = sandbox_edited(|s| linux(s).namespaces_mut().as_mut().unwrap()[4] = ns(Network, Some("")));
+        assert_eq!(host.validate_sandbox(Backend::Vm).unwrap(), None);
+        let host = sandbox_edited(|s| {
+            linux(s).namespaces_mut().as_mut().unwrap().pop();
+        });
+        assert_eq!(host.validate_sandbox(Backend::Vm).unwrap(), None);
     }
 
     #[test]
     fn pod_resources_come_from_the_sandbox_annotations() {
-        let mut v = sandbox_spec();
-        v["annotations"][SANDBOX_CPU_QUOTA] = json!("150000");
-        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
-        v["annotations"][SANDBOX_MEMORY] = json!("268435456");
-        v["annotations"][SANDBOX_LOG_DIRECTORY] = json!("/var/log/pods/ns_pod_uid");
-        let s = spec(v);
+        let s = sandbox_spec_with(&[
+            (SANDBOX_CPU_QUOTA, "150000"),
+            (SANDBOX_CPU_PERIOD, "100000"),
+            (SANDBOX_MEMORY, "268435456"),
+            (SANDBOX_LOG_DIRECTORY, "/var/log/pods/ns_pod_uid"),
+        ]);
         assert_eq!(s.pod_resources(), PodResources { cpus: Some(2), memory_bytes: Some(256 << 20) });
         assert_eq!(s.log_directory(), Some(PathBuf::from("/var/log/pods/ns_pod_uid")));
         // containerd writes 0 for "no limit"; junk and a relative log dir count as absent.
-        let mut v = sandbox_spec();
-        v["annotations"][SANDBOX_CPU_QUOTA] = json!("0");
-        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
-        v["annotations"][SANDBOX_MEMORY] = json!("-5");
-        v["annotations"][SANDBOX_LOG_DIRECTORY] = json!("relative/dir");
-        let s = spec(v);
+        let s = sandbox_spec_with(&[
+            (SANDBOX_CPU_QUOTA, "0"),
+            (SANDBOX_CPU_PERIOD, "100000"),
+            (SANDBOX_MEMORY, "-5"),
+            (SANDBOX_LOG_DIRECTORY, "relative/dir"),
+        ]);
         assert_eq!(s.pod_resources(), PodResources::default());
         assert_eq!(s.log_directory(), None);
-        assert_eq!(spec(json!({"annotations": {SANDBOX_MEMORY: 7}})).pod_resources(), PodResources::default());
+        assert_eq!(spec(json!({"annotations": {SANDBOX_MEMORY: "7x"}})).pod_resources(), PodResources::default());
+    }
+
+    #[test]
+    fn annotations_that_are_not_strings_are_a_malformed_spec() {
+        // The runtime spec's annotations are strings; containerd never writes others, and the
+        // agent's parse refuses them just the same.
+        let err = BundleSpec::from_bytes(br#"{"annotations": {"io.kubernetes.cri.sandbox-memory": 7}}"#).unwrap_err();
+        assert!(err.to_string().contains("invalid type: integer"), "{err}");
     }
 
     #[test]
     fn host_pid_is_refused_naming_the_field() {
-        let mut v = sandbox_spec();
-        v["linux"]["namespaces"] = json!([{"type": "ipc"}, {"type": "mount"}]);
-        let err = spec(v).validate_sandbox(Backend::Namespace).unwrap_err();
+        let no_pid = sandbox_edited(|s| {
+            linux(s).set_namespaces(Some(vec![ns(Ipc, None), ns(Mount, None)]));
+        });
+        let err = no_pid.validate_sandbox(Backend::Namespace).unwrap_err();
         assert!(err.to_string().contains("linux.namespaces[type=pid]"), "{err}");
+        let no_ipc = sandbox_edited(|s| {
+            linux(s).set_namespaces(Some(vec![ns(Pid, None), ns(Mount, None)]));
+        });
+        let err = no_ipc.validate_sandbox(Backend::Vm).unwrap_err();
+        assert!(err.to_string().contains("linux.namespaces[type=ipc]"), "{err}");
+        let joined =
+            sandbox_edited(|s| linux(s).namespaces_mut().as_mut().unwrap()[3] = ns(Mount, Some("/proc/1/ns/mnt")));
+        let err = joined.validate_sandbox(Backend::Vm).unwrap_err();
+        assert!(err.to_string().contains("linux.namespaces[type=mount].path"), "{err}");
     }
 
     #[test]
-    fn hooks_are_refused() {
-        let mut v = sandbox_spec();
-        v["hooks"] = json!({"prestart": [{"path": "/bin/true"}]});
-        assert!(spec(v).validate_sandbox(Backend::Namespace).unwrap_err().to_string().contains("hooks"));
+    fn hooks_and_intel_rdt_are_refused() {
+        for kind in ["prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop"] {
+            let hooks: Hooks = serde_json::from_value(json!({kind: [{"path": "/bin/true"}]})).unwrap();
+            let s = sandbox_edited(|s| {
+                s.set_hooks(Some(hooks));
+            });
+            let err = s.validate_sandbox(Backend::Namespace).unwrap_err().to_string();
+            assert!(err.contains("OCI spec field hooks"), "{kind}: {err}");
+        }
+        let empty: Hooks = serde_json::from_value(json!({"prestart": [], "poststop": []})).unwrap();
+        let s = sandbox_edited(|s| {
+            s.set_hooks(Some(empty));
+        });
+        assert!(s.validate_sandbox(Backend::Vm).is_ok(), "empty hook lists are no hooks");
+        let rdt = serde_json::from_value(json!({"closID": "c"})).unwrap();
+        let s = sandbox_edited(|s| {
+            linux(s).set_intel_rdt(Some(rdt));
+        });
+        assert!(s.validate_sandbox(Backend::Vm).unwrap_err().to_string().contains("linux.intelRdt"));
+        let null = spec(json!({"linux": {"intelRdt": null, "namespaces": [{"type": "pid"}, {"type": "ipc"}]}}));
+        assert!(null.validate_sandbox(Backend::Vm).is_ok());
     }
 
     #[test]
     fn container_namespaces_of_the_sandbox_are_dropped() {
         let s = spec(json!({
-            "process": {"args": ["sh"]},
+            "process": process(&["sh"]),
             "linux": {"namespaces": [
                 {"type": "pid"},
                 {"type": "network", "path": "/proc/42/ns/net"},
                 {"type": "ipc", "path": "/proc/42/ns/ipc"},
                 {"type": "uts", "path": "/proc/42/ns/uts"},
-                {"type": "mount"}
+                {"type": "mount"},
+                {"type": "cgroup", "path": ""}
             ]}
         }));
-        let out: Value = serde_json::from_slice(&s.translate_container(42, Backend::Namespace).unwrap()).unwrap();
-        assert_eq!(out["linux"]["namespaces"], json!([{"type": "pid"}, {"type": "mount"}]));
-        assert_eq!(out["process"]["args"], json!(["sh"]));
+        let out = s.translate_container(42, Backend::Vm).unwrap();
+        assert_eq!(namespaces(&out), vec![(Pid, None), (Mount, None), (Cgroup, Some(PathBuf::new()))]);
+        assert_eq!(out.process().as_ref().unwrap().args().as_deref(), Some(&["sh".to_string()][..]));
+        // Everything else is the spec as it came; the bundle's own spec is untouched.
+        let mut want = s.spec().clone();
+        want.linux_mut().as_mut().unwrap().set_namespaces(out.linux().as_ref().unwrap().namespaces().clone());
+        assert_eq!(out, want);
+        assert_eq!(namespaces(s.spec()).len(), 6);
+        let mnt = spec(json!({"linux": {"namespaces": [{"type": "mount", "path": "/proc/42/ns/mnt"}]}}));
+        assert_eq!(namespaces(&mnt.translate_container(42, Backend::Namespace).unwrap()), vec![]);
     }
 
     #[test]
     fn foreign_namespace_paths_are_refused() {
-        let s = spec(json!({"linux": {"namespaces": [
-            {"type": "network", "path": "/proc/7/ns/net"}
-        ]}}));
-        let err = s.translate_container(42, Backend::Namespace).unwrap_err();
-        assert!(err.to_string().contains("linux.namespaces[type=network].path"), "{err}");
+        for path in ["/proc/7/ns/net", "/proc/42/ns/ipc", "/var/run/netns/other"] {
+            let s = spec(json!({"linux": {"namespaces": [{"type": "network", "path": path}]}}));
+            let err = s.translate_container(42, Backend::Namespace).unwrap_err().to_string();
+            assert!(err.contains("linux.namespaces[type=network].path") && err.contains(path), "{err}");
+        }
     }
 
     #[test]
     fn exec_process_needs_args() {
+        let json = |args: &[&str]| serde_json::to_vec(&process(args)).unwrap();
         for backend in [Backend::Vm, Backend::Namespace] {
-            assert!(exec_process_json(br#"{"args":["ls"]}"#, backend).is_ok());
-            assert!(exec_process_json(br#"{"args":[]}"#, backend).is_err());
-            assert!(exec_process_json(b"not json", backend).is_err());
+            let out = exec_process_json(&json(&["ls"]), backend).unwrap();
+            let parsed: Process = serde_json::from_slice(&out).unwrap();
+            assert_eq!(parsed, process(&["ls"]));
+            let err = exec_process_json(&json(&[]), backend).unwrap_err().to_string();
+            assert!(err.contains("process.args"), "{err}");
+            assert!(exec_process_json(br#"{"cwd": "/", "user": {"uid": 0, "gid": 0}}"#, backend).is_err());
+            let err = exec_process_json(b"not json", backend).unwrap_err().to_string();
+            assert!(err.starts_with("OCI spec exec process: "), "{err}");
+            let err = exec_process_json(br#"{"args": ["ls"]}"#, backend).unwrap_err().to_string();
+            assert!(err.contains("missing field"), "{err}");
         }
     }
 
     #[test]
     fn the_vm_backend_keeps_cgroup_namespaces_the_namespace_backend_refuses_them() {
-        let mut v = sandbox_spec();
-        v["linux"]["namespaces"].as_array_mut().unwrap().push(json!({"type": "cgroup"}));
-        assert!(spec(v.clone()).validate_sandbox(Backend::Vm).is_ok());
-        let err = spec(v).validate_sandbox(Backend::Namespace).unwrap_err().to_string();
+        let s = sandbox_edited(|s| linux(s).namespaces_mut().as_mut().unwrap().push(ns(Cgroup, None)));
+        assert!(s.validate_sandbox(Backend::Vm).is_ok());
+        let err = s.validate_sandbox(Backend::Namespace).unwrap_err().to_string();
         assert!(err.contains("linux.namespaces[type=cgroup]") && err.contains("namespace backend"), "{err}");
-        let c = spec(json!({"process": {"args": ["sh"]}, "linux": {"namespaces": [{"type": "cgroup"}]}}));
-        let out: Value = serde_json::from_slice(&c.translate_container(42, Backend::Vm).unwrap()).unwrap();
-        assert_eq!(out["linux"]["namespaces"], json!([{"type": "cgroup"}]));
-        let err = spec(json!({"linux": {"namespaces": [{"type": "user"}]}})).validate_sandbox(Backend::Vm);
-        assert!(err.unwrap_err().to_string().contains("type=user"));
+        let c = spec(json!({"process": process(&["sh"]), "linux": {"namespaces": [{"type": "cgroup"}]}}));
+        assert_eq!(namespaces(&c.translate_container(42, Backend::Vm).unwrap()), vec![(Cgroup, None)]);
+        for typ in ["user", "time"] {
+            for backend in [Backend::Vm, Backend::Namespace] {
+                let s = spec(json!({"linux": {"namespaces": [{"type": typ}]}}));
+                let err = s.validate_sandbox(backend).unwrap_err().to_string();
+                assert!(err.contains(&format!("type={typ}")), "{err}");
+                assert!(s.translate_container(42, backend).is_err());
+            }
+        }
     }
 
     #[test]
     fn the_vm_backend_drops_the_hosts_lsm_labels() {
+        let mut p = process(&["sh"]);
+        p.set_apparmor_profile(Some("cri-containerd.apparmor.d".into()));
+        p.set_selinux_label(Some("system_u:x".into()));
+        let c = spec(
+            json!({"process": p, "linux": {"mountLabel": "system_u:object_r:x", "namespaces": [{"type": "pid"}]}}),
+        );
+        let out = c.translate_container(42, Backend::Vm).unwrap();
+        assert_eq!(out.process().as_ref(), Some(&process(&["sh"])));
+        assert_eq!(out.linux().as_ref().unwrap().mount_label(), &None);
+        assert_eq!(namespaces(&out), vec![(Pid, None)], "the rest of linux stays");
+        let kept = c.translate_container(42, Backend::Namespace).unwrap();
+        assert_eq!(&kept, c.spec(), "the host applies its own labels");
+
+        let mut exec = process(&["ls"]);
+        exec.set_apparmor_profile(Some("p".into()));
+        exec.set_selinux_label(Some("l".into()));
+        let json = serde_json::to_vec(&exec).unwrap();
+        let out: Process = serde_json::from_slice(&exec_process_json(&json, Backend::Vm).unwrap()).unwrap();
+        assert_eq!(out, process(&["ls"]));
+        let kept: Process = serde_json::from_slice(&exec_process_json(&json, Backend::Namespace).unwrap()).unwrap();
+        assert_eq!(kept, exec);
+    }
+
+    #[test]
+    fn what_goes_to_the_agent_parses_back_to_the_same_spec() {
         let c = spec(json!({
-            "process": {"args": ["sh"], "apparmorProfile": "cri-containerd.apparmor.d", "selinuxLabel": "system_u:x"},
-            "linux": {"mountLabel": "system_u:object_r:x"}
+            "ociVersion": "1.1.0",
+            "process": process(&["sh"]),
+            "root": {"path": "rootfs", "readonly": true},
+            "mounts": [{"destination": "/data", "type": "bind", "source": "/v", "options": ["rbind", "ro"]}],
+            "annotations": {CONTAINER_TYPE: "container", SANDBOX_ID: "sb1"},
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "uts", "path": "/proc/42/ns/uts"}]}
         }));
-        let out: Value = serde_json::from_slice(&c.translate_container(42, Backend::Vm).unwrap()).unwrap();
-        assert_eq!(out["process"], json!({"args": ["sh"]}));
-        assert_eq!(out["linux"], json!({}));
-        let kept: Value = serde_json::from_slice(&c.translate_container(42, Backend::Namespace).unwrap()).unwrap();
-        assert_eq!(kept["process"]["apparmorProfile"], "cri-containerd.apparmor.d", "the host applies its own");
-        let exec = br#"{"args":["ls"],"apparmorProfile":"p","selinuxLabel":"l"}"#;
-        let out: Value = serde_json::from_slice(&exec_process_json(exec, Backend::Vm).unwrap()).unwrap();
-        assert_eq!(out, json!({"args": ["ls"]}));
-        assert_eq!(exec_process_json(exec, Backend::Namespace).unwrap(), exec.to_vec());
+        for backend in [Backend::Vm, Backend::Namespace] {
+            let out = c.translate_container(42, backend).unwrap();
+            assert_eq!(BundleSpec::from_bytes(&encode(&out).unwrap()).unwrap().spec(), &out);
+        }
+        assert_eq!(namespaces(c.spec()), vec![(Pid, None), (Uts, Some("/proc/42/ns/uts".into()))]);
     }
 
     #[test]
@@ -593,8 +781,6 @@ mod tests {
         assert!(parse_size_limits(&long, MAX).unwrap_err().contains("longer than"));
         let many: Vec<String> = (0..129).map(|i| format!("v{i}=1Mi")).collect();
         assert!(parse_size_limits(&many.join(","), MAX).unwrap_err().contains("more than 128"));
-        let s = spec(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: 5}}));
-        assert!(s.emptydir_size_limits(MAX).unwrap_err().to_string().contains("not a string"));
         // The node's ceiling: an annotation above it is refused, naming the ceiling.
         let err = parse_size_limits("scratch=2Gi", 1 << 30).unwrap_err();
         assert!(err.contains("outside 1Mi..=1Gi"), "{err}");
@@ -605,7 +791,18 @@ mod tests {
     fn malformed_bundle_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), b"{").unwrap();
-        assert!(BundleSpec::load(dir.path()).is_err());
+        let err = BundleSpec::load(dir.path()).unwrap_err().to_string();
+        assert!(err.starts_with("OCI spec ") && err.contains("config.json: EOF"), "{err}");
         assert!(BundleSpec::load(&dir.path().join("missing")).is_err());
+        // Well-formed JSON that is no OCI spec: the error names the field.
+        std::fs::write(dir.path().join("config.json"), br#"{"linux": {"namespaces": [{"type": "bogus"}]}}"#).unwrap();
+        let err = BundleSpec::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("unknown variant `bogus`"), "{err}");
+        std::fs::write(dir.path().join("config.json"), br#"{"process": {"args": ["sh"]}}"#).unwrap();
+        let err = BundleSpec::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("missing field `user`"), "{err}");
+        // The size limit holds before any parse.
+        std::fs::write(dir.path().join("config.json"), vec![b' '; MAX_SPEC_BYTES as usize + 1]).unwrap();
+        assert!(BundleSpec::load(dir.path()).unwrap_err().to_string().contains("larger than"));
     }
 }

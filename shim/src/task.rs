@@ -261,7 +261,7 @@ impl TaskService {
             return Err(not_here());
         }
         let sandbox = self.running_sandbox().await.ok_or_else(not_here)?;
-        let spec_json = spec.translate_container(sandbox.pid(), sandbox.backend())?;
+        let spec = spec.translate_container(sandbox.pid(), sandbox.backend())?;
         let bundle = Path::new(&req.bundle);
         BundleRecord {
             state_dir: config.state_dir.clone(),
@@ -272,17 +272,17 @@ impl TaskService {
         .write(bundle)
         .map_err(|e| TaskError::Internal(format!("write bundle record: {e}")))?;
 
-        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs, spec_json).await?;
+        let plan = sandbox.prepare_container(&req.id, &bundle.join("rootfs"), &req.rootfs, spec).await?;
         let agent = sandbox.agent();
-        let create = pb::CreateContainerRequest {
-            container_id: req.id.clone(),
-            oci_spec_json: plan.spec_json,
-            rootfs_path: plan.rootfs_path.display().to_string(),
-            rootfs_mounts: plan.rootfs_mounts,
-            stdio: Some(crate::trans::stdio_config(&stdio)).into(),
-            ..Default::default()
-        };
         let attach = async {
+            let create = pb::CreateContainerRequest {
+                container_id: req.id.clone(),
+                oci_spec_json: spec::encode(&plan.spec)?,
+                rootfs_path: plan.rootfs_path.display().to_string(),
+                rootfs_mounts: plan.rootfs_mounts,
+                stdio: Some(crate::trans::stdio_config(&stdio)).into(),
+                ..Default::default()
+            };
             let pid = agent.create_container(create).await?;
             let session = IoSession::attach(&agent, &req.id, None, &stdio, self.metrics.output_drops())
                 .await

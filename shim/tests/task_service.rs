@@ -28,6 +28,7 @@ use containerd_shim::protos::protobuf::MessageDyn;
 use containerd_shim::protos::types::mount::Mount;
 use containerd_shim::protos::types::task::Status;
 use containerd_shim::{ExitSignal, Task, TtrpcContext};
+use oci_spec::runtime::Spec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
@@ -189,12 +190,12 @@ impl Sandbox for FakeSandbox {
         id: &str,
         _: &Path,
         _: &[Mount],
-        spec_json: Vec<u8>,
+        spec: Spec,
     ) -> Result<ContainerPlan, SandboxError> {
         Ok(ContainerPlan {
             rootfs_path: self.rootfs_dir.join(id),
             rootfs_mounts: vec![pb::Mount { source: "overlay".into(), destination: "/".into(), ..Default::default() }],
-            spec_json,
+            spec,
         })
     }
     async fn release_container(&self, _: &str) -> Result<(), SandboxError> {
@@ -325,7 +326,7 @@ impl Harness {
         };
         let spec = serde_json::json!({
             "annotations": annotations,
-            "process": {"args": ["sh"]},
+            "process": {"args": ["sh"], "user": {"uid": 0, "gid": 0}, "cwd": "/"},
             "linux": {"namespaces": namespaces}
         });
         std::fs::write(bundle.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
@@ -392,7 +393,8 @@ impl Harness {
     async fn exec(&self, id: &str, exec_id: &str, args: &[&str]) -> ttrpc::Result<()> {
         let spec = Any {
             type_url: "types.containerd.io/opencontainers/runtime-spec/1/Process".into(),
-            value: serde_json::to_vec(&serde_json::json!({ "args": args })).unwrap(),
+            value: serde_json::to_vec(&serde_json::json!({ "args": args, "user": {"uid": 0, "gid": 0}, "cwd": "/" }))
+                .unwrap(),
             ..Default::default()
         };
         let req = ExecProcessRequest {

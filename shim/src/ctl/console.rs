@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::{io_err, pods, CtlError, Outcome};
 use crate::sandbox::paths::PodPaths;
 use crate::sandbox::vm::console::open_log;
-use crate::sandbox::vm::layout::VmLayout;
+use crate::sandbox::vm::pod_dirs::VmLayout;
 
 /// How much of the log a look shows (and `-f` starts with).
 const SHOW_MAX: u64 = 1 << 20;

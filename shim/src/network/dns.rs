@@ -24,14 +24,9 @@ pub enum DnsError {
 /// The host file the sandbox spec mounts at /etc/resolv.conf, if any.
 pub fn resolv_conf_source(spec: &BundleSpec) -> Option<PathBuf> {
     // The last mount of a destination is the one a container sees.
-    let mount = spec
-        .value
-        .get("mounts")?
-        .as_array()?
-        .iter()
-        .rev()
-        .find(|m| m.get("destination").and_then(serde_json::Value::as_str) == Some(RESOLV_CONF))?;
-    mount.get("source")?.as_str().map(PathBuf::from)
+    let mounts = spec.spec().mounts().as_ref()?;
+    let mount = mounts.iter().rev().find(|m| m.destination().as_os_str() == RESOLV_CONF)?;
+    mount.source().clone()
 }
 
 /// The pod's resolv.conf bytes; empty when the spec names none (the agent then leaves DNS alone).
@@ -58,8 +53,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn spec(mounts: serde_json::Value) -> BundleSpec {
-        BundleSpec { value: json!({ "mounts": mounts }) }
+    fn spec(mounts: impl serde::Serialize) -> BundleSpec {
+        BundleSpec::from_bytes(&serde_json::to_vec(&json!({ "mounts": mounts })).unwrap()).unwrap()
     }
 
     #[test]
@@ -78,7 +73,7 @@ mod tests {
     #[test]
     fn no_mount_means_no_dns_config() {
         assert!(pod_resolv_conf(&spec(json!([]))).unwrap().is_empty());
-        assert!(pod_resolv_conf(&BundleSpec { value: json!({}) }).unwrap().is_empty());
+        assert!(pod_resolv_conf(&BundleSpec::from_bytes(b"{}").unwrap()).unwrap().is_empty());
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! namespaces, no VM isolation) and [`vm`] (one jailed microVM per pod). Everything above this
 //! trait is the same code on both backends; [`supervise`] is what both do with their host
 //! processes, [`cgroups`] and [`cgroup_stats`] the pod's host cgroups, [`mounts`] and [`paths`]
-//! what teardown finds on the host, [`emptydir`] the disks that hold size-limited emptyDirs
-//! (both backends, before their own sharing of a container's volumes).
+//! what teardown finds on the host ([`mounts`] also the rules both backends' container mounts
+//! share), [`emptydir`] the disks that hold size-limited emptyDirs (both backends, before their
+//! own sharing of a container's volumes). A container's OCI spec travels through them typed
+//! (`oci_spec::runtime::Spec`, [`crate::spec`]) and is encoded once, by the Task service.
 
 pub mod cgroup_stats;
 pub mod cgroups;
@@ -23,6 +25,7 @@ use async_trait::async_trait;
 
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
+use oci_spec::runtime::Spec;
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Backend, Config};
@@ -48,7 +51,7 @@ pub enum SandboxError {
     #[error("VMM API: {0}")]
     VmmApi(Box<vm::api::ApiError>),
     #[error("sharing with the VM: {0}")]
-    Share(Box<vm::share::ShareError>),
+    Share(Box<mounts::MountError>),
     #[error("size-limited emptyDir: {0}")]
     EmptyDir(Box<emptydir::EmptyDirError>),
     #[error(transparent)]
@@ -63,8 +66,8 @@ impl From<vm::api::ApiError> for SandboxError {
     }
 }
 
-impl From<vm::share::ShareError> for SandboxError {
-    fn from(e: vm::share::ShareError) -> Self {
+impl From<mounts::MountError> for SandboxError {
+    fn from(e: mounts::MountError) -> Self {
         Self::Share(Box::new(e))
     }
 }
@@ -93,12 +96,13 @@ pub struct SandboxRequest {
 
 /// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)
 /// after performing `rootfs_mounts` (each relative to it), and the OCI spec to run, as the
-/// backend adapted it (the vm backend points bind-mount sources into the pod's shared directory).
+/// backend adapted it (bind-mount sources point where the agent sees them: the pod's shared
+/// directory in the VM, or the pod's view on the host). The Task service encodes the spec.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContainerPlan {
     pub rootfs_path: PathBuf,
     pub rootfs_mounts: Vec<pb::Mount>,
-    pub spec_json: Vec<u8>,
+    pub spec: Spec,
 }
 
 /// Lifecycle of a sandbox, kept by each backend.
@@ -131,13 +135,13 @@ pub trait Sandbox: Send + Sync {
     /// Prepares the host side of a new container (its rootfs and volumes, and what teardown
     /// must find after a crash) and plans how the agent gets the rootfs from containerd's rootfs
     /// mounts (or, when there are none, the bundle's `rootfs` directory containerd prepared) and
-    /// which spec (`spec_json`, adapted as the backend needs) it runs.
+    /// which spec (`spec`, adapted as the backend needs) it runs.
     async fn prepare_container(
         &self,
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec_json: Vec<u8>,
+        spec: Spec,
     ) -> Result<ContainerPlan, SandboxError>;
 
     /// Removes what [`Sandbox::prepare_container`] left on the host; idempotent. The agent
@@ -230,8 +234,8 @@ async fn remove_pod_state(paths: &paths::PodPaths) {
 async fn redirect_emptydirs(
     emptydirs: &Arc<emptydir::PodEmptyDirs>,
     container_id: &str,
-    mut spec: serde_json::Value,
-) -> Result<serde_json::Value, SandboxError> {
+    mut spec: Spec,
+) -> Result<Spec, SandboxError> {
     let disks = emptydirs.clone();
     tokio::task::spawn_blocking(move || disks.redirect(&mut spec).map(|()| spec))
         .await

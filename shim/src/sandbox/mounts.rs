@@ -1,19 +1,144 @@
 //! Host mounts a pod may leave behind, found from `/proc/self/mountinfo` and lazily unmounted
-//! (teardown and `delete` after a crash). Never wider than the directory asked for. Also what
-//! counts as a bind mount in an OCI spec, for every module that handles the spec's host paths.
+//! (teardown and `delete` after a crash). Never wider than the directory asked for.
+//!
+//! Also the rules both backends follow when they mount a container's rootfs and volumes on the
+//! host ([`super::namespace_mounts`], [`super::vm::share`]): what counts as a bind mount in an
+//! OCI spec and which host path it names, fstab-style options as mount flags, containerd's
+//! rootfs mounts, mount points made without following links, their removal, and the errors.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use nix::mount::{umount2, MntFlags};
-use serde_json::Value;
-use tracing::debug;
+use containerd_shim::protos::types::mount::Mount as RootfsMount;
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use oci_spec::runtime::Mount;
+use tracing::{debug, warn};
+
+/// What mounting a container's rootfs and volumes on the host fails with.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("container id {0:?} is not a plain id")]
+    Id(String),
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("mount {what} at {target}: {source}")]
+    Mount { what: String, target: PathBuf, source: Errno },
+    #[error("OCI spec mounts[{index}]: {reason}")]
+    Spec { index: usize, reason: String },
+    #[error("mount point {destination} in the read-only rootfs: {reason}")]
+    MountPoint { destination: String, reason: String },
+}
+
+pub fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> MountError {
+    let path = path.to_owned();
+    move |source| MountError::Io { what, path, source }
+}
+
+pub fn mount_err(what: impl Into<String>, target: &Path) -> impl FnOnce(Errno) -> MountError {
+    let (what, target) = (what.into(), target.to_owned());
+    move |source| MountError::Mount { what, target, source }
+}
 
 /// Whether an OCI spec mount binds a host path (by its type, or a `bind`/`rbind` option).
-pub fn is_bind(m: &Value) -> bool {
-    m.get("type").and_then(Value::as_str) == Some("bind")
-        || m.get("options")
-            .and_then(Value::as_array)
-            .is_some_and(|o| o.iter().any(|v| matches!(v.as_str(), Some("bind" | "rbind"))))
+pub fn is_bind(m: &Mount) -> bool {
+    m.typ().as_deref() == Some("bind") || options_of(m).iter().any(|o| o == "bind" || o == "rbind")
+}
+
+/// An OCI spec mount's options (none: empty).
+pub fn options_of(m: &Mount) -> &[String] {
+    m.options().as_deref().unwrap_or_default()
+}
+
+/// The host path the spec's `index`-th mount, a bind, names, and whether it is a directory.
+/// Refused unless it is absolute and exists.
+pub fn bind_source(index: usize, m: &Mount) -> Result<(PathBuf, bool), MountError> {
+    let bad = |reason: String| MountError::Spec { index, reason };
+    let source = m.source().clone().unwrap_or_default();
+    if !source.is_absolute() {
+        return Err(bad(format!("bind source {:?} is not an absolute host path", source.display())));
+    }
+    let meta = std::fs::metadata(&source).map_err(|e| bad(format!("bind source {}: {e}", source.display())))?;
+    Ok((source, meta.is_dir()))
+}
+
+/// fstab-style options (`ro`, `rbind`, `lowerdir=...`) as mount flags and filesystem data.
+pub fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
+    let mut flags = MsFlags::empty();
+    let mut data = Vec::new();
+    for option in options {
+        match option.as_str() {
+            "ro" => flags.insert(MsFlags::MS_RDONLY),
+            "rw" => flags.remove(MsFlags::MS_RDONLY),
+            "bind" => flags.insert(MsFlags::MS_BIND),
+            "rbind" => flags.insert(MsFlags::MS_BIND | MsFlags::MS_REC),
+            "nosuid" => flags.insert(MsFlags::MS_NOSUID),
+            "nodev" => flags.insert(MsFlags::MS_NODEV),
+            "noexec" => flags.insert(MsFlags::MS_NOEXEC),
+            "noatime" => flags.insert(MsFlags::MS_NOATIME),
+            "relatime" => flags.insert(MsFlags::MS_RELATIME),
+            // Propagation is the container's business (the agent's libcontainer applies it);
+            // defaults name no change.
+            "rprivate" | "private" | "rslave" | "slave" | "rshared" | "shared" | "defaults" | "suid" | "dev"
+            | "exec" | "async" => {}
+            other => data.push(other.to_string()),
+        }
+    }
+    (flags, (!data.is_empty()).then(|| data.join(",")))
+}
+
+/// Mounts containerd's rootfs `mounts` (an overlay of the snapshot's layers, usually one) at
+/// `target`.
+pub fn mount_rootfs(mounts: &[RootfsMount], target: &Path) -> Result<(), MountError> {
+    for m in mounts {
+        let (flags, data) = parse_options(&m.options);
+        let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
+        mount(Some(m.source.as_str()), target, fstype, flags, data.as_deref())
+            .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), target))?;
+    }
+    Ok(())
+}
+
+/// Changes only the flags (propagation, a remount) of the mount at `target`.
+pub fn flags_only(target: &Path, flags: MsFlags, what: &str) -> Result<(), MountError> {
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(mount_err(what, target))
+}
+
+/// Creates `path` as an empty directory, or an empty file if `file`, with no symlink followed.
+pub fn make_point(path: &Path, file: bool) -> Result<(), MountError> {
+    if file {
+        use nix::fcntl::OFlag;
+        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        nix::fcntl::open(path, flags, nix::sys::stat::Mode::from_bits_truncate(0o644))
+            .map(drop)
+            .map_err(|e| MountError::Io { what: "create", path: path.to_owned(), source: e.into() })
+    } else {
+        std::fs::DirBuilder::new().mode(0o755).create(path).map_err(io("create", path))
+    }
+}
+
+/// Removes `dir` bottom-up, only empty directories and empty files: the mount points a backend
+/// made for a container. Anything else (a mount that came back, data) stays and is reported.
+pub fn remove_mount_points(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => remove_mount_points(&path),
+                Ok(t) if t.is_file() && entry.metadata().is_ok_and(|m| m.len() == 0) => {
+                    if let Err(e) = std::fs::remove_file(&path) {
+                        warn!(path = %path.display(), "remove mount point: {e}");
+                    }
+                }
+                _ => warn!(path = %path.display(), "not a mount point of ours; left"),
+            }
+        }
+    }
+    if let Err(e) = std::fs::remove_dir(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            warn!(path = %dir.display(), "remove: {e}");
+        }
+    }
 }
 
 /// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
@@ -53,6 +178,18 @@ pub fn unmount_all(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oci_spec::runtime::MountBuilder;
+
+    fn oci_mount(typ: Option<&str>, source: &str, options: &[&str]) -> Mount {
+        let mut m = MountBuilder::default()
+            .destination("/d")
+            .source(source)
+            .options(options.iter().map(|o| o.to_string()).collect::<Vec<_>>())
+            .build()
+            .unwrap();
+        m.set_typ(typ.map(str::to_string));
+        m
+    }
 
     #[test]
     fn unmount_scope_is_never_the_whole_host() {
@@ -65,5 +202,74 @@ mod tests {
     fn mountinfo_escapes_are_undone() {
         assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
+    }
+
+    #[test]
+    fn options_split_into_flags_and_data() {
+        let (flags, data) = parse_options(&["ro".into(), "lowerdir=/a:/b".into(), "index=off".into()]);
+        assert_eq!(flags, MsFlags::MS_RDONLY);
+        assert_eq!(data.as_deref(), Some("lowerdir=/a:/b,index=off"));
+        let (flags, data) = parse_options(&["rbind".into(), "rprivate".into(), "rw".into()]);
+        assert_eq!(flags, MsFlags::MS_BIND | MsFlags::MS_REC);
+        assert_eq!(data, None);
+    }
+
+    #[test]
+    fn binds_are_found_by_type_or_option() {
+        assert!(is_bind(&oci_mount(Some("bind"), "/a", &[])));
+        assert!(is_bind(&oci_mount(None, "/a", &["rbind", "ro"])));
+        assert!(is_bind(&oci_mount(Some("none"), "/a", &["bind"])));
+        assert!(!is_bind(&oci_mount(Some("tmpfs"), "tmpfs", &["nosuid"])));
+        let mut no_options = oci_mount(Some("proc"), "proc", &[]);
+        no_options.set_options(None);
+        assert!(!is_bind(&no_options));
+        assert!(options_of(&no_options).is_empty());
+    }
+
+    #[test]
+    fn bind_sources_are_absolute_host_paths_that_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("hosts");
+        std::fs::write(&file, b"").unwrap();
+        let source = |s: &Path| oci_mount(Some("bind"), &s.display().to_string(), &["rbind"]);
+        assert_eq!(bind_source(0, &source(dir.path())).unwrap(), (dir.path().to_owned(), true));
+        assert_eq!(bind_source(0, &source(&file)).unwrap(), (file.clone(), false));
+        let err = bind_source(3, &source(Path::new("relative"))).unwrap_err().to_string();
+        assert!(err.starts_with("OCI spec mounts[3]: ") && err.contains("not an absolute host path"), "{err}");
+        let err = bind_source(1, &source(&dir.path().join("gone"))).unwrap_err().to_string();
+        assert!(err.contains("mounts[1]") && err.contains("gone"), "{err}");
+        let mut none = source(dir.path());
+        none.set_source(None);
+        assert!(bind_source(0, &none).is_err());
+    }
+
+    #[test]
+    fn removal_takes_only_empty_mount_points() {
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("c1");
+        std::fs::create_dir_all(dir.join("rootfs")).unwrap();
+        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
+        std::fs::write(dir.join("volumes/1"), b"").unwrap();
+        remove_mount_points(&dir);
+        assert!(!dir.exists());
+        // Data where a mount point should be empty is never removed.
+        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
+        std::fs::write(dir.join("volumes/0/precious"), b"data").unwrap();
+        remove_mount_points(&dir);
+        assert_eq!(std::fs::read(dir.join("volumes/0/precious")).unwrap(), b"data");
+    }
+
+    #[test]
+    fn mount_points_are_made_without_following_links() {
+        let scratch = tempfile::tempdir().unwrap();
+        let target = scratch.path().join("target");
+        std::fs::create_dir(&target).unwrap();
+        std::os::unix::fs::symlink(&target, scratch.path().join("link")).unwrap();
+        assert!(make_point(&scratch.path().join("link"), true).is_err());
+        assert!(make_point(&scratch.path().join("link"), false).is_err());
+        make_point(&scratch.path().join("f"), true).unwrap();
+        make_point(&scratch.path().join("d"), false).unwrap();
+        assert!(scratch.path().join("f").is_file() && scratch.path().join("d").is_dir());
+        assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
     }
 }

@@ -35,6 +35,7 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
+use oci_spec::runtime::Spec;
 use tracing::{info, warn};
 
 use super::cgroups::PodCgroup;
@@ -240,7 +241,7 @@ impl Sandbox for NamespaceSandbox {
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec_json: Vec<u8>,
+        spec: Spec,
     ) -> Result<ContainerPlan, SandboxError> {
         {
             // Recorded before the agent makes the cgroup, so a crash in between still cleans it.
@@ -253,7 +254,6 @@ impl Sandbox for NamespaceSandbox {
         let setup = |what: &str, e: &dyn std::fmt::Display| {
             SandboxError::Setup(format!("container {container_id}: {what}: {e}"))
         };
-        let spec: serde_json::Value = serde_json::from_slice(&spec_json).map_err(|e| setup("OCI spec", &e))?;
         let mut spec = super::redirect_emptydirs(&self.emptydirs, container_id, spec).await?;
         let (pod, id, bundle_rootfs, mounts) =
             (self.mounts.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
@@ -264,9 +264,8 @@ impl Sandbox for NamespaceSandbox {
         .await
         .map_err(|e| setup("mounts", &e))?
         .map_err(|e| setup("mounts", &e))?;
-        let spec_json = serde_json::to_vec(&spec).map_err(|e| setup("OCI spec", &e))?;
         // Everything is mounted already: the agent mounts nothing of the host's.
-        Ok(ContainerPlan { rootfs_path: rootfs, rootfs_mounts: Vec::new(), spec_json })
+        Ok(ContainerPlan { rootfs_path: rootfs, rootfs_mounts: Vec::new(), spec })
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {

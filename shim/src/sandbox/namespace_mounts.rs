@@ -39,65 +39,14 @@ use containerd_shim::protos::types::mount::Mount;
 use nix::errno::Errno;
 use nix::mount::{mount, MsFlags};
 use nix::NixPath;
-use serde_json::Value;
+use oci_spec::runtime::Spec;
 use tracing::warn;
 
-use super::mounts::{is_bind, mounts_below, unmount_all};
+use super::mounts::{
+    bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, options_of,
+    remove_mount_points, unmount_all, MountError,
+};
 use super::paths::PodPaths;
-
-#[derive(Debug, thiserror::Error)]
-pub enum NsMountError {
-    #[error("container id {0:?} is not a plain id")]
-    Id(String),
-    #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
-    #[error("mount {what} at {target}: {source}")]
-    Mount { what: String, target: PathBuf, source: Errno },
-    #[error("OCI spec mounts[{index}]: {reason}")]
-    Spec { index: usize, reason: String },
-}
-
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> NsMountError {
-    let path = path.to_owned();
-    move |source| NsMountError::Io { what, path, source }
-}
-
-fn mount_err(what: impl Into<String>, target: &Path) -> impl FnOnce(Errno) -> NsMountError {
-    let (what, target) = (what.into(), target.to_owned());
-    move |source| NsMountError::Mount { what, target, source }
-}
-
-/// fstab-style options (`ro`, `rbind`, `lowerdir=...`) as mount flags and filesystem data.
-fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
-    let mut flags = MsFlags::empty();
-    let mut data = Vec::new();
-    for option in options {
-        match option.as_str() {
-            "ro" => flags.insert(MsFlags::MS_RDONLY),
-            "rw" => flags.remove(MsFlags::MS_RDONLY),
-            "bind" => flags.insert(MsFlags::MS_BIND),
-            "rbind" => flags.insert(MsFlags::MS_BIND | MsFlags::MS_REC),
-            "nosuid" => flags.insert(MsFlags::MS_NOSUID),
-            "nodev" => flags.insert(MsFlags::MS_NODEV),
-            "noexec" => flags.insert(MsFlags::MS_NOEXEC),
-            "noatime" => flags.insert(MsFlags::MS_NOATIME),
-            "relatime" => flags.insert(MsFlags::MS_RELATIME),
-            // Propagation is the container's business (libcontainer applies it); defaults name
-            // no change.
-            "rprivate" | "private" | "rslave" | "slave" | "rshared" | "shared" | "defaults" | "suid" | "dev"
-            | "exec" | "async" => {}
-            other => data.push(other.to_string()),
-        }
-    }
-    (flags, (!data.is_empty()).then(|| data.join(",")))
-}
-
-fn options_of(m: &Value) -> Vec<String> {
-    m.get("options")
-        .and_then(Value::as_array)
-        .map(|o| o.iter().filter_map(Value::as_str).map(str::to_string).collect())
-        .unwrap_or_default()
-}
 
 /// A path as the C string the mount system calls take.
 fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T, Errno> {
@@ -152,23 +101,6 @@ fn attach_clone(source: &Path, target: &Path, recursive: bool, read_only: bool) 
     Errno::result(rc).map(drop)
 }
 
-/// Creates `path` as an empty directory, or an empty file if `file`, with no symlink followed.
-fn make_point(path: &Path, file: bool) -> Result<(), NsMountError> {
-    if file {
-        use nix::fcntl::OFlag;
-        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        nix::fcntl::open(path, flags, nix::sys::stat::Mode::from_bits_truncate(0o644))
-            .map(drop)
-            .map_err(|e| NsMountError::Io { what: "create", path: path.to_owned(), source: e.into() })
-    } else {
-        std::fs::DirBuilder::new().mode(0o755).create(path).map_err(io("create", path))
-    }
-}
-
-fn flags_only(target: &Path, flags: MsFlags, what: &str) -> Result<(), NsMountError> {
-    mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(mount_err(what, target))
-}
-
 /// The pod's container mounts on the host (module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodMounts {
@@ -190,7 +122,7 @@ impl PodMounts {
 
     /// Makes both directories and their mounts (module docs). Before the launcher starts, so
     /// the agent's copy of `view` receives what is mounted later.
-    pub fn create(&self) -> Result<(), NsMountError> {
+    pub fn create(&self) -> Result<(), MountError> {
         for (dir, mode) in [(&self.mounts, 0o700), (&self.view, 0o755)] {
             std::fs::DirBuilder::new().mode(mode).create(dir).map_err(io("create", dir))?;
         }
@@ -205,8 +137,8 @@ impl PodMounts {
         flags_only(&self.view, MsFlags::MS_SLAVE, "slave")
     }
 
-    fn container_dir(&self, id: &str) -> Result<PathBuf, NsMountError> {
-        bulkhead_protocol::stream::validate_id(id).map_err(|_| NsMountError::Id(id.to_string()))?;
+    fn container_dir(&self, id: &str) -> Result<PathBuf, MountError> {
+        bulkhead_protocol::stream::validate_id(id).map_err(|_| MountError::Id(id.to_string()))?;
         Ok(self.mounts.join(id))
     }
 
@@ -219,8 +151,8 @@ impl PodMounts {
         id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec: &mut Value,
-    ) -> Result<PathBuf, NsMountError> {
+        spec: &mut Spec,
+    ) -> Result<PathBuf, MountError> {
         let dir = self.container_dir(id)?;
         let result = self.prepare_in(&dir, id, bundle_rootfs, mounts, spec);
         if result.is_err() {
@@ -235,8 +167,8 @@ impl PodMounts {
         id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec: &mut Value,
-    ) -> Result<PathBuf, NsMountError> {
+        spec: &mut Spec,
+    ) -> Result<PathBuf, MountError> {
         let seen = self.view.join(id);
         let rootfs = dir.join("rootfs");
         let volumes = dir.join("volumes");
@@ -247,32 +179,21 @@ impl PodMounts {
             mount(Some(bundle_rootfs), &rootfs, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
                 .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), &rootfs))?;
         }
-        for m in mounts {
-            let (flags, data) = parse_options(&m.options);
-            let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
-            mount(Some(m.source.as_str()), &rootfs, fstype, flags, data.as_deref())
-                .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), &rootfs))?;
-        }
+        mount_rootfs(mounts, &rootfs)?;
 
-        let list = spec.pointer_mut("/mounts").and_then(Value::as_array_mut);
-        for (index, m) in list.into_iter().flatten().enumerate() {
+        for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
             if !is_bind(m) {
                 continue;
             }
-            let bad = |reason: String| NsMountError::Spec { index, reason };
-            let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or_default());
-            if !source.is_absolute() {
-                return Err(bad(format!("bind source {:?} is not an absolute host path", source.display())));
-            }
-            let meta = std::fs::metadata(&source).map_err(|e| bad(format!("bind source {}: {e}", source.display())))?;
+            let (source, is_dir) = bind_source(index, m)?;
             let target = volumes.join(index.to_string());
-            make_point(&target, !meta.is_dir())?;
+            make_point(&target, !is_dir)?;
             let options = options_of(m);
             let recursive = options.iter().any(|o| o == "rbind");
             let read_only = options.iter().any(|o| o == "ro");
             attach_clone(&source, &target, recursive, read_only)
                 .map_err(mount_err(format!("volume {}", source.display()), &target))?;
-            m["source"] = Value::String(seen.join("volumes").join(index.to_string()).display().to_string());
+            m.set_source(Some(seen.join("volumes").join(index.to_string())));
         }
         Ok(seen.join("rootfs"))
     }
@@ -292,51 +213,10 @@ impl PodMounts {
     }
 }
 
-/// Removes `dir` bottom-up, only empty directories and empty files: what [`PodMounts::prepare`]
-/// made as mount points. Anything else (a mount that came back, data) stays and is reported.
-fn remove_mount_points(dir: &Path) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let path = entry.path();
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => remove_mount_points(&path),
-                Ok(t) if t.is_file() && entry.metadata().is_ok_and(|m| m.len() == 0) => {
-                    if let Err(e) = std::fs::remove_file(&path) {
-                        warn!(path = %path.display(), "remove mount point: {e}");
-                    }
-                }
-                _ => warn!(path = %path.display(), "not a mount point of ours; left"),
-            }
-        }
-    }
-    if let Err(e) = std::fs::remove_dir(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            warn!(path = %dir.display(), "remove: {e}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn options_split_into_flags_and_data() {
-        let (flags, data) = parse_options(&["ro".into(), "lowerdir=/a:/b".into(), "index=off".into()]);
-        assert_eq!(flags, MsFlags::MS_RDONLY);
-        assert_eq!(data.as_deref(), Some("lowerdir=/a:/b,index=off"));
-        let (flags, data) = parse_options(&["rbind".into(), "rprivate".into(), "rw".into()]);
-        assert_eq!(flags, MsFlags::MS_BIND | MsFlags::MS_REC);
-        assert_eq!(data, None);
-    }
-
-    #[test]
-    fn binds_are_found_by_type_or_option() {
-        assert!(is_bind(&json!({"type": "bind", "source": "/a", "destination": "/b"})));
-        assert!(is_bind(&json!({"source": "/a", "destination": "/b", "options": ["rbind", "ro"]})));
-        assert!(!is_bind(&json!({"type": "tmpfs", "source": "tmpfs", "destination": "/tmp"})));
-    }
 
     #[test]
     fn the_view_is_a_sibling_the_agent_keeps_and_ids_stay_plain() {
@@ -345,23 +225,8 @@ mod tests {
         assert_eq!(pod.view(), Path::new("/run/bh/pod1/view"));
         assert_eq!(pod.container_dir("c1").unwrap(), Path::new("/run/bh/pod1/rootfs/c1"));
         for bad in ["", "..", "a/b", "/x"] {
-            assert!(matches!(pod.container_dir(bad), Err(NsMountError::Id(_))), "{bad:?}");
+            assert!(matches!(pod.container_dir(bad), Err(MountError::Id(_))), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn removal_takes_only_empty_mount_points() {
-        let scratch = tempfile::tempdir().unwrap();
-        let dir = scratch.path().join("c1");
-        std::fs::create_dir_all(dir.join("rootfs")).unwrap();
-        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
-        std::fs::write(dir.join("volumes/1"), b"").unwrap();
-        remove_mount_points(&dir);
-        assert!(!dir.exists());
-        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
-        std::fs::write(dir.join("volumes/0/precious"), b"data").unwrap();
-        remove_mount_points(&dir);
-        assert_eq!(std::fs::read(dir.join("volumes/0/precious")).unwrap(), b"data");
     }
 
     /// Unmounts everything below the test's scratch dir, also when the test fails.
@@ -419,16 +284,17 @@ mod tests {
         std::fs::create_dir_all(&rw).unwrap();
         std::fs::create_dir_all(&ro).unwrap();
         std::fs::write(rw.join("data"), "from-volume\n").unwrap();
-        let mut spec = json!({"mounts": [
+        let mounts = json!({"mounts": [
             {"destination": "/data", "type": "bind", "source": rw, "options": ["rbind", "rw"]},
             {"destination": "/cfg", "type": "bind", "source": ro, "options": ["rbind", "ro"]},
             {"destination": "/proc", "type": "proc", "source": "proc"},
         ]});
+        let mut spec: Spec = serde_json::from_slice(&serde_json::to_vec(&mounts).unwrap()).unwrap();
         let rootfs = pod.prepare("c1", &bundle_rootfs, &[], &mut spec).unwrap();
         assert_eq!(rootfs, view.join("c1/rootfs"));
-        assert_eq!(spec["mounts"][0]["source"], json!(view.join("c1/volumes/0")));
-        assert_eq!(spec["mounts"][1]["source"], json!(view.join("c1/volumes/1")));
-        assert_eq!(spec["mounts"][2]["source"], json!("proc"), "non-bind mounts are left alone");
+        let sources: Vec<_> = spec.mounts().iter().flatten().map(|m| m.source().clone().unwrap()).collect();
+        let want = [view.join("c1/volumes/0"), view.join("c1/volumes/1"), "proc".into()];
+        assert_eq!(sources, want, "the view's paths for binds; non-bind mounts are left alone");
 
         std::io::Write::write_all(&mut &go_w, b"go\n").unwrap();
         drop(go_w);
@@ -445,6 +311,6 @@ mod tests {
             .chain(mounts_below(&view).iter())
             .all(|m| m == &paths.rootfs_dir() || m == &view));
         assert!(!paths.rootfs("c1").exists());
-        assert!(pod.prepare("../x", &bundle_rootfs, &[], &mut json!({})).is_err());
+        assert!(pod.prepare("../x", &bundle_rootfs, &[], &mut Spec::default()).is_err());
     }
 }

@@ -68,7 +68,7 @@ use nix::fcntl::{open, OFlag};
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{fchmod, Mode};
 use nix::unistd::{fchown, unlinkat, Gid, Uid, UnlinkatFlags};
-use serde_json::Value;
+use oci_spec::runtime::Spec;
 use tracing::{info, warn};
 
 use super::mounts::is_bind;
@@ -241,19 +241,18 @@ impl PodEmptyDirs {
 
     /// Points every bind mount of `spec` that is a limited emptyDir of the pod at the pod's
     /// disk for it, made the first time it is asked for; refuses a subPath of one.
-    pub fn redirect(&self, spec: &mut Value) -> Result<(), EmptyDirError> {
+    pub fn redirect(&self, spec: &mut Spec) -> Result<(), EmptyDirError> {
         if self.policy.is_unlimited() {
             return Ok(());
         }
-        let Some(list) = spec.pointer_mut("/mounts").and_then(Value::as_array_mut) else { return Ok(()) };
-        for m in list.iter_mut().filter(|m| is_bind(m)) {
-            let Some(source) = m.get("source").and_then(Value::as_str).map(PathBuf::from) else { continue };
+        for m in spec.mounts_mut().iter_mut().flatten().filter(|m| is_bind(m)) {
+            let Some(source) = m.source().clone() else { continue };
             match self.policy.classify(&source) {
                 Volume::Other => {}
                 Volume::EmptyDir { name } => {
                     let Some(limit) = self.policy.limit_of(name) else { continue };
                     if let Some(point) = self.disk(name, &source, limit)? {
-                        m["source"] = Value::String(point.display().to_string());
+                        m.set_source(Some(point));
                     }
                 }
                 Volume::SubPath { name, volume_dir } => {
@@ -378,12 +377,25 @@ mod tests {
 
     const UID: &str = "5b1e7c2a-0000-4000-8000-000000000001";
 
+    /// A spec as containerd writes it (JSON), parsed as the shim parses it.
+    fn oci(json: impl serde::Serialize) -> Spec {
+        serde_json::from_slice(&serde_json::to_vec(&json).unwrap()).unwrap()
+    }
+
+    fn bundle(json: impl serde::Serialize) -> BundleSpec {
+        BundleSpec::from(oci(json))
+    }
+
+    fn source(spec: &Spec, index: usize) -> PathBuf {
+        spec.mounts().as_ref().unwrap()[index].source().clone().unwrap()
+    }
+
     fn policy(annotation: Option<&str>, default: Option<u64>) -> EmptyDirPolicy {
         let mut annotations = json!({crate::spec::SANDBOX_UID: UID});
         if let Some(value) = annotation {
             annotations[EMPTYDIR_SIZE_LIMITS] = json!(value);
         }
-        let spec = BundleSpec { value: json!({ "annotations": annotations }) };
+        let spec = bundle(json!({ "annotations": annotations }));
         let config = EmptyDirConfig { default_size_limit: default.map(ByteSize), ..Default::default() };
         EmptyDirPolicy::for_pod(&config, &spec).unwrap()
     }
@@ -433,20 +445,17 @@ mod tests {
     #[test]
     fn a_pod_that_cannot_be_matched_or_asks_too_much_is_refused() {
         let config = EmptyDirConfig::default();
-        let no_uid = BundleSpec { value: json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi"}}) };
+        let no_uid = bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi"}}));
         let err = EmptyDirPolicy::for_pod(&config, &no_uid).unwrap_err().to_string();
         assert!(err.contains(EMPTYDIR_SIZE_LIMITS) && err.contains("pod UID"), "{err}");
-        let bad_uid = BundleSpec {
-            value: json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: "../x"}}),
-        };
+        let bad_uid =
+            bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: "../x"}}));
         assert!(EmptyDirPolicy::for_pod(&config, &bad_uid).is_err());
         // No annotation, no uid: nothing to enforce, nothing refused.
-        let plain = BundleSpec { value: json!({}) };
+        let plain = bundle(json!({}));
         assert!(EmptyDirPolicy::for_pod(&config, &plain).unwrap().is_unlimited());
         let capped = EmptyDirConfig { max_size_limit: Some(ByteSize(16 << 20)), ..Default::default() };
-        let big = BundleSpec {
-            value: json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: UID}}),
-        };
+        let big = bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: UID}}));
         let err = EmptyDirPolicy::for_pod(&capped, &big).unwrap_err().to_string();
         assert!(err.contains("outside 1Mi..=16Mi"), "{err}");
     }
@@ -458,7 +467,7 @@ mod tests {
         let disks = PodEmptyDirs::new(&paths, policy(None, None), &EmptyDirConfig::default());
         let source = emptydir("/var/lib/kubelet", UID, "scratch");
         let mut spec =
-            json!({"mounts": [{"destination": "/d", "type": "bind", "source": source, "options": ["rbind"]}]});
+            oci(json!({"mounts": [{"destination": "/d", "type": "bind", "source": source, "options": ["rbind"]}]}));
         let before = spec.clone();
         disks.redirect(&mut spec).unwrap();
         assert_eq!(spec, before);
@@ -501,11 +510,11 @@ mod tests {
         }
     }
 
-    fn spec_with(source: &Path) -> Value {
-        json!({"mounts": [
+    fn spec_with(source: &Path) -> Spec {
+        oci(json!({"mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/data", "type": "bind", "source": source, "options": ["rbind", "rw"]},
-        ]})
+        ]}))
     }
 
     #[test]
@@ -528,8 +537,8 @@ mod tests {
         let mut first = spec_with(&host_dir);
         disks.redirect(&mut first).unwrap();
         let point = paths.emptydir_dir().join("scratch");
-        assert_eq!(first["mounts"][1]["source"], point.display().to_string());
-        assert_eq!(first["mounts"][0]["source"], "proc", "other mounts are left alone");
+        assert_eq!(source(&first, 1), point);
+        assert_eq!(source(&first, 0), Path::new("proc"), "other mounts are left alone");
         let root = std::fs::metadata(&point).unwrap();
         assert_eq!((root.uid(), root.gid(), root.mode() & 0o7777), (0, 2000, 0o2777), "kubelet's owner and mode");
         assert_eq!(std::fs::read_dir(&point).unwrap().count(), 0, "empty: no lost+found");
@@ -545,7 +554,7 @@ mod tests {
         // A second container gets the same disk, full as the first left it.
         let mut second = spec_with(&host_dir);
         disks.redirect(&mut second).unwrap();
-        assert_eq!(second["mounts"][1]["source"], point.display().to_string());
+        assert_eq!(source(&second, 1), point);
         assert_eq!(std::fs::metadata(point.join("fill")).unwrap().len(), written);
 
         // Teardown unmounts below the pod's state; the loop device goes by itself.
@@ -580,7 +589,7 @@ mod tests {
         let disks = PodEmptyDirs::new(&paths, policy(Some("mem=8Mi,scratch=8Mi"), None), &config);
         let mut spec = spec_with(&memory);
         disks.redirect(&mut spec).unwrap();
-        assert_eq!(spec["mounts"][1]["source"], memory.display().to_string(), "kubelet's tmpfs, as it is");
+        assert_eq!(source(&spec, 1), memory, "kubelet's tmpfs, as it is");
         assert_eq!(std::fs::read_dir(&memory).unwrap().count(), 0, "no image in memory");
 
         std::fs::create_dir_all(emptydir(&kubelet, UID, "scratch")).unwrap();

@@ -2,7 +2,7 @@
 //! with the agent as PID 1, reached through the VMM's hybrid-vsock Unix socket with the same
 //! CONNECT handshake and `AgentClient` as the namespace backend.
 //!
-//! Start: lay out `<state_dir>/<pod>/` ([`layout`]), size the VM from the pod ([`shape`]), make
+//! Start: lay out `<state_dir>/<pod>/` ([`pod_dirs`]), size the VM from the pod ([`shape`]), make
 //! the pod's shared directory ([`share`]) and start its virtiofsd on a listener in the chroot
 //! ([`virtiofsd`]), spawn `bulkhead-vmm --config vm.json --jail jail.json` as a supervised child
 //! (it jails itself into the chroot, the pod's cgroup and netns, as the configured uid), and dial
@@ -24,7 +24,7 @@
 pub mod api;
 pub mod console;
 pub mod ids;
-pub mod layout;
+pub mod pod_dirs;
 pub mod shape;
 pub mod share;
 pub mod virtiofsd;
@@ -39,10 +39,11 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
+use oci_spec::runtime::Spec;
 use tracing::{error, info, warn, Instrument};
 
 use self::api::VmmApi;
-use self::layout::{VmLayout, VmPlan};
+use self::pod_dirs::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
 use super::cgroups::{self, PodCgroup};
@@ -381,10 +382,8 @@ impl Sandbox for VmSandbox {
         container_id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec_json: Vec<u8>,
+        spec: Spec,
     ) -> Result<ContainerPlan, SandboxError> {
-        let spec: serde_json::Value = serde_json::from_slice(&spec_json)
-            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
         let mut spec = super::redirect_emptydirs(&self.emptydirs, container_id, spec).await?;
         let (share, id, bundle_rootfs, mounts) =
             (self.share.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
@@ -394,9 +393,7 @@ impl Sandbox for VmSandbox {
         })
         .await
         .map_err(|e| SandboxError::Setup(format!("container {container_id}: share: {e}")))??;
-        let spec_json = serde_json::to_vec(&spec)
-            .map_err(|e| SandboxError::Setup(format!("container {container_id}: OCI spec: {e}")))?;
-        Ok(ContainerPlan { rootfs_path: rootfs.into(), rootfs_mounts: Vec::new(), spec_json })
+        Ok(ContainerPlan { rootfs_path: rootfs.into(), rootfs_mounts: Vec::new(), spec })
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {

@@ -22,6 +22,7 @@
 //! go by descriptor where they create ([`make_mount_point`]): nothing there is the guest's, but
 //! an image's symlinks are. Removal unmounts, then removes only the empty mount points it made.
 
+use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Component, Path, PathBuf};
@@ -32,61 +33,16 @@ use nix::errno::Errno;
 use nix::fcntl::{openat, openat2, OFlag, OpenHow, ResolveFlag};
 use nix::mount::{mount, MsFlags};
 use nix::sys::stat::{mkdirat, Mode};
-use serde_json::Value;
+use oci_spec::runtime::{Mount as SpecMount, Spec};
 use tracing::warn;
 
-use super::super::mounts::{is_bind, mounts_below, unmount_all};
-
-#[derive(Debug, thiserror::Error)]
-pub enum ShareError {
-    #[error("container id {0:?} is not a plain id")]
-    Id(String),
-    #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
-    #[error("mount {what} at {target}: {source}")]
-    Mount { what: String, target: PathBuf, source: Errno },
-    #[error("OCI spec mounts[{index}]: {reason}")]
-    Spec { index: usize, reason: String },
-    #[error("mount point {destination} in the read-only rootfs: {reason}")]
-    MountPoint { destination: String, reason: String },
-}
-
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ShareError {
-    let path = path.to_owned();
-    move |source| ShareError::Io { what, path, source }
-}
-
-fn mount_err(what: impl Into<String>, target: &Path) -> impl FnOnce(Errno) -> ShareError {
-    let (what, target) = (what.into(), target.to_owned());
-    move |source| ShareError::Mount { what, target, source }
-}
-
-/// fstab-style options (`ro`, `rbind`, `lowerdir=...`) as mount flags and filesystem data.
-fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
-    let mut flags = MsFlags::empty();
-    let mut data = Vec::new();
-    for option in options {
-        match option.as_str() {
-            "ro" => flags.insert(MsFlags::MS_RDONLY),
-            "rw" => flags.remove(MsFlags::MS_RDONLY),
-            "bind" => flags.insert(MsFlags::MS_BIND),
-            "rbind" => flags.insert(MsFlags::MS_BIND | MsFlags::MS_REC),
-            "nosuid" => flags.insert(MsFlags::MS_NOSUID),
-            "nodev" => flags.insert(MsFlags::MS_NODEV),
-            "noexec" => flags.insert(MsFlags::MS_NOEXEC),
-            "noatime" => flags.insert(MsFlags::MS_NOATIME),
-            "relatime" => flags.insert(MsFlags::MS_RELATIME),
-            // Propagation is the guest's business; defaults name no change.
-            "rprivate" | "private" | "rslave" | "slave" | "rshared" | "shared" | "defaults" | "suid" | "dev"
-            | "exec" | "async" => {}
-            other => data.push(other.to_string()),
-        }
-    }
-    (flags, (!data.is_empty()).then(|| data.join(",")))
-}
+use super::super::mounts::{
+    bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, options_of,
+    remove_mount_points, unmount_all, MountError,
+};
 
 /// Makes `target` (a bind mount, and every mount below it) read-only, keeping its other flags.
-fn remount_read_only(target: &Path) -> Result<(), ShareError> {
+fn remount_read_only(target: &Path) -> Result<(), MountError> {
     use nix::sys::statvfs::{statvfs, FsFlags};
     let mut points = mounts_below(target);
     points.reverse(); // shallowest first
@@ -110,13 +66,6 @@ fn remount_read_only(target: &Path) -> Result<(), ShareError> {
     Ok(())
 }
 
-fn options_of(m: &Value) -> Vec<String> {
-    m.get("options")
-        .and_then(Value::as_array)
-        .map(|o| o.iter().filter_map(Value::as_str).map(str::to_string).collect())
-        .unwrap_or_default()
-}
-
 /// Opens `relative` below `root`, resolving symlinks as if `root` were `/` (never outside it).
 fn open_in_root(root: &OwnedFd, relative: &Path, flags: OFlag) -> Result<OwnedFd, Errno> {
     let how = OpenHow::new()
@@ -129,8 +78,8 @@ fn open_in_root(root: &OwnedFd, relative: &Path, flags: OFlag) -> Result<OwnedFd
 /// Creates `destination` (a directory, or an empty file if `file`) inside the rootfs whose
 /// directory is `root`, resolving the image's symlinks inside the rootfs, as runc's securejoin
 /// does, so an image cannot aim a root-owned mkdir at the host.
-fn make_mount_point(root: &OwnedFd, destination: &str, file: bool) -> Result<(), ShareError> {
-    let refuse = |reason: String| ShareError::MountPoint { destination: destination.to_string(), reason };
+fn make_mount_point(root: &OwnedFd, destination: &str, file: bool) -> Result<(), MountError> {
+    let refuse = |reason: String| MountError::MountPoint { destination: destination.to_string(), reason };
     let mut names = Vec::new();
     for component in Path::new(destination).components() {
         match component {
@@ -184,33 +133,15 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     dir.with_file_name(name)
 }
 
-fn flags_only(target: &Path, flags: MsFlags, what: &str) -> Result<(), ShareError> {
-    mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(mount_err(what, target))
-}
-
-fn bind(source: &Path, target: &Path, flags: MsFlags, what: String) -> Result<(), ShareError> {
+fn bind(source: &Path, target: &Path, flags: MsFlags, what: String) -> Result<(), MountError> {
     mount(Some(source), target, None::<&str>, MsFlags::MS_BIND | flags, None::<&str>).map_err(mount_err(what, target))
 }
 
 /// Moves the mount at `from` (below the private staging dir) to `to` (below `mounts`), where it
 /// propagates to the shared view and virtiofsd with the flags it has now.
-fn move_mount(from: &Path, to: &Path) -> Result<(), ShareError> {
+fn move_mount(from: &Path, to: &Path) -> Result<(), MountError> {
     mount(Some(from), to, None::<&str>, MsFlags::MS_MOVE, None::<&str>)
         .map_err(mount_err(format!("move {}", from.display()), to))
-}
-
-/// Creates `path` as an empty directory, or an empty file if `file`, with no symlink followed.
-fn make_point(path: &Path, file: bool) -> Result<(), ShareError> {
-    if file {
-        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        nix::fcntl::open(path, flags, Mode::from_bits_truncate(0o644)).map(drop).map_err(|e| ShareError::Io {
-            what: "create",
-            path: path.to_owned(),
-            source: e.into(),
-        })
-    } else {
-        std::fs::DirBuilder::new().mode(0o755).create(path).map_err(io("create", path))
-    }
 }
 
 impl SharedDir {
@@ -221,7 +152,7 @@ impl SharedDir {
     /// Makes the three directories and their mounts (module docs): `mounts` a peer group of its
     /// own, `staging` private, and `dir` a read-only slave view of `mounts`. Before virtiofsd
     /// starts, so its copy of `dir` receives what is mounted later.
-    pub fn create(&self) -> Result<(), ShareError> {
+    pub fn create(&self) -> Result<(), MountError> {
         for (d, mode) in [(&self.mounts, 0o700), (&self.staging, 0o700), (&self.dir, 0o755)] {
             std::fs::DirBuilder::new().mode(mode).create(d).map_err(io("create", d))?;
         }
@@ -236,8 +167,8 @@ impl SharedDir {
         flags_only(&self.dir, MsFlags::MS_SLAVE, "slave")
     }
 
-    fn container_dir(&self, id: &str) -> Result<PathBuf, ShareError> {
-        bulkhead_protocol::stream::validate_id(id).map_err(|_| ShareError::Id(id.to_string()))?;
+    fn container_dir(&self, id: &str) -> Result<PathBuf, MountError> {
+        bulkhead_protocol::stream::validate_id(id).map_err(|_| MountError::Id(id.to_string()))?;
         Ok(self.mounts.join(id))
     }
 
@@ -255,8 +186,8 @@ impl SharedDir {
         id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec: &mut Value,
-    ) -> Result<String, ShareError> {
+        spec: &mut Spec,
+    ) -> Result<String, MountError> {
         let dir = self.container_dir(id)?;
         let result = self.prepare_in(&dir, id, bundle_rootfs, mounts, spec);
         if result.is_err() {
@@ -271,8 +202,8 @@ impl SharedDir {
         id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec: &mut Value,
-    ) -> Result<String, ShareError> {
+        spec: &mut Spec,
+    ) -> Result<String, MountError> {
         let guest = Path::new(SHARED_DIR).join(id);
         let rootfs = dir.join("rootfs");
         let volumes = dir.join("volumes");
@@ -281,7 +212,7 @@ impl SharedDir {
         }
 
         // The rootfs: where it is read-only, mounted and finished in staging, then moved.
-        let read_only_root = spec.pointer("/root/readonly").and_then(Value::as_bool) == Some(true);
+        let read_only_root = spec.root().as_ref().and_then(|r| r.readonly()) == Some(true);
         let root_at = if read_only_root { self.staged(id, "rootfs") } else { rootfs.clone() };
         if read_only_root {
             make_point(&root_at, false)?;
@@ -289,12 +220,7 @@ impl SharedDir {
         if mounts.is_empty() {
             bind(bundle_rootfs, &root_at, MsFlags::MS_REC, format!("rootfs {}", bundle_rootfs.display()))?;
         }
-        for m in mounts {
-            let (flags, data) = parse_options(&m.options);
-            let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
-            mount(Some(m.source.as_str()), &root_at, fstype, flags, data.as_deref())
-                .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), &root_at))?;
-        }
+        mount_rootfs(mounts, &root_at)?;
         if read_only_root {
             // Mount points a read-only rootfs needs: every destination, a file where a file is
             // bound (the guest's runtime cannot make them in a read-only tree).
@@ -307,39 +233,33 @@ impl SharedDir {
             move_mount(&root_at, &rootfs)?;
         }
 
-        let list = spec.pointer_mut("/mounts").and_then(Value::as_array_mut);
-        for (index, m) in list.into_iter().flatten().enumerate() {
+        for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
             if !is_bind(m) {
                 continue;
             }
-            if m.get("destination").and_then(Value::as_str) == Some(POD_SHM) {
+            if is_pod_shm(m) {
                 // The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
                 // containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would
                 // be neither a tmpfs to the container nor memory of the guest.
-                m["source"] = Value::String(POD_SHM.into());
+                m.set_source(Some(POD_SHM.into()));
                 continue;
             }
-            let bad = |reason: String| ShareError::Spec { index, reason };
-            let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or_default());
-            if !source.is_absolute() {
-                return Err(bad(format!("bind source {:?} is not an absolute host path", source.display())));
-            }
-            let meta = std::fs::metadata(&source).map_err(|e| bad(format!("bind source {}: {e}", source.display())))?;
+            let (source, is_dir) = bind_source(index, m)?;
             let target = volumes.join(index.to_string());
-            make_point(&target, !meta.is_dir())?;
+            make_point(&target, !is_dir)?;
             let options = options_of(m);
             let recursive = if options.iter().any(|o| o == "rbind") { MsFlags::MS_REC } else { MsFlags::empty() };
             let what = format!("volume {}", source.display());
             if options.iter().any(|o| o == "ro") {
                 let staged = self.staged(id, &format!("volume-{index}"));
-                make_point(&staged, !meta.is_dir())?;
+                make_point(&staged, !is_dir)?;
                 bind(&source, &staged, recursive, what)?;
                 remount_read_only(&staged)?;
                 move_mount(&staged, &target)?;
             } else {
                 bind(&source, &target, recursive, what)?;
             }
-            m["source"] = Value::String(guest.join("volumes").join(index.to_string()).display().to_string());
+            m.set_source(Some(guest.join("volumes").join(index.to_string())));
         }
         self.clear_staging(id);
         Ok(guest.join("rootfs").display().to_string())
@@ -380,44 +300,25 @@ impl SharedDir {
     }
 }
 
+/// Whether `m` is the mount of the pod's /dev/shm (the destination exactly as containerd names it).
+fn is_pod_shm(m: &SpecMount) -> bool {
+    m.destination().as_os_str() == OsStr::new(POD_SHM)
+}
+
 /// The destinations of `spec`'s mounts, each with whether a file is bound there.
-fn mount_points(spec: &Value) -> Vec<(String, bool)> {
-    let list = spec.pointer("/mounts").and_then(Value::as_array);
-    list.into_iter()
+fn mount_points(spec: &Spec) -> Vec<(String, bool)> {
+    spec.mounts()
+        .iter()
         .flatten()
         .map(|m| {
-            let destination = m.get("destination").and_then(Value::as_str).unwrap_or_default().to_string();
-            let source = m.get("source").and_then(Value::as_str).map(Path::new);
+            let destination = m.destination().to_string_lossy().into_owned();
+            let source = m.source().as_deref();
             let file = is_bind(m)
-                && destination != POD_SHM
+                && !is_pod_shm(m)
                 && source.is_some_and(|s| s.is_absolute() && std::fs::metadata(s).is_ok_and(|m| !m.is_dir()));
             (destination, file)
         })
         .collect()
-}
-
-/// Removes `dir` bottom-up, only empty directories and empty files: what [`SharedDir::prepare`]
-/// made as mount points. Anything else (a mount that came back, data) stays and is reported.
-fn remove_mount_points(dir: &Path) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let path = entry.path();
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => remove_mount_points(&path),
-                Ok(t) if t.is_file() && entry.metadata().is_ok_and(|m| m.len() == 0) => {
-                    if let Err(e) = std::fs::remove_file(&path) {
-                        warn!(path = %path.display(), "remove mount point: {e}");
-                    }
-                }
-                _ => warn!(path = %path.display(), "not a mount point of ours; left"),
-            }
-        }
-    }
-    if let Err(e) = std::fs::remove_dir(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            warn!(path = %dir.display(), "remove: {e}");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -425,21 +326,13 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    #[test]
-    fn options_split_into_flags_and_data() {
-        let (flags, data) = parse_options(&["ro".into(), "lowerdir=/a:/b".into(), "index=off".into()]);
-        assert_eq!(flags, MsFlags::MS_RDONLY);
-        assert_eq!(data.as_deref(), Some("lowerdir=/a:/b,index=off"));
-        let (flags, data) = parse_options(&["rbind".into(), "rprivate".into(), "rw".into()]);
-        assert_eq!(flags, MsFlags::MS_BIND | MsFlags::MS_REC);
-        assert_eq!(data, None);
+    /// A spec as containerd writes it (JSON), parsed as the shim parses it.
+    fn oci(json: impl serde::Serialize) -> Spec {
+        serde_json::from_slice(&serde_json::to_vec(&json).unwrap()).unwrap()
     }
 
-    #[test]
-    fn binds_are_found_by_type_or_option() {
-        assert!(is_bind(&json!({"type": "bind", "source": "/a", "destination": "/b"})));
-        assert!(is_bind(&json!({"source": "/a", "destination": "/b", "options": ["rbind", "ro"]})));
-        assert!(!is_bind(&json!({"type": "tmpfs", "source": "tmpfs", "destination": "/tmp"})));
+    fn sources(spec: &Spec) -> Vec<PathBuf> {
+        spec.mounts().iter().flatten().map(|m| m.source().clone().unwrap_or_default()).collect()
     }
 
     fn root_of(dir: &Path) -> OwnedFd {
@@ -468,22 +361,6 @@ mod tests {
         }
         assert_eq!(std::fs::read_dir(&host).unwrap().count(), 0, "nothing was made outside the rootfs");
         assert!(make_mount_point(&root, "/a/../b", false).is_err());
-    }
-
-    #[test]
-    fn removal_takes_only_empty_mount_points() {
-        let scratch = tempfile::tempdir().unwrap();
-        let dir = scratch.path().join("c1");
-        std::fs::create_dir_all(dir.join("rootfs")).unwrap();
-        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
-        std::fs::write(dir.join("volumes/1"), b"").unwrap();
-        remove_mount_points(&dir);
-        assert!(!dir.exists());
-        // Data where a mount point should be empty is never removed.
-        std::fs::create_dir_all(dir.join("volumes/0")).unwrap();
-        std::fs::write(dir.join("volumes/0/precious"), b"data").unwrap();
-        remove_mount_points(&dir);
-        assert_eq!(std::fs::read(dir.join("volumes/0/precious")).unwrap(), b"data");
     }
 
     /// Unmounts everything below the test's scratch dir, also when the test fails.
@@ -525,7 +402,7 @@ mod tests {
         std::fs::write(s("hosts"), b"127.0.0.1 localhost\n").unwrap();
         let shared = SharedDir::new(s("shared"));
         shared.create().unwrap();
-        let mut spec = json!({
+        let mut spec = oci(json!({
             "root": {"path": "rootfs", "readonly": true},
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -534,15 +411,13 @@ mod tests {
                 {"destination": "/etc/hosts", "type": "bind", "source": s("hosts"), "options": ["rbind", "ro"]},
                 {"destination": "/dev/shm", "type": "bind", "source": s("sandbox-shm"), "options": ["rbind", "rw"]},
             ]
-        });
+        }));
         let rootfs = shared.prepare("c1", &s("image"), &[], &mut spec).unwrap();
         assert_eq!(rootfs, format!("{SHARED_DIR}/c1/rootfs"));
-        assert_eq!(spec["mounts"][0]["source"], "proc");
-        for n in 1..=3 {
-            assert_eq!(spec["mounts"][n]["source"], format!("{SHARED_DIR}/c1/volumes/{n}"));
-        }
+        let volume = |n: usize| Path::new(SHARED_DIR).join(format!("c1/volumes/{n}"));
         // The sandbox's shm is the guest's pod-wide tmpfs, not a host directory.
-        assert_eq!(spec["mounts"][4]["source"], "/dev/shm");
+        let want = ["proc".into(), volume(1), volume(2), volume(3), "/dev/shm".into()];
+        assert_eq!(sources(&spec), want);
         assert!(!s("shared/c1/volumes/4").exists());
         let c1 = s("shared/c1");
         // A read-write volume is the host directory itself.
@@ -592,13 +467,13 @@ mod tests {
         shared.create().unwrap();
         // virtiofsd copies the tree when it starts, before any container exists.
         virtiofsd_view(&s("shared"), &s("virtiofsd"));
-        let mut spec = json!({
+        let mut spec = oci(json!({
             "root": {"path": "rootfs", "readonly": true},
             "mounts": [
                 {"destination": "/rw", "type": "bind", "source": s("rw"), "options": ["rbind", "rw"]},
                 {"destination": "/ro", "type": "bind", "source": s("ro"), "options": ["rbind", "ro"]},
             ]
-        });
+        }));
         shared.prepare("c1", &s("image"), &[], &mut spec).unwrap();
         let seen = s("virtiofsd/c1");
         assert_eq!(std::fs::read(seen.join("volumes/1/f")).unwrap(), b"ro");
@@ -630,13 +505,13 @@ mod tests {
         let shared = SharedDir::new(s("shared"));
         shared.create().unwrap();
         let spec = || {
-            json!({
+            oci(json!({
                 "root": {"path": "rootfs", "readonly": true},
                 "mounts": [
                     {"destination": "/data", "type": "bind", "source": s("vol"), "options": ["rbind", "rw"]},
                     {"destination": "/etc/hosts", "type": "bind", "source": s("hosts"), "options": ["rbind", "ro"]},
                 ]
-            })
+            }))
         };
         // The guest, through virtiofsd, in a tight loop: links at every path the host makes or
         // mounts onto, pointing at a host directory, and directories swapped for links.
@@ -687,14 +562,14 @@ mod tests {
         std::fs::create_dir_all(scratch.path().join("vol")).unwrap();
         let shared = SharedDir::new(scratch.path().join("shared"));
         shared.create().unwrap();
-        let mut spec = json!({"mounts": [
+        let mut spec = oci(json!({"mounts": [
             {"destination": "/a", "type": "bind", "source": scratch.path().join("vol"), "options": ["rbind"]},
             {"destination": "/b", "type": "bind", "source": "/nonexistent/volume", "options": ["rbind"]},
-        ]});
+        ]}));
         let err = shared.prepare("c1", &scratch.path().join("image"), &[], &mut spec).unwrap_err();
         assert!(err.to_string().contains("mounts[1]") && err.to_string().contains("/nonexistent/volume"), "{err}");
         assert!(!scratch.path().join("shared/c1").exists());
         assert_eq!(mounts_below(&scratch.path().join("shared")).len(), 1);
-        assert!(matches!(shared.prepare("../x", Path::new("/"), &[], &mut json!({})), Err(ShareError::Id(_))));
+        assert!(matches!(shared.prepare("../x", Path::new("/"), &[], &mut Spec::default()), Err(MountError::Id(_))));
     }
 }
