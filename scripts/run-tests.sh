@@ -17,8 +17,9 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace --no-fail-fast "$@" -- --show-output 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 # The fuzz crate is its own workspace: run its seed and regression tests so it keeps
-# compiling against the decoders it fuzzes.
-cargo test --manifest-path fuzz/Cargo.toml --no-fail-fast -- --show-output 2>&1 | tee -a "$log"
+# compiling against the decoders it fuzzes. It builds into the main target dir, whose dependency
+# artifacts it shares (a second target dir cost CI several GB of disk).
+CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} cargo test --manifest-path fuzz/Cargo.toml --no-fail-fast -- --show-output 2>&1 | tee -a "$log"
 fuzz_status=${PIPESTATUS[0]}
 ((status == 0)) && status=$fuzz_status
 
