@@ -13,7 +13,7 @@ use crate::arch::boot_params::{build_boot_params, BootParamsInput};
 use crate::arch::paging::setup_identity_paging;
 use crate::arch::regs::write_gdt_idt;
 use crate::config::{BootSource, RawFormat};
-use crate::layout::{
+use crate::guest_layout::{
     BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, RAW_STACK_TOP, ZERO_PAGE_START,
 };
 use crate::memory::ImageFile;

@@ -20,7 +20,7 @@ use crate::config::ValidConfig;
 use crate::device_manager::{DeviceContext, DeviceManager};
 use crate::error::{dev_err, VmmError};
 use crate::exit::ExitSignal;
-use crate::layout;
+use crate::guest_layout;
 use crate::memory::{copy_snapshot_memory, create_guest_memory, map_snapshot_memory};
 use crate::phases::Phases;
 use crate::seccomp::Filters;
@@ -88,7 +88,8 @@ fn create_irqchip(vm: &VmFd) -> bool {
 
 fn create_vm(kvm: &Kvm) -> Result<Arc<VmFd>, VmmError> {
     let vm = kvm.create_vm().map_err(|source| VmmError::KvmSetup { what: "create vm", source })?;
-    vm.set_tss_address(layout::TSS_ADDRESS).map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
+    vm.set_tss_address(guest_layout::TSS_ADDRESS)
+        .map_err(|source| VmmError::KvmSetup { what: "tss address", source })?;
     Ok(Arc::new(vm))
 }
 

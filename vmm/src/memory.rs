@@ -19,7 +19,7 @@ use vm_memory::{
     MemoryRegionAddress, ReadVolatile, VolatileMemoryError, VolatileSlice,
 };
 
-use crate::layout;
+use crate::guest_layout;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -135,7 +135,7 @@ pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMma
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut regions = Vec::new();
-    for (start, len) in layout::ram_ranges(mem_bytes) {
+    for (start, len) in guest_layout::ram_ranges(mem_bytes) {
         let map_err = |reason: String| MemoryError::MapFile { path: p.clone(), reason };
         let region = MmapRegionBuilder::new(len as usize)
             .with_file_offset(FileOffset::from_arc(file.clone(), offset))
@@ -174,7 +174,7 @@ fn map_memfd(file: File, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError>
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut ranges = Vec::new();
-    for (start, len) in layout::ram_ranges(mem_bytes) {
+    for (start, len) in guest_layout::ram_ranges(mem_bytes) {
         ranges.push((GuestAddress(start), len as usize, Some(FileOffset::from_arc(file.clone(), offset))));
         offset += len;
     }

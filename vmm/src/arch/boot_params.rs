@@ -2,7 +2,7 @@
 
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params, setup_header};
 
-use crate::layout::{EBDA_START, HIMEM_START, MMIO_HOLE_END, MMIO_HOLE_START};
+use crate::guest_layout::{EBDA_START, HIMEM_START, MMIO_HOLE_END, MMIO_HOLE_START};
 
 pub const E820_RAM: u32 = 1;
 pub const E820_RESERVED: u32 = 2;

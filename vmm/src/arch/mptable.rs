@@ -3,7 +3,7 @@
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::layout::EBDA_START;
+use crate::guest_layout::EBDA_START;
 
 pub const MPTABLE_START: u64 = EBDA_START;
 const APIC_DEFAULT_BASE: u32 = 0xfee0_0000;

@@ -3,7 +3,7 @@
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::layout::{PDE_COUNT, PDE_START, PDPTE_START, PML4_START};
+use crate::guest_layout::{PDE_COUNT, PDE_START, PDPTE_START, PML4_START};
 
 const PRESENT_RW: u64 = 0x3;
 const PAGE_SIZE_2M: u64 = 0x80;

@@ -4,7 +4,7 @@ use kvm_bindings::{kvm_fpu, kvm_regs, kvm_sregs};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::gdt::{kvm_segment_from_gdt, BOOT_GDT, CODE_SELECTOR_INDEX, DATA_SELECTOR_INDEX, TSS_SELECTOR_INDEX};
-use crate::layout::{GDT_START, IDT_START};
+use crate::guest_layout::{GDT_START, IDT_START};
 
 const X86_CR0_PE: u64 = 0x1;
 const X86_CR0_ET: u64 = 0x10;

@@ -19,7 +19,7 @@ use crate::devices::legacy::persist::{I8042ConstructorArgs, SerialConstructorArg
 use crate::devices::legacy::serial::{CappedWriter, SerialDevice, SERIAL_LOG_LIMIT, SERIAL_PORT, SERIAL_PORT_LEN};
 use crate::devices::legacy::EventFdTrigger;
 use crate::exit::ExitReason;
-use crate::layout;
+use crate::guest_layout;
 use crate::persist::Persist;
 
 /// The legacy devices with state, for snapshots.
@@ -47,7 +47,7 @@ pub(super) fn attach(
         )),
         None => Box::new(std::io::sink()),
     };
-    let serial_irq = EventFdTrigger(irq_line(ctx, layout::SERIAL_IRQ)?);
+    let serial_irq = EventFdTrigger(irq_line(ctx, guest_layout::SERIAL_IRQ)?);
     let serial = match saved {
         None => SerialDevice::new(serial_irq, serial_out),
         Some(s) => SerialDevice::restore(SerialConstructorArgs { irq: serial_irq, out: serial_out }, &s.serial)

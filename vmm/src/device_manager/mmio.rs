@@ -1,6 +1,6 @@
 //! The virtio-mmio slots of a VM being built (Firecracker's `device_manager/mmio.rs`). Each virtio
 //! device takes the next slot, in the order the manager adds them: slot `i` is 4 KiB at
-//! `layout::virtio_mmio_addr(i)` with GSI `VIRTIO_IRQ_BASE + i`. On a restore, slot `i` must hold
+//! `guest_layout::virtio_mmio_addr(i)` with GSI `VIRTIO_IRQ_BASE + i`. On a restore, slot `i` must hold
 //! the device the snapshot saved there, by name and kind, and nothing may be left over. `attach`
 //! then puts every device on the MMIO bus behind its transport (fresh, or restored from the
 //! slot's saved registers), wires its interrupt to its GSI and lists it for the kernel cmdline.
@@ -16,7 +16,7 @@ use crate::devices::bus::{Bus, BusDevice};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::persist::MmioTransportConstructorArgs;
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
-use crate::layout;
+use crate::guest_layout;
 use crate::persist::Persist;
 
 /// The slots handed out so far, and on a restore the snapshot's.
@@ -108,8 +108,8 @@ impl<'a> MmioSlots<'a> {
         let mut saveable = Vec::new();
         let mut cmdline_devices = Vec::new();
         for (i, Built { slot, device, handle }) in self.built.into_iter().enumerate() {
-            let base = layout::virtio_mmio_addr(i);
-            let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
+            let base = guest_layout::virtio_mmio_addr(i);
+            let gsi = guest_layout::VIRTIO_IRQ_BASE + i as u32;
             if ctx.irqchip {
                 ctx.vm
                     .register_irqfd(slot.irq.eventfd(), gsi)
@@ -133,8 +133,8 @@ impl<'a> MmioSlots<'a> {
             };
             let transport = Arc::new(Mutex::new(transport));
             let on_bus: Arc<Mutex<dyn BusDevice>> = transport.clone();
-            mmio.insert(on_bus, base, layout::VIRTIO_MMIO_SIZE)?;
-            cmdline_devices.push((base, layout::VIRTIO_MMIO_SIZE, gsi));
+            mmio.insert(on_bus, base, guest_layout::VIRTIO_MMIO_SIZE)?;
+            cmdline_devices.push((base, guest_layout::VIRTIO_MMIO_SIZE, gsi));
             saveable.push(SaveableSlot { name: slot.name, transport, device: handle });
         }
         Ok(Attached { saveable, cmdline_devices })
