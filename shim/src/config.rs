@@ -118,6 +118,9 @@ pub struct VmConfig {
     pub jail_id_first: u32,
     #[serde(default = "default_jail_id_count")]
     pub jail_id_count: u32,
+    /// The snapshot template cache (warm pods): root's, read-only to the VMMs.
+    #[serde(default = "default_template_dir")]
+    pub template_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -196,6 +199,9 @@ fn default_agent_path() -> PathBuf {
 fn default_vmm_path() -> PathBuf {
     PathBuf::from("/usr/local/bin/bulkhead-vmm")
 }
+fn default_template_dir() -> PathBuf {
+    PathBuf::from("/var/lib/bulkhead/templates")
+}
 fn default_kernel_path() -> PathBuf {
     PathBuf::from("/usr/share/bulkhead/vmlinux")
 }
@@ -239,6 +245,7 @@ impl Default for VmConfig {
             memory_mib: default_memory_mib(),
             jail_id_first: default_jail_id_first(),
             jail_id_count: default_jail_id_count(),
+            template_dir: default_template_dir(),
         }
     }
 }
@@ -292,6 +299,7 @@ impl Config {
             ("vm.kernel_path", &self.vm.kernel_path),
             ("vm.initramfs_path", &self.vm.initramfs_path),
             ("vm.virtiofsd_path", &self.vm.virtiofsd_path),
+            ("vm.template_dir", &self.vm.template_dir),
         ] {
             if !path.is_absolute() {
                 return Err(invalid(field, "must be an absolute path"));

@@ -7,9 +7,9 @@
 //! - [`console`]: a pod's guest console log (`-f` follows it until the pod is removed);
 //! - [`agent`]: a health check over the same dial and version handshake the shim uses;
 //! - [`doctor`]: host probe, containerd's view of the handler, the shim config, the artifacts;
-//! - [`metrics`]: every pod's metrics as one exposition, once or served on `--listen`.
-//!
-//! Templates (`template list|build|prune`) come with the snapshot templates; they do not exist yet.
+//! - [`metrics`]: every pod's metrics as one exposition, once or served on `--listen`;
+//! - [`template`]: the snapshot template cache (`ls`, `rm`; `build` comes with the template
+//!   builder, issue 22).
 
 pub mod agent;
 pub mod console;
@@ -17,6 +17,7 @@ pub mod doctor;
 pub mod metrics;
 pub mod pods;
 pub mod ps;
+pub mod template;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -93,6 +94,25 @@ enum Command {
         /// Serve `GET /metrics` on this TCP address (e.g. 0.0.0.0:9464) instead of printing once.
         #[arg(long)]
         listen: Option<String>,
+    },
+    /// The snapshot template cache of warm pods.
+    Template {
+        #[command(subcommand)]
+        command: TemplateCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TemplateCommand {
+    /// Every template, checked as a pod's lookup checks it; builds in progress; unusable entries.
+    Ls,
+    /// Removes templates (a pod then builds or boots cold); waits for a build of the same key.
+    Rm {
+        /// Template keys, or unique prefixes of them.
+        keys: Vec<String>,
+        /// Every template.
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -173,6 +193,10 @@ async fn run(cli: Cli) -> Result<Option<Outcome>, CtlError> {
         Command::Metrics { listen: Some(addr) } => {
             metrics::serve(load_config(explicit)?.state_dir, &addr).await?;
             Ok(None)
+        }
+        Command::Template { command: TemplateCommand::Ls } => Ok(Some(template::ls(&load_config(explicit)?)?)),
+        Command::Template { command: TemplateCommand::Rm { keys, all } } => {
+            Ok(Some(template::rm(&load_config(explicit)?, &keys, all).await?))
         }
     }
 }

@@ -27,6 +27,7 @@ pub mod ids;
 pub mod pod_dirs;
 pub mod shape;
 pub mod share;
+pub mod template;
 pub mod virtiofsd;
 
 use std::ffi::CString;

@@ -1,0 +1,174 @@
+//! `bulkhead-ctl template ls|rm`: the node's snapshot template cache (`vm.template_dir`).
+//! `ls` checks each template as a pod's lookup would; `rm` takes the key's lock, so it never
+//! removes a template while a shim publishes it (a VMM restored from one keeps its open files).
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{CtlError, Outcome};
+use crate::config::Config;
+use crate::sandbox::vm::template::{Listed, TemplateKey, TemplateStore};
+
+/// How long `rm` waits for a build of the same key to finish.
+const RM_WAIT: Duration = Duration::from_secs(30);
+
+fn open(config: &Config) -> Result<TemplateStore, CtlError> {
+    TemplateStore::open(&config.vm.template_dir).map_err(|e| CtlError::Failed(e.to_string()))
+}
+
+pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
+    let store = open(config)?;
+    let rows = store.list().map_err(|e| CtlError::Failed(e.to_string()))?;
+    let mut text =
+        format!("{:<14} {:<9} {:>5} {:>8} {:>10}  {}\n", "KEY", "STATE", "VCPUS", "MEM_MIB", "MIB", "DETAIL");
+    for row in &rows {
+        text += &match row {
+            Listed::Ready { key, bytes, created_unix, vcpus, memory_mib } => format!(
+                "{:<14} {:<9} {vcpus:>5} {memory_mib:>8} {:>10.1}  created {created_unix}\n",
+                key.short(),
+                "ready",
+                *bytes as f64 / (1 << 20) as f64
+            ),
+            Listed::Unusable { name, reason } => {
+                format!("{:<14} {:<9} {:>5} {:>8} {:>10}  {reason}\n", short(name), "unusable", "-", "-", "-")
+            }
+            Listed::Building { key, pid } => {
+                format!("{:<14} {:<9} {:>5} {:>8} {:>10}  pid {pid}\n", short(key), "building", "-", "-", "-")
+            }
+        };
+    }
+    if rows.is_empty() {
+        text += &format!("(no templates in {})\n", store.root().display());
+    }
+    let ok = !rows.iter().any(|r| matches!(r, Listed::Unusable { .. }));
+    Ok(Outcome { json: json!({ "dir": store.root(), "templates": rows }), text, ok })
+}
+
+fn short(name: &str) -> &str {
+    name.get(..12).unwrap_or(name)
+}
+
+/// Removes the templates named by `keys` (full keys or unique prefixes), or all with `all`.
+pub async fn rm(config: &Config, keys: &[String], all: bool) -> Result<Outcome, CtlError> {
+    let store = open(config)?;
+    let known: Vec<TemplateKey> = store
+        .list()
+        .map_err(|e| CtlError::Failed(e.to_string()))?
+        .into_iter()
+        .filter_map(|row| match row {
+            Listed::Ready { key, .. } => Some(key),
+            Listed::Unusable { name, .. } => TemplateKey::parse(&name).ok(),
+            Listed::Building { .. } => None,
+        })
+        .collect();
+    let chosen: Vec<TemplateKey> = if all {
+        if !keys.is_empty() {
+            return Err(CtlError::Failed("give template keys or --all, not both".into()));
+        }
+        known
+    } else {
+        if keys.is_empty() {
+            return Err(CtlError::Failed("name the templates to remove (a key or a unique prefix), or --all".into()));
+        }
+        let mut chosen = Vec::new();
+        for query in keys {
+            let matches: Vec<&TemplateKey> = known.iter().filter(|k| k.as_str().starts_with(query.as_str())).collect();
+            match matches.as_slice() {
+                [one] => chosen.push((*one).clone()),
+                [] => {
+                    return Err(CtlError::Failed(format!(
+                        "no template matches {query:?} in {}",
+                        store.root().display()
+                    )))
+                }
+                many => {
+                    let names: Vec<&str> = many.iter().map(|k| k.short()).collect();
+                    return Err(CtlError::Ambiguous { query: query.clone(), matches: names.join(", ") });
+                }
+            }
+        }
+        chosen
+    };
+    let mut removed = Vec::new();
+    for key in &chosen {
+        let started = Instant::now();
+        let lock = loop {
+            match store.try_lock(key).map_err(|e| CtlError::Failed(e.to_string()))? {
+                Some(lock) => break lock,
+                None if started.elapsed() >= RM_WAIT => {
+                    return Err(CtlError::Failed(format!(
+                        "template {key} is being built; try again (waited {RM_WAIT:?})"
+                    )))
+                }
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        if store.remove(key, &lock).map_err(|e| CtlError::Failed(e.to_string()))? {
+            removed.push(key.clone());
+        }
+    }
+    let text = removed.iter().map(|k| format!("removed {k}\n")).collect::<String>();
+    Ok(Outcome { json: json!({ "removed": removed }), text, ok: true })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::sandbox::vm::template::{build, KeyInputs, TemplateBuilder};
+
+    struct Files;
+
+    #[async_trait::async_trait]
+    impl TemplateBuilder for Files {
+        async fn build(&self, _: &KeyInputs, dir: &Path) -> Result<(), String> {
+            std::fs::write(dir.join("state"), "s").map_err(|e| e.to_string())
+        }
+    }
+
+    fn inputs(memory_mib: u32) -> KeyInputs {
+        let digest = "0".repeat(64);
+        KeyInputs {
+            kernel_sha256: digest.clone(),
+            initramfs_sha256: digest.clone(),
+            vmm_sha256: digest,
+            vcpus: 1,
+            memory_mib,
+            agent_protocol: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn ls_checks_each_template_and_rm_takes_unique_prefixes() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!("[vm]\ntemplate_dir = {:?}\n", dir.path().join("templates"));
+        let config = Config::parse(Path::new("test.toml"), &text).unwrap();
+        let store = TemplateStore::open(&config.vm.template_dir).unwrap();
+        let (a, b) = (inputs(256), inputs(512));
+        build(&store, &a, &Files, Duration::from_secs(5)).await.unwrap();
+        build(&store, &b, &Files, Duration::from_secs(5)).await.unwrap();
+
+        let listed = ls(&config).unwrap();
+        assert!(listed.ok);
+        assert_eq!(listed.json["templates"].as_array().unwrap().len(), 2);
+        assert!(listed.text.contains(a.key().short()) && listed.text.contains("ready"), "{}", listed.text);
+
+        // A template someone tampered with is listed as unusable, and ls fails.
+        std::fs::write(store.root().join(b.key().as_str()).join("extra"), "x").unwrap();
+        let listed = ls(&config).unwrap();
+        assert!(!listed.ok);
+        assert!(listed.text.contains("unusable"), "{}", listed.text);
+
+        assert!(rm(&config, &[], false).await.is_err(), "nothing named");
+        assert!(rm(&config, &["zz".into()], false).await.is_err(), "no match");
+        assert!(rm(&config, &[a.key().as_str().into()], true).await.is_err(), "keys and --all");
+        let removed = rm(&config, &[a.key().as_str()[..12].into()], false).await.unwrap();
+        assert_eq!(removed.json["removed"][0], a.key().as_str());
+        assert!(!store.root().join(a.key().as_str()).exists());
+        let removed = rm(&config, &[], true).await.unwrap();
+        assert_eq!(removed.json["removed"][0], b.key().as_str(), "--all removes unusable ones too");
+        assert!(ls(&config).unwrap().json["templates"].as_array().unwrap().is_empty());
+    }
+}

@@ -1,0 +1,184 @@
+//! Getting a template for a pod: use the one there, or build it once for every shim that needs
+//! it at the same time, or tell the pod to boot cold.
+//!
+//! The key's lock (flock, so it crosses shim processes and dies with its holder) makes one shim
+//! the builder; the others poll for it within their wait budget and then take what it published.
+//! A shim that gets the lock after waiting and still finds no template does not build: the
+//! builder before it failed, and retrying a failing build in every pod would multiply its cost.
+//! An unusable template is moved aside and the pod boots cold; the caller rebuilds it in the
+//! background ([`build`]), so the next pod is warm again.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use super::key::KeyInputs;
+use super::store::{KeyLock, Lookup, Template, TemplateStore};
+use super::TemplateError;
+
+/// How often a waiting shim looks at the lock.
+const POLL: Duration = Duration::from_millis(25);
+/// The longest a build may hold a key's lock, whatever the builder does.
+pub const BUILD_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Makes a template's files: boots a VM of the inputs' shape to "agent ready", with no pod's
+/// state in it, and snapshots it into `dir` (an empty directory the store then seals).
+#[async_trait]
+pub trait TemplateBuilder: Send + Sync {
+    async fn build(&self, inputs: &KeyInputs, dir: &Path) -> Result<(), String>;
+}
+
+/// What a pod gets.
+#[derive(Debug)]
+pub enum Obtained {
+    /// A template was there, or another shim published it while this one waited.
+    Ready(Template),
+    /// This shim built it.
+    Built(Template),
+    /// No template: boot cold, for this reason.
+    Cold(ColdReason),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ColdReason {
+    /// One was there but not restorable; it was moved aside. Rebuild it in the background.
+    Unusable { reason: String },
+    /// This shim's build failed.
+    BuildFailed { error: String },
+    /// Another shim's build ended without a template.
+    BuiltElsewhereFailed,
+    /// Another shim was still building when the wait budget ran out.
+    StillBuilding { waited: Duration },
+    /// The store itself failed (disk, permissions).
+    Store { error: String },
+}
+
+impl ColdReason {
+    /// Whether the template should be rebuilt in the background.
+    pub fn wants_rebuild(&self) -> bool {
+        matches!(self, ColdReason::Unusable { .. })
+    }
+}
+
+impl std::fmt::Display for ColdReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ColdReason::Unusable { reason } => write!(f, "the template was unusable ({reason}); moved aside"),
+            ColdReason::BuildFailed { error } => write!(f, "building the template failed: {error}"),
+            ColdReason::BuiltElsewhereFailed => write!(f, "another pod's build of the template ended without one"),
+            ColdReason::StillBuilding { waited } => {
+                write!(f, "another pod was still building the template after {waited:?}")
+            }
+            ColdReason::Store { error } => write!(f, "template store: {error}"),
+        }
+    }
+}
+
+/// The template for `inputs`: there, built now, or a reason to boot cold. Waits at most `wait`
+/// for another shim's build.
+pub async fn obtain(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    wait: Duration,
+) -> Obtained {
+    let key = inputs.key();
+    match store.lookup(&key) {
+        Lookup::Ready(t) => return Obtained::Ready(t),
+        Lookup::Unusable { reason } => {
+            // Whoever holds the lock is already dealing with it.
+            if let Ok(Some(lock)) = store.try_lock(&key) {
+                set_aside(store, &key, &lock);
+            }
+            return Obtained::Cold(ColdReason::Unusable { reason });
+        }
+        Lookup::Missing => {}
+    }
+    let started = Instant::now();
+    let mut waited = false;
+    loop {
+        let lock = match store.try_lock(&key) {
+            Ok(Some(lock)) => lock,
+            Ok(None) if started.elapsed() >= wait => {
+                return Obtained::Cold(ColdReason::StillBuilding { waited: started.elapsed() })
+            }
+            Ok(None) => {
+                waited = true;
+                tokio::time::sleep(POLL).await;
+                continue;
+            }
+            Err(e) => return Obtained::Cold(ColdReason::Store { error: e.to_string() }),
+        };
+        match store.lookup(&key) {
+            Lookup::Ready(t) => return Obtained::Ready(t),
+            Lookup::Unusable { reason } => {
+                set_aside(store, &key, &lock);
+                return Obtained::Cold(ColdReason::Unusable { reason });
+            }
+            Lookup::Missing if waited => return Obtained::Cold(ColdReason::BuiltElsewhereFailed),
+            Lookup::Missing => {}
+        }
+        return match build_locked(store, inputs, builder, &lock).await {
+            Ok(t) => Obtained::Built(t),
+            Err(e) => Obtained::Cold(ColdReason::BuildFailed { error: e.to_string() }),
+        };
+    }
+}
+
+fn set_aside(store: &TemplateStore, key: &super::key::TemplateKey, lock: &KeyLock) {
+    if let Lookup::Unusable { reason } = store.lookup(key) {
+        if let Err(e) = store.quarantine(key, &reason, lock) {
+            tracing::warn!(template = %key, error = %e, "template: unusable template not moved aside");
+        }
+    }
+}
+
+/// Builds `inputs`' template unless a usable one is there (an unusable one is moved aside
+/// first), waiting at most `wait` for the key's lock. For background rebuilds and
+/// `bulkhead-ctl template build`.
+pub async fn build(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    wait: Duration,
+) -> Result<Template, TemplateError> {
+    let key = inputs.key();
+    let started = Instant::now();
+    let lock = loop {
+        if let Some(lock) = store.try_lock(&key)? {
+            break lock;
+        }
+        if started.elapsed() >= wait {
+            return Err(TemplateError::Busy { key, waited: started.elapsed() });
+        }
+        tokio::time::sleep(POLL).await;
+    };
+    match store.lookup(&key) {
+        Lookup::Ready(t) => return Ok(t),
+        Lookup::Unusable { .. } => set_aside(store, &key, &lock),
+        Lookup::Missing => {}
+    }
+    build_locked(store, inputs, builder, &lock).await
+}
+
+async fn build_locked(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    lock: &KeyLock,
+) -> Result<Template, TemplateError> {
+    let key = inputs.key();
+    store.sweep_staging(&key, lock);
+    let staging = store.stage(&key, lock)?;
+    let started = Instant::now();
+    tracing::info!(template = %key, vcpus = inputs.vcpus, memory_mib = inputs.memory_mib, "template: building");
+    match tokio::time::timeout(BUILD_TIMEOUT, builder.build(inputs, staging.path())).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(TemplateError::BadBuild { key, why: error }),
+        Err(_) => return Err(TemplateError::BadBuild { key, why: format!("not done within {BUILD_TIMEOUT:?}") }),
+    }
+    let template = store.publish(inputs, staging, lock)?;
+    tracing::info!(template = %key, bytes = template.bytes(), elapsed_ms = started.elapsed().as_millis() as u64, "template: published");
+    Ok(template)
+}

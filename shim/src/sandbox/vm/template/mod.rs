@@ -1,0 +1,33 @@
+//! Snapshot templates for warm pods (issue 22): a VM booted to "agent ready" with no pod's state,
+//! snapshotted once per [`key`] and restored by every pod of that key.
+//!
+//! This part is the cache: [`key`] (what a template depends on, hashed), [`store`] (the
+//! directory layout, atomic publication, checks on lookup, quarantine) and [`flight`] (one build
+//! per key across all shims, the others waiting within their budget or booting cold). Building a
+//! template (the VMM booting and snapshotting one) and restoring a pod from it come next; until
+//! then `bulkhead-ctl template ls|rm` is the only user on a node.
+
+pub mod flight;
+pub mod key;
+pub mod store;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use flight::{build, obtain, ColdReason, Obtained, TemplateBuilder};
+pub use key::{KeyInputs, KeySources, TemplateKey};
+pub use store::{Listed, Lookup, Template, TemplateStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{0:?} is not a template key (64 lowercase hex digits)")]
+    BadKey(String),
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error("template store {root}: {why}")]
+    UnsafeRoot { root: PathBuf, why: String },
+    #[error("template {key}: {why}")]
+    BadBuild { key: TemplateKey, why: String },
+    #[error("template {key}: another build still held it after {waited:?}")]
+    Busy { key: TemplateKey, waited: Duration },
+}
