@@ -92,14 +92,19 @@ fn restore(snap: &Path, run_dir: &Path, extra: serde_json::Value) -> VmmProcess 
     )
 }
 
-fn resume(run_dir: &Path) {
+/// Waits until the restored VMM answers, built and paused.
+fn await_paused(run_dir: &Path) {
     let api = run_dir.join("api.sock");
     wait_for_socket(&api, Duration::from_secs(10));
     let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
     assert_eq!(info["info"]["state"], "paused", "a restored VM waits for resume: {info}");
     assert!(info["info"]["first_kvm_run_unix_ns"].is_null(), "no vCPU ran before resume: {info}");
     assert!(!info["info"]["restore"]["phases"].as_array().unwrap().is_empty(), "{info}");
-    assert_eq!(api_request(&api, &json!({"cmd": "resume"}), API_TIMEOUT)["ok"], true);
+}
+
+fn resume(run_dir: &Path) {
+    await_paused(run_dir);
+    assert_eq!(api_request(&run_dir.join("api.sock"), &json!({"cmd": "resume"}), API_TIMEOUT)["ok"], true);
 }
 
 fn shutdown(vmm: VmmProcess, run_dir: &Path) -> Run {
@@ -257,8 +262,11 @@ fn restored_vsock_tells_the_guest_its_transport_was_reset() {
     let refused = restore(&s.snap, &s.dir.path().join("no-vsock"), json!({})).wait();
     assert!(refused.stderr.contains("vsock_uds_path"), "{}", refused.stderr);
     let vmm = restore(&s.snap, &run_dir, json!({"vsock_uds_path": uds}));
-    resume(&run_dir);
+    // Checked while paused: once resumed, this guest reports the event and exits, and the VMM
+    // removes its socket (checking after resume raced with that exit).
+    await_paused(&run_dir);
     assert!(uds.exists(), "the restored VM listens on its own vsock socket");
+    resume(&run_dir);
     let run = vmm.wait();
     assert!(run.status.success(), "{:?}\n{}", run.status, run.stderr);
     assert_eq!(run.serial, "event 0 len 4\n", "stderr:\n{}", run.stderr);
