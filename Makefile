@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
+.PHONY: all setup build test under-load demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
 
 all: build
 
@@ -14,6 +14,7 @@ help:
 	@echo "make setup  - install what the project needs (idempotent)"
 	@echo "make build  - build every crate"
 	@echo "make test   - setup, lints, then the whole test suite"
+	@echo "make under-load - the integration and KVM tests three times while a CPU hog spins on one core"
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
 	@echo "make bench  - micro-benchmarks and the CRI pod-start benchmark against runc"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
@@ -70,6 +71,10 @@ lint:
 # Binaries first: end-to-end tests start the freshly built shim, agent and VMM.
 test: setup lint build kernel
 	@scripts/run-tests.sh
+
+# Stability: the integration and KVM test binaries three times in a row beside a one-core CPU hog.
+under-load: setup build kernel
+	@scripts/under-load.sh
 
 demo: setup build
 	$(CARGO) run -q -p bulkhead-integration --bin bulkhead-demo
