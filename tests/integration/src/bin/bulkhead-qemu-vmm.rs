@@ -177,10 +177,13 @@ fn run() -> Result<u8> {
             qmp: qmp.clone(),
             private: plan.vsock_private_socket(),
             public: vsock.uds_path.clone(),
+            console: plan.console.clone(),
             deadline: VSOCK_READY,
         };
         std::thread::Builder::new().name("vsock-gate".into()).spawn(move || match gate.run() {
-            Ok(after) => eprintln!("bulkhead-qemu-vmm: the guest's vsock driver is ready after {after:?}"),
+            Ok(after) => {
+                eprintln!("bulkhead-qemu-vmm: the guest's vsock driver is ready and the agent listens after {after:?}")
+            }
             Err(e) => eprintln!("bulkhead-qemu-vmm: {e}"),
         })?;
     }

@@ -4,7 +4,11 @@
 //! worker thread fails and never serves again: every later `CONNECT` waits forever. The shim
 //! dials from the moment the socket exists, so the stand-in lets `vhost-device-vsock` listen on
 //! a private path and renames it to the hybrid socket's path (a bound socket stays bound under
-//! its new name) once QMP reports the device's driver ready and its backend started.
+//! its new name) once QMP reports the device's driver ready and its backend started, and the
+//! guest's console shows the agent listening on vsock. DRIVER_OK alone is not enough: Linux's
+//! virtio_vsock probe sets it (virtio_device_ready) before it fills the RX queue, and under load
+//! (TCG beside a CPU hog and a log flood) a CONNECT landed in that window and wedged the pod's
+//! vsock for good; the agent listens only after the probe has finished.
 //! `bulkhead-vmm` has no such window: its own vsock device queues host connections until the
 //! driver is ready.
 
@@ -19,6 +23,10 @@ use super::qmp::Qmp;
 pub const DEVICE_ID: &str = "vsock0";
 /// How often QMP is asked.
 const POLL: Duration = Duration::from_millis(20);
+/// What the agent prints on the console once it listens on vsock (`guest-agent/src/transport.rs`).
+pub const AGENT_LISTENING: &str = "listening (vsock)";
+/// The console is read up to this much for that line (the boot log before it is ~50 KiB).
+const MAX_CONSOLE_READ: u64 = 4 << 20;
 
 /// Whether an `x-query-virtio-status` reply says the driver is ready and the backend started.
 pub fn driver_ready(status: &Value) -> bool {
@@ -36,12 +44,26 @@ pub struct Gate {
     pub private: PathBuf,
     /// The hybrid socket the shim dials.
     pub public: PathBuf,
+    /// The guest's console log, where the agent says it listens; without one, DRIVER_OK alone.
+    pub console: Option<PathBuf>,
     pub deadline: Duration,
 }
 
+/// Whether the console at `path` shows the agent listening on vsock.
+pub fn agent_listening(path: &Path) -> bool {
+    use std::io::Read;
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    let mut text = Vec::new();
+    if file.take(MAX_CONSOLE_READ).read_to_end(&mut text).is_err() {
+        return false;
+    }
+    text.windows(AGENT_LISTENING.len()).any(|w| w == AGENT_LISTENING.as_bytes())
+}
+
 impl Gate {
-    /// Polls until the driver is ready, then publishes the socket. Gives up (and says why) at the
-    /// deadline; the shim's own connect timeout then reports the guest's console.
+    /// Polls until the driver is ready and the agent listens, then publishes the socket. Gives up
+    /// (and says why) at the deadline; the shim's own connect timeout then reports the guest's
+    /// console.
     pub fn run(&self) -> Result<Duration, String> {
         let start = Instant::now();
         let path = format!("/machine/peripheral/{DEVICE_ID}");
@@ -51,8 +73,11 @@ impl Gate {
                 .and_then(|mut q| q.execute_with("x-query-virtio-status", json!({ "path": path })));
             match asked {
                 Ok(status) if driver_ready(&status) => {
-                    publish(&self.private, &self.public)?;
-                    return Ok(start.elapsed());
+                    if self.console.as_deref().is_none_or(agent_listening) {
+                        publish(&self.private, &self.public)?;
+                        return Ok(start.elapsed());
+                    }
+                    last = "the guest's vsock driver is ready, the agent does not listen yet".into();
                 }
                 Ok(_) => last = "the guest's vsock driver is not ready".into(),
                 Err(e) => last = e.to_string(),
@@ -80,6 +105,17 @@ mod tests {
         assert!(!driver_ready(&status(false, &[driver, ok])), "the backend has not started");
         assert!(!driver_ready(&status(true, &[driver])), "the driver is still probing");
         assert!(!driver_ready(&json!({})));
+    }
+
+    #[test]
+    fn the_agent_listens_once_its_line_is_on_the_console() {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+        assert!(!agent_listening(&console), "no console yet");
+        std::fs::write(&console, "[    1.76] INFO bulkhead_agent::shared_fs: pod shared directory mounted\n").unwrap();
+        assert!(!agent_listening(&console));
+        std::fs::write(&console, "[    1.80] INFO bulkhead_agent::transport: listening (vsock) port=1024\n").unwrap();
+        assert!(agent_listening(&console));
     }
 
     #[test]
