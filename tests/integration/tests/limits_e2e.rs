@@ -15,7 +15,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::host::{dropped_output, eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::images::FORKBOMB_BIN;
@@ -171,8 +171,18 @@ fn sleeper(name: &str) -> cri::ContainerConfig {
 
 /// How long `exec` into `id` takes, each of `n` times; any failure is an error.
 async fn exec_times(cri: &Cri, id: &str, n: usize) -> Result<Vec<Duration>> {
+    exec_times_within(cri, id, n, Duration::MAX).await
+}
+
+/// As [`exec_times`], but no exec starts once `window` has passed: fewer samples when each is
+/// slow, all of them inside what they measure.
+async fn exec_times_within(cri: &Cri, id: &str, n: usize, window: Duration) -> Result<Vec<Duration>> {
+    let begun = Instant::now();
     let mut times = Vec::with_capacity(n);
     for _ in 0..n {
+        if begun.elapsed() >= window {
+            break;
+        }
         let started = Instant::now();
         let out = cri.exec_sync(id, &["echo", "ok"], EXEC_BOUND_SECS).await?;
         if (out.exit_code, out.stdout.as_slice()) != (0, b"ok\n") {
@@ -285,6 +295,11 @@ async fn fork_bomb_on(test: &str, stand: &Stand, backend: &Backend, i: usize) ->
 
 /// How long the flood runs (the figure).
 const FLOOD: Duration = Duration::from_secs(30);
+/// The probe's execs under the flood start within its first three quarters (so that they all
+/// fall inside it even when each takes seconds, as on TCG beside a CPU hog), and at least this
+/// many must fit for a p95 to mean anything.
+const FLOOD_SAMPLING: Duration = Duration::from_millis(22_500);
+const MIN_LOADED_SAMPLES: usize = 5;
 
 /// The `p`th percentile (0..=100) of `times`, nearest rank.
 fn percentile(times: &[Duration], p: usize) -> Duration {
@@ -356,8 +371,13 @@ async fn log_flood_on(test: &str, stand: &Stand, backend: &Backend, i: usize) ->
     let script = format!("timeout {} seq 1 2000000000; echo; echo flood-over", FLOOD.as_secs());
     let flood = stand.container(&flood_pod, &container_config("flood", &["sh", "-c", &script])).await?;
     let started = Instant::now();
-    let loaded = exec_times(cri, &probe, samples).await?;
+    let loaded = exec_times_within(cri, &probe, samples, FLOOD_SAMPLING).await?;
     let sampled_for = started.elapsed();
+    ensure!(
+        loaded.len() >= MIN_LOADED_SAMPLES,
+        "{label}: only {} probe execs started in the flood's first {FLOOD_SAMPLING:?} (each took {loaded:?})",
+        loaded.len()
+    );
     let status = cri
         .wait_container(&flood, FLOOD + Duration::from_secs(60), |s| s.state != RUNNING)
         .await
@@ -400,9 +420,10 @@ async fn log_flood_on(test: &str, stand: &Stand, backend: &Backend, i: usize) ->
     let tail_problem = (!whole).then(|| format!("{:?}", &stdout[stdout.len().saturating_sub(3)..]));
     let figures = FloodFigures { idle_p95: percentile(&idle, 95), loaded_p95: percentile(&loaded, 95), tail_problem };
     println!(
-        "{test}: {label}: {} MiB of log, {} stdout lines; {samples} probe execs over {sampled_for:?}",
+        "{test}: {label}: {} MiB of log, {} stdout lines; {} probe execs over {sampled_for:?}",
         log.len() >> 20,
         stdout.len(),
+        loaded.len(),
     );
     stand.remove_pods(&[&flood_pod.0, &probe_pod.0]).await?;
     Ok(figures)
