@@ -175,11 +175,31 @@ impl Jail {
         cgroup_mounts().iter().map(|m| m.join(self.cgroup.trim_start_matches('/'))).collect()
     }
 
-    fn wait_for_serial(&self, needle: &str) {
+    /// Waits for `needle` on `vmm`'s console. A VMM that exits first, or a timeout, fails the
+    /// test with the VMM's status, stderr and console (a bare timeout once told nothing in CI).
+    fn wait_for_serial(&self, vmm: &mut VmmProcess, needle: &str) {
         let log = self.host("/run/serial.log");
-        wait_until(GUEST_TIMEOUT, &format!("serial line {needle:?}"), || {
-            std::fs::read_to_string(&log).is_ok_and(|s| s.contains(needle))
-        });
+        let deadline = Instant::now() + GUEST_TIMEOUT;
+        loop {
+            if std::fs::read_to_string(&log).is_ok_and(|s| s.contains(needle)) {
+                return;
+            }
+            let exited = vmm.child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let _ = vmm.child.kill();
+                let status = vmm.child.wait().ok();
+                let mut stderr = String::new();
+                if let Some(mut e) = vmm.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+                }
+                let serial = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!(
+                    "no serial line {needle:?} ({}); the VMM: {status:?}\nstderr:\n{stderr}\nserial:\n{serial}",
+                    if exited.is_some() { "it exited first" } else { "timed out" }
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 
@@ -251,8 +271,8 @@ fn jailed_vmm_runs_unprivileged_in_its_chroot_cgroup_and_netns() {
     // A virtio-fs device the idle guest never drives: its backend threads exist all the same.
     let mut vm = jail.vm();
     vm["fs"] = serde_json::json!([{ "tag": "shared", "socket": "/run/fs0.sock" }]);
-    let vmm = jail.spawn_vm(&jail.document(&guest), &vm, &[]);
-    jail.wait_for_serial("idle guest up");
+    let mut vmm = jail.spawn_vm(&jail.document(&guest), &vm, &[]);
+    jail.wait_for_serial(&mut vmm, "idle guest up");
     let pid = vmm_pid(vmm.pid());
 
     // Not root, no capability, no_new_privs, seccomp, PID 1 of its own PID namespace.
@@ -380,8 +400,8 @@ fn killing_the_waiter_kills_the_jailed_vmm() {
     }
     let Some(guest) = guest_or_skip("idle") else { return };
     let jail = Jail::new(false);
-    let vmm = jail.spawn(&guest, &[]);
-    jail.wait_for_serial("idle guest up");
+    let mut vmm = jail.spawn(&guest, &[]);
+    jail.wait_for_serial(&mut vmm, "idle guest up");
     let pid = vmm_pid(vmm.pid());
     let run = vmm.kill_and_collect();
     assert_eq!(run.status.signal(), Some(libc::SIGKILL));
@@ -561,8 +581,8 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
     let Some(guest) = guest_or_skip("counter") else { return };
     let api_timeout = Duration::from_secs(30);
     let template = Jail::new(false);
-    let vmm = template.spawn(&guest, &[]);
-    template.wait_for_serial("count 3\n");
+    let mut vmm = template.spawn(&guest, &[]);
+    template.wait_for_serial(&mut vmm, "count 3\n");
     let api = template.host("/run/api.sock");
     let resp = api_request(&api, &serde_json::json!({"cmd": "snapshot", "dir": "/run/snap"}), api_timeout);
     assert_eq!(resp["ok"], true, "{resp}");
@@ -596,7 +616,7 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
     // A pod prepared ahead: the API thread answers (filtered) before the VM exists.
     let pod = Jail::new(false);
     let args = ["--prepare", "/snapshot", "--api-socket", "/run/api.sock"].map(OsStr::new);
-    let vmm = pod.spawn_jailed(&pod_document(&pod), &args);
+    let mut vmm = pod.spawn_jailed(&pod_document(&pod), &args);
     let api = pod.host("/run/api.sock");
     wait_for_socket(&api, Duration::from_secs(10));
     let info = api_request(&api, &serde_json::json!({"cmd": "info"}), api_timeout);
@@ -607,7 +627,7 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
     let restored = api_request(&api, &restore, api_timeout);
     assert_eq!(restored["ok"], true, "{restored}");
     assert_eq!(api_request(&api, &serde_json::json!({"cmd": "resume"}), api_timeout)["ok"], true);
-    pod.wait_for_serial("count ");
+    pod.wait_for_serial(&mut vmm, "count ");
     wait_until(GUEST_TIMEOUT, "three restored counts", || {
         counts(&std::fs::read_to_string(pod.host("/run/serial.log")).unwrap_or_default()).len() >= 3
     });
