@@ -657,11 +657,7 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
     assert_eq!(cgroups::path_in(&text), Some(format!("{parent}/{ctr}")), "{text}");
 
     // The agent (the pod's PID 1) is accounted to the sandbox's own cgroup in the pod cgroup.
-    let agents: Vec<u32> = processes_with(&pod_id)
-        .into_iter()
-        .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
-        .map(|(pid, _)| pid)
-        .collect();
+    let agents = pod_agents(&pod_id);
     assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
     assert_eq!(cgroups::of_pid(agents[0]), Some(format!("{parent}/{pod_id}")), "the agent's cgroup");
 
@@ -701,11 +697,7 @@ async fn shim_pods_live_in_kubelets_systemd_slice() -> Result<()> {
     let (pod_id, ctr) =
         env.pod_with(&pod, &sleeper("sleeper", &unique("slice"))).await.with_context(|| env.fail_context())?;
     let scope = format!("{}/cri-containerd-{pod_id}.scope", kubelet.path);
-    let agents: Vec<u32> = processes_with(&pod_id)
-        .into_iter()
-        .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
-        .map(|(pid, _)| pid)
-        .collect();
+    let agents = pod_agents(&pod_id);
     assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
     assert_eq!(cgroups::of_pid(agents[0]), Some(scope.clone()), "the agent's cgroup");
     let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
@@ -857,4 +849,13 @@ async fn a_pods_containers_keep_the_config_its_sandbox_started_with() -> Result<
     std::fs::write(&config, original)?;
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await
+}
+
+/// The pids of pod `pod_id`'s agent (its launcher left out).
+fn pod_agents(pod_id: &str) -> Vec<u32> {
+    processes_with(pod_id)
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect()
 }
