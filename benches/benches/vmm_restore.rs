@@ -240,7 +240,7 @@ fn phases_of(info: &serde_json::Value) -> Vec<(String, f64, bool)> {
             a.iter()
                 .map(|p| {
                     let name = p["name"].as_str().unwrap_or("?").to_string();
-                    (name, p["us"].as_u64().unwrap_or(0) as f64 / 1000.0, p["kvm"] == true)
+                    (name, p["us"].as_u64().unwrap_or(0) as f64 / 1000.0, p["host"] == true || p["kvm"] == true)
                 })
                 .collect()
         })

@@ -23,14 +23,18 @@ pub fn baselines() -> Vec<(String, PathBuf)> {
         .collect()
 }
 
-/// The release VMM binary, built on demand (override with BULKHEAD_VMM).
+/// The release VMM binary as `make image` ships it (static glibc, which starts ~0.5 ms sooner
+/// than a dynamic build here: no loader, no symbol binding), built on demand (override with
+/// BULKHEAD_VMM).
 pub fn vmm_binary() -> Result<PathBuf, String> {
     if let Ok(p) = std::env::var("BULKHEAD_VMM") {
         return Ok(PathBuf::from(p));
     }
+    const TARGET: &str = "x86_64-unknown-linux-gnu";
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "-q", "-p", "bulkhead-vmm", "--bin", "bulkhead-vmm"])
+        .args(["build", "--release", "-q", "--target", TARGET, "-p", "bulkhead-vmm", "--bin", "bulkhead-vmm"])
+        .env("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS", "-C target-feature=+crt-static")
         .current_dir(&root)
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
@@ -38,5 +42,5 @@ pub fn vmm_binary() -> Result<PathBuf, String> {
         return Err("building bulkhead-vmm failed".into());
     }
     let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
-    Ok(target.join("release/bulkhead-vmm"))
+    Ok(target.join(TARGET).join("release/bulkhead-vmm"))
 }

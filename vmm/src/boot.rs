@@ -48,6 +48,14 @@ pub struct EntryPoint {
     pub cr3: u64,
 }
 
+/// A loaded guest: where its vCPUs start, and how long of the load the host kernel spent copying
+/// the kernel and initramfs into guest memory (zero for a raw guest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    pub entry: EntryPoint,
+    pub image_copy: std::time::Duration,
+}
+
 /// Loads `boot` into `mem`. `mmio_devices` are (base, size, irq) entries added to the cmdline;
 /// `vcpus` goes into the MP table.
 pub fn load(
@@ -56,17 +64,20 @@ pub fn load(
     mem_bytes: u64,
     mmio_devices: &[(u64, u64, u32)],
     vcpus: u8,
-) -> Result<EntryPoint, BootError> {
+) -> Result<Loaded, BootError> {
     write_gdt_idt(mem)?;
     let cr3 = setup_identity_paging(mem)?;
     match boot {
         BootSource::Linux { kernel, initramfs, cmdline } => {
-            let entry = load_linux(mem, kernel, initramfs.as_deref(), cmdline, mem_bytes, mmio_devices, cr3)?;
+            let loaded = load_linux(mem, kernel, initramfs.as_deref(), cmdline, mem_bytes, mmio_devices, cr3)?;
             // Linux without ACPI finds the vCPUs and the IOAPIC here.
             crate::arch::mptable::setup_mptable(mem, vcpus)?;
-            Ok(entry)
+            Ok(loaded)
         }
-        BootSource::Raw(raw) => load_raw(mem, &raw.image, raw.format, raw.load_addr, cr3),
+        BootSource::Raw(raw) => {
+            let entry = load_raw(mem, &raw.image, raw.format, raw.load_addr, cr3)?;
+            Ok(Loaded { entry, image_copy: std::time::Duration::ZERO })
+        }
     }
 }
 
@@ -93,7 +104,7 @@ fn load_linux(
     mem_bytes: u64,
     mmio_devices: &[(u64, u64, u32)],
     cr3: u64,
-) -> Result<EntryPoint, BootError> {
+) -> Result<Loaded, BootError> {
     // Into the memfd in the kernel (sendfile), not through the VMM's mapping.
     let mut file = ImageFile::new(open(kernel)?, mem);
     let start = GuestAddress(HIMEM_START);
@@ -117,8 +128,13 @@ fn load_linux(
     let cmdline_size =
         cmdline.as_cstring().map_err(|e| BootError::Cmdline(e.to_string()))?.as_bytes_with_nul().len() as u32;
 
+    let mut image_copy = file.in_kernel();
     let initramfs = match initramfs {
-        Some(path) => Some(load_initramfs(mem, path, mem_bytes, kernel_end)?),
+        Some(path) => {
+            let (addr, size, copy) = load_initramfs(mem, path, mem_bytes, kernel_end)?;
+            image_copy += copy;
+            Some((addr, size))
+        }
         None => None,
     };
     let params = build_boot_params(&BootParamsInput {
@@ -129,7 +145,8 @@ fn load_linux(
         mem_bytes,
     })?;
     mem.write_obj(BootParamsBytes(params), GuestAddress(ZERO_PAGE_START))?;
-    Ok(EntryPoint { rip: entry, rsp: BOOT_STACK_POINTER, rsi: ZERO_PAGE_START, cr3 })
+    let entry = EntryPoint { rip: entry, rsp: BOOT_STACK_POINTER, rsi: ZERO_PAGE_START, cr3 };
+    Ok(Loaded { entry, image_copy })
 }
 
 /// Wrapper so we can write the zero page with `write_obj`.
@@ -139,13 +156,14 @@ struct BootParamsBytes(linux_loader::loader::bootparam::boot_params);
 // SAFETY: boot_params is a plain C struct of integers; any byte pattern is valid.
 unsafe impl ByteValued for BootParamsBytes {}
 
-/// Puts the initramfs at the top of low memory, page aligned, above the kernel.
+/// Puts the initramfs at the top of low memory, page aligned, above the kernel: its address, size
+/// and the host kernel's copy time.
 fn load_initramfs(
     mem: &GuestMemoryMmap,
     path: &Path,
     mem_bytes: u64,
     kernel_end: u64,
-) -> Result<(u64, u32), BootError> {
+) -> Result<(u64, u32, std::time::Duration), BootError> {
     let mut file = ImageFile::new(open(path)?, mem);
     let size =
         file.file().metadata().map_err(|source| BootError::Open { path: path.display().to_string(), source })?.len();
@@ -156,7 +174,7 @@ fn load_initramfs(
         _ => return Err(BootError::InitramfsTooBig { size }),
     };
     mem.read_exact_volatile_from(GuestAddress(addr), &mut file, size as usize)?;
-    Ok((addr, size as u32))
+    Ok((addr, size as u32, file.in_kernel()))
 }
 
 fn load_raw(
@@ -207,7 +225,7 @@ mod tests {
         std::io::Write::write_all(&mut f, &[0xf4, 0x90]).unwrap();
         let raw =
             crate::config::RawGuestConfig { image: f.path().to_owned(), format: RawFormat::Flat, load_addr: 0x20_0000 };
-        let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[], 1).unwrap();
+        let entry = load(&mem, &BootSource::Raw(raw), 4 << 20, &[], 1).unwrap().entry;
         assert_eq!(entry.rip, 0x20_0000);
         assert_eq!(entry.rsp % 16, 8);
         assert_eq!(mem.read_obj::<u16>(GuestAddress(0x20_0000)).unwrap(), 0x90f4);
@@ -233,7 +251,7 @@ mod tests {
             initramfs: Some(initrd.path().to_owned()),
             cmdline: "console=ttyS0".into(),
         };
-        let entry = load(&mem, &boot, 16 << 20, &[(0xd000_0000, 0x1000, 5)], 2).unwrap();
+        let entry = load(&mem, &boot, 16 << 20, &[(0xd000_0000, 0x1000, 5)], 2).unwrap().entry;
         assert_eq!(entry.rip, 0x10_0200);
         assert_eq!(entry.rsi, ZERO_PAGE_START);
         let zp: BootParamsBytes = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();

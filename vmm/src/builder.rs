@@ -130,8 +130,13 @@ pub fn boot(cfg: ValidConfig, filters: &Filters, mut phases: Phases) -> Result<V
     let devices = DeviceManager::build(&cfg, &ctx, None)?;
     phases.mark("devices (with KVM_IRQFD, KVM_IOEVENTFD)", false);
 
-    let entry = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &devices.cmdline_devices, cfg.vcpus)?;
-    phases.mark("load guest (kernel, initramfs, boot data)", false);
+    let loaded = boot::load(&mem, &cfg.boot, cfg.mem_bytes, &devices.cmdline_devices, cfg.vcpus)?;
+    phases.mark_split(
+        "load guest (kernel, initramfs, boot data)",
+        "guest image pages: the memfd's page allocation and copy (sendfile)",
+        loaded.image_copy,
+    );
+    let entry = loaded.entry;
     tracing::debug!(?entry, irqchip, "guest loaded");
 
     let shared = VcpuShared {

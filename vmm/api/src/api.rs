@@ -78,13 +78,15 @@ pub struct SnapshotReport {
     pub msrs_unreadable: Vec<u32>,
 }
 
-/// One timed step of a VMM's start (boot or restore). `kvm` steps are host KVM ioctls; the others
-/// are the VMM's own work.
+/// One timed step of a VMM's start (boot or restore). `host` steps are host kernel work the VMM
+/// only waits on (KVM ioctls, the boot images' page allocation and copy); the others are the
+/// VMM's own work. Builds before the image copy was split out called the field `kvm`.
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone)]
 pub struct Phase {
     pub name: String,
     pub us: u64,
-    pub kvm: bool,
+    #[serde(alias = "kvm")]
+    pub host: bool,
 }
 
 /// How a restore went, step by step, from `main` (arguments, filters, jail) through reading the
@@ -199,12 +201,12 @@ mod tests {
             start_unix_ns: 1,
             first_kvm_run_unix_ns: None,
             restore: Some(RestoreReport {
-                phases: vec![Phase { name: "memslots".into(), us: 5000, kvm: true }],
+                phases: vec![Phase { name: "memslots".into(), us: 5000, host: true }],
                 requested_unix_ns: None,
                 ready_unix_ns: 2,
             }),
             boot: Some(BootReport {
-                phases: vec![Phase { name: "jail".into(), us: 700, kvm: false }],
+                phases: vec![Phase { name: "jail".into(), us: 700, host: false }],
                 ready_unix_ns: 3,
             }),
         };
