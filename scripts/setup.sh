@@ -6,7 +6,7 @@ set -euo pipefail
 log() { printf 'setup: %s\n' "$*"; }
 
 # Debian packages: containerd + runc + CNI plugins for the end-to-end tests, a static
-# busybox for test images, protoc for the CRI client, musl for the static agent,
+# busybox for test images, protoc for the CRI client, musl for the static agent (strip, binutils),
 # gcc/libc6-dev for the static pause binary, g++ for the fuzz crate (libFuzzer), iproute2 for
 # test network namespaces, openssl for the installer's TLS client test certificates, the
 # guest kernel's source and build tools (guest-kernel/build-kernel.sh), and libseccomp/libcap-ng
@@ -15,7 +15,7 @@ log() { printf 'setup: %s\n' "$*"; }
 # e2fsprogs for mkfs.ext4, which the shim runs to give a size-limited emptyDir its own filesystem.
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
-  musl-tools gcc g++ libc6-dev make file iproute2 util-linux e2fsprogs python3 python3-venv ca-certificates openssl
+  musl-tools gcc g++ libc6-dev binutils make file iproute2 util-linux e2fsprogs python3 python3-venv ca-certificates openssl
   linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
   libseccomp-dev libcap-ng-dev pkg-config
   qemu-system-x86
