@@ -1,5 +1,5 @@
 //! Shim configuration: a TOML file named by the runtime options (`ConfigPath`, Kata's convention)
-//! or found at [`DEFAULT_CONFIG_PATH`].
+//! or found by [`config_path`].
 //!
 //! Every table uses `deny_unknown_fields`, so a typo is an error naming the key, reported at Create.
 
@@ -7,8 +7,29 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// Where the config lives when containerd passes no `ConfigPath`.
+/// Where the config lives when containerd passes no `ConfigPath` and nothing else names one.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/bulkhead/config.toml";
+
+/// The node installer's config (the `current` release).
+pub const INSTALLED_CONFIG_PATH: &str = "/opt/bulkhead/current/config.toml";
+
+/// Names the config file when the runtime options carry no `ConfigPath` (containerd's shim
+/// manager `env`; a 2.x runtime with `sandboxer = "shim"` can have no options at all).
+pub const CONFIG_ENV: &str = "BULKHEAD_CONFIG";
+
+/// The config file to read: `ConfigPath` from the runtime options, else `$BULKHEAD_CONFIG`, else
+/// the installed release's config where one exists, else [`DEFAULT_CONFIG_PATH`].
+pub fn config_path(from_options: Option<String>) -> PathBuf {
+    from_options.or_else(|| std::env::var(CONFIG_ENV).ok().filter(|p| !p.is_empty())).map(PathBuf::from).unwrap_or_else(
+        || {
+            if Path::new(INSTALLED_CONFIG_PATH).exists() {
+                PathBuf::from(INSTALLED_CONFIG_PATH)
+            } else {
+                PathBuf::from(DEFAULT_CONFIG_PATH)
+            }
+        },
+    )
+}
 
 /// Upper bound for the config file; anything larger is not a config file.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;

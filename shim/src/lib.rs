@@ -44,6 +44,7 @@ pub mod process;
 pub mod procfs;
 pub mod quantity;
 pub mod sandbox;
+pub mod sandboxer;
 pub mod service;
 pub mod spec;
 pub mod task;

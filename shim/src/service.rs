@@ -12,10 +12,13 @@
 //! Task service only as `containerd.task.v3.Task` (1.6 calls `containerd.task.v2.Task`).
 //!
 //! `start` prints a bare address on every containerd version, and that is deliberate on 2.x too:
-//! 2.x reads it as bootstrap version 2 (ttrpc, Task API v2). A version 3 answer would tell 2.x that
-//! the shim implements the sandbox API and streaming I/O, and 2.x would then stop running `start`
-//! and `delete` for a pod's containers; this shim relies on both (pod grouping, cleanup after a
-//! crash) and implements neither of those APIs.
+//! 2.x reads it as bootstrap version 2 (ttrpc, Task API v2). A version 3 answer would make 2.x
+//! stop running `start` and `delete` for a pod's containers and reach them on the pod's socket
+//! instead; this shim relies on both (pod grouping, cleanup after a crash).
+//!
+//! On 2.x with `sandboxer = "shim"`, containerd runs `start` for the pod itself, in a bundle with
+//! no spec, and then drives the pod through the sandbox API (`crate::sandboxer`), which serve
+//! mode offers beside the Task API.
 
 use std::io::Write;
 use std::path::Path;
@@ -144,13 +147,14 @@ fn socket_alive(address: &str) -> bool {
 /// `start`: spawn or reuse the pod's shim; returns its address.
 async fn start(flags: &Flags) -> anyhow::Result<String> {
     // containerd writes a task's spec into its bundle before `start`, on every version. Only 2.x's sandbox
-    // controller (a runtime configured with `sandboxer = "shim"`) starts a shim in a bundle without one, and then
-    // calls the sandbox API, which this shim does not serve: say so rather than fail on a missing file.
+    // controller (a runtime configured with `sandboxer = "shim"`) starts a shim in a bundle without one: the pod's
+    // own shim, which CreateSandbox then gives its spec.
     if !Path::new("config.json").exists() {
-        anyhow::bail!(
-            "the bundle has no config.json: containerd is starting this shim as a pod sandboxer (the runtime's \
-             sandboxer = \"shim\"), and bulkhead serves only the Task API; set sandboxer = \"podsandbox\" for it"
-        );
+        let opts = start_opts(flags);
+        let address =
+            containerd_shim::asynchronous::spawn(opts, &flags.id, Vec::new()).await.context("spawn shim server")?;
+        std::fs::write("address", &address).context("write address file")?;
+        return Ok(address);
     }
     let spec = BundleSpec::load(Path::new(".")).context("read bundle spec")?;
     let role = spec.role();
@@ -206,15 +210,18 @@ async fn serve(flags: &Flags) -> anyhow::Result<()> {
     let metrics = service.metrics();
     let task: Arc<dyn containerd_shim::Task + Send + Sync> = Arc::new(MeasuredTask::new(service, metrics));
     let mut v2 = containerd_shim::protos::shim_async::create_task(task.clone());
-    let mut services = containerd_shim::protos::shim_async::create_task(task);
+    let mut services = containerd_shim::protos::shim_async::create_task(task.clone());
     if let Some(service) = v2.remove(TASK_SERVICE_V3) {
         services.insert(TASK_SERVICE_V2.to_string(), service);
     }
+    // containerd 1.x never calls it; 2.x only for a runtime with `sandboxer = "shim"`.
+    let sandbox_api = Arc::new(crate::sandboxer::SandboxService::new(&flags.id, task));
+    services.extend(containerd_shim::protos::sandbox_async::create_sandbox(sandbox_api));
     let listener = ttrpc::asynchronous::transport::Listener::try_from(listener).context("ttrpc listener")?;
     let mut server = ttrpc::asynchronous::Server::new().add_listener(listener).register_service(services);
     server.start().await.context("start ttrpc server")?;
     signal_started();
-    tracing::info!(socket = %flags.socket, "serving the Task API");
+    tracing::info!(socket = %flags.socket, "serving the Task and sandbox APIs");
     exit.wait().await;
     tracing::info!("shutting down");
     let _ = server.shutdown().await;

@@ -133,7 +133,7 @@ impl BundleSpec {
         &self.spec
     }
 
-    fn annotation(&self, key: &str) -> Option<&str> {
+    pub(crate) fn annotation(&self, key: &str) -> Option<&str> {
         self.spec.annotations().as_ref()?.get(key).map(String::as_str)
     }
 

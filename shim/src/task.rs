@@ -22,7 +22,7 @@ use containerd_shim::{DeleteResponse, ExitSignal, Task, TtrpcContext, TtrpcResul
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::agent::AgentClient;
-use crate::config::{Config, DEFAULT_CONFIG_PATH};
+use crate::config::Config;
 use crate::container::{Container, ContainerKind};
 use crate::error::TaskError;
 use crate::events::{timestamp, EventSink};
@@ -139,9 +139,8 @@ impl TaskService {
         if let Some(config) = loaded.as_ref() {
             return Ok(config.clone());
         }
-        let config_path = crate::options::config_path_from_options(req.options.as_ref())?
-            .unwrap_or_else(|| DEFAULT_CONFIG_PATH.to_string());
-        let config = Arc::new(Config::load(Path::new(&config_path))?);
+        let config_path = crate::config::config_path(crate::options::config_path_from_options(req.options.as_ref())?);
+        let config = Arc::new(Config::load(&config_path)?);
         *loaded = Some(config.clone());
         Ok(config)
     }

@@ -53,6 +53,8 @@ struct Handler {
     config_path: Option<String>,
     /// 2.x: who runs the pod's sandbox (`podsandbox`: a task of this shim; `shim`: the sandbox API).
     sandboxer: Option<String>,
+    /// Whether the runtime has an `options` table.
+    has_options: bool,
 }
 
 pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handler_name: &str) -> Outcome {
@@ -80,14 +82,8 @@ pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handl
             ));
             if let Some(h) = &handler {
                 checks.push(check("shim binary", shim_binary(h, honours_runtime_path(&version)).await));
-                if let Some(sandboxer) = h.sandboxer.as_deref().filter(|s| !s.is_empty() && *s != "podsandbox") {
-                    checks.push(check(
-                        "sandboxer",
-                        Err(format!(
-                            "{handler_name} has sandboxer {sandboxer:?}: bulkhead serves containerd's Task API, not its \
-                             sandbox API; set sandboxer = \"podsandbox\""
-                        )),
-                    ));
+                if let Some(result) = sandboxer_check(handler_name, h) {
+                    checks.push(check("sandboxer", result));
                 }
             }
             handler
@@ -200,6 +196,28 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// A 2.x handler's `sandboxer`, where it is not the default `podsandbox`.
+fn sandboxer_check(handler_name: &str, h: &Handler) -> Option<Result<String, String>> {
+    match h.sandboxer.as_deref().filter(|s| !s.is_empty() && *s != "podsandbox")? {
+        // containerd 2.1 decodes such a runtime's options as runc's when it starts a container.
+        "shim" if h.has_options => Some(Err(format!(
+            "{handler_name} has sandboxer \"shim\" and an options table: containerd 2.x then fails every \
+             StartContainer (it reads the options as runc's); remove the options and name the config with the shim \
+             manager's env {}=<path>, or install it at {}",
+            crate::config::CONFIG_ENV,
+            crate::config::INSTALLED_CONFIG_PATH
+        ))),
+        "shim" => Some(Ok(format!(
+            "{handler_name}: sandboxer \"shim\": RunPodSandbox starts the pod's sandbox through the shim's sandbox \
+             API, with no pause container (host-network pods need containerd 2.3 or later on this path)"
+        ))),
+        other => Some(Err(format!(
+            "{handler_name} has sandboxer {other:?}: bulkhead's pods need \"podsandbox\" or \"shim\" (its own \
+             sandbox API)"
+        ))),
+    }
+}
+
 fn find_handler(config: &Value, name: &str) -> Option<Handler> {
     let runtime = config.pointer("/containerd/runtimes")?.get(name)?;
     let text = |key: &str| runtime.pointer(key).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
@@ -208,6 +226,7 @@ fn find_handler(config: &Value, name: &str) -> Option<Handler> {
         runtime_path: text("/runtimePath"),
         config_path: text("/options/ConfigPath"),
         sandboxer: text("/sandboxer"),
+        has_options: runtime.get("options").is_some_and(|o| o.as_object().is_some_and(|m| !m.is_empty())),
     })
 }
 
@@ -348,6 +367,22 @@ mod tests {
         let h = find_handler(&config, "bulkhead").unwrap();
         assert_eq!(h.runtime_path.as_deref(), Some("/opt/bulkhead/current/containerd-shim-bulkhead-v2"));
         assert_eq!(h.sandboxer.as_deref(), Some("podsandbox"));
+        assert!(h.has_options);
+        assert_eq!(sandboxer_check("bulkhead", &h), None);
+    }
+
+    #[test]
+    fn a_shim_sandboxer_is_fine_without_options_and_fails_with_them() {
+        let h = |sandboxer: &str, has_options: bool| Handler {
+            sandboxer: Some(sandboxer.into()),
+            has_options,
+            ..Default::default()
+        };
+        assert!(sandboxer_check("bulkhead", &h("shim", false)).unwrap().unwrap().contains("no pause container"));
+        let err = sandboxer_check("bulkhead", &h("shim", true)).unwrap().unwrap_err();
+        assert!(err.contains("StartContainer") && err.contains("BULKHEAD_CONFIG"), "{err}");
+        let err = sandboxer_check("bulkhead", &h("other", false)).unwrap().unwrap_err();
+        assert!(err.contains("\"podsandbox\" or \"shim\""), "{err}");
     }
 
     #[test]

@@ -25,10 +25,7 @@ use std::path::{Path, PathBuf};
 use clap::{Parser, Subcommand};
 use serde_json::Value;
 
-use crate::config::{Config, ConfigError, DEFAULT_CONFIG_PATH};
-
-/// Where the node installer puts the shim config (and containerd's `ConfigPath` points).
-pub const INSTALLED_CONFIG_PATH: &str = "/opt/bulkhead/current/config.toml";
+use crate::config::{Config, ConfigError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CtlError {
@@ -123,13 +120,9 @@ pub struct Outcome {
     pub ok: bool,
 }
 
-/// The config path to read when none was given: the installer's, else the shim's default.
+/// The config path to read when none was given: the one the shim reads without a `ConfigPath`.
 pub fn default_config_path() -> PathBuf {
-    if Path::new(INSTALLED_CONFIG_PATH).exists() {
-        PathBuf::from(INSTALLED_CONFIG_PATH)
-    } else {
-        PathBuf::from(DEFAULT_CONFIG_PATH)
-    }
+    crate::config::config_path(None)
 }
 
 fn load_config(explicit: Option<&Path>) -> Result<Config, CtlError> {

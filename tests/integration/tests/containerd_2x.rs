@@ -5,10 +5,11 @@
 //!   tell 2.x it implements the sandbox API and streaming I/O and stop 2.x running `start` and `delete` for them;
 //! - its introspection (`PluginInfo` of a runtime, `shim -info`) gets the runtime's name and version and the
 //!   one feature it checks before creating a container, idmapped mounts: not supported;
-//! - a runtime configured with `sandboxer = "shim"` (containerd's sandbox API, which the shim does not serve) fails a
-//!   pod-network pod's RunPodSandbox naming the fix, and leaves nothing behind (a host-network pod never reaches the
-//!   shim: 2.1.9 itself crashes on it, fixed upstream in 2.3.0);
-//! - `bulkhead-ctl doctor` names the containerd version and fails a handler with such a sandboxer;
+//! - a runtime configured with `sandboxer = "shim"` runs a pod-network pod through the shim's sandbox API, with no
+//!   pause container, and stop and remove leave nothing behind (a host-network pod never reaches the shim on that
+//!   path: 2.1.9 itself crashes on it, fixed upstream in 2.3.0);
+//! - `bulkhead-ctl doctor` names the containerd version, passes such a sandboxer and fails one with runtime options
+//!   (2.1 then fails every StartContainer);
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -31,11 +32,27 @@ struct Env {
     _config_dir: tempfile::TempDir,
 }
 
-/// `bulkhead` as a second handler, `bulkhead-sandboxer`, whose 2.x `sandboxer` is the shim itself.
+/// `bulkhead` as a second handler, `bulkhead-sandboxer`, whose 2.x `sandboxer` is the shim itself. It has no runtime
+/// options (2.1 would read them as runc's at StartContainer): the shim finds its config through `BULKHEAD_CONFIG`,
+/// which [`SHIM_ENV`] sets.
 fn with_sandboxer(bulkhead: RuntimeHandler) -> Vec<RuntimeHandler> {
-    let mut h = RuntimeHandler { name: "bulkhead-sandboxer".into(), ..bulkhead };
+    let mut h = RuntimeHandler { name: "bulkhead-sandboxer".into(), options: vec![], ..bulkhead };
     h.settings.push(("sandboxer".into(), "shim".into()));
     vec![h]
+}
+
+/// [`with_sandboxer`], plus the same with the runtime options kept (`bulkhead-sandboxer-options`).
+fn with_sandboxers(bulkhead: RuntimeHandler) -> Vec<RuntimeHandler> {
+    let mut kept = RuntimeHandler { name: "bulkhead-sandboxer-options".into(), ..bulkhead.clone() };
+    kept.settings.push(("sandboxer".into(), "shim".into()));
+    let mut all = with_sandboxer(bulkhead);
+    all.push(kept);
+    all
+}
+
+/// containerd's shim manager `env`, which every shim it starts inherits.
+fn shim_env(config: &std::path::Path) -> String {
+    format!("\n[plugins.'io.containerd.shim.v1.manager']\n  env = ['BULKHEAD_CONFIG={}']\n", config.display())
 }
 
 /// containerd 2.1 with `bulkhead` on the namespace backend, plus `handlers` made from it.
@@ -71,8 +88,15 @@ async fn setup_with(
     let bulkhead = RuntimeHandler::bulkhead(Some(&config));
     let mut handlers = vec![bulkhead.clone()];
     handlers.extend(more(bulkhead));
-    let containerd =
-        Containerd::start(ContainerdConfig { handlers, cni_bridge, version: VERSION, ..Default::default() }).await?;
+    let extra_toml = shim_env(&config);
+    let containerd = Containerd::start(ContainerdConfig {
+        handlers,
+        cni_bridge,
+        extra_toml,
+        version: VERSION,
+        ..Default::default()
+    })
+    .await?;
     let cri = containerd.cri().await?;
     Ok(Some(Env { containerd, cri, config, _state_dir: state_dir, _config_dir: config_dir }))
 }
@@ -138,9 +162,9 @@ async fn containerd_2_introspects_the_runtime() -> Result<()> {
 }
 
 #[tokio::test]
-async fn doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api() -> Result<()> {
-    let test = "doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_api";
-    let Some(env) = setup(test, with_sandboxer).await? else { return Ok(()) };
+async fn doctor_names_containerd_2_and_checks_the_sandboxer() -> Result<()> {
+    let test = "doctor_names_containerd_2_and_checks_the_sandboxer";
+    let Some(env) = setup(test, with_sandboxers).await? else { return Ok(()) };
     let doctor = |handler: &str| {
         let out = Command::new(workspace_bin("bulkhead-ctl"))
             .arg("--config")
@@ -162,35 +186,78 @@ async fn doctor_names_containerd_2_and_fails_a_sandboxer_that_needs_the_sandbox_
     assert!(sandboxer.is_none(), "the default sandboxer (podsandbox) is fine: {json}");
 
     let (ok, _, _, sandboxer, json) = doctor("bulkhead-sandboxer");
+    assert!(ok, "{json}");
+    let sandboxer = sandboxer.unwrap();
+    assert_eq!(sandboxer["ok"], true, "{sandboxer}");
+    assert!(sandboxer["detail"].as_str().unwrap().contains("no pause container"), "{sandboxer}");
+
+    let (ok, _, _, sandboxer, json) = doctor("bulkhead-sandboxer-options");
     assert!(!ok, "{json}");
     let sandboxer = sandboxer.unwrap();
     assert_eq!(sandboxer["ok"], false);
-    assert!(sandboxer["detail"].as_str().unwrap().contains("sandboxer = \"podsandbox\""), "{sandboxer}");
+    assert!(sandboxer["detail"].as_str().unwrap().contains("remove the options"), "{sandboxer}");
     Ok(())
 }
 
 #[tokio::test]
-async fn a_sandboxer_that_needs_the_sandbox_api_fails_the_pod_naming_the_fix() -> Result<()> {
-    let test = "a_sandboxer_that_needs_the_sandbox_api_fails_the_pod_naming_the_fix";
+async fn a_pod_runs_through_the_sandbox_api_with_no_pause_container() -> Result<()> {
+    let test = "a_pod_runs_through_the_sandbox_api_with_no_pause_container";
     let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    println!("containerd {}", env.containerd.runtime_version());
     let mut pod = pod_config("sandboxer", &env.containerd.new_log_dir("sandboxer")?);
+    pod.hostname = "sandboxer-host".into();
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
-    let err = match env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await {
-        Ok(id) => anyhow::bail!("pod {id} started through a sandboxer the shim does not serve"),
-        Err(e) => format!("{e:#}"),
-    };
-    assert!(err.contains("sandboxer = \"podsandbox\""), "{err}");
-    // No pod, and no shim of it, is left.
+    let pod_id =
+        env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await.with_context(|| env.containerd.log_tail(40))?;
+    let status = env.cri.pod_sandbox_status(&pod_id).await?;
+    assert_eq!(status.state, k8s_cri::v1::PodSandboxState::SandboxReady as i32, "{status:?}");
+    let ip = status.network.as_ref().map(|n| n.ip.clone()).unwrap_or_default();
+    assert!(!ip.is_empty(), "CNI gave the pod an address: {status:?}");
+
+    // The sandbox controller, not a pause task: containerd knows no container of the pod's id, and the pod's
+    // bundle is the sandbox controller's.
+    let ctr_list = Command::new(env.containerd.ctr())
+        .arg("--address")
+        .arg(env.containerd.address())
+        .args(["-n", "k8s.io", "containers", "ls", "-q"])
+        .output()?;
+    let listed = String::from_utf8_lossy(&ctr_list.stdout).into_owned();
+    assert!(ctr_list.status.success() && !listed.contains(&pod_id), "a pause container exists: {listed}");
+    let found = Command::new("find")
+        .arg(env.containerd.dir())
+        .args(["-path", "*/io.containerd.sandbox.controller.v1.shim/*"])
+        .args(["-name", "config.json"])
+        .output()?;
+    let found = String::from_utf8_lossy(&found.stdout).into_owned();
+    assert!(
+        found.contains(&format!("/{pod_id}/config.json")),
+        "CreateSandbox wrote no spec into the sandbox bundle: {found:?}"
+    );
+
+    let script = "trap 'exit 0' TERM; while true; do sleep 0.2; done";
+    let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", script]), &pod).await?;
+    env.cri.start_container(&ctr).await?;
+    let out = env.cri.exec_sync(&ctr, &["hostname"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "sandboxer-host\n", "the pod config's hostname");
+    let out = env.cri.exec_sync(&ctr, &["sh", "-c", "exit 3"], 10).await?;
+    assert_eq!(out.exit_code, 3);
+    // Containers still go through `start` to the pod's one shim.
+    let (sandbox, container) = (connections(&env.containerd, &pod_id), connections(&env.containerd, &ctr));
+    assert_eq!(field(&container[0], "address"), field(&sandbox[0], "address"), "{sandbox:?} {container:?}");
+
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    let status = env.cri.pod_sandbox_status(&pod_id).await?;
+    assert_eq!(status.state, k8s_cri::v1::PodSandboxState::SandboxNotready as i32, "{status:?}");
+    env.cri.remove_pod_sandbox(&pod_id).await?;
     assert!(env.cri.list_pod_sandboxes().await?.is_empty());
-    bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
-        let address = format!("-address {}", env.containerd.address().display());
-        let shims = bulkhead_integration::host::processes_with(&address);
-        shims
-            .into_iter()
-            .filter(|(_, c)| c.contains("containerd-shim-bulkhead"))
-            .map(|(p, c)| format!("{p} {c}"))
-            .collect()
+    bulkhead_integration::host::eventually_nothing("the pod's shim and its processes", Duration::from_secs(15), || {
+        bulkhead_integration::host::processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    bulkhead_integration::host::eventually_nothing("the pod's bundles", Duration::from_secs(15), || {
+        let found = Command::new("find").arg(env.containerd.dir()).args(["-name", &pod_id]).output();
+        found.map(|o| String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect()).unwrap_or_default()
     })
     .await
 }
