@@ -1,8 +1,11 @@
 //! CRI pod start and ExecSync latency: `bulkhead` (namespace backend) against `runc`, in the
 //! same run, on a private containerd of each line this host has: Debian 12's 1.6 and the 2.1
-//! `make setup` unpacks (issue 21; a line that is missing is named and skipped). Pods start through
-//! containerd's `podsandbox` path on every line (a sandbox container, which bulkhead runs as the
-//! pod's sandbox without a pause process): bulkhead does not serve containerd 2.x's sandbox API yet.
+//! `make setup` unpacks (issue 21; a line that is missing is named and skipped).
+//! - Host-network pods through containerd's `podsandbox` path on every line (a sandbox container,
+//!   which bulkhead runs as the pod's sandbox without a pause process).
+//! - On 2.x also pod-network pods (the CNI bridge), where `bulkhead-sandboxer` (`sandboxer =
+//!   "shim"`: the shim's sandbox API, no pause container at all) runs beside `runc` and `bulkhead`
+//!   on the `podsandbox` path. 2.1.9 cannot start a host-network pod through a shim sandboxer.
 //!
 //! Per pod: RunPodSandbox + CreateContainer + StartContainer (one timing), then
 //! `EXECS_PER_POD` ExecSync `echo hi` calls (one timing each). Handlers alternate pod by pod
@@ -78,10 +81,21 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-async fn one_pod(containerd: &Containerd, handler: &str, n: usize, samples: Option<&mut Samples>) -> Result<()> {
+async fn one_pod(
+    containerd: &Containerd,
+    handler: &str,
+    network: Network,
+    n: usize,
+    samples: Option<&mut Samples>,
+) -> Result<()> {
     let cri = containerd.cri().await?;
     let name = format!("bench-{handler}-{n}");
-    let pod = pod_config(&name, &containerd.new_log_dir(&name)?);
+    let mut pod = pod_config(&name, &containerd.new_log_dir(&name)?);
+    if network == Network::Pod {
+        let ns =
+            pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+        ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    }
     let ctr = container_config("sleeper", &["sleep", "3600"]);
 
     let started = Instant::now();
@@ -132,8 +146,16 @@ async fn run() -> Result<()> {
                 println!("cri_pod_start: not on containerd {version}: {reason}");
                 continue;
             }
-            let (runc, bulkhead) = measure(version, &config).await.with_context(|| format!("containerd {version}"))?;
-            report(version, &runc, &bulkhead);
+            let mut runs = vec![Network::Host];
+            if version != ContainerdVersion::V1_6 && version != ContainerdVersion::V1_7 {
+                runs.push(Network::Pod);
+            }
+            for network in runs {
+                let samples = measure(version, &config, network)
+                    .await
+                    .with_context(|| format!("containerd {version}, {}", network.name()))?;
+                report(version, network, &samples);
+            }
         }
         anyhow::Ok(())
     }
@@ -142,25 +164,67 @@ async fn run() -> Result<()> {
     result
 }
 
-/// Warm-up pods, then [`PODS`] pods per handler, alternating, on a private containerd `version`.
-async fn measure(version: ContainerdVersion, config: &std::path::Path) -> Result<(Samples, Samples)> {
+#[derive(Clone, Copy, PartialEq)]
+enum Network {
+    /// Host-network pods: no CNI, so the runtime's own cost shows.
+    Host,
+    /// Pod-network pods on the harness's CNI bridge (what a shim sandboxer on 2.1 needs).
+    Pod,
+}
+
+impl Network {
+    fn name(self) -> &'static str {
+        match self {
+            Network::Host => "host-network pods",
+            Network::Pod => "pod-network pods (CNI bridge)",
+        }
+    }
+
+    fn handlers(self) -> &'static [&'static str] {
+        match self {
+            Network::Host => &["runc", "bulkhead"],
+            Network::Pod => &["runc", "bulkhead", "bulkhead-sandboxer"],
+        }
+    }
+}
+
+/// Warm-up pods, then [`PODS`] pods per handler, handlers taking turns pod by pod, on a private
+/// containerd `version`; the samples in `network.handlers()` order.
+async fn measure(version: ContainerdVersion, config: &std::path::Path, network: Network) -> Result<Vec<Samples>> {
+    let bulkhead = RuntimeHandler::bulkhead(Some(config));
+    // The shim sandboxer's runtime has no options (2.1 would read them as runc's at StartContainer): its shims
+    // find the config through BULKHEAD_CONFIG.
+    let mut sandboxer = RuntimeHandler { name: "bulkhead-sandboxer".into(), options: vec![], ..bulkhead.clone() };
+    sandboxer.settings.push(("sandboxer".into(), "shim".into()));
+    let mut handlers = vec![RuntimeHandler::runc(), bulkhead];
+    if network == Network::Pod {
+        handlers.push(sandboxer);
+    }
     let containerd = Containerd::start(ContainerdConfig {
-        handlers: vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(config))],
+        handlers,
+        cni_bridge: network == Network::Pod,
+        extra_toml: format!(
+            "\n[plugins.'io.containerd.shim.v1.manager']\n  env = ['BULKHEAD_CONFIG={}']\n",
+            config.display()
+        ),
         version,
         ..Default::default()
     })
     .await?;
     for n in 0..WARMUP {
-        for handler in ["runc", "bulkhead"] {
-            one_pod(&containerd, handler, n, None).await.with_context(|| format!("warm-up {handler}"))?;
+        for handler in network.handlers() {
+            one_pod(&containerd, handler, network, n, None).await.with_context(|| format!("warm-up {handler}"))?;
         }
     }
-    let (mut runc, mut bulkhead) = (Samples::default(), Samples::default());
+    let mut samples: Vec<Samples> = network.handlers().iter().map(|_| Samples::default()).collect();
     for n in 0..PODS {
-        one_pod(&containerd, "runc", WARMUP + n, Some(&mut runc)).await.context("runc pod")?;
-        one_pod(&containerd, "bulkhead", WARMUP + n, Some(&mut bulkhead)).await.context("bulkhead pod")?;
+        for (handler, s) in network.handlers().iter().zip(samples.iter_mut()) {
+            one_pod(&containerd, handler, network, WARMUP + n, Some(s))
+                .await
+                .with_context(|| format!("{handler} pod"))?;
+        }
     }
-    Ok((runc, bulkhead))
+    Ok(samples)
 }
 
 /// Release builds of the shim and agent when present (a fair match for runc), else the debug
@@ -190,34 +254,49 @@ fn tempfile_dir() -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-fn report(version: ContainerdVersion, runc: &Samples, bulkhead: &Samples) {
+fn report(version: ContainerdVersion, network: Network, samples: &[Samples]) {
     println!(
-        "cri_pod_start on containerd {version}: {PODS} pods per handler, {EXECS_PER_POD} ExecSync per pod, \
-         host-network pods, the podsandbox path"
+        "cri_pod_start on containerd {version}: {PODS} pods per handler, {EXECS_PER_POD} ExecSync per pod, {}",
+        network.name()
     );
-    println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "metric", "runc p50", "runc p95", "bh p50", "bh p95");
-    for (name, r, b, goal) in [
-        ("RunPodSandbox+Create+Start (ms)", &runc.pod_start, &bulkhead.pod_start, 1.3),
-        ("ExecSync echo (ms)", &runc.exec_sync, &bulkhead.exec_sync, 1.5),
+    let handlers = network.handlers();
+    let mut header = format!("{:<34}", "metric (ms)");
+    for h in handlers {
+        header.push_str(&format!(" {:>12} {:>12}", format!("{h} p50"), "p95"));
+    }
+    println!("{header}");
+    let runc = &samples[0];
+    for (name, pick, goal) in [
+        ("RunPodSandbox+Create+Start", (|s: &Samples| s.pod_start.clone()) as fn(&Samples) -> Vec<Duration>, 1.3),
+        ("ExecSync echo", |s: &Samples| s.exec_sync.clone(), 1.5),
     ] {
-        let (r50, r95, b50, b95) = (percentile(r, 50.0), percentile(r, 95.0), percentile(b, 50.0), percentile(b, 95.0));
-        println!("{name:<34} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", ms(r50), ms(r95), ms(b50), ms(b95));
-        let ratio = ms(b50) / ms(r50).max(f64::EPSILON);
-        let verdict = if ratio <= goal { "meets" } else { "MISSES" };
-        println!(
-            "  ratio bulkhead/runc p50 = {ratio:.2} ({verdict} goal <= {goal}); p95 ratio = {:.2}",
-            ms(b95) / ms(r95).max(f64::EPSILON)
-        );
+        let mut line = format!("{name:<34}");
+        for s in samples {
+            let v = pick(s);
+            line.push_str(&format!(" {:>12.1} {:>12.1}", ms(percentile(&v, 50.0)), ms(percentile(&v, 95.0))));
+        }
+        println!("{line}");
+        let r = pick(runc);
+        for (h, s) in handlers.iter().zip(samples).skip(1) {
+            let b = pick(s);
+            let ratio = ms(percentile(&b, 50.0)) / ms(percentile(&r, 50.0)).max(f64::EPSILON);
+            let verdict = if ratio <= goal { "meets" } else { "MISSES" };
+            println!(
+                "  ratio {h}/runc p50 = {ratio:.2} ({verdict} goal <= {goal}); p95 ratio = {:.2}",
+                ms(percentile(&b, 95.0)) / ms(percentile(&r, 95.0)).max(f64::EPSILON)
+            );
+        }
     }
     let median_mib = |v: &[u64]| {
         let mut v = v.to_vec();
         v.sort_unstable();
         v.get(v.len() / 2).map_or(0.0, |k| *k as f64 / 1024.0)
     };
+    let rss: Vec<String> =
+        handlers.iter().zip(samples).map(|(h, s)| format!("{h} {:.1}", median_mib(&s.rss_kib))).collect();
     println!(
-        "host RSS of runtime processes per pod (MiB, median): runc {:.1} (shim + pause), bulkhead {:.1} (shim + launcher + agent)",
-        median_mib(&runc.rss_kib),
-        median_mib(&bulkhead.rss_kib)
+        "host RSS of runtime processes per pod (MiB, median; runc: shim + pause, bulkhead: shim + launcher + agent): {}",
+        rss.join(", ")
     );
 }
 

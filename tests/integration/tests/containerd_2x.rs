@@ -7,7 +7,7 @@
 //!   one feature it checks before creating a container, idmapped mounts: not supported;
 //! - a runtime configured with `sandboxer = "shim"` runs a pod-network pod through the shim's sandbox API, with no
 //!   pause container, and stop and remove leave nothing behind (a host-network pod never reaches the shim on that
-//!   path: 2.1.9 itself crashes on it, fixed upstream in 2.3.0);
+//!   path: 2.1.9 itself crashes on it, fixed upstream in 2.3.0), and a pod it refuses (hostPID) fails naming why;
 //! - `bulkhead-ctl doctor` names the containerd version, passes such a sandboxer and fails one with runtime options
 //!   (2.1 then fails every StartContainer);
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
@@ -17,6 +17,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::{
     container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
     ContainerdVersion, Cri, RuntimeHandler,
@@ -258,6 +259,101 @@ async fn a_pod_runs_through_the_sandbox_api_with_no_pause_container() -> Result<
     bulkhead_integration::host::eventually_nothing("the pod's bundles", Duration::from_secs(15), || {
         let found = Command::new("find").arg(env.containerd.dir()).args(["-name", &pod_id]).output();
         found.map(|o| String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect()).unwrap_or_default()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_vm_pod_runs_through_the_sandbox_api() -> Result<()> {
+    vm_pod_through_the_sandbox_api("a_vm_pod_runs_through_the_sandbox_api", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn a_vm_pod_runs_through_the_sandbox_api_on_bulkhead_vmm() -> Result<()> {
+    vm_pod_through_the_sandbox_api("a_vm_pod_runs_through_the_sandbox_api_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+/// The vm backend (the real guest) through the shim sandboxer: RunPodSandbox starts the VM, a container runs on the
+/// guest kernel with the pod config's hostname, and stop and remove leave no process, mount or state.
+async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()> {
+    if skip_if_unready_on(test, VERSION) || vmm.skip(test) {
+        return Ok(());
+    }
+    println!("{test}: containerd {}, the guest runs on {}", VERSION.line(), vmm.name());
+    let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("bulkhead.toml");
+    std::fs::write(&config, bulkhead_integration::guests::real_vm_config(state_dir.path(), 45_000, vmm)?)?;
+    let containerd = Containerd::start(ContainerdConfig {
+        handlers: with_sandboxer(RuntimeHandler::bulkhead(Some(&config))),
+        cni_bridge: true,
+        extra_toml: shim_env(&config),
+        version: VERSION,
+        ..Default::default()
+    })
+    .await?;
+    let cri = containerd.cri().await?;
+    let mut pod = pod_config("vm-sandboxer", &containerd.new_log_dir("vm-sandboxer")?);
+    pod.hostname = "vm-sandboxer".into();
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    let pod_id = cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await.with_context(|| containerd.log_tail(60))?;
+    let script = "trap 'exit 0' TERM; while true; do sleep 0.2; done";
+    let ctr = cri.create_container(&pod_id, &container_config("c", &["sh", "-c", script]), &pod).await?;
+    cri.start_container(&ctr).await?;
+    let out = cri.exec_sync(&ctr, &["sh", "-c", "uname -r; hostname"], 30).await?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines();
+    let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_string();
+    let guest_release = lines.next().unwrap_or_default();
+    assert!(!guest_release.is_empty() && guest_release != host_release, "not the guest kernel: {text:?}");
+    assert_eq!(lines.next(), Some("vm-sandboxer"), "{text:?}");
+
+    cri.stop_pod_sandbox(&pod_id).await?;
+    cri.remove_pod_sandbox(&pod_id).await?;
+    let state = state_dir.path().display().to_string();
+    let within = Duration::from_secs(20);
+    bulkhead_integration::host::eventually_nothing("the pod's processes", within, || {
+        let mut left = bulkhead_integration::host::processes_with(&state);
+        left.extend(bulkhead_integration::host::processes_with(&pod_id));
+        left.into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    bulkhead_integration::host::eventually_nothing("mounts", within, || {
+        bulkhead_integration::host::mounts_with(&state)
+    })
+    .await?;
+    bulkhead_integration::host::eventually_nothing("pod state", within, || {
+        std::fs::read_dir(state_dir.path())
+            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
+            .unwrap_or_default()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing() -> Result<()> {
+    let test = "a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing";
+    let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    let mut pod = pod_config("hostpid", &env.containerd.new_log_dir("hostpid")?);
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    let ns = ns.context("namespace options")?;
+    ns.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    ns.pid = k8s_cri::v1::NamespaceMode::Node as i32;
+    let err = match env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await {
+        Ok(id) => anyhow::bail!("hostPID pod {id} started"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("hostPID"), "{err}");
+    assert!(env.cri.list_pod_sandboxes().await?.is_empty());
+    bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
+        let address = format!("-address {}", env.containerd.address().display());
+        let shims = bulkhead_integration::host::processes_with(&address);
+        shims
+            .into_iter()
+            .filter(|(_, c)| c.contains("containerd-shim-bulkhead"))
+            .map(|(p, c)| format!("{p} {c}"))
+            .collect()
     })
     .await
 }
