@@ -332,6 +332,38 @@ async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()>
 }
 
 #[tokio::test]
+async fn a_sandbox_api_pod_outlives_a_containerd_restart() -> Result<()> {
+    let test = "a_sandbox_api_pod_outlives_a_containerd_restart";
+    let Some(mut env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    let mut pod = pod_config("restart", &env.containerd.new_log_dir("restart")?);
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    let pod_id =
+        env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await.with_context(|| env.containerd.log_tail(40))?;
+    let script = "trap 'exit 0' TERM; while true; do sleep 0.2; done";
+    let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", script]), &pod).await?;
+    env.cri.start_container(&ctr).await?;
+
+    // containerd goes away and comes back on the same state: it reconnects to the pod's shim (Task Connect for the
+    // sandbox id, then the sandbox API's Status and Wait).
+    env.containerd.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    env.containerd.start_again().await?;
+    let cri = env.containerd.cri().await?;
+    let status = cri.pod_sandbox_status(&pod_id).await.with_context(|| env.containerd.log_tail(40))?;
+    assert_eq!(status.state, k8s_cri::v1::PodSandboxState::SandboxReady as i32, "{status:?}");
+    let out = cri.exec_sync(&ctr, &["echo", "back"], 10).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "back\n");
+
+    cri.stop_pod_sandbox(&pod_id).await?;
+    cri.remove_pod_sandbox(&pod_id).await?;
+    bulkhead_integration::host::eventually_nothing("the pod's shim and its processes", Duration::from_secs(15), || {
+        bulkhead_integration::host::processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await
+}
+
+#[tokio::test]
 async fn a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing() -> Result<()> {
     let test = "a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing";
     let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
