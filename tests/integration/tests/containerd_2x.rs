@@ -10,6 +10,8 @@
 //!   path: 2.1.9 itself crashes on it, fixed upstream in 2.3.0), and a pod it refuses (hostPID) fails naming why;
 //! - `bulkhead-ctl doctor` names the containerd version, passes such a sandboxer and fails one with runtime options
 //!   (2.1 then fails every StartContainer);
+//! - a shim-sandboxer pod survives a containerd restart, and one whose shim is killed goes NOTREADY, its workload
+//!   ends, and CRI removes it leaving nothing;
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -358,6 +360,60 @@ async fn a_sandbox_api_pod_outlives_a_containerd_restart() -> Result<()> {
     cri.stop_pod_sandbox(&pod_id).await?;
     cri.remove_pod_sandbox(&pod_id).await?;
     bulkhead_integration::host::eventually_nothing("the pod's shim and its processes", Duration::from_secs(15), || {
+        bulkhead_integration::host::processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly() -> Result<()> {
+    let test = "a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly";
+    let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    let mut pod = pod_config("crash", &env.containerd.new_log_dir("crash")?);
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    let pod_id =
+        env.cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await.with_context(|| env.containerd.log_tail(40))?;
+    let marker = format!("crash-marker-{}", std::process::id());
+    let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
+    let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", &script]), &pod).await?;
+    env.cri.start_container(&ctr).await?;
+
+    let shims: Vec<u32> = bulkhead_integration::host::processes_with("containerd-shim-bulkhead-v2")
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains(&pod_id) && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(shims.len(), 1, "one shim serves the pod: {shims:?}");
+    // A descendant of the containerd this test started; signalled by PID only.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
+
+    // containerd sees the sandbox's Wait end (the pod goes NOTREADY) and runs `delete` for it, which tears the
+    // pod down: no workload process is left. Until containerd has dropped the dead shim, 2.1's PodSandboxStatus
+    // fails with the closed connection (it does not map the controller's error), as it would for any shim.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = env.cri.pod_sandbox_status(&pod_id).await;
+        if status.as_ref().is_ok_and(|s| s.state == k8s_cri::v1::PodSandboxState::SandboxNotready as i32) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the pod is not NOTREADY after its shim died: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bulkhead_integration::host::eventually_nothing("workload processes", Duration::from_secs(20), || {
+        bulkhead_integration::host::processes_with(&marker).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    let exited = k8s_cri::v1::ContainerState::ContainerExited as i32;
+    env.cri.wait_container(&ctr, Duration::from_secs(20), |s| s.state == exited).await?;
+    let _ = env.cri.stop_container(&ctr, 1).await;
+    env.cri.remove_container(&ctr).await?;
+    env.cri.stop_pod_sandbox(&pod_id).await?;
+    env.cri.remove_pod_sandbox(&pod_id).await?;
+    bulkhead_integration::host::eventually_nothing("the pod's processes", Duration::from_secs(15), || {
         bulkhead_integration::host::processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
     })
     .await
