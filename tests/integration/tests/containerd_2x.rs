@@ -2,7 +2,7 @@
 //! run on 2.1 through their `*_on_containerd_2_1` twins):
 //! - it reads the shim's bare-address answer to `start` as bootstrap version 2 (ttrpc, Task API v2), and the pod's
 //!   later containers still go through `start` to the pod's one shim: the shim never claims version 3, which would
-//!   tell 2.x it implements the sandbox API and streaming I/O and stop 2.x running `start` and `delete` for them;
+//!   stop 2.x running `start` and `delete` for them (pod grouping, cleanup after a crash);
 //! - its introspection (`PluginInfo` of a runtime, `shim -info`) gets the runtime's name and version and the
 //!   one feature it checks before creating a container, idmapped mounts: not supported;
 //! - a runtime configured with `sandboxer = "shim"` runs a pod-network pod through the shim's sandbox API, with no
