@@ -75,7 +75,6 @@ fn run(opts: cli::AgentOpts, kernel_words: &[String]) -> anyhow::Result<()> {
     }
     // Mounts and subreaper status come before any thread exists.
     guest_init::prepare(opts.mode, confined, &syscall::LinuxSyscall)?;
-    shared_fs::mount_shared_dir(opts.mode, &syscall::LinuxSyscall, &shared_fs::kernel_cmdline())?;
     if confined {
         // Capabilities are per thread: dropped while this is the only one.
         let held = privileges::confine()?;

@@ -128,8 +128,15 @@ impl Sandbox {
     pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
         let pod_cgroup =
             Path::new(cgroups::ROOT).join(self.cgroup_parent.strip_prefix("/").unwrap_or(&self.cgroup_parent));
+        // Held throughout: a second SetupSandbox racing this one must not mount the share twice.
+        let mut identity = lock(&self.identity);
         guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)?;
-        *lock(&self.identity) = Identity::Given;
+        // Last, so that a failed setup leaves nothing mounted and can be tried again.
+        if *identity == Identity::Awaited {
+            crate::shared_fs::mount_shared_dir(self.mode, &self.sys, &crate::shared_fs::kernel_cmdline())
+                .map_err(|e| AgentError::Internal(format!("{e:#}")))?;
+        }
+        *identity = Identity::Given;
         Ok(())
     }
 

@@ -1,6 +1,8 @@
 //! VM mode: the pod's shared directory. When the kernel command line names a virtio-fs tag
 //! (`bulkhead.shared_fs=<tag>`; the shim's `vm` backend always does), the agent mounts that tag
-//! once at boot at [`SHARED_DIR`]; each container's rootfs and volumes are subdirectories of it
+//! at [`SHARED_DIR`] when the sandbox gets its identity (SetupSandbox), not at boot: a VM that
+//! has booted to "agent listening" then holds nothing of any pod, and is what a template is
+//! snapshotted from. Each container's rootfs and volumes are subdirectories of the share
 //! (`bulkhead_protocol::guest`), so a create needs no mount of its own beyond libcontainer's.
 //! Through the [`Syscall`] seam, so the plan is unit-tested without a VM.
 

@@ -158,11 +158,17 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     // The guest's boot phases as its console shows them (diagnosis only: TCG is not KVM).
     let console = env.state_dir.path().join(&pod_id).join("vm/root/run/console.log");
     let console = std::fs::read_to_string(&console).unwrap_or_default();
-    for mark in ["Linux version", "Run /init", "left the initramfs", "shared directory mounted", "listening (vsock)"] {
+    for mark in ["Linux version", "Run /init", "left the initramfs", "listening (vsock)", "shared directory mounted"] {
         if let Some(line) = console.lines().find(|l| l.contains(mark)) {
             println!("{test}: console: {}", line.chars().take(120).collect::<String>());
         }
     }
+    // The agent mounts the pod's share only at SetupSandbox: a VM that answers the agent protocol holds nothing of
+    // any pod yet (what a template is snapshotted from).
+    let at = |mark: &str| console.lines().position(|l| l.contains(mark));
+    let (listening, mounted) = (at("listening (vsock)"), at("shared directory mounted"));
+    assert!(listening.is_some() && mounted.is_some(), "console lacks the agent's marks:\n{console}");
+    assert!(listening < mounted, "the share was mounted before the agent listened:\n{console}");
     // What the guest kernel, the agent and two idle containers use of the VM's memory (a figure
     // for runtimeclass/README.md's overhead terms, not a check).
     let meminfo = run_in(cri, &w, &["cat", "/proc/meminfo"]).await?;
