@@ -10,7 +10,7 @@
 //! addresses land inside it often enough to reach the interesting paths.
 
 mod shim;
-pub use shim::{agent_reply, shim_options, shim_spec};
+pub use shim::{agent_reply, shim_options, shim_pod_config, shim_spec};
 
 use std::cell::RefCell;
 use std::future::Future;

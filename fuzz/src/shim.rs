@@ -1,6 +1,7 @@
 //! Fuzz bodies for the shim's decoders of what the agent (a hostile guest) and containerd send:
-//! the agent's replies as the shim checks and converts them, and the runtime options, config
-//! and OCI spec (with the CRI annotations it reads) as containerd hands them over.
+//! the agent's replies as the shim checks and converts them, and the runtime options, config,
+//! OCI spec (with the CRI annotations it reads) and 2.x's CRI pod config as containerd hands
+//! them over.
 
 use bulkhead_protocol::agent as pb;
 use bulkhead_shim::config::{Backend, Config};
@@ -107,4 +108,25 @@ fn emptydir_limits(spec: &BundleSpec) {
             assert!(source.contains(&format!("/pods/{uid}/")) && spec::is_volume_name(name), "{source}");
         }
     }
+}
+
+/// containerd 2.x's CreateSandbox options (a CRI `PodSandboxConfig`, a pod author's fields and
+/// kubelet's), decoded and made into the sandbox spec, which the shim then reads as it reads a
+/// pause container's: it parses back, is a sandbox's, and its checks and cgroup hold.
+pub fn shim_pod_config(data: &[u8]) {
+    use bulkhead_shim::sandboxer::pod_spec;
+    let any = Any { type_url: pod_spec::POD_SANDBOX_CONFIG_TYPE.into(), value: data.to_vec(), ..Default::default() };
+    let Ok(pod) = pod_spec::decode(Some(&any)) else { return };
+    let _ = pod_spec::resolv_conf(pod.dns_config.as_ref());
+    let sandbox = pod_spec::sandbox_spec("sb1", "/var/run/netns/x", &pod, Some(std::path::Path::new("/b/resolv.conf")));
+    let json = spec::encode(&sandbox).expect("a made spec encodes");
+    let parsed = BundleSpec::from_bytes(&json).expect("the shim parses the spec it made");
+    assert_eq!(parsed.role(), spec::Role::Sandbox);
+    let cgroup = bulkhead_shim::sandbox::cgroups::PodCgroup::for_pod("sb1", "k8s.io", parsed.cgroups_path());
+    assert!(cgroup.sandbox().starts_with(&cgroup.parent), "the sandbox's cgroup stays below its parent");
+    for backend in [Backend::Vm, Backend::Namespace] {
+        let _ = parsed.validate_sandbox(backend);
+    }
+    let _ = (parsed.pod_resources(), parsed.log_directory(), parsed.sysctls(), parsed.hostname());
+    emptydir_limits(&parsed);
 }

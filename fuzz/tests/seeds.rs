@@ -6,7 +6,7 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 16] = [
+const BODIES: [(&str, Body); 17] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
@@ -23,6 +23,7 @@ const BODIES: [(&str, Body); 16] = [
     ("agent_reply", bulkhead_fuzz::agent_reply),
     ("shim_options", bulkhead_fuzz::shim_options),
     ("shim_spec", bulkhead_fuzz::shim_spec),
+    ("shim_pod_config", bulkhead_fuzz::shim_pod_config),
 ];
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -76,7 +77,47 @@ fn seeds() -> Vec<Vec<u8>> {
     s.push([&[0u8][..], &wait.write_to_bytes().expect("encodes")].concat());
     let oom = bulkhead_protocol::agent::OomEvent { container_id: "c1".into(), ..Default::default() };
     s.push([&[1u8][..], &oom.write_to_bytes().expect("encodes")].concat());
+    s.extend(pod_config_seeds());
     s
+}
+
+/// shim_pod_config's seeds: CRI pod configs as kubelet sends them (pod network, host namespaces).
+fn pod_config_seeds() -> Vec<Vec<u8>> {
+    use k8s_cri::v1 as cri;
+    use prost::Message as _;
+    let pod = |network: i32, pid: i32| cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: "p".into(),
+            uid: "u-1".into(),
+            namespace: "d".into(),
+            attempt: 0,
+        }),
+        hostname: "p".into(),
+        log_directory: "/var/log/pods/d_p_u-1".into(),
+        dns_config: Some(cri::DnsConfig {
+            servers: vec!["10.0.0.10".into()],
+            searches: vec!["d.svc".into()],
+            options: vec![],
+        }),
+        annotations: [("bulkhead.io/emptydir-size-limits".to_string(), "scratch=32Mi".to_string())].into(),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            cgroup_parent: "/kubepods.slice/kubepods-pod1.slice".into(),
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption { network, pid, ..Default::default() }),
+                ..Default::default()
+            }),
+            sysctls: [("net.ipv4.ping_group_range".to_string(), "0 1".to_string())].into(),
+            resources: Some(cri::LinuxContainerResources {
+                cpu_quota: 50_000,
+                cpu_period: 100_000,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (pod_mode, node) = (cri::NamespaceMode::Pod as i32, cri::NamespaceMode::Node as i32);
+    vec![pod(pod_mode, pod_mode).encode_to_vec(), pod(node, node).encode_to_vec()]
 }
 
 /// shim_spec's seeds: OCI specs (and an exec's process) as containerd writes them.
