@@ -8,8 +8,7 @@
 //! - [`agent`]: a health check over the same dial and version handshake the shim uses;
 //! - [`doctor`]: host probe, containerd's view of the handler, the shim config, the artifacts;
 //! - [`metrics`]: every pod's metrics as one exposition, once or served on `--listen`;
-//! - [`template`]: the snapshot template cache (`ls`, `rm`; `build` comes with the template
-//!   builder, issue 22).
+//! - [`template`]: the snapshot template cache (`ls`, `build`, `rm`).
 
 pub mod agent;
 pub mod console;
@@ -103,6 +102,16 @@ enum Command {
 enum TemplateCommand {
     /// Every template, checked as a pod's lookup checks it; builds in progress; unusable entries.
     Ls,
+    /// Builds the template of a VM shape now (the config's default shape unless given), unless a
+    /// usable one is there; waits for a build of the same key already under way.
+    Build {
+        /// vCPUs of the VM (default: the config's `vm.vcpus`).
+        #[arg(long)]
+        vcpus: Option<u8>,
+        /// Guest memory in MiB (default: the config's `vm.memory_mib`).
+        #[arg(long)]
+        memory_mib: Option<u32>,
+    },
     /// Removes templates (a pod then builds or boots cold); waits for a build of the same key.
     Rm {
         /// Template keys, or unique prefixes of them.
@@ -188,6 +197,9 @@ async fn run(cli: Cli) -> Result<Option<Outcome>, CtlError> {
             Ok(None)
         }
         Command::Template { command: TemplateCommand::Ls } => Ok(Some(template::ls(&load_config(explicit)?)?)),
+        Command::Template { command: TemplateCommand::Build { vcpus, memory_mib } } => {
+            Ok(Some(template::build(load_config(explicit)?, vcpus, memory_mib).await?))
+        }
         Command::Template { command: TemplateCommand::Rm { keys, all } } => {
             Ok(Some(template::rm(&load_config(explicit)?, &keys, all).await?))
         }

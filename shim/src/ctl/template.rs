@@ -1,6 +1,7 @@
-//! `bulkhead-ctl template ls|rm`: the node's snapshot template cache (`vm.template_dir`).
-//! `ls` checks each template as a pod's lookup would; `rm` takes the key's lock, so it never
-//! removes a template while a shim publishes it (a VMM restored from one keeps its open files).
+//! `bulkhead-ctl template ls|build|rm`: the node's snapshot template cache (`vm.template_dir`).
+//! `ls` checks each template as a pod's lookup would; `build` boots and snapshots one through
+//! the same lock and store a pod's build uses; `rm` takes the key's lock, so it never removes a
+//! template while a shim publishes it (a VMM restored from one keeps its open files).
 
 use std::time::{Duration, Instant};
 
@@ -8,7 +9,8 @@ use serde_json::json;
 
 use super::{CtlError, Outcome};
 use crate::config::Config;
-use crate::sandbox::vm::template::{Listed, TemplateKey, TemplateStore};
+use crate::sandbox::vm::template::{KeyInputs, KeySources, Listed, TemplateKey, TemplateStore, BUILD_TIMEOUT};
+use crate::sandbox::vm::template_builder::VmTemplateBuilder;
 
 /// How long `rm` waits for a build of the same key to finish.
 const RM_WAIT: Duration = Duration::from_secs(30);
@@ -43,6 +45,45 @@ pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
     }
     let ok = !rows.iter().any(|r| matches!(r, Listed::Unusable { .. }));
     Ok(Outcome { json: json!({ "dir": store.root(), "templates": rows }), text, ok })
+}
+
+/// Builds the template of the config's files and the given (or the config's) VM shape.
+pub async fn build(config: Config, vcpus: Option<u8>, memory_mib: Option<u32>) -> Result<Outcome, CtlError> {
+    let failed = |e: &dyn std::fmt::Display| CtlError::Failed(e.to_string());
+    let store = open(&config)?;
+    let (vcpus, memory_mib) = (vcpus.unwrap_or(config.vm.vcpus), memory_mib.unwrap_or(config.vm.memory_mib));
+    if vcpus == 0 || memory_mib == 0 {
+        return Err(CtlError::Failed("a template VM needs at least one vCPU and 1 MiB of memory".into()));
+    }
+    let sources = KeySources {
+        kernel: &config.vm.kernel_path,
+        initramfs: &config.vm.initramfs_path,
+        vmm: &config.vm.vmm_path,
+        vcpus,
+        memory_mib,
+    };
+    let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).map_err(|e| failed(&e))?;
+    let started = Instant::now();
+    let builder = VmTemplateBuilder::new(std::sync::Arc::new(config));
+    // Another build of the key (a pod's) may hold the lock for as long as a build may take.
+    let template =
+        crate::sandbox::vm::template::build(&store, &inputs, &builder, BUILD_TIMEOUT).await.map_err(|e| failed(&e))?;
+    let text = format!(
+        "template {} ({vcpus} vCPUs, {memory_mib} MiB): {} MiB in {} ({:.1} s)\n",
+        template.key,
+        template.bytes() >> 20,
+        template.dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let json = json!({
+        "key": template.key,
+        "dir": template.dir,
+        "vcpus": vcpus,
+        "memory_mib": memory_mib,
+        "bytes": template.bytes(),
+        "created_unix": template.manifest.created_unix,
+    });
+    Ok(Outcome { json, text, ok: true })
 }
 
 fn short(name: &str) -> &str {

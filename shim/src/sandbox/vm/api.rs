@@ -85,6 +85,12 @@ impl VmmApi {
         self.command(Request::Resume).await.map(drop)
     }
 
+    /// Pauses the VM and writes its snapshot into `dir` (a path inside the VMM's jail); the VM
+    /// stays paused.
+    pub async fn snapshot(&self, dir: &Path) -> Result<(), ApiError> {
+        self.command(Request::Snapshot { dir: dir.to_owned() }).await.map(drop)
+    }
+
     pub async fn info(&self) -> Result<VmInfo, ApiError> {
         let response = self.command(Request::Info).await?;
         response.info.ok_or_else(|| ApiError::BadReply {

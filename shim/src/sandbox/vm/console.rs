@@ -41,7 +41,7 @@ pub fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
 }
 
 /// The last `max` bytes of `path` (empty if it cannot be read).
-fn last_bytes(path: &Path, max: u64) -> Vec<u8> {
+pub fn last_bytes(path: &Path, max: u64) -> Vec<u8> {
     let Ok(mut file) = open_log(path) else { return Vec::new() };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     if file.seek(SeekFrom::Start(len.saturating_sub(max))).is_err() {

@@ -28,6 +28,7 @@ pub mod pod_dirs;
 pub mod shape;
 pub mod share;
 pub mod template;
+pub mod template_builder;
 pub mod virtiofsd;
 
 use std::ffi::CString;
@@ -112,13 +113,13 @@ fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError>
 
 /// What a start has started so far, stopped again if the start fails.
 #[derive(Default)]
-struct Started {
+pub(super) struct Started {
     vmm: Option<Supervised>,
     virtiofsd: Option<Supervised>,
 }
 
 impl Started {
-    async fn stop(&self) {
+    pub(super) async fn stop(&self) {
         for child in [&self.vmm, &self.virtiofsd].into_iter().flatten() {
             child.stop(Duration::ZERO).await;
         }
@@ -165,99 +166,8 @@ impl VmSandbox {
         paths: &PodPaths,
         started: &mut Started,
     ) -> Result<Booted, SandboxError> {
-        let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
-        let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
-        let kernel = vm_file("kernel_path", &config.vm.kernel_path)?;
-        let initramfs = vm_file("initramfs_path", &config.vm.initramfs_path)?;
         let shape = VmShape::for_pod(&config.vm, &req.resources)?;
-        let layout = VmLayout::new(paths);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&paths.dir)
-            .map_err(io(format!("create {}", paths.dir.display())))?;
-        // The pod's own VMM identity (after its directory exists: see `ids`).
-        let range = ids::IdRange { first: config.vm.jail_id_first, count: config.vm.jail_id_count };
-        let jail_id =
-            ids::allocate(&config.state_dir, &req.sandbox_id, range).map_err(|e| SandboxError::Setup(e.to_string()))?;
-        // Recorded before anything is added, so a failed start and `delete` find what to remove.
-        let network = match &req.netns {
-            Some(netns) => {
-                let attach = VmAttach {
-                    netns,
-                    record: &paths.network_record(),
-                    tap_uid: jail_id,
-                    tap_gid: jail_id,
-                    metadata: MetadataAccess::from_config(&config.network),
-                };
-                Some(crate::network::attach_vm(&attach).await?)
-            }
-            None => {
-                info!(sandbox = %req.sandbox_id, "host-network pod: the VM gets no NIC");
-                None
-            }
-        };
-        let net = network
-            .iter()
-            .flat_map(|n| &n.nics)
-            .map(|nic| NetConfig { tap: nic.tap.clone(), mac: nic.mac.clone(), mtu: Some(nic.mtu), rate_limiter: None })
-            .collect();
-        let plan = VmPlan {
-            id: &req.sandbox_id,
-            kernel: &kernel,
-            initramfs: &initramfs,
-            uid: jail_id,
-            gid: jail_id,
-            cgroup: req.cgroup.sandbox(),
-            netns: req.netns.clone(),
-            shape,
-            net,
-        };
-        layout
-            .create(&plan)
-            .and_then(|()| req.cgroup.write_record(&paths.cgroup_file()))
-            .map_err(io(format!("lay out the VM in {}", layout.dir.display())))?;
-        let share = SharedDir::new(layout.shared_dir.clone());
-        share.create()?;
-        // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
-        let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
-
-        let listener = virtiofsd::listen(&layout.fs_socket(), plan.uid, plan.gid)
-            .map_err(io(format!("listen at {}", layout.fs_socket().display())))?;
-        // virtiofsd's memory is the pod's too: it joins the sandbox cgroup the VMM joins.
-        let (procs, problems) = cgroups::procs_files(&plan.cgroup);
-        if !problems.is_empty() {
-            return Err(SandboxError::Setup(format!("virtiofsd's cgroup: {}", problems.join("; "))));
-        }
-        let procs = procs
-            .iter()
-            .map(|p| CString::new(p.as_os_str().as_encoded_bytes()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| SandboxError::Setup(format!("virtiofsd's cgroup: {e}")))?;
-        let command = virtiofsd::command(&virtiofsd_path, &share.dir, &listener, procs);
-        let log = |component| LogTo { pod: req.sandbox_id.clone(), component, console: None };
-        let fsd = supervise::spawn(command, "virtiofsd", &life_span, log(Component::Virtiofsd))?;
-        drop(listener);
-        // Under systemd, the pod's scope in kubelet's slice is a unit of its own, as runc makes it.
-        if let Some((slice, scope)) = req.cgroup.systemd_unit().filter(|_| cgroups::systemd_is_init()) {
-            if let Err(e) = cgroups::systemd_scope(&slice, scope, fsd.pid) {
-                warn!("the pod's systemd scope: {e}; its cgroup is used as it is");
-            }
-        }
-        started.virtiofsd = Some(fsd.clone());
-        supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
-
-        let mut command = tokio::process::Command::new(&vmm_path);
-        command.args(layout.vmm_args());
-        let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span, log(Component::Vmm))?;
-        started.vmm = Some(vmm.clone());
-        supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
-        tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
-        info!(
-            sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, jail_id, vcpus = shape.vcpus,
-            mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
-        );
-
+        let Launched { vmm, virtiofsd: fsd, network, layout } = launch(config, req, paths, started, shape).await?;
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
             rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
@@ -268,21 +178,148 @@ impl VmSandbox {
                 Ok(Booted { agent, vmm, virtiofsd: fsd, network })
             }
             Err(failure) => {
-                vmm.stop(Duration::ZERO).await;
-                let mut reason = format!("bulkhead-vmm (pid {}): {failure}", vmm.pid);
-                // virtiofsd exits 0 when the VMM closes its connection; anything else is its own failure.
-                if let Some(exit) = fsd.exit().filter(|e| e.status != 0) {
-                    reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}", fsd.pid, exit.status));
-                }
-                let console = layout.console_log();
-                let tail = console::tail(&console);
-                // The pod's state goes; a copy of the console stays with the pod's logs.
-                let kept = req.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
-                Err(SandboxError::VmStart { reason, console_log: kept.unwrap_or(console), tail })
+                Err(start_failure(&format!("{failure}"), &vmm, &fsd, &layout, req.log_dir.as_deref()).await)
             }
         }
     }
+}
 
+/// What [`launch`] started: the VMM (booting) and the pod's virtiofsd.
+pub(super) struct Launched {
+    pub vmm: Supervised,
+    pub virtiofsd: Supervised,
+    pub network: Option<VmNetwork>,
+    pub layout: VmLayout,
+}
+
+/// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
+/// `shape`; what it started is in `started`. A pod's start and a template's build both begin
+/// here, so a template is booted exactly as a pod's VM is.
+pub(super) async fn launch(
+    config: &Config,
+    req: &SandboxRequest,
+    paths: &PodPaths,
+    started: &mut Started,
+    shape: VmShape,
+) -> Result<Launched, SandboxError> {
+    let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
+    let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
+    let kernel = vm_file("kernel_path", &config.vm.kernel_path)?;
+    let initramfs = vm_file("initramfs_path", &config.vm.initramfs_path)?;
+    let layout = VmLayout::new(paths);
+
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&paths.dir)
+        .map_err(io(format!("create {}", paths.dir.display())))?;
+    // The pod's own VMM identity (after its directory exists: see `ids`).
+    let range = ids::IdRange { first: config.vm.jail_id_first, count: config.vm.jail_id_count };
+    let jail_id =
+        ids::allocate(&config.state_dir, &req.sandbox_id, range).map_err(|e| SandboxError::Setup(e.to_string()))?;
+    // Recorded before anything is added, so a failed start and `delete` find what to remove.
+    let network = match &req.netns {
+        Some(netns) => {
+            let attach = VmAttach {
+                netns,
+                record: &paths.network_record(),
+                tap_uid: jail_id,
+                tap_gid: jail_id,
+                metadata: MetadataAccess::from_config(&config.network),
+            };
+            Some(crate::network::attach_vm(&attach).await?)
+        }
+        None => {
+            info!(sandbox = %req.sandbox_id, "host-network pod: the VM gets no NIC");
+            None
+        }
+    };
+    let net = network
+        .iter()
+        .flat_map(|n| &n.nics)
+        .map(|nic| NetConfig { tap: nic.tap.clone(), mac: nic.mac.clone(), mtu: Some(nic.mtu), rate_limiter: None })
+        .collect();
+    let plan = VmPlan {
+        id: &req.sandbox_id,
+        kernel: &kernel,
+        initramfs: &initramfs,
+        uid: jail_id,
+        gid: jail_id,
+        cgroup: req.cgroup.sandbox(),
+        netns: req.netns.clone(),
+        shape,
+        net,
+    };
+    layout
+        .create(&plan)
+        .and_then(|()| req.cgroup.write_record(&paths.cgroup_file()))
+        .map_err(io(format!("lay out the VM in {}", layout.dir.display())))?;
+    let share = SharedDir::new(layout.shared_dir.clone());
+    share.create()?;
+    // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
+    let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
+
+    let listener = virtiofsd::listen(&layout.fs_socket(), plan.uid, plan.gid)
+        .map_err(io(format!("listen at {}", layout.fs_socket().display())))?;
+    // virtiofsd's memory is the pod's too: it joins the sandbox cgroup the VMM joins.
+    let (procs, problems) = cgroups::procs_files(&plan.cgroup);
+    if !problems.is_empty() {
+        return Err(SandboxError::Setup(format!("virtiofsd's cgroup: {}", problems.join("; "))));
+    }
+    let procs = procs
+        .iter()
+        .map(|p| CString::new(p.as_os_str().as_encoded_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| SandboxError::Setup(format!("virtiofsd's cgroup: {e}")))?;
+    let command = virtiofsd::command(&virtiofsd_path, &share.dir, &listener, procs);
+    let log = |component| LogTo { pod: req.sandbox_id.clone(), component, console: None };
+    let fsd = supervise::spawn(command, "virtiofsd", &life_span, log(Component::Virtiofsd))?;
+    drop(listener);
+    // Under systemd, the pod's scope in kubelet's slice is a unit of its own, as runc makes it.
+    if let Some((slice, scope)) = req.cgroup.systemd_unit().filter(|_| cgroups::systemd_is_init()) {
+        if let Err(e) = cgroups::systemd_scope(&slice, scope, fsd.pid) {
+            warn!("the pod's systemd scope: {e}; its cgroup is used as it is");
+        }
+    }
+    started.virtiofsd = Some(fsd.clone());
+    supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
+
+    let mut command = tokio::process::Command::new(&vmm_path);
+    command.args(layout.vmm_args());
+    let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span, log(Component::Vmm))?;
+    started.vmm = Some(vmm.clone());
+    supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
+    tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
+    info!(
+        sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, jail_id, vcpus = shape.vcpus,
+        mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
+    );
+    Ok(Launched { vmm, virtiofsd: fsd, network, layout })
+}
+
+/// The error of a VM start that failed after [`launch`]: stops the VMM, names virtiofsd's own
+/// failure, and quotes the console (a copy of which stays with the pod's logs, `log_dir`).
+pub(super) async fn start_failure(
+    failure: &str,
+    vmm: &Supervised,
+    fsd: &Supervised,
+    layout: &VmLayout,
+    log_dir: Option<&Path>,
+) -> SandboxError {
+    vmm.stop(Duration::ZERO).await;
+    let mut reason = format!("bulkhead-vmm (pid {}): {failure}", vmm.pid);
+    // virtiofsd exits 0 when the VMM closes its connection; anything else is its own failure.
+    if let Some(exit) = fsd.exit().filter(|e| e.status != 0) {
+        reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}", fsd.pid, exit.status));
+    }
+    let console = layout.console_log();
+    let tail = console::tail(&console);
+    // The pod's state goes; a copy of the console stays with the pod's logs.
+    let kept = log_dir.and_then(|dir| console::keep(&console, dir));
+    SandboxError::VmStart { reason, console_log: kept.unwrap_or(console), tail }
+}
+
+impl VmSandbox {
     fn current(&self) -> SandboxState {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let (SandboxState::Running { pid }, Some(exit)) = (*state, self.vmm.exit()) {

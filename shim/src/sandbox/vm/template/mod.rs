@@ -14,7 +14,7 @@ pub mod store;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use flight::{build, obtain, ColdReason, Obtained, TemplateBuilder};
+pub use flight::{build, obtain, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
 pub use key::{KeyInputs, KeySources, TemplateKey};
 pub use store::{Listed, Lookup, Template, TemplateStore};
 

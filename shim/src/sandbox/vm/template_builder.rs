@@ -1,0 +1,228 @@
+//! Builds the `vm` backend's snapshot templates ([`TemplateBuilder`]). A template's VM is booted
+//! exactly as a pod's ([`super::launch`]: the jail, the pod's device set, a virtiofsd of its own
+//! over an empty share), but with no network and no pod: it runs until the agent says it listens
+//! (its console's [`READY_LINE`]), before any SetupSandbox, so the share is not mounted and no
+//! NIC is configured. The VMM's API then writes the snapshot inside the jail, and its files are
+//! copied (holes kept) into the store's staging directory, owned by root. The VM and everything
+//! it left go, whatever happened.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bulkhead_vmm_api::restore::{MEMORY_FILE, STATE_FILE};
+use tracing::info;
+
+use super::api::VmmApi;
+use super::pod_dirs::VmLayout;
+use super::shape::VmShape;
+use super::template::{KeyInputs, TemplateBuilder};
+use super::{cleanup, launch, Launched, Started};
+use crate::config::Config;
+use crate::sandbox::cgroups::PodCgroup;
+use crate::sandbox::paths::PodPaths;
+use crate::sandbox::supervise::Supervised;
+use crate::sandbox::SandboxRequest;
+
+/// What the agent prints once it accepts connections (`guest-agent/src/transport.rs`): the VM
+/// is then as far as a template goes.
+pub const READY_LINE: &str = "listening (vsock)";
+/// How long the guest may take to get there (1.6 s of guest time under TCG; a loaded host).
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often the console is read while waiting.
+const POLL: Duration = Duration::from_millis(20);
+/// Bytes of console read per look: the ready line is looked for in what is new.
+const CONSOLE_CHUNK: u64 = 64 << 10;
+/// Writing the snapshot: the guest's memory, inside the jail.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The snapshot's directory inside the jail (its writable run dir).
+const JAIL_SNAPSHOT_DIR: &str = "/run/snapshot";
+/// The cgroup namespace of template VMs (the shim's own tree, not a pod's).
+const NAMESPACE: &str = "bulkhead-templates";
+
+pub struct VmTemplateBuilder {
+    config: Arc<Config>,
+}
+
+impl VmTemplateBuilder {
+    pub fn new(config: Arc<Config>) -> Self {
+        Self { config }
+    }
+}
+
+#[async_trait]
+impl TemplateBuilder for VmTemplateBuilder {
+    async fn build(&self, inputs: &KeyInputs, dir: &Path) -> Result<(), String> {
+        let key = inputs.key();
+        let id = format!("tpl-{}", key.short());
+        let paths = PodPaths::new(&self.config.state_dir, &id).ok_or_else(|| format!("bad template id {id}"))?;
+        // What a build killed midway left behind.
+        cleanup(&paths).await;
+        let req = SandboxRequest {
+            sandbox_id: id.clone(),
+            netns: None,
+            cgroup: PodCgroup::for_pod(&id, NAMESPACE, None),
+            resources: Default::default(),
+            log_dir: None,
+            emptydirs: Default::default(),
+        };
+        let shape = VmShape { vcpus: inputs.vcpus, mem_mib: u64::from(inputs.memory_mib) };
+        let mut started = Started::default();
+        let result = match launch(&self.config, &req, &paths, &mut started, shape).await {
+            Ok(launched) => snapshot(&launched, dir).await,
+            Err(e) => Err(e.to_string()),
+        };
+        started.stop().await;
+        cleanup(&paths).await;
+        result
+    }
+}
+
+/// Waits for the guest's ready line, snapshots the VM into `dir` and checks what it wrote.
+async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
+    let Launched { vmm, virtiofsd, layout, .. } = launched;
+    let started = Instant::now();
+    if let Err(why) = wait_ready(&layout.console_log(), vmm).await {
+        let err = super::start_failure(&why, vmm, virtiofsd, layout, None).await;
+        return Err(format!("the template VM never got ready: {err}"));
+    }
+    let booted = started.elapsed();
+    let api = VmmApi::new(&layout.api_socket(), SNAPSHOT_TIMEOUT);
+    api.snapshot(Path::new(JAIL_SNAPSHOT_DIR)).await.map_err(|e| format!("snapshot: {e}"))?;
+    let written = host_path(layout, JAIL_SNAPSHOT_DIR);
+    for name in [STATE_FILE, MEMORY_FILE] {
+        copy_keeping_holes(&written.join(name), &dir.join(name))
+            .map_err(|e| format!("copy {name} of the snapshot: {e}"))?;
+    }
+    info!(
+        booted_ms = booted.as_millis() as u64,
+        snapshot_ms = (started.elapsed() - booted).as_millis() as u64,
+        "template VM snapshotted"
+    );
+    Ok(())
+}
+
+fn host_path(layout: &VmLayout, jail_path: &str) -> PathBuf {
+    layout.chroot().join(jail_path.trim_start_matches('/'))
+}
+
+/// Until the console shows [`READY_LINE`]; an error if the VMM exits first or it takes longer
+/// than [`READY_TIMEOUT`].
+async fn wait_ready(console: &Path, vmm: &Supervised) -> Result<(), String> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut seen = 0u64;
+    // The end of what was read last, so that a line split across two reads is still found.
+    let mut carry = Vec::new();
+    loop {
+        let (new, end) = read_from(console, seen);
+        seen = end;
+        carry.extend_from_slice(&new);
+        if carry.windows(READY_LINE.len()).any(|w| w == READY_LINE.as_bytes()) {
+            return Ok(());
+        }
+        let keep = carry.len().saturating_sub(READY_LINE.len());
+        carry.drain(..keep);
+        if let Some(exit) = vmm.exit() {
+            return Err(format!("it exited (status {}) before its console said {READY_LINE:?}", exit.status));
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("its console did not say {READY_LINE:?} within {READY_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Up to [`CONSOLE_CHUNK`] bytes of `path` from `from`, and where the next read starts. A
+/// console that shrank (it never does) is read from its start again.
+fn read_from(path: &Path, from: u64) -> (Vec<u8>, u64) {
+    let Ok(mut file) = std::fs::File::open(path) else { return (Vec::new(), from) };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = if len < from { 0 } else { from };
+    if file.seek(SeekFrom::Start(from)).is_err() {
+        return (Vec::new(), from);
+    }
+    let mut bytes = Vec::new();
+    let _ = file.take(CONSOLE_CHUNK).read_to_end(&mut bytes);
+    let end = from + bytes.len() as u64;
+    (bytes, end)
+}
+
+/// Copies `from` to a new file `to` (mode 0600, this process's), data extents only: the guest's
+/// memory file is mostly holes, which stay holes.
+fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::unix::fs::OpenOptionsExt;
+    let src = std::fs::File::open(from)?;
+    let len = src.metadata()?.len();
+    let dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(to)?;
+    dst.set_len(len)?;
+    let mut pos = 0u64;
+    while pos < len {
+        let data = match lseek(&src, pos as i64, Whence::SeekData) {
+            Ok(off) => off as u64,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = (lseek(&src, data as i64, Whence::SeekHole)? as u64).min(len);
+        let (mut off_in, mut off_out) = (data as i64, data as i64);
+        while (off_in as u64) < hole {
+            let left = (hole - off_in as u64) as usize;
+            // SAFETY: both fds are open for the call; the offsets are this loop's own cells.
+            let n =
+                unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left, 0) };
+            match n {
+                n if n > 0 => {}
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                _ => return Err(std::io::Error::last_os_error()),
+            }
+        }
+        pos = hole;
+    }
+    dst.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn a_copy_keeps_the_data_and_the_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("memory"), dir.path().join("copy"));
+        let mut f = std::fs::File::create(&from).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.seek(SeekFrom::Start(8 << 20)).unwrap();
+        f.write_all(&[7u8; 8192]).unwrap();
+        f.seek(SeekFrom::Start((64 << 20) - 4096)).unwrap();
+        f.write_all(&[9u8; 4096]).unwrap();
+        drop(f);
+        copy_keeping_holes(&from, &to).unwrap();
+        assert_eq!(std::fs::read(&from).unwrap(), std::fs::read(&to).unwrap());
+        use std::os::unix::fs::MetadataExt;
+        let blocks = std::fs::metadata(&to).unwrap().blocks() * 512;
+        assert!(blocks < 1 << 20, "the holes stayed holes: {blocks} bytes allocated");
+        assert!(copy_keeping_holes(&from, &to).is_err(), "an existing file is not overwritten");
+    }
+
+    #[test]
+    fn the_console_is_read_on_from_where_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+        assert_eq!(read_from(&console, 0), (Vec::new(), 0));
+        std::fs::write(&console, b"booting\nlisten").unwrap();
+        let (a, end) = read_from(&console, 0);
+        assert_eq!((a.as_slice(), end), (&b"booting\nlisten"[..], 14));
+        std::fs::write(&console, b"booting\nlistening (vsock) port=1024\n").unwrap();
+        let (b, end) = read_from(&console, end);
+        assert_eq!((b.as_slice(), end), (&b"ing (vsock) port=1024\n"[..], 36));
+    }
+}
