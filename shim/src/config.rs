@@ -142,6 +142,31 @@ pub struct VmConfig {
     /// The snapshot template cache (warm pods): root's, read-only to the VMMs.
     #[serde(default = "default_template_dir")]
     pub template_dir: PathBuf,
+    /// How a pod's VM starts: restored from a template (`warm`), booted (`cold`), or `auto`:
+    /// warm where the host runs ordinary guests on `bulkhead-vmm` (the probe says VMX or SVM).
+    #[serde(default)]
+    pub start: VmStart,
+}
+
+/// [`VmConfig::start`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmStart {
+    #[default]
+    Auto,
+    Warm,
+    Cold,
+}
+
+impl VmStart {
+    /// Whether pods restore from templates on this host.
+    pub fn warm_here(self) -> bool {
+        match self {
+            VmStart::Warm => true,
+            VmStart::Cold => false,
+            VmStart::Auto => bulkhead_vmm_api::probe::KvmKind::probe().ordinary_guests().is_ok(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -267,6 +292,7 @@ impl Default for VmConfig {
             jail_id_first: default_jail_id_first(),
             jail_id_count: default_jail_id_count(),
             template_dir: default_template_dir(),
+            start: VmStart::default(),
         }
     }
 }
@@ -449,6 +475,16 @@ mod tests {
         let config = parse(text).unwrap();
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
+        assert_eq!(config.vm.start, VmStart::Auto);
+    }
+
+    #[test]
+    fn vm_start_is_warm_cold_or_auto_and_nothing_else() {
+        assert_eq!(parse("").unwrap().vm.start, VmStart::Auto);
+        assert_eq!(parse("[vm]\nstart = \"warm\"\n").unwrap().vm.start, VmStart::Warm);
+        assert!(VmStart::Warm.warm_here() && !VmStart::Cold.warm_here());
+        let err = parse("[vm]\nstart = \"sometimes\"\n").unwrap_err().to_string();
+        assert!(err.contains("sometimes") && err.contains("warm"), "{err}");
     }
 
     #[test]

@@ -31,6 +31,8 @@ struct VmEnv {
     cri: Cri,
     state_dir: tempfile::TempDir,
     connect_timeout: Duration,
+    /// The shim's config (for `bulkhead-ctl`).
+    config: PathBuf,
     _config_dir: tempfile::TempDir,
     /// The pods' cgroup parent (kubelet's role here); removed after containerd is gone.
     cgroup_parent: CgroupParent,
@@ -49,11 +51,18 @@ impl Drop for CgroupParent {
 /// Prints `SKIPPED` and returns `None` when a prerequisite is missing (a failure under
 /// `BULKHEAD_REQUIRE_E2E`): root, containerd, /dev/kvm, the guest toolchain, the built binaries.
 async fn setup(test: &str, guest: &str, connect_timeout: Duration) -> Result<Option<VmEnv>> {
-    setup_ids(test, guest, connect_timeout, JAIL_ID_COUNT).await
+    setup_ids(test, guest, connect_timeout, JAIL_ID_COUNT, "").await
 }
 
-/// Like [`setup`], with `jail_ids` VMM identities for the pods.
-async fn setup_ids(test: &str, guest: &str, connect_timeout: Duration, jail_ids: u32) -> Result<Option<VmEnv>> {
+/// Like [`setup`], with `jail_ids` VMM identities for the pods and `more_vm` added to the
+/// config's `[vm]` table.
+async fn setup_ids(
+    test: &str,
+    guest: &str,
+    connect_timeout: Duration,
+    jail_ids: u32,
+    more_vm: &str,
+) -> Result<Option<VmEnv>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -94,7 +103,7 @@ async fn setup_ids(test: &str, guest: &str, connect_timeout: Duration, jail_ids:
         format!(
             "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {}\n\n\
              [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n\
-             memory_mib = 64\njail_id_first = {JAIL_IDS}\njail_id_count = {jail_ids}\n",
+             memory_mib = 64\njail_id_first = {JAIL_IDS}\njail_id_count = {jail_ids}\n{more_vm}",
             state_dir.path().display(),
             connect_timeout.as_millis(),
             vmm.display(),
@@ -112,7 +121,7 @@ async fn setup_ids(test: &str, guest: &str, connect_timeout: Duration, jail_ids:
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let cgroup_parent = CgroupParent(format!("/bhtest-vm-{}-{seq}", std::process::id()));
-    Ok(Some(VmEnv { containerd, cri, state_dir, connect_timeout, _config_dir: config_dir, cgroup_parent }))
+    Ok(Some(VmEnv { containerd, cri, state_dir, connect_timeout, config, _config_dir: config_dir, cgroup_parent }))
 }
 
 impl VmEnv {
@@ -413,7 +422,7 @@ async fn vm_pods_run_their_vmms_as_ids_of_their_own() -> Result<()> {
 #[tokio::test]
 async fn vm_pod_without_a_free_identity_fails_with_a_clear_error() -> Result<()> {
     let test = "vm_pod_without_a_free_identity_fails_with_a_clear_error";
-    let Some(env) = setup_ids(test, "idle", Duration::from_secs(30), 1).await? else { return Ok(()) };
+    let Some(env) = setup_ids(test, "idle", Duration::from_secs(30), 1, "").await? else { return Ok(()) };
     let (first, _) = env.pod("holds-the-id")?;
     let run = {
         let cri = env.cri.clone();
@@ -474,4 +483,52 @@ async fn vm_pod_under_kubelets_systemd_slice() -> Result<()> {
     // (and the levels above, unless something else lives there).
     assert!(made.iter().all(|d| d.exists()), "the shim removed kubelet's slice");
     Ok(())
+}
+
+/// SHA-256 of a file, for "the template is unchanged".
+fn sha256_file(path: &Path) -> Result<String> {
+    let out = std::process::Command::new("sha256sum").arg(path).output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace().next().map(str::to_string).context("sha256sum")
+}
+
+#[tokio::test]
+async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Result<()> {
+    let test = "a_warm_pod_restores_the_template_into_its_own_vmm_and_devices";
+    // The vsock guest says what the agent says once it listens (what a template is snapshotted
+    // at), then waits for an event on its vsock event queue: a restore's transport reset.
+    let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
+    let templates = tempfile::tempdir()?;
+    let Some(env) =
+        setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm(templates.path())).await?
+    else {
+        return Ok(());
+    };
+    // Built ahead of time, as an operator (or the installer) would, of the pod's shape.
+    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
+        .arg("--config")
+        .arg(&env.config)
+        .args(["template", "build", "--json"])
+        .output()?;
+    assert!(out.status.success(), "template build: {}", String::from_utf8_lossy(&out.stderr));
+    let built: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let template = PathBuf::from(built["dir"].as_str().context("the template's dir")?);
+    let files = |dir: &Path| -> Result<Vec<String>> {
+        ["state", "memory", "template.json"].iter().map(|f| sha256_file(&dir.join(f))).collect()
+    };
+    let before = files(&template)?;
+
+    let (pod, log_dir) = env.pod("warm")?;
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the test guest has no agent")?;
+    let err = format!("{err:#}");
+    println!("{test}: RunPodSandbox: {err}");
+    // The pod's VMM restored the template: the guest's first words on the pod's own console are
+    // what its vsock device (the pod's, on the pod's socket) sent it, the transport reset
+    // (event id 0, 4 bytes) only a restore sends; the boot line is the template's, not the pod's.
+    assert!(err.contains("event 0 len 4"), "{err}");
+    assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{err}");
+    assert_names_console(&err, &log_dir, "event 0 len 4");
+    // The template is as it was, and still there for the next pod.
+    assert_eq!(files(&template)?, before, "a restore changed the template's files");
+    env.assert_nothing_left().await
 }

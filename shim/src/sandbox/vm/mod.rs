@@ -30,6 +30,7 @@ pub mod share;
 pub mod template;
 pub mod template_builder;
 pub mod virtiofsd;
+mod warm;
 
 use std::ffi::CString;
 use std::os::unix::fs::DirBuilderExt;
@@ -111,6 +112,21 @@ fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError>
     Ok(resolved)
 }
 
+/// Why a VM start failed: while the VMM was started (and a restore done), or afterwards, when
+/// the agent did not answer. A warm start that fails at launch boots cold instead.
+enum BootFailure {
+    Launch(SandboxError),
+    Agent(SandboxError),
+}
+
+impl BootFailure {
+    fn into_error(self) -> SandboxError {
+        match self {
+            BootFailure::Launch(e) | BootFailure::Agent(e) => e,
+        }
+    }
+}
+
 /// What a start has started so far, stopped again if the start fails.
 #[derive(Default)]
 pub(super) struct Started {
@@ -133,7 +149,24 @@ impl VmSandbox {
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
         let mut started = Started::default();
-        match Self::boot(config, &req, &paths, &mut started).await {
+        let booted = match warm::template_for(config, &req).await {
+            Some((store, template)) => {
+                match Self::boot(config, &req, &paths, &mut started, Some(&template.dir)).await {
+                    Err(BootFailure::Launch(e)) => {
+                        // The VMM would not restore it: moved aside (the next pod rebuilds it), and
+                        // this pod boots cold.
+                        warm::set_aside(&store, &template, &e.to_string());
+                        started.stop().await;
+                        cleanup(&paths).await;
+                        started = Started::default();
+                        Self::boot(config, &req, &paths, &mut started, None).await
+                    }
+                    other => other,
+                }
+            }
+            None => Self::boot(config, &req, &paths, &mut started, None).await,
+        };
+        match booted.map_err(BootFailure::into_error) {
             Ok(Booted { agent, vmm, virtiofsd, network }) => {
                 let layout = VmLayout::new(&paths);
                 Ok(Arc::new(Self {
@@ -159,15 +192,18 @@ impl VmSandbox {
         }
     }
 
-    /// Starts virtiofsd and the VMM and dials the agent; what it started is in `started`.
+    /// Starts virtiofsd and the VMM (booting, or restoring `template`) and dials the agent; what
+    /// it started is in `started`.
     async fn boot(
         config: &Config,
         req: &SandboxRequest,
         paths: &PodPaths,
         started: &mut Started,
-    ) -> Result<Booted, SandboxError> {
-        let shape = VmShape::for_pod(&config.vm, &req.resources)?;
-        let Launched { vmm, virtiofsd: fsd, network, layout } = launch(config, req, paths, started, shape).await?;
+        template: Option<&Path>,
+    ) -> Result<Booted, BootFailure> {
+        let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Launch)?;
+        let Launched { vmm, virtiofsd: fsd, network, layout } =
+            launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Launch)?;
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
             rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
@@ -177,9 +213,9 @@ impl VmSandbox {
                 info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
                 Ok(Booted { agent, vmm, virtiofsd: fsd, network })
             }
-            Err(failure) => {
-                Err(start_failure(&format!("{failure}"), &vmm, &fsd, &layout, req.log_dir.as_deref()).await)
-            }
+            Err(failure) => Err(BootFailure::Agent(
+                start_failure(&format!("{failure}"), &vmm, &fsd, &layout, req.log_dir.as_deref()).await,
+            )),
         }
     }
 }
@@ -193,14 +229,16 @@ pub(super) struct Launched {
 }
 
 /// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
-/// `shape`; what it started is in `started`. A pod's start and a template's build both begin
-/// here, so a template is booted exactly as a pod's VM is.
+/// `shape`, or restoring `template` (a warm start, resumed once restored); what it started is
+/// in `started`. A pod's start and a template's build both begin here, so a template is booted
+/// exactly as a pod's VM is.
 pub(super) async fn launch(
     config: &Config,
     req: &SandboxRequest,
     paths: &PodPaths,
     started: &mut Started,
     shape: VmShape,
+    template: Option<&Path>,
 ) -> Result<Launched, SandboxError> {
     let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
     let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
@@ -249,6 +287,7 @@ pub(super) async fn launch(
         netns: req.netns.clone(),
         shape,
         net,
+        template,
     };
     layout
         .create(&plan)
@@ -285,16 +324,47 @@ pub(super) async fn launch(
     supervise::write_pid_file(&layout.virtiofsd_pid_file(), fsd.pid)?;
 
     let mut command = tokio::process::Command::new(&vmm_path);
-    command.args(layout.vmm_args());
+    command.args(layout.vmm_args(&plan));
     let vmm = supervise::spawn(command, "bulkhead-vmm", &life_span, log(Component::Vmm))?;
     started.vmm = Some(vmm.clone());
     supervise::write_pid_file(&layout.pid_file(), vmm.pid)?;
     tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
     info!(
         sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, jail_id, vcpus = shape.vcpus,
-        mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(), "VMM started"
+        mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(),
+        template = ?template, "VMM started"
     );
+    if template.is_some() {
+        resume_restored(&layout, &vmm).await.map_err(|why| SandboxError::VmStart {
+            reason: format!("bulkhead-vmm (pid {}): {why}", vmm.pid),
+            console_log: layout.console_log(),
+            tail: console::tail(&layout.console_log()),
+        })?;
+    }
     Ok(Launched { vmm, virtiofsd: fsd, network, layout })
+}
+
+/// How long a restoring VMM may take to answer on its API socket (the restore is done by then).
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Waits for the restored VM's API (a restoring VMM binds it once the VM is restored, paused),
+/// then resumes it. An error if the VMM exits first, refuses, or takes too long.
+async fn resume_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String> {
+    let api = VmmApi::new(&layout.api_socket(), API_TIMEOUT);
+    let deadline = tokio::time::Instant::now() + RESTORE_TIMEOUT;
+    loop {
+        if let Some(exit) = vmm.exit() {
+            return Err(format!("the restore failed: the VMM exited with status {}", exit.status));
+        }
+        if layout.api_socket().exists() && api.info().await.is_ok() {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("the restored VM's API did not answer within {RESTORE_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    api.resume().await.map_err(|e| format!("resume after the restore: {e}"))
 }
 
 /// The error of a VM start that failed after [`launch`]: stops the VMM, names virtiofsd's own
@@ -341,7 +411,7 @@ fn getrandom_fill(buf: &mut [u8]) -> std::io::Result<()> {
 /// start, and by `delete` after a shim crash.
 pub async fn cleanup(paths: &PodPaths) {
     let layout = VmLayout::new(paths);
-    let vmm = layout.vmm_args();
+    let vmm = layout.vmm_identity();
     let fsd = virtiofsd::identity(&layout.shared_dir);
     for (pid_file, args) in [(layout.pid_file(), &vmm[..]), (layout.virtiofsd_pid_file(), &fsd[..])] {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();

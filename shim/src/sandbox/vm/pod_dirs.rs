@@ -5,9 +5,11 @@
 //!   shared/                        what virtiofsd serves (share.rs): <container>/rootfs, volumes/<n>
 //!   vm/                            root 0700: the shim's own files
 //!     vm.json, jail.json           the VM config (paths inside the jail) and the jail
+//!     restore.json                 a restored VM's own settings (warm start from a template)
 //!     vmm.pid, virtiofsd.pid       the VMM's waiter and virtiofsd, for `delete` after a crash
 //!     root/                        root 0755: the VMM's chroot
 //!       vmlinux, initramfs.cpio.gz read-only bind mounts (made by the VMM in its own namespace)
+//!       snapshot/state, memory     a warm start's template files, read-only bind mounts too
 //!       dev/kvm                    made by the VMM
 //!       run/                       made by the shim, then the jail user's: fs0.sock (virtiofsd's
 //!                                  listener, bound by the shim), v.sock (hybrid vsock),
@@ -20,6 +22,7 @@ use std::path::{Path, PathBuf};
 use bulkhead_protocol::guest::SHARED_FS_PARAM;
 use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
+use bulkhead_vmm_api::restore::{RestoreConfig, MEMORY_FILE, STATE_FILE};
 
 use super::super::paths::PodPaths;
 use super::shape::VmShape;
@@ -32,6 +35,8 @@ const VSOCK: &str = "/run/v.sock";
 const API: &str = "/run/api.sock";
 const CONSOLE: &str = "/run/console.log";
 const FS_SOCKET: &str = "/run/fs0.sock";
+/// A warm start's template inside the jail.
+const SNAPSHOT_DIR: &str = "/snapshot";
 /// The virtio-fs tag of the pod's shared directory (named on the guest's command line).
 const FS_TAG: &str = "bulkhead";
 /// Size of the virtio-fs request queue (the VMM's default).
@@ -55,6 +60,8 @@ pub struct VmPlan<'a> {
     pub shape: VmShape,
     /// The guest's NICs, on taps the shim made in the pod's netns (`crate::network::attach_vm`).
     pub net: Vec<NetConfig>,
+    /// A warm start: the template directory the VM is restored from (its `state` and `memory`).
+    pub template: Option<&'a Path>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,26 +120,61 @@ impl VmLayout {
         self.host(CONSOLE)
     }
 
-    /// The arguments that start the VMM (after its path); `delete` recognises its waiter by them.
-    pub fn vmm_args(&self) -> Vec<String> {
-        vec![
-            "--config".into(),
-            self.vm_json().display().to_string(),
-            "--jail".into(),
-            self.jail_json().display().to_string(),
-        ]
+    /// A restored VM's own settings (read by the VMM before it jails itself).
+    pub fn restore_json(&self) -> PathBuf {
+        self.dir.join("restore.json")
+    }
+
+    /// The arguments that start the VMM (after its path): booting `vm.json`, or restoring the
+    /// template bound at `/snapshot` with `restore.json`.
+    pub fn vmm_args(&self, plan: &VmPlan<'_>) -> Vec<String> {
+        let jail = ["--jail".to_string(), self.jail_json().display().to_string()];
+        let what = match plan.template {
+            None => vec!["--config".to_string(), self.vm_json().display().to_string()],
+            Some(_) => vec![
+                "--restore".to_string(),
+                SNAPSHOT_DIR.to_string(),
+                "--restore-config".to_string(),
+                self.restore_json().display().to_string(),
+            ],
+        };
+        what.into_iter().chain(jail).collect()
+    }
+
+    /// What `delete` recognises the pod's VMM waiter by on its command line, booted or restored:
+    /// its jail document, which is the pod's alone.
+    pub fn vmm_identity(&self) -> Vec<String> {
+        vec!["--jail".into(), self.jail_json().display().to_string()]
+    }
+
+    /// A restored VM's settings: this pod's sockets and console in place of the template's.
+    pub fn restore_config(&self, plan: &VmPlan<'_>) -> RestoreConfig {
+        RestoreConfig {
+            api_socket: Some(API.into()),
+            serial_log: Some(CONSOLE.into()),
+            vsock_uds_path: Some(VSOCK.into()),
+            block: Vec::new(),
+            net_taps: plan.net.iter().map(|n| n.tap.clone()).collect(),
+            fs_sockets: vec![FS_SOCKET.into()],
+        }
     }
 
     pub fn jail_config(&self, plan: &VmPlan<'_>) -> JailConfig {
+        let mut read_only = vec![
+            JailFile { host: plan.kernel.to_owned(), jail: KERNEL.into() },
+            JailFile { host: plan.initramfs.to_owned(), jail: INITRAMFS.into() },
+        ];
+        if let Some(template) = plan.template {
+            for name in [STATE_FILE, MEMORY_FILE] {
+                read_only.push(JailFile { host: template.join(name), jail: Path::new(SNAPSHOT_DIR).join(name) });
+            }
+        }
         JailConfig {
             id: plan.id.to_string(),
             chroot: self.chroot(),
             uid: plan.uid,
             gid: plan.gid,
-            read_only: vec![
-                JailFile { host: plan.kernel.to_owned(), jail: KERNEL.into() },
-                JailFile { host: plan.initramfs.to_owned(), jail: INITRAMFS.into() },
-            ],
+            read_only,
             writable_dirs: vec![RUN_DIR.into()],
             cgroup: Some(plan.cgroup.clone()),
             netns: plan.netns.clone(),
@@ -178,7 +220,12 @@ impl VmLayout {
         let jail = serde_json::to_vec_pretty(&self.jail_config(plan)).map_err(std::io::Error::other)?;
         std::fs::write(self.jail_json(), jail)?;
         let vm = serde_json::to_vec_pretty(&self.vm_config(plan)).map_err(std::io::Error::other)?;
-        std::fs::write(self.vm_json(), vm)
+        std::fs::write(self.vm_json(), vm)?;
+        if plan.template.is_some() {
+            let run = serde_json::to_vec_pretty(&self.restore_config(plan)).map_err(std::io::Error::other)?;
+            std::fs::write(self.restore_json(), run)?;
+        }
+        Ok(())
     }
 }
 
@@ -198,6 +245,7 @@ mod tests {
             netns: Some("/var/run/netns/cni-1".into()),
             shape: VmShape { vcpus: 2, mem_mib: 512 },
             net: Vec::new(),
+            template: None,
         }
     }
 
@@ -259,7 +307,35 @@ mod tests {
         let meta = std::fs::metadata(layout.chroot()).unwrap();
         assert_eq!(meta.mode() & 0o022, 0);
         assert_eq!(std::fs::metadata(&layout.dir).unwrap().mode() & 0o777, 0o700);
-        assert!(layout.vmm_args().contains(&layout.jail_json().display().to_string()));
+        let args = layout.vmm_args(&plan);
+        assert!(args.starts_with(&["--config".into(), layout.vm_json().display().to_string()]), "{args:?}");
+        assert!(args.ends_with(&layout.vmm_identity()), "{args:?}");
+        assert!(!layout.restore_json().exists(), "a cold start has no restore settings");
+    }
+
+    #[test]
+    fn a_warm_start_binds_the_template_and_restores_with_the_pods_own_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PodPaths::new(dir.path(), "sb1").unwrap();
+        let layout = VmLayout::new(&paths);
+        let template = dir.path().join("templates/k1");
+        let mut plan = plan(Path::new("/k"), Path::new("/i"));
+        plan.template = Some(&template);
+        layout.create(&plan).unwrap();
+        let jail = JailConfig::from_file(&layout.jail_json()).unwrap();
+        for name in [STATE_FILE, MEMORY_FILE] {
+            let bound = jail.read_only.iter().find(|f| f.host == template.join(name)).unwrap();
+            assert_eq!(bound.jail, Path::new(SNAPSHOT_DIR).join(name));
+        }
+        let run = RestoreConfig::from_file(&layout.restore_json()).unwrap();
+        assert_eq!(jail.host_path(run.vsock_uds_path.as_deref().unwrap()), layout.vsock_socket());
+        assert_eq!(jail.host_path(run.api_socket.as_deref().unwrap()), layout.api_socket());
+        assert_eq!(jail.host_path(run.serial_log.as_deref().unwrap()), layout.console_log());
+        assert_eq!(run.fs_sockets.iter().map(|s| jail.host_path(s)).collect::<Vec<_>>(), vec![layout.fs_socket()]);
+        let args = layout.vmm_args(&plan);
+        let restore = ["--restore".to_string(), SNAPSHOT_DIR.into(), "--restore-config".into()];
+        assert!(args.starts_with(&restore), "{args:?}");
+        assert!(args.ends_with(&layout.vmm_identity()), "delete finds a restored VMM as a booted one: {args:?}");
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl TemplateBuilder for VmTemplateBuilder {
         };
         let shape = VmShape { vcpus: inputs.vcpus, mem_mib: u64::from(inputs.memory_mib) };
         let mut started = Started::default();
-        let result = match launch(&self.config, &req, &paths, &mut started, shape).await {
+        let result = match launch(&self.config, &req, &paths, &mut started, shape, None).await {
             Ok(launched) => snapshot(&launched, dir).await,
             Err(e) => Err(e.to_string()),
         };

@@ -1,0 +1,99 @@
+//! Whether a pod's VM starts warm, restored from a template (`vm.start`; `auto` where the host
+//! runs ordinary guests), and which template. A template is found, or built now by this pod
+//! while others wanting it wait within [`TEMPLATE_WAIT`] ([`obtain`]), or the pod boots cold.
+//!
+//! Templates have no NICs yet (the guest's NICs are virtio-mmio devices, fixed at boot): a pod
+//! with a network namespace boots cold.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn, Instrument};
+
+use super::shape::VmShape;
+use super::template::{obtain, KeyInputs, KeySources, Obtained, Template, TemplateStore};
+use super::template_builder::VmTemplateBuilder;
+use crate::config::Config;
+use crate::sandbox::SandboxRequest;
+
+/// How long a pod waits for another pod's build of its template before it boots cold.
+const TEMPLATE_WAIT: Duration = Duration::from_secs(30);
+
+/// The template to restore `req`'s VM from, with its store; `None`: boot cold (the reason is
+/// logged).
+pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(TemplateStore, Template)> {
+    if !config.vm.start.warm_here() {
+        return None;
+    }
+    if req.netns.is_some() {
+        info!("template: the pod has a network namespace and templates have no NICs yet: cold boot");
+        return None;
+    }
+    let shape = VmShape::for_pod(&config.vm, &req.resources).ok()?;
+    let memory_mib = u32::try_from(shape.mem_mib).ok()?;
+    let vm = config.vm.clone();
+    // Hashing the kernel, initramfs and VMM (memoised after the first time) is file I/O.
+    let found = tokio::task::spawn_blocking(move || {
+        let store = TemplateStore::open(&vm.template_dir)?;
+        let sources = KeySources {
+            kernel: &vm.kernel_path,
+            initramfs: &vm.initramfs_path,
+            vmm: &vm.vmm_path,
+            vcpus: shape.vcpus,
+            memory_mib,
+        };
+        let inputs = KeyInputs::of(&sources, Some(&store.digests_dir()))?;
+        Ok::<_, super::template::TemplateError>((store, inputs))
+    })
+    .await;
+    let (store, inputs) = match found {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => {
+            warn!(error = %e, "template: cannot key the pod's template: cold boot");
+            return None;
+        }
+        Err(e) => {
+            warn!(error = %e, "template: keying failed: cold boot");
+            return None;
+        }
+    };
+    let builder = VmTemplateBuilder::new(Arc::new(config.clone()));
+    match obtain(&store, &inputs, &builder, TEMPLATE_WAIT).await {
+        Obtained::Ready(t) => Some((store, t)),
+        Obtained::Built(t) => {
+            info!(template = %t.key, "template: built for this pod");
+            Some((store, t))
+        }
+        Obtained::Cold(reason) => {
+            info!(%reason, "template: cold boot");
+            if reason.wants_rebuild() {
+                let config = Arc::new(config.clone());
+                tokio::spawn(
+                    async move {
+                        let builder = VmTemplateBuilder::new(config);
+                        if let Err(e) = super::template::build(&store, &inputs, &builder, TEMPLATE_WAIT).await {
+                            warn!(error = %e, "template: rebuild failed");
+                        }
+                    }
+                    .in_current_span(),
+                );
+            }
+            None
+        }
+    }
+}
+
+/// Moves `template` aside after the VMM would not restore it (the next pod rebuilds it), unless
+/// another shim holds its lock (building or removing it).
+pub fn set_aside(store: &TemplateStore, template: &Template, why: &str) {
+    warn!(template = %template.key, why, "template: the restore failed; moved aside, the pod boots cold");
+    match store.try_lock(&template.key) {
+        Ok(Some(lock)) => {
+            if let Err(e) = store.quarantine(&template.key, &format!("restore failed: {why}"), &lock) {
+                warn!(template = %template.key, error = %e, "template: not moved aside");
+            }
+        }
+        Ok(None) => {}
+        Err(e) => warn!(template = %template.key, error = %e, "template: not moved aside"),
+    }
+}
