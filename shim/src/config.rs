@@ -144,6 +144,8 @@ pub struct VmConfig {
     pub template_dir: PathBuf,
     /// How a pod's VM starts: restored from a template (`warm`), booted (`cold`), or `auto`:
     /// warm where the host runs ordinary guests on `bulkhead-vmm` (the probe says VMX or SVM).
+    /// `cold` by default until a real guest's warm start has been proven on such a host (the
+    /// test hosts so far are PVM, where only test guests restore).
     #[serde(default)]
     pub start: VmStart,
 }
@@ -152,9 +154,9 @@ pub struct VmConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VmStart {
-    #[default]
     Auto,
     Warm,
+    #[default]
     Cold,
 }
 
@@ -475,12 +477,12 @@ mod tests {
         let config = parse(text).unwrap();
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
-        assert_eq!(config.vm.start, VmStart::Auto);
+        assert_eq!(config.vm.start, VmStart::Cold);
     }
 
     #[test]
     fn vm_start_is_warm_cold_or_auto_and_nothing_else() {
-        assert_eq!(parse("").unwrap().vm.start, VmStart::Auto);
+        assert_eq!(parse("").unwrap().vm.start, VmStart::Cold);
         assert_eq!(parse("[vm]\nstart = \"warm\"\n").unwrap().vm.start, VmStart::Warm);
         assert!(VmStart::Warm.warm_here() && !VmStart::Cold.warm_here());
         let err = parse("[vm]\nstart = \"sometimes\"\n").unwrap_err().to_string();
