@@ -290,10 +290,10 @@ async fn artifacts(config: &Config) -> Vec<Check> {
                 Ok(()) => version_of(vmm, "--version").await.map(|v| format!("{} ({v})", vmm.display())),
                 Err(e) => Err(e),
             };
-            // The installer puts virtiofsd beside the VMM.
-            let virtiofsd = vmm.with_file_name("virtiofsd");
-            let virtiofsd_result = match executable(&virtiofsd) {
-                Ok(()) => version_of(&virtiofsd, "--version").await.map(|v| format!("{} ({v})", virtiofsd.display())),
+            // The one the shim runs (the installer puts it beside the VMM and names it so).
+            let virtiofsd = &config.vm.virtiofsd_path;
+            let virtiofsd_result = match executable(virtiofsd) {
+                Ok(()) => version_of(virtiofsd, "--version").await.map(|v| format!("{} ({v})", virtiofsd.display())),
                 Err(e) => Err(e),
             };
             vec![
@@ -301,8 +301,26 @@ async fn artifacts(config: &Config) -> Vec<Check> {
                 check("virtiofsd", virtiofsd_result),
                 check("kernel", kernel_version(&config.vm.kernel_path)),
                 check("initramfs", initramfs(&config.vm.initramfs_path)),
+                mkfs_check(config),
             ]
         }
+    }
+}
+
+/// `emptydir.mkfs_path`: needed by every pod when a default emptyDir size limit is set, else only
+/// by pods that ask for one (`bulkhead.io/emptydir-size-limits`), which fail at start without it.
+fn mkfs_check(config: &Config) -> Check {
+    let mkfs = &config.emptydir.mkfs_path;
+    match executable(mkfs) {
+        Ok(()) => check("mkfs.ext4", Ok(format!("{} (size-limited emptyDirs)", mkfs.display()))),
+        Err(e) if config.emptydir.default_size_limit.is_some() => check(
+            "mkfs.ext4",
+            Err(format!("{e}; every pod's emptyDirs are size-limited (emptydir.default_size_limit)")),
+        ),
+        Err(e) => check(
+            "mkfs.ext4",
+            Ok(format!("{e}: only pods that ask for emptyDir size limits need it, and they would fail to start")),
+        ),
     }
 }
 
@@ -383,6 +401,23 @@ mod tests {
         assert!(err.contains("StartContainer") && err.contains("BULKHEAD_CONFIG"), "{err}");
         let err = sandboxer_check("bulkhead", &h("other", false)).unwrap().unwrap_err();
         assert!(err.contains("\"podsandbox\" or \"shim\""), "{err}");
+    }
+
+    #[test]
+    fn mkfs_is_required_only_when_every_pod_gets_size_limited_emptydirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("mkfs.ext4");
+        let config = |default_limit: &str| {
+            let text = format!("[emptydir]\nmkfs_path = {missing:?}\n{default_limit}");
+            Config::parse(Path::new("t.toml"), &text).unwrap()
+        };
+        let line = mkfs_check(&config(""));
+        assert!(line.ok && line.detail.contains("only pods that ask"), "{}", line.detail);
+        let line = mkfs_check(&config("default_size_limit = \"1Gi\"\n"));
+        assert!(!line.ok && line.detail.contains("default_size_limit"), "{}", line.detail);
+        std::fs::write(&missing, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&missing, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        assert!(mkfs_check(&config("default_size_limit = \"1Gi\"\n")).ok);
     }
 
     #[test]
