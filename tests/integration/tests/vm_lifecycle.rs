@@ -4,7 +4,9 @@
 //! resets at once fails it as soon as the VMM exits; both errors name the console log and quote
 //! it. The virtio-fs guest reaches the pod's sandboxed virtiofsd through the socket in the
 //! chroot. A virtiofsd killed under a running VM ends the VM. Afterwards, and after `kill -9` of
-//! the shim followed by containerd's `delete`, nothing of the pod is left.
+//! the shim followed by containerd's `delete`, nothing of the pod is left. Warm starts: a template
+//! (built by `bulkhead-ctl template build` from a vsock guest) is restored into the pod's own VMM
+//! and devices and left unchanged; one the VMM refuses is moved aside and the pod boots cold.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
@@ -530,5 +532,68 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
     assert_names_console(&err, &log_dir, "event 0 len 4");
     // The template is as it was, and still there for the next pod.
     assert_eq!(files(&template)?, before, "a restore changed the template's files");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn a_template_the_vmm_refuses_is_moved_aside_and_the_pod_boots_cold() -> Result<()> {
+    let test = "a_template_the_vmm_refuses_is_moved_aside_and_the_pod_boots_cold";
+    let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
+    let templates = tempfile::tempdir()?;
+    let Some(env) =
+        setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm(templates.path())).await?
+    else {
+        return Ok(());
+    };
+    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
+        .arg("--config")
+        .arg(&env.config)
+        .args(["template", "build", "--json"])
+        .output()?;
+    assert!(out.status.success(), "template build: {}", String::from_utf8_lossy(&out.stderr));
+    let built: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let template = PathBuf::from(built["dir"].as_str().context("the template's dir")?);
+    // A state file the store's checks pass (its manifest says so) but the VMM refuses: what a
+    // template from an incompatible VMM build looks like to the shim.
+    let state = template.join("state");
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    std::fs::write(&state, b"not a snapshot state")?;
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
+    let manifest_path = template.join("template.json");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest_path)?)?;
+    for file in manifest["files"].as_array_mut().context("manifest files")? {
+        if file["name"] == "state" {
+            file["size"] = serde_json::json!(20);
+            file["sha256"] = serde_json::json!(sha256_file(&state)?);
+        }
+    }
+    std::fs::set_permissions(&manifest_path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    std::fs::set_permissions(&manifest_path, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
+    let (ok, listed) = {
+        let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
+            .arg("--config")
+            .arg(&env.config)
+            .args(["template", "ls", "--json"])
+            .output()?;
+        (out.status.success(), serde_json::from_slice::<serde_json::Value>(&out.stdout)?)
+    };
+    assert!(ok && listed["templates"][0]["state"] == "ready", "the store takes it: {listed}");
+
+    let (pod, _) = env.pod("refused")?;
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the test guest has no agent")?;
+    let err = format!("{err:#}");
+    println!("{test}: RunPodSandbox: {err}");
+    // Booted cold after the refused restore: the console is a boot's (the guest's first line),
+    // with no restore's transport reset.
+    assert!(err.contains("vsock ready") && !err.contains("event 0"), "{err}");
+    // Moved aside with its reason, for the next pod to rebuild.
+    assert!(!template.exists(), "the refused template is still in place");
+    let quarantine = templates.path().join("templates/.quarantine");
+    let reasons: Vec<String> = std::fs::read_dir(&quarantine)?
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("reason.txt")).ok())
+        .collect();
+    assert!(reasons.iter().any(|r| r.contains("restore failed")), "{reasons:?}");
     env.assert_nothing_left().await
 }

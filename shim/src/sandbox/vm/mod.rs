@@ -112,17 +112,17 @@ fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError>
     Ok(resolved)
 }
 
-/// Why a VM start failed: while the VMM was started (and a restore done), or afterwards, when
-/// the agent did not answer. A warm start that fails at launch boots cold instead.
+/// Why a VM start failed: the VMM would not restore the template (the pod then boots cold and
+/// the template is moved aside), or anything else, which a cold boot would meet as well.
 enum BootFailure {
-    Launch(SandboxError),
-    Agent(SandboxError),
+    Restore(SandboxError),
+    Start(SandboxError),
 }
 
 impl BootFailure {
     fn into_error(self) -> SandboxError {
         match self {
-            BootFailure::Launch(e) | BootFailure::Agent(e) => e,
+            BootFailure::Restore(e) | BootFailure::Start(e) => e,
         }
     }
 }
@@ -152,7 +152,7 @@ impl VmSandbox {
         let booted = match warm::template_for(config, &req).await {
             Some((store, template)) => {
                 match Self::boot(config, &req, &paths, &mut started, Some(&template.dir)).await {
-                    Err(BootFailure::Launch(e)) => {
+                    Err(BootFailure::Restore(e)) => {
                         // The VMM would not restore it: moved aside (the next pod rebuilds it), and
                         // this pod boots cold.
                         warm::set_aside(&store, &template, &e.to_string());
@@ -201,9 +201,15 @@ impl VmSandbox {
         started: &mut Started,
         template: Option<&Path>,
     ) -> Result<Booted, BootFailure> {
-        let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Launch)?;
+        let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Start)?;
         let Launched { vmm, virtiofsd: fsd, network, layout } =
-            launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Launch)?;
+            launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Start)?;
+        if template.is_some() {
+            if let Err(why) = resume_restored(&layout, &vmm).await {
+                let e = start_failure(&why, &vmm, &fsd, &layout, None).await;
+                return Err(BootFailure::Restore(e));
+            }
+        }
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
             rpc: Duration::from_millis(config.agent.rpc_timeout_ms),
@@ -213,7 +219,7 @@ impl VmSandbox {
                 info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
                 Ok(Booted { agent, vmm, virtiofsd: fsd, network })
             }
-            Err(failure) => Err(BootFailure::Agent(
+            Err(failure) => Err(BootFailure::Start(
                 start_failure(&format!("{failure}"), &vmm, &fsd, &layout, req.log_dir.as_deref()).await,
             )),
         }
@@ -229,8 +235,8 @@ pub(super) struct Launched {
 }
 
 /// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
-/// `shape`, or restoring `template` (a warm start, resumed once restored); what it started is
-/// in `started`. A pod's start and a template's build both begin here, so a template is booted
+/// `shape`, or restoring `template` (a warm start: paused until [`resume_restored`]); what it
+/// started is in `started`. A pod's start and a template's build both begin here, so a template is booted
 /// exactly as a pod's VM is.
 pub(super) async fn launch(
     config: &Config,
@@ -334,13 +340,6 @@ pub(super) async fn launch(
         mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(),
         template = ?template, "VMM started"
     );
-    if template.is_some() {
-        resume_restored(&layout, &vmm).await.map_err(|why| SandboxError::VmStart {
-            reason: format!("bulkhead-vmm (pid {}): {why}", vmm.pid),
-            console_log: layout.console_log(),
-            tail: console::tail(&layout.console_log()),
-        })?;
-    }
     Ok(Launched { vmm, virtiofsd: fsd, network, layout })
 }
 
