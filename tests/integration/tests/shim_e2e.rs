@@ -851,11 +851,18 @@ async fn a_pods_containers_keep_the_config_its_sandbox_started_with() -> Result<
     env.cri.remove_pod_sandbox(&pod_id).await
 }
 
-/// The pids of pod `pod_id`'s agent (its launcher left out).
+/// The pids of pod `pod_id`'s agent (its launcher left out). A process the agent started from
+/// its own binary (a container's init until it execs the workload, which StartContainer does not
+/// wait for) has the agent's command line too: only those whose parent is not one of them count.
 fn pod_agents(pod_id: &str) -> Vec<u32> {
-    processes_with(pod_id)
+    let found: Vec<u32> = processes_with(pod_id)
         .into_iter()
         .filter(|(_, cmd)| cmd.contains("bulkhead-agent") && !cmd.contains("__bulkhead-ns-launch"))
         .map(|(pid, _)| pid)
-        .collect()
+        .collect();
+    let parent = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit(") ").next()?.split(' ').nth(1)?.parse().ok()
+    };
+    found.iter().copied().filter(|pid| !parent(*pid).is_some_and(|p| found.contains(&p))).collect()
 }
