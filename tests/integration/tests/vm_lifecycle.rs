@@ -494,19 +494,17 @@ fn sha256_file(path: &Path) -> Result<String> {
     text.split_whitespace().next().map(str::to_string).context("sha256sum")
 }
 
-#[tokio::test]
-async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Result<()> {
-    let test = "a_warm_pod_restores_the_template_into_its_own_vmm_and_devices";
-    // The vsock guest says what the agent says once it listens (what a template is snapshotted
-    // at), then waits for an event on its vsock event queue: a restore's transport reset.
-    let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
-    let templates = tempfile::tempdir()?;
-    let Some(env) =
-        setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm(templates.path())).await?
-    else {
-        return Ok(());
-    };
-    // Built ahead of time, as an operator (or the installer) would, of the pod's shape.
+/// A `vm.start = "warm"` env whose templates live in `templates`, booting the vsock guest: it
+/// says what the agent says once it listens (what a template is snapshotted at), then waits for
+/// an event on its vsock event queue: a restore's transport reset.
+async fn setup_warm(test: &str, templates: &Path) -> Result<Option<VmEnv>> {
+    let warm = format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", templates.join("templates").display());
+    setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm).await
+}
+
+/// The template of the pod's shape, built ahead of time as an operator (or the installer) would
+/// (`bulkhead-ctl template build`); its directory.
+fn build_template(env: &VmEnv) -> Result<PathBuf> {
     let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
         .arg("--config")
         .arg(&env.config)
@@ -514,7 +512,15 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
         .output()?;
     assert!(out.status.success(), "template build: {}", String::from_utf8_lossy(&out.stderr));
     let built: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let template = PathBuf::from(built["dir"].as_str().context("the template's dir")?);
+    Ok(PathBuf::from(built["dir"].as_str().context("the template's dir")?))
+}
+
+#[tokio::test]
+async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Result<()> {
+    let test = "a_warm_pod_restores_the_template_into_its_own_vmm_and_devices";
+    let templates = tempfile::tempdir()?;
+    let Some(env) = setup_warm(test, templates.path()).await? else { return Ok(()) };
+    let template = build_template(&env)?;
     let files = |dir: &Path| -> Result<Vec<String>> {
         ["state", "memory", "template.json"].iter().map(|f| sha256_file(&dir.join(f))).collect()
     };
@@ -538,21 +544,9 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
 #[tokio::test]
 async fn a_template_the_vmm_refuses_is_moved_aside_and_the_pod_boots_cold() -> Result<()> {
     let test = "a_template_the_vmm_refuses_is_moved_aside_and_the_pod_boots_cold";
-    let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
     let templates = tempfile::tempdir()?;
-    let Some(env) =
-        setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm(templates.path())).await?
-    else {
-        return Ok(());
-    };
-    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
-        .arg("--config")
-        .arg(&env.config)
-        .args(["template", "build", "--json"])
-        .output()?;
-    assert!(out.status.success(), "template build: {}", String::from_utf8_lossy(&out.stderr));
-    let built: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let template = PathBuf::from(built["dir"].as_str().context("the template's dir")?);
+    let Some(env) = setup_warm(test, templates.path()).await? else { return Ok(()) };
+    let template = build_template(&env)?;
     // A state file the store's checks pass (its manifest says so) but the VMM refuses: what a
     // template from an incompatible VMM build looks like to the shim.
     let state = template.join("state");
