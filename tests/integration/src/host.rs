@@ -8,6 +8,15 @@ use anyhow::{bail, Context, Result};
 
 use crate::Containerd;
 
+/// The pids of pod `pod_id`'s shim (serve mode; its namespace launcher left out).
+pub fn pod_shim_pids(pod_id: &str) -> Vec<u32> {
+    processes_with("containerd-shim-bulkhead-v2")
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains(pod_id) && !cmd.contains("__bulkhead-ns-launch"))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
 /// Host pids (other than this test's) whose command line contains `needle`, with that line.
 pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
     let mut found = Vec::new();

@@ -379,11 +379,7 @@ async fn a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly(
     let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", &script]), &pod).await?;
     env.cri.start_container(&ctr).await?;
 
-    let shims: Vec<u32> = bulkhead_integration::host::processes_with("containerd-shim-bulkhead-v2")
-        .into_iter()
-        .filter(|(_, cmd)| cmd.contains(&pod_id) && !cmd.contains("__bulkhead-ns-launch"))
-        .map(|(pid, _)| pid)
-        .collect();
+    let shims = bulkhead_integration::host::pod_shim_pids(&pod_id);
     assert_eq!(shims.len(), 1, "one shim serves the pod: {shims:?}");
     // A descendant of the containerd this test started; signalled by PID only.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;

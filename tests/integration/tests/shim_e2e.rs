@@ -506,11 +506,7 @@ async fn shim_kill9_then_delete_leaves_no_orphans() -> Result<()> {
     env.cri.wait_container(&ctr, Duration::from_secs(10), |s| s.state == RUNNING).await?;
     wait_for_process(&marker).await?;
 
-    let shims: Vec<u32> = processes_with("containerd-shim-bulkhead-v2")
-        .into_iter()
-        .filter(|(_, cmd)| cmd.contains(&pod_id) && !cmd.contains("__bulkhead-ns-launch"))
-        .map(|(pid, _)| pid)
-        .collect();
+    let shims = bulkhead_integration::host::pod_shim_pids(&pod_id);
     assert_eq!(shims.len(), 1, "one shim serves the pod: {shims:?}");
     // The shim is a descendant of the containerd this test started; signal it by PID only.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
