@@ -12,12 +12,14 @@
 //!   the `restore` request to the first KVM_RUN.
 //! - memory: 10 restores of the one snapshot side by side, each run until `P`; PSS of every VMM
 //!   from /proc/<pid>/smaps_rollup after each start.
-//! - virtio-fs templates: the same guest with a virtio-fs device (never probed, so no virtiofsd
-//!   is needed) restores into a memfd, the memory file copied in; cold path and memory again,
-//!   for the 64 MiB template and for one whose guest wrote 240 MiB.
+//! - virtio-fs templates: the same guest with a virtio-fs device (never probed by this flat
+//!   guest, so no virtiofsd is needed); cold path and memory again, for the 64 MiB template and
+//!   for one whose guest wrote 240 MiB. The device's backend sees only its relay region, so the
+//!   memory file is mapped privately as without virtio-fs (before the relay it was copied into
+//!   a memfd: 66.95 ms and +65.2 MiB per VM). `kvm_snapshot`'s virtio-fs test proves a probed
+//!   device serves FUSE from the pod's own virtiofsd after such a restore.
 //!
-//! Goals: restore -> running <= 5 ms; each additional VM <= 10% of guest size (PSS). A memfd
-//! restore shares no pages, so it is measured against no goal.
+//! Goals: restore -> running <= 5 ms; each additional VM <= 10% of guest size (PSS).
 //! Skips with one line when /dev/kvm is unusable.
 
 use std::collections::BTreeMap;
@@ -367,11 +369,7 @@ fn memory(vmm: &Path, snap: &Path, dir: &Path, t: Template) -> Res<()> {
         "    total PSS after each VM (MiB): {}",
         totals.iter().map(|t| format!("{:.1}", *t as f64 / 1024.0)).collect::<Vec<_>>().join(", ")
     );
-    let verdict = match (t.fs, marginal_kib <= goal) {
-        (true, _) => "no goal: a memfd restore shares nothing",
-        (false, true) => "met",
-        (false, false) => "MISSED",
-    };
+    let verdict = if marginal_kib <= goal { "met" } else { "MISSED" };
     println!(
         "    each additional VM: {:.1} MiB PSS ({:.1}% of the {GUEST_MIB} MiB guest); goal <= {:.0}%: {verdict}",
         marginal_kib / 1024.0,
@@ -436,7 +434,7 @@ fn main() -> std::io::Result<()> {
         for i in 0..RUNS {
             samples.push(cold(&vmm, &snap, dir.path(), t, i).map_err(|e| fail("cold restore (virtio-fs)", e))?);
         }
-        report(&format!("cold path, `{}` (virtio-fs: memory copied into a memfd)", t.name), &samples, "spawn");
+        report(&format!("cold path, `{}` (virtio-fs)", t.name), &samples, "spawn");
         memory(&vmm, &snap, dir.path(), t).map_err(|e| fail("memory (virtio-fs)", e))?;
     }
     Ok(())

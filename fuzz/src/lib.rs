@@ -25,6 +25,7 @@ use bulkhead_vmm::devices::bus::BusDevice;
 use bulkhead_vmm::devices::virtio::block::packet::Request;
 use bulkhead_vmm::devices::virtio::block::Block;
 use bulkhead_vmm::devices::virtio::chain::{self, Desc, MAX_CHAIN_DESCRIPTORS};
+use bulkhead_vmm::devices::virtio::fs::relay;
 use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
 use bulkhead_vmm::devices::virtio::mmio_regs as reg;
 use bulkhead_vmm::devices::virtio::net::packet::{
@@ -391,6 +392,48 @@ pub fn desc_chain(data: &[u8]) {
             Err(_) => return, // devices stop serving on the first bad chain
         }
         if q.add_used(&mem, head, 0).is_err() {
+            return;
+        }
+    }
+}
+
+/// The virtio-fs relay (`fs/relay.rs`) between a hostile driver's request queue and a hostile
+/// backend's shadow vring: the driver's chains are taken and offered, the backend's forged used
+/// elements (any id, any length, any index) are answered, over and over. Whatever either side
+/// writes, the relay errs or keeps its bounds; it never panics.
+pub fn fs_relay(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(l) = layout(&mut u) else { return };
+    let Ok(answers) = u.arbitrary::<Vec<(u16, u32, u32)>>() else { return };
+    let mem = guest_mem();
+    load_image(&mem, u.take_rest());
+    let Ok(mut q) = Queue::new(256) else { return };
+    if q.try_set_size(l.size).is_err() {
+        return;
+    }
+    q.set_desc_table_address(Some(l.desc as u32), Some((l.desc >> 32) as u32));
+    q.set_avail_ring_address(Some(l.avail as u32), Some((l.avail >> 32) as u32));
+    q.set_used_ring_address(Some(l.used as u32), Some((l.used >> 32) as u32));
+    q.set_ready(true);
+    if !q.is_valid(&mem) {
+        return;
+    }
+    let shared = bulkhead_vmm::memory::create_guest_memory(relay::region_bytes()).expect("shared region");
+    let Ok(mut r) = relay::Relay::new(shared.clone()) else { return };
+    let used_ring = r.backend_queues()[1].used_ring;
+    let mut used_idx = 0u16;
+    for (bump, id, len) in std::iter::once((0, 0, 0)).chain(answers).take(64) {
+        match r.take_from_driver(1, &mem, &mut q) {
+            Ok(n) => assert!(n <= usize::from(relay::SHADOW_QUEUE_SIZE)),
+            Err(_) => return, // the device stops serving on the first broken rule
+        }
+        assert!(r.in_flight() <= usize::from(relay::SHADOW_QUEUE_SIZE));
+        let slot = used_ring + 4 + 8 * u64::from(used_idx % relay::SHADOW_QUEUE_SIZE);
+        let _ = shared.write_obj(id, GuestAddress(slot));
+        let _ = shared.write_obj(len, GuestAddress(slot + 4));
+        used_idx = used_idx.wrapping_add(bump);
+        let _ = shared.write_obj(used_idx, GuestAddress(used_ring + 2));
+        if r.return_to_driver(1, &mem, &mut q).is_err() {
             return;
         }
     }

@@ -6,12 +6,13 @@ use bulkhead_protocol::stream::{StreamHeader, StreamKind};
 
 type Body = fn(&[u8]);
 
-const BODIES: [(&str, Body); 17] = [
+const BODIES: [(&str, Body); 18] = [
     ("handshake", bulkhead_fuzz::handshake),
     ("stream_header", bulkhead_fuzz::stream_header),
     ("vsock_packet", bulkhead_fuzz::vsock_packet),
     ("block_request", bulkhead_fuzz::block_request),
     ("desc_chain", bulkhead_fuzz::desc_chain),
+    ("fs_relay", bulkhead_fuzz::fs_relay),
     ("virtio_blk", bulkhead_fuzz::virtio_blk),
     ("virtio_vsock", bulkhead_fuzz::virtio_vsock),
     ("vsock_muxer", bulkhead_fuzz::vsock_muxer),

@@ -21,7 +21,7 @@ use crate::device_manager::{DeviceContext, DeviceManager};
 use crate::error::{dev_err, VmmError};
 use crate::exit::ExitSignal;
 use crate::guest_layout;
-use crate::memory::{copy_snapshot_memory, create_guest_memory, map_snapshot_memory};
+use crate::memory::{create_guest_memory, map_snapshot_memory};
 use crate::phases::Phases;
 use crate::seccomp::Filters;
 use crate::snapshot::cpu::HostCpu;
@@ -202,16 +202,9 @@ pub fn prepare(dir: &Path, mut phases: Phases) -> Result<Prepared, VmmError> {
     phases.mark("read and check state file", false);
     let vm = create_vm(&kvm)?;
     phases.mark("KVM_CREATE_VM", true);
-    let mem = if state.config.fs.is_empty() {
-        let mem = map_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
-        phases.mark("map memory file (MAP_PRIVATE)", false);
-        mem
-    } else {
-        // A vhost-user backend maps guest memory shared: it needs a memfd, not a private map.
-        let mem = copy_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
-        phases.mark("copy memory file into a memfd (virtio-fs)", false);
-        mem
-    };
+    // Private even with virtio-fs: its backend sees only the relay's region, not guest memory.
+    let mem = map_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
+    phases.mark("map memory file (MAP_PRIVATE)", false);
     register_memory(&vm, &mem)?;
     phases.mark("KVM_SET_USER_MEMORY_REGION", true);
     if state.vm.irqchip.is_some() {

@@ -87,46 +87,6 @@ fn open_memory_file(path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
     Ok(file)
 }
 
-/// Copies a snapshot's memory file into fresh memfd-backed guest memory, for a VM whose memory a
-/// vhost-user backend must map (a private file mapping cannot be shared with another process).
-/// The memfd has the memory file's layout, so each data extent (SEEK_DATA/SEEK_HOLE; holes stay
-/// unallocated) is copied to the same offset in the kernel (sendfile), without faulting the
-/// mapping in: the guest's first touch of a page maps it. Unlike [`map_snapshot_memory`], every
-/// page copied is this VM's own.
-pub fn copy_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
-    let p = path.display().to_string();
-    let err = |source: std::io::Error| MemoryError::File { path: p.clone(), source };
-    let file = open_memory_file(path, mem_bytes)?;
-    let memfd = new_memfd(mem_bytes)?;
-    let mut pos = 0u64;
-    while pos < mem_bytes {
-        let data = match nix::unistd::lseek(&file, pos as i64, nix::unistd::Whence::SeekData) {
-            Ok(off) => off as u64,
-            Err(nix::errno::Errno::ENXIO) => break, // only a hole is left
-            Err(e) => return Err(err(e.into())),
-        };
-        let hole = nix::unistd::lseek(&file, data as i64, nix::unistd::Whence::SeekHole).map_err(|e| err(e.into()))?;
-        let end = (hole as u64).min(mem_bytes);
-        nix::unistd::lseek(&memfd, data as i64, nix::unistd::Whence::SeekSet).map_err(|e| err(e.into()))?;
-        let mut from = data as libc::off64_t;
-        while (from as u64) < end {
-            let left = (end - from as u64).min(SENDFILE_MAX) as usize;
-            // SAFETY: both fds are open for the call; `from` is a valid, exclusive offset cell.
-            let n = unsafe { libc::sendfile64(memfd.as_raw_fd(), file.as_raw_fd(), &mut from, left) };
-            match n {
-                n if n > 0 => {}
-                0 => return Err(err(std::io::ErrorKind::UnexpectedEof.into())),
-                _ => return Err(err(std::io::Error::last_os_error())),
-            }
-        }
-        pos = end;
-    }
-    map_memfd(memfd, mem_bytes)
-}
-
-/// Most bytes one sendfile call moves (the kernel caps a call at 2 GiB minus a page).
-const SENDFILE_MAX: u64 = 1 << 30;
-
 /// Maps a snapshot's memory file as guest memory of `mem_bytes`: read-only file, private
 /// copy-on-write mapping, so the guest's writes stay in this process.
 pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
@@ -333,34 +293,6 @@ mod tests {
 
         let err = map_snapshot_memory(&path, 32 << 20).unwrap_err();
         assert!(err.to_string().contains("holds 16777216 bytes"), "{err}");
-    }
-
-    #[test]
-    fn a_copied_memory_file_is_memfd_backed_and_follows_the_mmio_hole() {
-        // 3.5 GiB: the file's last 512 MiB are guest RAM above the 4 GiB mark. Sparse: only
-        // what is written takes space or pages.
-        let mem_bytes = 3584u64 << 20;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("memory");
-        let file = std::fs::File::create(&path).unwrap();
-        file.set_len(mem_bytes).unwrap();
-        file.write_all_at(&[0x11; 16], 0x1000).unwrap();
-        let boundary = 3u64 << 30;
-        file.write_all_at(&[0x22; 8], boundary - 8).unwrap();
-        file.write_all_at(&[0x33; 8], boundary).unwrap();
-        drop(file);
-
-        let mem = copy_snapshot_memory(&path, mem_bytes).unwrap();
-        assert!(mem.iter().all(|r| r.file_offset().is_some()), "memfd-backed, shareable");
-        assert_eq!(mem.read_obj::<u64>(GuestAddress(0x1000)).unwrap(), 0x1111_1111_1111_1111);
-        assert_eq!(mem.read_obj::<u64>(GuestAddress(boundary - 8)).unwrap(), 0x2222_2222_2222_2222);
-        assert_eq!(mem.read_obj::<u64>(GuestAddress(4 << 30)).unwrap(), 0x3333_3333_3333_3333);
-        assert_eq!(mem.read_obj::<u64>(GuestAddress(0x2000)).unwrap(), 0, "holes read as zero");
-        mem.write_obj(0xdeadu32, GuestAddress(0x1000)).unwrap();
-        let mut first = [0u8; 4];
-        std::fs::File::open(&path).unwrap().read_exact_at(&mut first, 0x1000).unwrap();
-        assert_eq!(first, [0x11; 4], "the file is never written");
-        assert!(copy_snapshot_memory(&path, mem_bytes + 4096).is_err(), "wrong size");
     }
 
     #[test]

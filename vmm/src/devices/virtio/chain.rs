@@ -12,8 +12,8 @@ pub const MAX_CHAIN_DESCRIPTORS: usize = 64;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ChainError {
-    #[error("chain has more than {MAX_CHAIN_DESCRIPTORS} descriptors")]
-    TooLong,
+    #[error("chain has more than {0} descriptors")]
+    TooLong(usize),
     #[error("chain does not terminate (loop, bad next index or unreadable descriptor)")]
     Unterminated,
     #[error("descriptor {addr:#x}+{len:#x} is outside guest memory")]
@@ -39,7 +39,7 @@ impl Desc {
     }
 }
 
-/// Total bytes a collected chain carries (at most 64 descriptors of u32 length, so no overflow).
+/// Total bytes a collected chain carries (a bounded count of u32 lengths, so no overflow).
 pub(crate) fn total_len(descs: &[Desc]) -> u64 {
     descs.iter().map(|d| u64::from(d.len)).sum()
 }
@@ -64,12 +64,26 @@ where
     M: Deref,
     M::Target: GuestMemory,
 {
+    collect_up_to(chain, mem, max_bytes, MAX_CHAIN_DESCRIPTORS)
+}
+
+/// [`collect`] for a device whose chains may be longer (virtio-fs: a page per descriptor).
+pub fn collect_up_to<M>(
+    chain: DescriptorChain<M>,
+    mem: &GuestMemoryMmap,
+    max_bytes: u64,
+    max_descs: usize,
+) -> Result<Vec<Desc>, ChainError>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
     let mut out = Vec::new();
     let mut total = 0u64;
     let mut last_has_next = false;
     for d in chain {
-        if out.len() >= MAX_CHAIN_DESCRIPTORS {
-            return Err(ChainError::TooLong);
+        if out.len() >= max_descs {
+            return Err(ChainError::TooLong(max_descs));
         }
         total += u64::from(d.len());
         if total > max_bytes {

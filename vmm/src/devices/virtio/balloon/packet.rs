@@ -179,7 +179,7 @@ where
     let mut last_has_next = false;
     for d in chain {
         if out.len() >= MAX_CHAIN_DESCRIPTORS {
-            return Err(ChainError::TooLong);
+            return Err(ChainError::TooLong(MAX_CHAIN_DESCRIPTORS));
         }
         last_has_next = d.has_next();
         out.push(Desc { addr: d.addr(), len: d.len(), writable: d.is_write_only() });
@@ -377,6 +377,6 @@ mod tests {
             tq.set_desc(&m, i, 0x10_000 + u64::from(i) * 0x1000, 0x1000, flags, next);
         }
         tq.publish(&m, 0);
-        assert_eq!(walked(&m, &tq), Err(ChainError::TooLong));
+        assert_eq!(walked(&m, &tq), Err(ChainError::TooLong(MAX_CHAIN_DESCRIPTORS)));
     }
 }

@@ -2,6 +2,10 @@
 //! and the number of request queues, one hiprio queue plus one request queue, and the device's
 //! life around its vhost-user backend.
 //!
+//! The backend serves the relay's shadow vrings in a small shared region (`relay.rs`), never the
+//! driver's: guest memory stays private to the VMM, so a restored VM can keep its template's
+//! pages shared copy-on-write. The event loop moves requests between the two.
+//!
 //! The backend is connected on the first DRIVER_OK (so the pod's virtiofsd may start alongside
 //! the VMM) and kept across driver resets, which only stop the vrings. Every exchange with it
 //! runs on the device's backend thread (`worker.rs`), bounded by `BACKEND_TIMEOUT`: DRIVER_OK
@@ -19,6 +23,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::relay::{self, Relay, RelayError};
 use super::vhost_user::{BackendError, Deadline};
 use super::worker::{BackendThreads, Report, Request, Start, Watch, Worker};
 use super::{AVAIL_FEATURES, NUM_QUEUES, NUM_REQUEST_QUEUES};
@@ -27,6 +32,7 @@ use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_FS,
     VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
+use crate::memory::create_guest_memory;
 use crate::thread::Slot;
 
 pub const TAG_LEN: usize = 36;
@@ -52,6 +58,7 @@ pub enum Phase {
 pub struct Active {
     pub(super) mem: GuestMemoryMmap,
     pub(super) queues: Vec<Queue>,
+    relay: Relay,
     irq: IrqTrigger,
     phase: Phase,
 }
@@ -70,12 +77,17 @@ pub struct Fs {
     config: [u8; CONFIG_LEN],
     pub(super) queue_sizes: [u16; NUM_QUEUES],
     pub(super) acked_features: u64,
-    /// Kicks: the transport signals them on QueueNotify and the backend reads them. Until the
-    /// backend has them, an eventfd keeps counting, so no kick is lost.
-    queue_evts: [EventFd; NUM_QUEUES],
-    /// Calls: the backend signals them when it used buffers; the event loop turns them into
-    /// interrupts.
+    /// The driver's kicks: the transport signals them on QueueNotify; the event loop relays.
+    pub(super) queue_evts: [EventFd; NUM_QUEUES],
+    /// The relay's kicks to the backend, one per shadow vring. Until the backend has them, an
+    /// eventfd keeps counting, so no kick is lost.
+    backend_kicks: [EventFd; NUM_QUEUES],
+    /// Calls: the backend signals them when it used shadow buffers; the event loop relays the
+    /// replies and interrupts the driver.
     pub(super) call_evts: [EventFd; NUM_QUEUES],
+    /// The region shared with the backend (shadow vrings and request bytes), reused by every
+    /// activation.
+    shared: GuestMemoryMmap,
     /// The device's backend thread, which owns the connection.
     pub(super) worker: Worker,
     /// Counts activations and resets: a report about an earlier one is stale.
@@ -100,8 +112,10 @@ impl Fs {
         let evt = || EventFd::new(libc::EFD_NONBLOCK);
         let name = format!("fs{index}");
         let queue_evts = [evt()?, evt()?];
+        let backend_kicks = [evt()?, evt()?];
         let call_evts = [evt()?, evt()?];
-        let worker = Worker::spawn(&name, cfg.socket.clone(), &queue_evts, &call_evts, threads)?;
+        let shared = create_guest_memory(relay::region_bytes()).map_err(std::io::Error::other)?;
+        let worker = Worker::spawn(&name, cfg.socket.clone(), &backend_kicks, &call_evts, threads)?;
         Ok(Self {
             name,
             tag: cfg.tag.clone(),
@@ -110,7 +124,9 @@ impl Fs {
             queue_sizes: [cfg.queue_size; NUM_QUEUES],
             acked_features: 0,
             queue_evts,
+            backend_kicks,
             call_evts,
+            shared,
             worker,
             activation: 0,
             watch: None,
@@ -169,11 +185,53 @@ impl Fs {
         self.state = DeviceState::Broken(DeviceError::Backend("the device had failed before the snapshot".into()));
     }
 
-    /// The backend used buffers on some queue: tell the driver.
-    pub fn backend_used_buffers(&self) {
-        if let DeviceState::Active(a) = &self.state {
-            a.irq.trigger(VIRTIO_MMIO_INT_VRING);
+    /// The driver kicked queue `q`: offer the backend what it posted.
+    pub fn driver_kicked(&mut self, q: usize) {
+        let DeviceState::Active(a) = &mut self.state else { return };
+        let Some(queue) = a.queues.get_mut(q) else { return };
+        match a.relay.take_from_driver(q, &a.mem, queue) {
+            Ok(0) => {}
+            Ok(_) => {
+                if let Err(e) = self.backend_kicks[q].write(1) {
+                    tracing::warn!(device = %self.name, queue = q, error = %e, "cannot kick the virtio-fs backend");
+                }
+            }
+            Err(e) => self.relay_failed(e),
         }
+    }
+
+    /// The backend used shadow buffers on queue `q`: hand the replies to the driver, then offer
+    /// what waited for the room they freed.
+    pub fn backend_used(&mut self, q: usize) {
+        let DeviceState::Active(a) = &mut self.state else { return };
+        let Some(queue) = a.queues.get_mut(q) else { return };
+        match a.relay.return_to_driver(q, &a.mem, queue) {
+            Ok(0) => {}
+            Ok(_) => {
+                a.irq.trigger(VIRTIO_MMIO_INT_VRING);
+                self.driver_kicked(q);
+            }
+            Err(e) => self.relay_failed(e),
+        }
+    }
+
+    /// A relay rule was broken: by the backend (the device fails as on any backend failure) or
+    /// by the driver (the device stops serving until the driver resets it).
+    fn relay_failed(&mut self, err: RelayError) {
+        if err.is_backends() {
+            return self.fail(BackendError::Relay(err.to_string()));
+        }
+        let DeviceState::Active(a) = &self.state else { return };
+        a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+        let now = Instant::now();
+        if self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD) {
+            self.last_failure_log = Some(now);
+            tracing::warn!(device = %self.name, tag = %self.tag, error = %err,
+                "the guest's virtio-fs driver sent a malformed request; the device needs a reset");
+        } else {
+            tracing::debug!(device = %self.name, tag = %self.tag, error = %err, "malformed virtio-fs request again");
+        }
+        self.state = DeviceState::Broken(DeviceError::Request(err.to_string()));
     }
 
     /// The event loop saw the backend close connection `id` (and stopped watching it).
@@ -277,28 +335,31 @@ impl VirtioDevice for Fs {
     }
 
     /// Bad queues are the driver's fault (the transport fails the driver). Otherwise the device
-    /// is live at once and the backend thread starts the backend; a backend problem comes back
-    /// later as DEVICE_NEEDS_RESET.
+    /// is live at once and the backend thread starts the backend on fresh shadow vrings; a
+    /// backend problem comes back later as DEVICE_NEEDS_RESET. Requests the driver posts
+    /// meanwhile wait in the shadow vrings.
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqTrigger) -> Result<(), DeviceError> {
         validate_queues(&mem, &queues)?;
         if queues.len() != NUM_QUEUES {
             return Err(DeviceError::QueueNotReady(queues.len()));
         }
+        let relay = Relay::new(self.shared.clone()).map_err(|e| DeviceError::Memory(e.to_string()))?;
         self.activation += 1;
         self.worker.post(Request::Start(Start {
             activation: self.activation,
-            mem: mem.clone(),
-            features: self.acked_features,
-            queues: queues.iter().map(Queue::state).collect(),
+            mem: relay.shared().clone(),
+            features: relay::SHADOW_FEATURES,
+            queues: relay.backend_queues(),
             deadline: Deadline::after(self.timeout),
         }));
-        self.state = DeviceState::Active(Active { mem, queues, irq, phase: Phase::Starting });
+        self.state = DeviceState::Active(Active { mem, queues, relay, irq, phase: Phase::Starting });
         Ok(())
     }
 
     /// Stops the vrings but keeps the connection, as a backend serves one connection only. The
-    /// transport waits for the stop outside the device lock: the rings must be out of the
-    /// backend's hands before the driver may reuse their memory.
+    /// transport waits for the stop outside the device lock, so the shadow vrings are out of
+    /// the backend's hands before the next activation clears them. Requests in flight are
+    /// dropped with the driver's queues.
     fn reset(&mut self) -> Option<PendingReset> {
         let was = std::mem::replace(&mut self.state, DeviceState::Inactive);
         self.acked_features = 0;
@@ -326,7 +387,7 @@ impl VirtioDevice for Fs {
 mod tests {
     use super::*;
     use crate::devices::bus::BusDevice;
-    use crate::devices::virtio::chain::test_utils::TestQueue;
+    use crate::devices::virtio::chain::test_utils::{TestQueue, F_NEXT, F_WRITE};
     use crate::devices::virtio::fs::test_utils::{self as fake, FakeBackend, Script};
     use crate::devices::virtio::fs::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
     use crate::devices::virtio::mmio::MmioTransport;
@@ -434,6 +495,41 @@ mod tests {
         r(&mut rig.t, STATUS)
     }
 
+    const REQUEST_AT: u64 = 0x10_0000;
+    const REPLY_AT: u64 = 0x11_0000;
+
+    /// The driver's part of a request on `q`: 16 readable bytes, then 64 bytes of reply room.
+    fn post_request(mem: &GuestMemoryMmap, q: &mut TestQueue) {
+        mem.write_slice(&[7; 16], GuestAddress(REQUEST_AT)).unwrap();
+        q.set_desc(mem, 0, REQUEST_AT, 16, F_NEXT, 1);
+        q.set_desc(mem, 1, REPLY_AT, 64, F_WRITE, 0);
+        q.publish(mem, 0);
+    }
+
+    fn shadow_avail_idx_of(fs: &Fs, q: usize) -> u16 {
+        let DeviceState::Active(a) = &fs.state else { return 0 };
+        let avail = a.relay.backend_queues()[q].avail_ring;
+        fs.shared.read_obj(GuestAddress(avail + 2)).unwrap()
+    }
+
+    fn shadow_avail_idx(fs: &Mutex<Fs>, q: usize) -> u16 {
+        shadow_avail_idx_of(&fs.lock().unwrap(), q)
+    }
+
+    /// What a backend does with the first chain of shadow vring `q`: writes `reply` into its
+    /// writable descriptor (descriptor 1) and uses descriptor 0.
+    fn backend_answers(fs: &Mutex<Fs>, q: usize, reply: &[u8]) {
+        use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+        let fs = fs.lock().unwrap();
+        let DeviceState::Active(a) = &fs.state else { panic!("inactive") };
+        let ring = a.relay.backend_queues()[q];
+        let writable: RawDescriptor = fs.shared.read_obj(GuestAddress(ring.desc_table + 16)).unwrap();
+        fs.shared.write_slice(reply, SplitDescriptor::from(writable).addr()).unwrap();
+        fs.shared.write_obj(0u32, GuestAddress(ring.used_ring + 4)).unwrap();
+        fs.shared.write_obj(reply.len() as u32, GuestAddress(ring.used_ring + 8)).unwrap();
+        fs.shared.write_obj(1u16, GuestAddress(ring.used_ring + 2)).unwrap();
+    }
+
     fn broken_reason(fs: &Mutex<Fs>) -> String {
         match &fs.lock().unwrap().state {
             DeviceState::Broken(e) => e.to_string(),
@@ -482,26 +578,28 @@ mod tests {
             w(t, DEVICE_FEATURES_SEL, 1);
             u64::from(lo) | (u64::from(r(t, DEVICE_FEATURES)) << 32)
         };
-        assert_eq!(offered(&mut rig.t), VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX);
+        assert_eq!(offered(&mut rig.t), VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC);
         assert_eq!(r(&mut rig.t, DEVICE_ID), TYPE_FS);
 
-        // VIRTIO_FS_F_NOTIFICATION (bit 0) is not offered: negotiation fails.
+        // VIRTIO_FS_F_NOTIFICATION (bit 0) and EVENT_IDX are not offered: negotiation fails.
         assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1 | 1) & 0x8, 0);
         w(&mut rig.t, STATUS, 0);
-        // Without VERSION_1 it fails too.
-        assert_eq!(negotiate(&mut rig.t, VIRTIO_RING_F_EVENT_IDX) & 0x8, 0);
+        assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX) & 0x8, 0);
         w(&mut rig.t, STATUS, 0);
-        assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xb);
-        assert_eq!(rig.fs.lock().unwrap().acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX);
+        // Without VERSION_1 it fails too.
+        assert_eq!(negotiate(&mut rig.t, VIRTIO_RING_F_INDIRECT_DESC) & 0x8, 0);
+        w(&mut rig.t, STATUS, 0);
+        assert_eq!(negotiate(&mut rig.t, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC), 0xb);
+        assert_eq!(rig.fs.lock().unwrap().acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC);
         w(&mut rig.t, STATUS, 0);
         assert_eq!(rig.fs.lock().unwrap().acked_features, 0, "reset forgets the driver's features");
     }
 
     #[test]
-    fn activation_hands_the_backend_memory_and_both_vrings() {
+    fn activation_hands_the_backend_the_relay_region_and_both_shadow_vrings() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC), 0xf);
         let vring = [fake::SET_VRING_NUM, fake::SET_VRING_ADDR, fake::SET_VRING_BASE, fake::SET_VRING_CALL];
         let mut expected = vec![
             fake::SET_OWNER,
@@ -517,6 +615,8 @@ mod tests {
             expected.extend([fake::SET_VRING_KICK, fake::SET_VRING_ENABLE]);
         }
         assert_eq!(backend.requests(), expected);
+        // Not the 16 MiB of guest memory: only the relay's region.
+        assert_eq!(backend.mem_tables(), [vec![(0, relay::region_bytes())]]);
         let fs = rig.fs.lock().unwrap();
         assert_eq!((fs.phase(), fs.connection_id()), (Some(Phase::Serving), Some(1)));
         let snap = fs.save();
@@ -525,7 +625,7 @@ mod tests {
     }
 
     #[test]
-    fn driver_ok_returns_at_once_and_kicks_meanwhile_reach_the_backend() {
+    fn driver_ok_returns_at_once_and_requests_meanwhile_reach_the_backend() {
         let slow =
             Script { slow_on: Some((fake::SET_MEM_TABLE, Duration::from_millis(300))), ..Script::virtiofsd_like() };
         let backend = FakeBackend::start(slow);
@@ -534,14 +634,16 @@ mod tests {
         assert_eq!(driver_ok(&mut rig.t, VIRTIO_F_VERSION_1), 0xf);
         assert!(start.elapsed() < Duration::from_millis(200), "the vCPU was held for {:?}", start.elapsed());
         assert_eq!(rig.fs.lock().unwrap().phase(), Some(Phase::Starting));
-        // The driver kicks the request queue twice before the backend has its vrings.
+        // The driver posts a request and kicks twice before the backend has its vrings.
+        post_request(&rig.mem, &mut queues()[1]);
         w(&mut rig.t, QUEUE_NOTIFY, 1);
         w(&mut rig.t, QUEUE_NOTIFY, 1);
         assert_eq!(backend.kicks_pending(1), None, "the backend has no kick eventfd yet");
         rig.settle();
         assert_eq!(rig.fs.lock().unwrap().phase(), Some(Phase::Serving));
-        assert_eq!(backend.kicks_pending(1), Some(2), "both kicks wait in the eventfd the backend was given");
+        assert_eq!(backend.kicks_pending(1), Some(1), "the relay's kick waits in the eventfd the backend was given");
         assert_eq!(backend.kicks_pending(0), Some(0));
+        assert_eq!(shadow_avail_idx(&rig.fs, 1), 1, "the request is in the shadow vring");
     }
 
     #[test]
@@ -551,10 +653,17 @@ mod tests {
         assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
         assert!(rig.fs.lock().unwrap().watch.is_some(), "the connection is watched");
 
-        // What the backend does after it used a buffer on the request queue.
+        // A request goes out; the backend answers it with 5 bytes.
+        let mut q = queues().into_iter().nth(1).unwrap();
+        post_request(&rig.mem, &mut q);
+        w(&mut rig.t, QUEUE_NOTIFY, 1);
+        rig.run_until("the relay", |fs| shadow_avail_idx_of(fs, 1) == 1);
+        backend_answers(&rig.fs, 1, b"reply");
         rig.fs.lock().unwrap().call_evts[1].write(1).unwrap();
         rig.em.run_with_timeout(100).unwrap();
         assert_eq!(r(&mut rig.t, INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
+        assert_eq!((q.used_idx(&rig.mem), q.used_elem(&rig.mem, 0)), (1, (0, 5)));
+        assert_eq!(rig.mem.read_obj::<[u8; 5]>(GuestAddress(REPLY_AT)).unwrap(), *b"reply");
         w(&mut rig.t, INTERRUPT_ACK, VIRTIO_MMIO_INT_VRING);
 
         backend.hang_up();
@@ -610,15 +719,46 @@ mod tests {
     }
 
     #[test]
-    fn a_backend_without_a_ring_feature_the_driver_acked_breaks_the_device() {
+    fn the_drivers_ring_features_are_the_relays_not_the_backends() {
         let script = Script {
             features: VIRTIO_F_VERSION_1 | super::super::vhost_user::VHOST_USER_F_PROTOCOL_FEATURES,
             ..Script::virtiofsd_like()
         };
         let backend = FakeBackend::start(script);
         let mut rig = rig(&backend.path);
-        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf | STATUS_NEEDS_RESET);
-        assert!(broken_reason(&rig.fs).contains("lacks virtio features 0x20000000"), "{}", broken_reason(&rig.fs));
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC), 0xf);
+        assert_eq!(rig.fs.lock().unwrap().phase(), Some(Phase::Serving));
+    }
+
+    #[test]
+    fn a_malformed_chain_breaks_the_device_and_keeps_the_backend() {
+        let backend = FakeBackend::start(Script::virtiofsd_like());
+        let mut rig = rig(&backend.path);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        // A writable descriptor, then a readable one.
+        let mut q = queues().into_iter().nth(1).unwrap();
+        q.set_desc(&rig.mem, 0, 0x10_0000, 16, F_NEXT | F_WRITE, 1);
+        q.set_desc(&rig.mem, 1, 0x10_1000, 16, 0, 0);
+        q.publish(&rig.mem, 0);
+        w(&mut rig.t, QUEUE_NOTIFY, 1);
+        rig.run_until("the device to fail", |fs| fs.is_broken());
+        assert_eq!(r(&mut rig.t, STATUS), 0xf | STATUS_NEEDS_RESET);
+        assert!(broken_reason(&rig.fs).contains("readable descriptor follows"), "{}", broken_reason(&rig.fs));
+        assert_eq!(rig.fs.lock().unwrap().connection_id(), Some(1), "the backend did nothing wrong");
+        assert_eq!(backend.kicks_pending(1), Some(0), "nothing was offered");
+    }
+
+    #[test]
+    fn a_backend_that_answers_what_it_was_not_given_breaks_the_device() {
+        let backend = FakeBackend::start(Script::virtiofsd_like());
+        let mut rig = rig(&backend.path);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1), 0xf);
+        backend_answers(&rig.fs, 1, b"forged");
+        rig.fs.lock().unwrap().call_evts[1].write(1).unwrap();
+        rig.run_until("the device to fail", |fs| fs.is_broken());
+        let reason = broken_reason(&rig.fs);
+        assert!(reason.contains("shadow vring rules") && reason.contains("does not hold"), "{reason}");
+        assert_eq!(queues()[1].used_idx(&rig.mem), 0, "nothing reached the driver");
     }
 
     #[test]
@@ -714,14 +854,14 @@ mod tests {
     fn snapshot_saves_the_used_index_the_backend_published() {
         let backend = FakeBackend::start(Script::virtiofsd_like());
         let mut rig = rig(&backend.path);
-        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX), 0xf);
+        assert_eq!(activate(&mut rig, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC), 0xf);
         let q = &queues()[1];
-        rig.mem.write_obj(3u16, GuestAddress(q.used + 2)).unwrap(); // as the backend would
+        rig.mem.write_obj(3u16, GuestAddress(q.used + 2)).unwrap(); // as the relay would
         let snap = rig.fs.lock().unwrap().save();
         assert_eq!((snap.vrings[1].next_avail, snap.vrings[1].next_used), (3, 3));
         assert_eq!(snap.vrings[0].next_used, 0);
         assert_eq!((snap.tag.as_str(), snap.queue_size), ("rootfs", 256));
-        assert_eq!(snap.acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX);
+        assert_eq!(snap.acked_features, VIRTIO_F_VERSION_1 | VIRTIO_RING_F_INDIRECT_DESC);
         let _ = rig.irq.status();
     }
 }

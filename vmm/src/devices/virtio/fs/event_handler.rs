@@ -1,6 +1,6 @@
-//! fd readiness -> virtio-fs work, on the VMM event loop: the backend thread's reports move the
-//! device, the backend's call eventfds become VRING interrupts, and the backend connection is
-//! watched for hang-up. Kicks are not watched here: the backend reads them itself.
+//! fd readiness -> virtio-fs work, on the VMM event loop: the driver's kicks and the backend's
+//! calls move requests and replies through the relay, the backend thread's reports move the
+//! device, and the backend connection is watched for hang-up.
 
 use std::os::fd::AsRawFd;
 
@@ -39,6 +39,11 @@ impl Fs {
 
 impl MutEventSubscriber for Fs {
     fn init(&mut self, ops: &mut EventOps) {
+        for (i, kick) in self.queue_evts.iter().enumerate() {
+            if let Err(e) = ops.add(Events::with_data(kick, i as u32, EventSet::IN)) {
+                tracing::error!(device = %self.name(), queue = i, error = ?e, "cannot watch the driver's kick eventfd");
+            }
+        }
         for (i, call) in self.call_evts.iter().enumerate() {
             if let Err(e) = ops.add(Events::with_data(call, i as u32, EventSet::IN)) {
                 tracing::error!(device = %self.name(), queue = i, error = ?e, "cannot watch the backend's call eventfd");
@@ -57,10 +62,13 @@ impl MutEventSubscriber for Fs {
                 let update = self.apply(report);
                 self.update_watch(update, ops);
             }
-        } else if let Some(call) = self.call_evts.iter().find(|e| e.as_raw_fd() == fd) {
-            // Drain the counter; one interrupt covers every buffer used so far.
-            let _ = call.read();
-            self.backend_used_buffers();
+        } else if let Some(q) = self.queue_evts.iter().position(|e| e.as_raw_fd() == fd) {
+            // Drain the counter; one pass takes every chain posted so far.
+            let _ = self.queue_evts[q].read();
+            self.driver_kicked(q);
+        } else if let Some(q) = self.call_evts.iter().position(|e| e.as_raw_fd() == fd) {
+            let _ = self.call_evts[q].read();
+            self.backend_used(q);
         } else if let Some(id) = self.watch.as_ref().filter(|w| w.sock.as_raw_fd() == fd).map(|w| w.id) {
             self.update_watch(WatchUpdate::Unwatch, ops);
             self.backend_hung_up(id);

@@ -5,9 +5,10 @@
 //! probed the device but has not mounted the tag.
 //!
 //! Restoring does not talk to the backend: a device that was active posts a start to its backend
-//! thread, as DRIVER_OK does, which connects to the new backend, hands it guest memory (which must
-//! then be shared memory: the builder restores such VMs into a memfd) and starts the vrings where
-//! the saved ones stood. A backend that fails breaks the device, as after DRIVER_OK.
+//! thread, as DRIVER_OK does, which connects to the new backend and starts fresh shadow vrings
+//! (the backend never sees guest memory, so a restored VM's memory may stay a private map of
+//! the snapshot). The driver's queues go on where the saved ones stood. A backend that fails
+//! breaks the device, as after DRIVER_OK.
 
 use std::sync::atomic::Ordering;
 
@@ -30,8 +31,8 @@ pub struct FsState {
     pub socket: String,
     pub queue_size: u16,
     pub acked_features: u64,
-    /// hiprio, then the request queue: addresses, size, and the used index the backend had
-    /// published (a fresh backend restarts there). Empty while inactive.
+    /// hiprio, then the request queue: addresses, size, and the used index published to the
+    /// driver (the restored relay restarts there). Empty while inactive.
     pub vrings: Vec<QueueState>,
     pub broken: bool,
 }
@@ -51,10 +52,9 @@ impl Persist for Fs {
     type ConstructorArgs = FsConstructorArgs;
     type Error = VirtioPersistError;
 
-    /// The backend owns the ring positions. Each vring is saved at the used index the backend
-    /// published to the driver: a fresh backend restarts there, so requests the old one had
-    /// taken but not completed are offered again. Open files live in the backend and are not
-    /// part of this state.
+    /// Each of the driver's queues is saved at the used index published to the driver, so
+    /// requests taken but not answered are taken again after a restore. Open files live in the
+    /// backend and are not part of this state.
     fn save(&self) -> FsState {
         FsState {
             tag: self.tag.clone(),
@@ -94,8 +94,8 @@ impl Persist for Fs {
     }
 }
 
-/// A vring as a fresh backend must pick it up: both indices at the used index the old backend
-/// published (or as the transport left them, if guest memory cannot be read).
+/// A queue as a restored relay must pick it up: both indices at the used index published to
+/// the driver (or as the transport left them, if guest memory cannot be read).
 fn published_position(mem: &GuestMemoryMmap, q: &Queue) -> QueueState {
     let mut s = QueueState::from(q);
     if let Ok(used) = q.used_idx(mem, Ordering::Acquire) {

@@ -61,10 +61,14 @@ impl Script {
     }
 }
 
+/// A SET_MEM_TABLE's regions: (guest address, size).
+pub type MemTable = Vec<(u64, u64)>;
+
 pub struct FakeBackend {
     pub path: PathBuf,
     requests: Arc<Mutex<Vec<u32>>>,
     kicks: Arc<Mutex<Vec<(u64, File)>>>,
+    mem_tables: Arc<Mutex<Vec<MemTable>>>,
     conn: Arc<Mutex<Option<UnixStream>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -80,11 +84,17 @@ impl FakeBackend {
         listener.set_nonblocking(true).unwrap();
         let requests: Arc<Mutex<Vec<u32>>> = Arc::default();
         let kicks: Arc<Mutex<Vec<(u64, File)>>> = Arc::default();
+        let mem_tables: Arc<Mutex<Vec<MemTable>>> = Arc::default();
         let conn: Arc<Mutex<Option<UnixStream>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (requests, kicks, conn, stop) =
-                (Arc::clone(&requests), Arc::clone(&kicks), Arc::clone(&conn), Arc::clone(&stop));
+            let (requests, kicks, tables, conn, stop) = (
+                Arc::clone(&requests),
+                Arc::clone(&kicks),
+                Arc::clone(&mem_tables),
+                Arc::clone(&conn),
+                Arc::clone(&stop),
+            );
             std::thread::spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 let stream = loop {
@@ -98,15 +108,20 @@ impl FakeBackend {
                 };
                 stream.set_nonblocking(false).unwrap();
                 *conn.lock().unwrap() = Some(stream.try_clone().unwrap());
-                serve(stream, &script, &requests, &kicks);
+                serve(stream, &script, &requests, &kicks, &tables);
             })
         };
-        Self { path, requests, kicks, conn, stop, thread: Some(thread), _dir: dir }
+        Self { path, requests, kicks, mem_tables, conn, stop, thread: Some(thread), _dir: dir }
     }
 
     /// The request codes received so far, in order.
     pub fn requests(&self) -> Vec<u32> {
         self.requests.lock().unwrap().clone()
+    }
+
+    /// The memory tables the backend was handed, in order.
+    pub fn mem_tables(&self) -> Vec<MemTable> {
+        self.mem_tables.lock().unwrap().clone()
     }
 
     /// How many kicks the last kick eventfd handed over for `vring` holds (reading resets it).
@@ -138,7 +153,13 @@ impl Drop for FakeBackend {
     }
 }
 
-fn serve(mut s: UnixStream, script: &Script, requests: &Mutex<Vec<u32>>, kicks: &Mutex<Vec<(u64, File)>>) {
+fn serve(
+    mut s: UnixStream,
+    script: &Script,
+    requests: &Mutex<Vec<u32>>,
+    kicks: &Mutex<Vec<(u64, File)>>,
+    tables: &Mutex<Vec<MemTable>>,
+) {
     let mut silent = false;
     loop {
         let mut hdr = [0u8; 12];
@@ -157,6 +178,13 @@ fn serve(mut s: UnixStream, script: &Script, requests: &Mutex<Vec<u32>>, kicks: 
             return;
         }
         requests.lock().unwrap().push(req);
+        if req == SET_MEM_TABLE && body.len() >= 8 {
+            // num_regions, padding, then 32 bytes a region: address, size, user address, offset.
+            let u64_at = |i: usize| body.get(i..i + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()));
+            let n = u32::from_le_bytes(body[..4].try_into().unwrap()) as usize;
+            let table = (0..n).filter_map(|r| Some((u64_at(8 + 32 * r)?, u64_at(16 + 32 * r)?))).collect();
+            tables.lock().unwrap().push(table);
+        }
         if let (SET_VRING_KICK, Some(fd)) = (req, fd) {
             let vring = u64::from_le_bytes(body[..8].try_into().unwrap()) & 0xff;
             kicks.lock().unwrap().push((vring, fd));

@@ -58,6 +58,8 @@ pub enum BackendError {
     Io(std::io::Error),
     #[error("the backend closed the connection")]
     HungUp,
+    #[error("the backend broke the shadow vring rules: {0}")]
+    Relay(String),
 }
 
 /// When an exchange (or a series of them) must be over, and the limit it came from, for the
@@ -231,9 +233,9 @@ fn connect_until(path: &Path, deadline: Instant) -> Result<UnixStream, BackendEr
     }
 }
 
-/// The SET_MEM_TABLE payload: every guest RAM region with its memfd and offset. Only shared
-/// mappings qualify: the backend maps the file shared, so a private copy-on-write mapping's pages
-/// would differ between guest and backend.
+/// The SET_MEM_TABLE payload: every region of the backend's memory (the relay's shared region)
+/// with its memfd and offset. Only shared mappings qualify: the backend maps the file shared, so
+/// a private copy-on-write mapping's pages would differ between the VMM and the backend.
 pub fn memory_regions(mem: &GuestMemoryMmap) -> Result<Vec<VhostUserMemoryRegionInfo>, BackendError> {
     use vm_memory::GuestMemoryRegion;
     mem.iter()
@@ -298,8 +300,6 @@ mod tests {
         std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
         let private = crate::memory::map_snapshot_memory(&path, 16 << 20).unwrap();
         assert!(matches!(memory_regions(&private), Err(BackendError::PrivateMemory(0))));
-        let copied = crate::memory::copy_snapshot_memory(&path, 16 << 20).unwrap();
-        assert_eq!(memory_regions(&copied).unwrap().len(), 1);
     }
 
     #[test]

@@ -749,7 +749,7 @@ mod tests {
         }
         r.tx.publish(&r.mem, 0);
         r.dev.process_tx();
-        assert!(matches!(r.dev.state, DeviceState::Broken(DeviceError::Chain(chain::ChainError::TooLong))));
+        assert!(matches!(r.dev.state, DeviceState::Broken(DeviceError::Chain(chain::ChainError::TooLong(_)))));
         assert_breaks(&mut r, "too long");
 
         // A frame over the byte cap.
