@@ -64,6 +64,7 @@ fn fixture() -> Fixture {
         vmm: &dir.path().join("bulkhead-vmm"),
         vcpus: 1,
         memory_mib: 256,
+        nic_mtus: &[],
     };
     let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).unwrap();
     Fixture { _dir: dir, store, inputs }

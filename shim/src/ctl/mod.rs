@@ -111,6 +111,10 @@ enum TemplateCommand {
         /// Guest memory in MiB (default: the config's `vm.memory_mib`).
         #[arg(long)]
         memory_mib: Option<u32>,
+        /// A NIC of this MTU, for pods with a network (repeat for more NICs; none: the template
+        /// of host-network pods). Pods use a template whose NICs match their CNI interfaces'.
+        #[arg(long = "nic-mtu")]
+        nic_mtus: Vec<u16>,
     },
     /// Removes templates (a pod then builds or boots cold); waits for a build of the same key.
     Rm {
@@ -197,8 +201,8 @@ async fn run(cli: Cli) -> Result<Option<Outcome>, CtlError> {
             Ok(None)
         }
         Command::Template { command: TemplateCommand::Ls } => Ok(Some(template::ls(&load_config(explicit)?)?)),
-        Command::Template { command: TemplateCommand::Build { vcpus, memory_mib } } => {
-            Ok(Some(template::build(load_config(explicit)?, vcpus, memory_mib).await?))
+        Command::Template { command: TemplateCommand::Build { vcpus, memory_mib, nic_mtus } } => {
+            Ok(Some(template::build(load_config(explicit)?, vcpus, memory_mib, &nic_mtus).await?))
         }
         Command::Template { command: TemplateCommand::Rm { keys, all } } => {
             Ok(Some(template::rm(&load_config(explicit)?, &keys, all).await?))

@@ -22,22 +22,40 @@ fn open(config: &Config) -> Result<TemplateStore, CtlError> {
 pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
     let store = open(config)?;
     let rows = store.list().map_err(|e| CtlError::Failed(e.to_string()))?;
-    let mut text =
-        format!("{:<14} {:<9} {:>5} {:>8} {:>10}  {}\n", "KEY", "STATE", "VCPUS", "MEM_MIB", "MIB", "DETAIL");
+    let mut text = format!(
+        "{:<14} {:<9} {:>5} {:>8} {:>10} {:>10}  {}\n",
+        "KEY", "STATE", "VCPUS", "MEM_MIB", "NIC_MTUS", "MIB", "DETAIL"
+    );
     for row in &rows {
         text += &match row {
-            Listed::Ready { key, bytes, created_unix, vcpus, memory_mib } => format!(
-                "{:<14} {:<9} {vcpus:>5} {memory_mib:>8} {:>10.1}  created {created_unix}\n",
-                key.short(),
-                "ready",
-                *bytes as f64 / (1 << 20) as f64
+            Listed::Ready { key, bytes, created_unix, vcpus, memory_mib, nic_mtus } => {
+                let nics = nic_mtus.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+                format!(
+                    "{:<14} {:<9} {vcpus:>5} {memory_mib:>8} {:>10} {:>10.1}  created {created_unix}\n",
+                    key.short(),
+                    "ready",
+                    if nics.is_empty() { "-" } else { &nics },
+                    *bytes as f64 / (1 << 20) as f64
+                )
+            }
+            Listed::Unusable { name, reason } => format!(
+                "{:<14} {:<9} {:>5} {:>8} {:>10} {:>10}  {reason}\n",
+                short(name),
+                "unusable",
+                "-",
+                "-",
+                "-",
+                "-"
             ),
-            Listed::Unusable { name, reason } => {
-                format!("{:<14} {:<9} {:>5} {:>8} {:>10}  {reason}\n", short(name), "unusable", "-", "-", "-")
-            }
-            Listed::Building { key, pid } => {
-                format!("{:<14} {:<9} {:>5} {:>8} {:>10}  pid {pid}\n", short(key), "building", "-", "-", "-")
-            }
+            Listed::Building { key, pid } => format!(
+                "{:<14} {:<9} {:>5} {:>8} {:>10} {:>10}  pid {pid}\n",
+                short(key),
+                "building",
+                "-",
+                "-",
+                "-",
+                "-"
+            ),
         };
     }
     if rows.is_empty() {
@@ -47,13 +65,22 @@ pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
     Ok(Outcome { json: json!({ "dir": store.root(), "templates": rows }), text, ok })
 }
 
-/// Builds the template of the config's files and the given (or the config's) VM shape.
-pub async fn build(config: Config, vcpus: Option<u8>, memory_mib: Option<u32>) -> Result<Outcome, CtlError> {
+/// Builds the template of the config's files and the given (or the config's) VM shape, with a
+/// NIC of each MTU in `nic_mtus` (what pods with a network need; none for host-network pods).
+pub async fn build(
+    config: Config,
+    vcpus: Option<u8>,
+    memory_mib: Option<u32>,
+    nic_mtus: &[u16],
+) -> Result<Outcome, CtlError> {
     let failed = |e: &dyn std::fmt::Display| CtlError::Failed(e.to_string());
     let store = open(&config)?;
     let (vcpus, memory_mib) = (vcpus.unwrap_or(config.vm.vcpus), memory_mib.unwrap_or(config.vm.memory_mib));
     if vcpus == 0 || memory_mib == 0 {
         return Err(CtlError::Failed("a template VM needs at least one vCPU and 1 MiB of memory".into()));
+    }
+    if let Some(bad) = nic_mtus.iter().find(|m| **m < 68) {
+        return Err(CtlError::Failed(format!("NIC MTU {bad}: a guest NIC takes 68..=65535")));
     }
     let sources = KeySources {
         kernel: &config.vm.kernel_path,
@@ -61,6 +88,7 @@ pub async fn build(config: Config, vcpus: Option<u8>, memory_mib: Option<u32>) -
         vmm: &config.vm.vmm_path,
         vcpus,
         memory_mib,
+        nic_mtus,
     };
     let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).map_err(|e| failed(&e))?;
     let started = Instant::now();
@@ -68,8 +96,12 @@ pub async fn build(config: Config, vcpus: Option<u8>, memory_mib: Option<u32>) -
     // Another build of the key (a pod's) may hold the lock for as long as a build may take.
     let template =
         crate::sandbox::vm::template::build(&store, &inputs, &builder, BUILD_TIMEOUT).await.map_err(|e| failed(&e))?;
+    let nics = match nic_mtus {
+        [] => "no NIC".to_string(),
+        mtus => format!("NIC MTUs {}", mtus.iter().map(u16::to_string).collect::<Vec<_>>().join(",")),
+    };
     let text = format!(
-        "template {} ({vcpus} vCPUs, {memory_mib} MiB): {} MiB in {} ({:.1} s)\n",
+        "template {} ({vcpus} vCPUs, {memory_mib} MiB, {nics}): {} MiB in {} ({:.1} s)\n",
         template.key,
         template.bytes() >> 20,
         template.dir.display(),
@@ -80,6 +112,7 @@ pub async fn build(config: Config, vcpus: Option<u8>, memory_mib: Option<u32>) -
         "dir": template.dir,
         "vcpus": vcpus,
         "memory_mib": memory_mib,
+        "nic_mtus": nic_mtus,
         "bytes": template.bytes(),
         "created_unix": template.manifest.created_unix,
     });
@@ -177,6 +210,7 @@ mod tests {
             vmm_sha256: digest,
             vcpus: 1,
             memory_mib,
+            nic_mtus: if memory_mib == 512 { vec![1500] } else { vec![] },
             agent_protocol: 1,
         }
     }
@@ -195,6 +229,8 @@ mod tests {
         assert!(listed.ok);
         assert_eq!(listed.json["templates"].as_array().unwrap().len(), 2);
         assert!(listed.text.contains(a.key().short()) && listed.text.contains("ready"), "{}", listed.text);
+        let nics: Vec<_> = listed.json["templates"].as_array().unwrap().iter().map(|t| t["nic_mtus"].clone()).collect();
+        assert!(nics.contains(&serde_json::json!([1500])) && nics.contains(&serde_json::json!([])), "{nics:?}");
 
         // A template someone tampered with is listed as unusable, and ls fails.
         std::fs::write(store.root().join(b.key().as_str()).join("extra"), "x").unwrap();

@@ -50,6 +50,7 @@
 mod discover;
 pub mod dns;
 mod netns;
+pub mod placeholder;
 mod record;
 mod tap;
 mod tc;
@@ -187,6 +188,18 @@ impl VmNetwork {
 
 fn cidr(addr: &IpAddr, prefix: u8) -> String {
     format!("{addr}/{prefix}")
+}
+
+/// The MTUs of the NICs [`attach_vm`] would give the VM, in order, without changing anything:
+/// what a template for the pod must have been booted with.
+pub async fn vm_nic_mtus(netns: &Path) -> Result<Vec<u16>, NetworkError> {
+    Netns::open(netns)?
+        .run("list the pod's interfaces", LIMIT, |h| async move {
+            let links = discover::links(&h).await?;
+            let nics = discover::vm_nics(&links, &discover::addresses(&h).await?)?;
+            Ok(nics.iter().map(|n| n.mtu).collect())
+        })
+        .await
 }
 
 /// Gives the VM the pod's network: taps, redirects and (unless allowed) the metadata drop.

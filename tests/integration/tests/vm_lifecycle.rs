@@ -65,6 +65,18 @@ async fn setup_ids(
     jail_ids: u32,
     more_vm: &str,
 ) -> Result<Option<VmEnv>> {
+    setup_with(test, guest, connect_timeout, jail_ids, more_vm, false).await
+}
+
+/// [`setup_ids`], with the harness's CNI bridge for pod-network pods when `cni_bridge`.
+async fn setup_with(
+    test: &str,
+    guest: &str,
+    connect_timeout: Duration,
+    jail_ids: u32,
+    more_vm: &str,
+    cni_bridge: bool,
+) -> Result<Option<VmEnv>> {
     if skip_if_unready(test) {
         return Ok(None);
     }
@@ -116,6 +128,7 @@ async fn setup_ids(
     )?;
     let containerd = Containerd::start(ContainerdConfig {
         handlers: vec![RuntimeHandler::bulkhead(Some(&config))],
+        cni_bridge,
         ..Default::default()
     })
     .await?;
@@ -134,6 +147,19 @@ impl VmEnv {
         if let Some(linux) = pod.linux.as_mut() {
             linux.cgroup_parent = self.cgroup_parent.0.clone();
         }
+        Ok((pod, log_dir))
+    }
+
+    /// [`Self::pod`] with a pod network (the harness's CNI bridge).
+    fn networked_pod(&self, name: &str) -> Result<(cri::PodSandboxConfig, PathBuf)> {
+        let (mut pod, log_dir) = self.pod(name)?;
+        let ns = pod
+            .linux
+            .as_mut()
+            .and_then(|l| l.security_context.as_mut())
+            .and_then(|s| s.namespace_options.as_mut())
+            .context("pod config has namespace options")?;
+        ns.network = cri::NamespaceMode::Pod as i32;
         Ok((pod, log_dir))
     }
 
@@ -538,6 +564,41 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
     assert_names_console(&err, &log_dir, "event 0 len 4");
     // The template is as it was, and still there for the next pod.
     assert_eq!(files(&template)?, before, "a restore changed the template's files");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps() -> Result<()> {
+    let test = "a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps";
+    let templates = tempfile::tempdir()?;
+    let warm = format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", templates.path().join("templates").display());
+    let Some(env) = setup_with(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm, true).await? else {
+        return Ok(());
+    };
+    // No template yet: the pod builds the one its network needs (a NIC per CNI interface, in
+    // a placeholder namespace of the shim's), then restores it onto its own taps.
+    let (pod, log_dir) = env.networked_pod("warm-net")?;
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the test guest has no agent")?;
+    let err = format!("{err:#}");
+    println!("{test}: RunPodSandbox: {err}");
+    // Restored, not booted: a restore needs a tap in the pod's namespace for the snapshot's NIC
+    // (the VMM refuses it otherwise, and the pod would have booted cold, its console a boot's).
+    let why = || format!("{err}\ncontainerd's log:\n{}", env.containerd.log_tail(60));
+    assert!(err.contains("event 0 len 4"), "{}", why());
+    assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{}", why());
+    assert_names_console(&err, &log_dir, "event 0 len 4");
+    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
+        .arg("--config")
+        .arg(&env.config)
+        .args(["template", "ls", "--json"])
+        .output()?;
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let rows = listed["templates"].as_array().context("templates")?;
+    assert_eq!(rows.len(), 1, "{listed}");
+    assert_eq!(rows[0]["state"], "ready", "{listed}");
+    let mtus = rows[0]["nic_mtus"].as_array().context("nic_mtus")?;
+    assert_eq!(mtus.len(), 1, "one NIC, as the pod has one CNI interface: {listed}");
+    // The build's placeholder namespace, taps and VM are gone, as is the pod.
     env.assert_nothing_left().await
 }
 

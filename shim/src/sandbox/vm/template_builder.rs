@@ -1,6 +1,7 @@
 //! Builds the `vm` backend's snapshot templates ([`TemplateBuilder`]). A template's VM is booted
 //! exactly as a pod's ([`super::launch`]: the jail, the pod's device set, a virtiofsd of its own
-//! over an empty share), but with no network and no pod: it runs until the agent says it listens
+//! over an empty share, and for a key with NICs, taps on placeholder links in a network
+//! namespace of its own: [`PlaceholderNetns`]), but with no pod: it runs until the agent says it listens
 //! (its console's [`READY_LINE`]), before any SetupSandbox, so the share is not mounted and no
 //! NIC is configured. The VMM's API then writes the snapshot inside the jail, and its files are
 //! copied (holes kept) into the store's staging directory, owned by root. The VM and everything
@@ -22,6 +23,7 @@ use super::shape::VmShape;
 use super::template::{KeyInputs, TemplateBuilder};
 use super::{cleanup, launch, Launched, Started};
 use crate::config::Config;
+use crate::network::placeholder::PlaceholderNetns;
 use crate::sandbox::cgroups::PodCgroup;
 use crate::sandbox::paths::PodPaths;
 use crate::sandbox::supervise::Supervised;
@@ -59,11 +61,22 @@ impl TemplateBuilder for VmTemplateBuilder {
         let key = inputs.key();
         let id = format!("tpl-{}", key.short());
         let paths = PodPaths::new(&self.config.state_dir, &id).ok_or_else(|| format!("bad template id {id}"))?;
+        // Beside the template VM's directory, not in it: a pinned namespace file cannot be removed.
+        let netns_path = self.config.state_dir.join(format!("{id}.netns"));
         // What a build killed midway left behind.
         cleanup(&paths).await;
+        PlaceholderNetns::remove_at(&netns_path);
+        let netns = match inputs.nic_mtus.as_slice() {
+            [] => None,
+            mtus => Some(
+                PlaceholderNetns::create(&netns_path, mtus)
+                    .await
+                    .map_err(|e| format!("the template's placeholder network: {e}"))?,
+            ),
+        };
         let req = SandboxRequest {
             sandbox_id: id.clone(),
-            netns: None,
+            netns: netns.as_ref().map(|n| n.path().to_path_buf()),
             cgroup: PodCgroup::for_pod(&id, NAMESPACE, None),
             resources: Default::default(),
             log_dir: None,
@@ -76,7 +89,9 @@ impl TemplateBuilder for VmTemplateBuilder {
             Err(e) => Err(e.to_string()),
         };
         started.stop().await;
+        // Its taps and redirects (in the placeholder namespace) go first, then the namespace.
         cleanup(&paths).await;
+        drop(netns);
         result
     }
 }

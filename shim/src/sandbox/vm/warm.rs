@@ -2,8 +2,10 @@
 //! runs ordinary guests), and which template. A template is found, or built now by this pod
 //! while others wanting it wait within [`TEMPLATE_WAIT`] ([`obtain`]), or the pod boots cold.
 //!
-//! Templates have no NICs yet (the guest's NICs are virtio-mmio devices, fixed at boot): a pod
-//! with a network namespace boots cold.
+//! The guest's NICs are virtio-mmio devices, fixed at boot, so a pod with a network takes a
+//! template booted with as many NICs of the same MTUs (part of the key). The restore attaches
+//! the pod's own taps; the agent gives each NIC the CNI interface's MAC and addresses at
+//! SetupSandbox, as after a cold boot.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,10 +27,16 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
     if !config.vm.start.warm_here() {
         return None;
     }
-    if req.netns.is_some() {
-        info!("template: the pod has a network namespace and templates have no NICs yet: cold boot");
-        return None;
-    }
+    let nic_mtus = match &req.netns {
+        None => vec![],
+        Some(netns) => match crate::network::vm_nic_mtus(netns).await {
+            Ok(mtus) => mtus,
+            Err(e) => {
+                info!(error = %e, "template: cannot read the pod's interfaces: cold boot");
+                return None;
+            }
+        },
+    };
     let shape = VmShape::for_pod(&config.vm, &req.resources).ok()?;
     let memory_mib = u32::try_from(shape.mem_mib).ok()?;
     let vm = config.vm.clone();
@@ -41,6 +49,7 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
             vmm: &vm.vmm_path,
             vcpus: shape.vcpus,
             memory_mib,
+            nic_mtus: &nic_mtus,
         };
         let inputs = KeyInputs::of(&sources, Some(&store.digests_dir()))?;
         Ok::<_, super::template::TemplateError>((store, inputs))

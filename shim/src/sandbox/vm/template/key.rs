@@ -1,7 +1,8 @@
 //! A template's key: everything that must match for a snapshot to be restorable as a pod's VM.
 //! The guest kernel, the initramfs (the agent), the VMM build (its snapshot format and device
-//! models), the VM shape and the agent's protocol version; a change in any gives a new key, so a
-//! stale template is never restored, only left unused.
+//! models), the VM shape (vCPUs, memory, and the MTU of each NIC: virtio-mmio NICs are fixed at
+//! boot, and the guest takes its largest MTU from the device) and the agent's protocol version;
+//! a change in any gives a new key, so a stale template is never restored, only left unused.
 //!
 //! Hashing a 30 MiB kernel on every pod start would cost more than a restore, so each file's
 //! digest is remembered under the store's `.digests/`, keyed by the file's identity (device,
@@ -20,7 +21,7 @@ use sha2::{Digest, Sha256};
 use super::TemplateError;
 
 /// Bumped when what a key covers changes.
-const KEY_SCHEME: &str = "bulkhead-template-key-v1";
+const KEY_SCHEME: &str = "bulkhead-template-key-v2";
 /// A memo entry is one short JSON line; anything larger is not ours.
 const MAX_MEMO_BYTES: u64 = 1024;
 /// Files whose ctime is younger than this are hashed every time.
@@ -79,6 +80,9 @@ pub struct KeyInputs {
     pub vmm_sha256: String,
     pub vcpus: u8,
     pub memory_mib: u32,
+    /// One per NIC, in order (empty: a host-network pod's VM, with none).
+    #[serde(default)]
+    pub nic_mtus: Vec<u16>,
     pub agent_protocol: u32,
 }
 
@@ -90,6 +94,7 @@ pub struct KeySources<'a> {
     pub vmm: &'a Path,
     pub vcpus: u8,
     pub memory_mib: u32,
+    pub nic_mtus: &'a [u16],
 }
 
 impl KeyInputs {
@@ -102,18 +107,21 @@ impl KeyInputs {
             vmm_sha256: file_sha256(sources.vmm, memo_dir)?,
             vcpus: sources.vcpus,
             memory_mib: sources.memory_mib,
+            nic_mtus: sources.nic_mtus.to_vec(),
             agent_protocol: bulkhead_protocol::PROTOCOL_VERSION,
         })
     }
 
     pub fn key(&self) -> TemplateKey {
+        let nics: Vec<String> = self.nic_mtus.iter().map(u16::to_string).collect();
         let text = format!(
-            "{KEY_SCHEME}\nkernel={}\ninitramfs={}\nvmm={}\nvcpus={}\nmemory_mib={}\nagent_protocol={}\n",
+            "{KEY_SCHEME}\nkernel={}\ninitramfs={}\nvmm={}\nvcpus={}\nmemory_mib={}\nnic_mtus={}\nagent_protocol={}\n",
             self.kernel_sha256,
             self.initramfs_sha256,
             self.vmm_sha256,
             self.vcpus,
             self.memory_mib,
+            nics.join(","),
             self.agent_protocol
         );
         TemplateKey(hex::encode(Sha256::digest(text.as_bytes())))
@@ -243,7 +251,19 @@ mod tests {
     }
 
     fn inputs(k: &Path, i: &Path, v: &Path, vcpus: u8, memory_mib: u32, memo: Option<&Path>) -> KeyInputs {
-        KeyInputs::of(&KeySources { kernel: k, initramfs: i, vmm: v, vcpus, memory_mib }, memo).unwrap()
+        with_nics(k, i, v, vcpus, memory_mib, &[], memo)
+    }
+
+    fn with_nics(
+        k: &Path,
+        i: &Path,
+        v: &Path,
+        vcpus: u8,
+        memory_mib: u32,
+        nic_mtus: &[u16],
+        memo: Option<&Path>,
+    ) -> KeyInputs {
+        KeyInputs::of(&KeySources { kernel: k, initramfs: i, vmm: v, vcpus, memory_mib, nic_mtus }, memo).unwrap()
     }
 
     #[test]
@@ -254,6 +274,11 @@ mod tests {
         assert_eq!(inputs(&k, &i, &v, 1, 256, None).key(), base, "the same inputs give the same key");
         assert_ne!(inputs(&k, &i, &v, 2, 256, None).key(), base, "vCPUs");
         assert_ne!(inputs(&k, &i, &v, 1, 512, None).key(), base, "memory");
+        let one_nic = with_nics(&k, &i, &v, 1, 256, &[1500], None).key();
+        assert_ne!(one_nic, base, "a NIC");
+        assert_ne!(with_nics(&k, &i, &v, 1, 256, &[9001], None).key(), one_nic, "its MTU");
+        assert_ne!(with_nics(&k, &i, &v, 1, 256, &[1500, 1500], None).key(), one_nic, "a second NIC");
+        assert_eq!(with_nics(&k, &i, &v, 1, 256, &[1500], None).key(), one_nic);
         std::fs::write(&k, b"another kernel").unwrap();
         assert_ne!(inputs(&k, &i, &v, 1, 256, None).key(), base, "kernel");
     }

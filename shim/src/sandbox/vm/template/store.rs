@@ -97,7 +97,7 @@ pub enum Lookup {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "state", rename_all = "lowercase")]
 pub enum Listed {
-    Ready { key: TemplateKey, bytes: u64, created_unix: u64, vcpus: u8, memory_mib: u32 },
+    Ready { key: TemplateKey, bytes: u64, created_unix: u64, vcpus: u8, memory_mib: u32, nic_mtus: Vec<u16> },
     Unusable { name: String, reason: String },
     Building { key: String, pid: u32 },
 }
@@ -486,6 +486,7 @@ impl TemplateStore {
                         created_unix: t.manifest.created_unix,
                         vcpus: t.manifest.inputs.vcpus,
                         memory_mib: t.manifest.inputs.memory_mib,
+                        nic_mtus: t.manifest.inputs.nic_mtus.clone(),
                         key,
                     },
                     Lookup::Unusable { reason } => Listed::Unusable { name, reason },
