@@ -5,7 +5,12 @@
 //! - guest memory in a shared memfd, which vhost-user backends (virtiofsd, vhost-device-vsock)
 //!   must map;
 //! - an ELF vmlinux booted through its PVH note (`CONFIG_PVH`);
-//! - `-no-reboot`: a guest reset or panic ends QEMU, as it ends `bulkhead-vmm`.
+//! - `-no-reboot`: a guest reset or panic ends QEMU, as it ends `bulkhead-vmm`;
+//! - `reboot=t` after the shim's words: `microvm` has no i8042, so the shim's `reboot=k` (right
+//!   for `bulkhead-vmm`, which has one) would spin through the kernel's keyboard-controller reset
+//!   loop (10 tries of up to 65536 reads of a port nothing answers) before it falls back to a
+//!   triple fault; under TCG on a loaded host that took longer than the shim's 45 s connect
+//!   timeout once. A triple fault resets at once.
 
 use std::path::Path;
 
@@ -13,6 +18,8 @@ use super::Plan;
 
 /// The QEMU binary (Debian's `qemu-system-x86`, installed by `make setup`).
 pub const QEMU: &str = "qemu-system-x86_64";
+/// How the guest kernel resets (and so ends QEMU) on a machine without an i8042.
+const GUEST_RESET: &str = "reboot=t";
 
 /// QEMU's arguments (after the binary) for `plan`, with its QMP socket at `qmp` and, when the
 /// plan has vsock, `vhost-device-vsock` serving vhost-user at `vhost_vsock`.
@@ -31,7 +38,8 @@ pub fn args(plan: &Plan, qmp: &Path, vhost_vsock: Option<&Path>) -> Vec<String> 
     if let Some(initramfs) = &plan.initramfs {
         push(&["-initrd", &initramfs.display().to_string()]);
     }
-    push(&["-append", &plan.cmdline]);
+    // The last `reboot=` wins.
+    push(&["-append", &format!("{} {GUEST_RESET}", plan.cmdline)]);
     match &plan.console {
         Some(console) => {
             push(&["-chardev", &format!("file,id=console,path={}", qemu_path(console)), "-serial", "chardev:console"])
@@ -118,7 +126,7 @@ mod tests {
         assert!(m.contains("acpi=off") && m.contains("memory-backend=mem"), "{m}");
         assert_eq!(value_after(&a, "-object", "memfd"), Some("memory-backend-memfd,id=mem,size=512M,share=on"));
         assert_eq!(value_after(&a, "-smp", ""), Some("2"));
-        assert_eq!(value_after(&a, "-append", ""), Some("console=ttyS0 bulkhead.shared_fs=bulkhead"));
+        assert_eq!(value_after(&a, "-append", ""), Some("console=ttyS0 bulkhead.shared_fs=bulkhead reboot=t"));
         assert_eq!(value_after(&a, "-kernel", ""), Some("/cache/vmlinux"));
         assert!(a.contains(&"-no-reboot".to_string()));
         assert_eq!(value_after(&a, "-device", "balloon"), Some("virtio-balloon-device,free-page-reporting=on"));
