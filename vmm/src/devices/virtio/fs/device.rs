@@ -43,8 +43,8 @@ pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long past its deadline a reset waits for the backend thread's word: the watchdog ends the
 /// exchange at the deadline, so this only covers the thread reporting it.
 const STOP_GRACE: Duration = Duration::from_secs(1);
-/// Backend failures are logged at error level at most this often; a guest that resets and
-/// re-activates in a loop gets the rest at debug level.
+/// Failures (the backend's, or the driver's malformed requests) are logged loudly at most this
+/// often; a guest that resets and re-activates in a loop gets the rest at debug level.
 const FAILURE_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// Where the backend is with the current activation.
@@ -223,9 +223,7 @@ impl Fs {
         }
         let DeviceState::Active(a) = &self.state else { return };
         a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
-        let now = Instant::now();
-        if self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD) {
-            self.last_failure_log = Some(now);
+        if self.log_loudly() {
             tracing::warn!(device = %self.name, tag = %self.tag, error = %err,
                 "the guest's virtio-fs driver sent a malformed request; the device needs a reset");
         } else {
@@ -287,8 +285,7 @@ impl Fs {
     /// The one log line of a backend failure, naming tag and socket. `broke`: the phase the
     /// device stopped serving in; None: it was inactive, and the next activation reconnects.
     fn report(&mut self, err: &BackendError, broke: Option<Phase>) {
-        let now = Instant::now();
-        let loud = self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD);
+        let loud = self.log_loudly();
         let (device, tag, socket) = (&self.name, &self.tag, self.socket.display());
         match (loud, broke) {
             (true, Some(phase)) => tracing::error!(%device, %tag, %socket, error = %err, ?phase,
@@ -299,9 +296,16 @@ impl Fs {
                 tracing::debug!(%device, %tag, %socket, error = %err, ?broke, "virtio-fs backend failed again")
             }
         }
+    }
+
+    /// Whether a failure is logged loudly now ([`FAILURE_LOG_PERIOD`]).
+    fn log_loudly(&mut self) -> bool {
+        let now = Instant::now();
+        let loud = self.last_failure_log.is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_PERIOD);
         if loud {
             self.last_failure_log = Some(now);
         }
+        loud
     }
 }
 
