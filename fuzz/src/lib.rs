@@ -353,6 +353,17 @@ fn layout(u: &mut Unstructured<'_>) -> Result<Layout> {
     Ok(Layout { size, desc, avail, used })
 }
 
+/// A device's queue (up to 256 entries) as a driver set it up by `l`, if it is valid in `mem`.
+fn ready_queue(l: &Layout, mem: &GuestMemoryMmap) -> Option<Queue> {
+    let mut q = Queue::new(256).ok()?;
+    q.try_set_size(l.size).ok()?;
+    q.set_desc_table_address(Some(l.desc as u32), Some((l.desc >> 32) as u32));
+    q.set_avail_ring_address(Some(l.avail as u32), Some((l.avail >> 32) as u32));
+    q.set_used_ring_address(Some(l.used as u32), Some((l.used >> 32) as u32));
+    q.set_ready(true);
+    q.is_valid(mem).then_some(q)
+}
+
 /// Walks every available chain with `chain::collect`, returning each used head, like a device
 /// does, and checks what `collect` promises.
 pub fn desc_chain(data: &[u8]) {
@@ -361,17 +372,7 @@ pub fn desc_chain(data: &[u8]) {
     let mem = guest_mem();
     load_image(&mem, u.take_rest());
 
-    let Ok(mut q) = Queue::new(256) else { return };
-    if q.try_set_size(l.size).is_err() {
-        return;
-    }
-    q.set_desc_table_address(Some(l.desc as u32), Some((l.desc >> 32) as u32));
-    q.set_avail_ring_address(Some(l.avail as u32), Some((l.avail >> 32) as u32));
-    q.set_used_ring_address(Some(l.used as u32), Some((l.used >> 32) as u32));
-    q.set_ready(true);
-    if !q.is_valid(&mem) {
-        return;
-    }
+    let Some(mut q) = ready_queue(&l, &mem) else { return };
     for _ in 0..=q.size() {
         let chain = {
             let Ok(mut it) = q.iter(&mem) else { return };
@@ -407,17 +408,7 @@ pub fn fs_relay(data: &[u8]) {
     let Ok(answers) = u.arbitrary::<Vec<(u16, u32, u32)>>() else { return };
     let mem = guest_mem();
     load_image(&mem, u.take_rest());
-    let Ok(mut q) = Queue::new(256) else { return };
-    if q.try_set_size(l.size).is_err() {
-        return;
-    }
-    q.set_desc_table_address(Some(l.desc as u32), Some((l.desc >> 32) as u32));
-    q.set_avail_ring_address(Some(l.avail as u32), Some((l.avail >> 32) as u32));
-    q.set_used_ring_address(Some(l.used as u32), Some((l.used >> 32) as u32));
-    q.set_ready(true);
-    if !q.is_valid(&mem) {
-        return;
-    }
+    let Some(mut q) = ready_queue(&l, &mem) else { return };
     let shared = bulkhead_vmm::memory::create_guest_memory(relay::region_bytes()).expect("shared region");
     let Ok(mut r) = relay::Relay::new(shared.clone()) else { return };
     let used_ring = r.backend_queues()[1].used_ring;

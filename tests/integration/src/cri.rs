@@ -213,6 +213,18 @@ impl Cri {
     }
 }
 
+/// Turns a [`pod_config`] into a pod-network pod (CNI gives it its network namespace).
+pub fn use_pod_network(pod: &mut cri::PodSandboxConfig) -> Result<()> {
+    let ns = pod
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+        .and_then(|s| s.namespace_options.as_mut())
+        .context("pod config has namespace options")?;
+    ns.network = cri::NamespaceMode::Pod as i32;
+    Ok(())
+}
+
 /// A host-network pod config (no CNI needed) named `name`, logging into `log_dir`.
 pub fn pod_config(name: &str, log_dir: &Path) -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {

@@ -102,13 +102,7 @@ impl Env {
     /// A pod-network pod config named `name`.
     fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
         let mut pod = pod_config(name, &self.containerd.new_log_dir(name)?);
-        let ns = pod
-            .linux
-            .as_mut()
-            .and_then(|l| l.security_context.as_mut())
-            .and_then(|s| s.namespace_options.as_mut())
-            .context("pod config has namespace options")?;
-        ns.network = cri::NamespaceMode::Pod as i32;
+        bulkhead_integration::cri::use_pod_network(&mut pod)?;
         pod.hostname = name.into();
         Ok(pod)
     }

@@ -153,13 +153,7 @@ impl VmEnv {
     /// [`Self::pod`] with a pod network (the harness's CNI bridge).
     fn networked_pod(&self, name: &str) -> Result<(cri::PodSandboxConfig, PathBuf)> {
         let (mut pod, log_dir) = self.pod(name)?;
-        let ns = pod
-            .linux
-            .as_mut()
-            .and_then(|l| l.security_context.as_mut())
-            .and_then(|s| s.namespace_options.as_mut())
-            .context("pod config has namespace options")?;
-        ns.network = cri::NamespaceMode::Pod as i32;
+        bulkhead_integration::cri::use_pod_network(&mut pod)?;
         Ok((pod, log_dir))
     }
 
