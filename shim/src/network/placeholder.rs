@@ -117,14 +117,10 @@ impl Drop for PlaceholderNetns {
 mod tests {
     use super::*;
 
-    fn root() -> bool {
-        nix::unistd::geteuid().is_root()
-    }
-
     #[tokio::test]
     async fn placeholders_look_like_cni_interfaces_and_go_with_the_namespace() {
-        if !root() {
-            eprintln!("skipped: creating a network namespace needs root");
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: placeholders_look_like_cni_interfaces_and_go_with_the_namespace: needs root");
             return;
         }
         let dir = tempfile::tempdir().unwrap();

@@ -518,8 +518,22 @@ fn sha256_file(path: &Path) -> Result<String> {
 /// says what the agent says once it listens (what a template is snapshotted at), then waits for
 /// an event on its vsock event queue: a restore's transport reset.
 async fn setup_warm(test: &str, templates: &Path) -> Result<Option<VmEnv>> {
-    let warm = format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", templates.join("templates").display());
-    setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm).await
+    setup_ids(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm_config(templates)).await
+}
+
+/// The `[vm]` lines that make pods start warm from templates under `templates`.
+fn warm_config(templates: &Path) -> String {
+    format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", templates.join("templates").display())
+}
+
+/// `bulkhead-ctl template ls --json`: whether it succeeded, and what it printed.
+fn template_ls(env: &VmEnv) -> Result<(bool, serde_json::Value)> {
+    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
+        .arg("--config")
+        .arg(&env.config)
+        .args(["template", "ls", "--json"])
+        .output()?;
+    Ok((out.status.success(), serde_json::from_slice(&out.stdout)?))
 }
 
 /// The template of the pod's shape, built ahead of time as an operator (or the installer) would
@@ -565,7 +579,7 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
 async fn a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps() -> Result<()> {
     let test = "a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps";
     let templates = tempfile::tempdir()?;
-    let warm = format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", templates.path().join("templates").display());
+    let warm = warm_config(templates.path());
     let Some(env) = setup_with(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm, true).await? else {
         return Ok(());
     };
@@ -581,12 +595,7 @@ async fn a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps() 
     assert!(err.contains("event 0 len 4"), "{}", why());
     assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{}", why());
     assert_names_console(&err, &log_dir, "event 0 len 4");
-    let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
-        .arg("--config")
-        .arg(&env.config)
-        .args(["template", "ls", "--json"])
-        .output()?;
-    let listed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let (_, listed) = template_ls(&env)?;
     let rows = listed["templates"].as_array().context("templates")?;
     assert_eq!(rows.len(), 1, "{listed}");
     assert_eq!(rows[0]["state"], "ready", "{listed}");
@@ -619,14 +628,7 @@ async fn a_template_the_vmm_refuses_is_moved_aside_and_the_pod_boots_cold() -> R
     std::fs::set_permissions(&manifest_path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
     std::fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
     std::fs::set_permissions(&manifest_path, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
-    let (ok, listed) = {
-        let out = std::process::Command::new(workspace_bin("bulkhead-ctl"))
-            .arg("--config")
-            .arg(&env.config)
-            .args(["template", "ls", "--json"])
-            .output()?;
-        (out.status.success(), serde_json::from_slice::<serde_json::Value>(&out.stdout)?)
-    };
+    let (ok, listed) = template_ls(&env)?;
     assert!(ok && listed["templates"][0]["state"] == "ready", "the store takes it: {listed}");
 
     let (pod, _) = env.pod("refused")?;
