@@ -6,8 +6,9 @@
 //! the pod's shared directory ([`share`]) and start its virtiofsd on a listener in the chroot
 //! ([`virtiofsd`]), spawn `bulkhead-vmm --config vm.json --jail jail.json` as a supervised child
 //! (it jails itself into the chroot, the pod's cgroup and netns, as the configured uid), and dial
-//! the agent until it answers, the VMM exits, or the connect timeout passes. A failure names the
-//! console log and quotes its end ([`console`]), and everything started is torn down.
+//! the agent until it answers, the VMM exits, or the connect timeout passes; the start's phases
+//! are logged ([`start_phases`]). A failure names the console log and quotes its end
+//! ([`console`]), and everything started is torn down.
 //!
 //! Network: for a pod with a netns, the taps and redirects of [`crate::network::attach_vm`]
 //! are made before the VMM starts (it opens the taps by name, inside that netns), the guest
@@ -27,6 +28,7 @@ pub mod ids;
 pub mod pod_dirs;
 pub mod shape;
 pub mod share;
+mod start_phases;
 pub mod template;
 pub mod template_builder;
 pub mod virtiofsd;
@@ -49,6 +51,7 @@ use self::api::VmmApi;
 use self::pod_dirs::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
+use self::start_phases::StartPhases;
 use super::cgroups::{self, PodCgroup};
 use super::emptydir::PodEmptyDirs;
 use super::paths::{HostPids, PodPaths};
@@ -149,9 +152,12 @@ impl VmSandbox {
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
         let mut started = Started::default();
-        let booted = match warm::template_for(config, &req).await {
+        let mut phases = StartPhases::begin();
+        let template = warm::template_for(config, &req).await;
+        phases.mark("template");
+        let booted = match template {
             Some((store, template)) => {
-                match Self::boot(config, &req, &paths, &mut started, Some(&template.dir)).await {
+                match Self::boot(config, &req, &paths, &mut started, Some(&template.dir), &mut phases).await {
                     Err(BootFailure::Restore(e)) => {
                         // The VMM would not restore it: moved aside (the next pod rebuilds it), and
                         // this pod boots cold.
@@ -159,15 +165,16 @@ impl VmSandbox {
                         started.stop().await;
                         cleanup(&paths).await;
                         started = Started::default();
-                        Self::boot(config, &req, &paths, &mut started, None).await
+                        Self::boot(config, &req, &paths, &mut started, None, &mut phases).await
                     }
                     other => other,
                 }
             }
-            None => Self::boot(config, &req, &paths, &mut started, None).await,
+            None => Self::boot(config, &req, &paths, &mut started, None, &mut phases).await,
         };
         match booted.map_err(BootFailure::into_error) {
             Ok(Booted { agent, vmm, virtiofsd, network }) => {
+                phases.log();
                 let layout = VmLayout::new(&paths);
                 Ok(Arc::new(Self {
                     id: req.sandbox_id,
@@ -200,15 +207,19 @@ impl VmSandbox {
         paths: &PodPaths,
         started: &mut Started,
         template: Option<&Path>,
+        phases: &mut StartPhases,
     ) -> Result<Booted, BootFailure> {
         let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Start)?;
         let Launched { vmm, virtiofsd: fsd, network, layout } =
             launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Start)?;
+        phases.mark("launch");
         if template.is_some() {
             if let Err(why) = resume_restored(&layout, &vmm).await {
+                phases.mark("restore_refused");
                 let e = start_failure(&why, &vmm, &fsd, &layout, None).await;
                 return Err(BootFailure::Restore(e));
             }
+            phases.mark("restore");
         }
         let timeouts = Timeouts {
             connect: Duration::from_millis(config.agent.connect_timeout_ms),
@@ -216,6 +227,7 @@ impl VmSandbox {
         };
         match supervise::dial_agent(&layout.vsock_socket(), timeouts, &vmm).await {
             Ok(agent) => {
+                phases.mark("agent");
                 info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
                 Ok(Booted { agent, vmm, virtiofsd: fsd, network })
             }
@@ -345,9 +357,12 @@ pub(super) async fn launch(
 
 /// How long a restoring VMM may take to answer on its API socket (the restore is done by then).
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often the restoring VMM's API socket is looked for: the restore itself takes a few ms, so
+/// a coarser poll would be a good share of a warm start.
+const RESTORE_POLL: Duration = Duration::from_millis(1);
 
-/// Waits for the restored VM's API (a restoring VMM binds it once the VM is restored, paused),
-/// then resumes it. An error if the VMM exits first, refuses, or takes too long.
+/// Resumes the restored VM once its API answers (a restoring VMM binds it once the VM is
+/// restored, paused). An error if the VMM exits first, refuses, or takes too long.
 async fn resume_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String> {
     let api = VmmApi::new(&layout.api_socket(), API_TIMEOUT);
     let deadline = tokio::time::Instant::now() + RESTORE_TIMEOUT;
@@ -355,15 +370,19 @@ async fn resume_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), Stri
         if let Some(exit) = vmm.exit() {
             return Err(format!("the restore failed: the VMM exited with status {}", exit.status));
         }
-        if layout.api_socket().exists() && api.info().await.is_ok() {
-            break;
+        if layout.api_socket().exists() {
+            match api.resume().await {
+                Ok(()) => return Ok(()),
+                // Bound but not listening yet.
+                Err(api::ApiError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                Err(e) => return Err(format!("resume after the restore: {e}")),
+            }
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(format!("the restored VM's API did not answer within {RESTORE_TIMEOUT:?}"));
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(RESTORE_POLL).await;
     }
-    api.resume().await.map_err(|e| format!("resume after the restore: {e}"))
 }
 
 /// The error of a VM start that failed after [`launch`]: stops the VMM, names virtiofsd's own

@@ -4,8 +4,8 @@
 //! This part is the cache: [`key`] (what a template depends on, hashed), [`store`] (the
 //! directory layout, atomic publication, checks on lookup, quarantine) and [`flight`] (one build
 //! per key across all shims, the others waiting within their budget or booting cold). Building a
-//! template (the VMM booting and snapshotting one) and restoring a pod from it come next; until
-//! then `bulkhead-ctl template ls|rm` is the only user on a node.
+//! template is [`super::template_builder`]'s job; choosing one for a pod, or booting cold, is
+//! `warm.rs`'s; `bulkhead-ctl template ls|build|rm` manages them on a node.
 
 pub mod flight;
 pub mod key;
