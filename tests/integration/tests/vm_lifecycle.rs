@@ -6,7 +6,9 @@
 //! chroot. A virtiofsd killed under a running VM ends the VM. Afterwards, and after `kill -9` of
 //! the shim followed by containerd's `delete`, nothing of the pod is left. Warm starts: a template
 //! (built by `bulkhead-ctl template build` from a vsock guest) is restored into the pod's own VMM
-//! and devices and left unchanged; one the VMM refuses is moved aside and the pod boots cold.
+//! and devices and left unchanged; one the VMM refuses is moved aside and the pod boots cold. With
+//! the agent stub (a test guest that answers Version and SetupSandbox) a restored pod gets ready,
+//! logs its start phases, and stops leaving nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
@@ -571,6 +573,49 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
     assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{err}");
     assert_names_console(&err, &log_dir, "event 0 len 4");
     // The template is as it was, and still there for the next pod.
+    assert_eq!(files(&template)?, before, "a restore changed the template's files");
+    env.assert_nothing_left().await
+}
+
+#[tokio::test]
+async fn a_restored_pod_whose_guest_answers_gets_ready_and_stops_leaving_nothing() -> Result<()> {
+    let test = "a_restored_pod_whose_guest_answers_gets_ready_and_stops_leaving_nothing";
+    let templates = tempfile::tempdir()?;
+    let warm = warm_config(templates.path());
+    // The agent stub answers the shim's calls (Version, SetupSandbox) as an agent would.
+    let Some(env) = setup_ids(test, "agent_stub", Duration::from_secs(10), JAIL_ID_COUNT, &warm).await? else {
+        return Ok(());
+    };
+    let template = build_template(&env)?;
+    let files = |dir: &Path| -> Result<Vec<String>> {
+        ["state", "memory", "template.json"].iter().map(|f| sha256_file(&dir.join(f))).collect()
+    };
+    let before = files(&template)?;
+
+    let (pod, _) = env.pod("warm-ready")?;
+    let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.context("RunPodSandbox of a warm pod")?;
+    let status = env.cri.pod_sandbox_status(&id).await?;
+    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32, "{status:?}");
+    // Restored, not booted: the pod's console starts at the restore's transport reset; a boot
+    // would have printed the stub's listening line first.
+    let pod_dir = env.wait_for_console("transport reset").await?;
+    let console = std::fs::read_to_string(pod_dir.join("vm/root/run/console.log"))?;
+    println!("{test}: the pod's console: {console:?}");
+    assert!(!console.contains("listening (vsock)"), "the pod's VM booted: {console}");
+    let log = env.containerd.log_tail(400);
+    let connected = log.lines().find(|l| l.contains("agent connected")).unwrap_or_default();
+    println!("{test}: {connected}");
+    assert!(connected.contains("stub"), "{log}");
+    // The start's phases, as an operator reads them.
+    let started = log.lines().find(|l| l.contains("VM started")).unwrap_or_default();
+    println!("{test}: {started}");
+    assert!(started.contains("start=\"warm\"") || started.contains("start=warm"), "{started}");
+    for phase in ["template=", "launch=", "restore=", "agent="] {
+        assert!(started.contains(phase), "no {phase} in {started}");
+    }
+
+    env.cri.stop_pod_sandbox(&id).await?;
+    env.cri.remove_pod_sandbox(&id).await?;
     assert_eq!(files(&template)?, before, "a restore changed the template's files");
     env.assert_nothing_left().await
 }
