@@ -16,7 +16,7 @@ help:
 	@echo "make test   - setup, lints, then the whole test suite"
 	@echo "make under-load - the integration and KVM tests three times while a CPU hog spins on one core"
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
-	@echo "make bench  - micro-benchmarks and the CRI pod-start benchmark against runc"
+	@echo "make bench  - micro-benchmarks, the CRI pod-start benchmark against runc, warm vs cold VM pod starts"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
 	@echo "make fuzz-smoke - every fuzz target for 30 s (make fuzz: FUZZ_TIME s each, default 60)"
 	@echo "make image  - the node installer image as an OCI archive (no container engine needed)"

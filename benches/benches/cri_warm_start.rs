@@ -1,0 +1,248 @@
+//! `cri_warm_start`: RunPodSandbox to "sandbox ready" through CRI on the `vm` backend, warm
+//! (restored from a template) against cold (booted), on this host's containerd 1.6 (issue 22).
+//!
+//! The guest is the agent stub (`vmm/tests/guests/agent_stub.rs`) in place of the kernel: a
+//! no_std test guest that answers the shim's Version and SetupSandbox as the agent would, so the
+//! pod gets ready, and what is timed is the runtime's path: template lookup, layout, network,
+//! virtiofsd, the jailed VMM booting or restoring, the agent's handshake and SetupSandbox. A
+//! real guest's kernel boot is not in it (PVM runs no ordinary guest on `bulkhead-vmm`); on a
+//! KVM host the real guest's start to first exec is the next figure to take.
+//!
+//! Two handlers on one containerd, `bulkhead-cold` (`vm.start = "cold"`) and `bulkhead-warm`
+//! (`"warm"`), take turns pod by pod; host-network pods, then pod-network pods (the harness's CNI
+//! bridge, so the VM has a NIC and the template one too). The first warm pod builds the template
+//! (reported apart). Prints p50/p95 per handler and the medians of the shim's start phases (its
+//! `VM started` log line). Release shim and VMM; a 256 MiB guest.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bulkhead_integration::{guests, pod_config, skip_reason, Containerd, ContainerdConfig, RuntimeHandler};
+
+const PODS: usize = 20;
+const WARMUP: usize = 2;
+const HANDLERS: [&str; 2] = ["bulkhead-cold", "bulkhead-warm"];
+const GUEST_MIB: u32 = 256;
+const JAIL_IDS: u32 = 40_600;
+
+#[derive(Default)]
+struct Samples {
+    ready: Vec<Duration>,
+    /// Per phase of the shim's `VM started` line, its times (ms).
+    phases: BTreeMap<String, Vec<f64>>,
+    /// How each pod started, per the shim (`warm` or `cold`).
+    starts: BTreeMap<String, usize>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Network {
+    Host,
+    Pod,
+}
+
+impl Network {
+    fn name(self) -> &'static str {
+        match self {
+            Network::Host => "host-network pods (no NIC)",
+            Network::Pod => "pod-network pods (CNI bridge, one NIC)",
+        }
+    }
+}
+
+fn percentile(samples: &[Duration], p: f64) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    let Some(last) = sorted.len().checked_sub(1) else { return Duration::ZERO };
+    sorted[((p / 100.0) * last as f64).round() as usize]
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// The shim's `VM started` line for `pod_id`: how it started and its phases (ms).
+fn start_line(log: &str, pod_id: &str) -> Option<(String, Vec<(String, f64)>)> {
+    let line = log.lines().rev().find(|l| l.contains(pod_id) && l.contains("VM started"))?;
+    let start = line.split_whitespace().find_map(|t| t.strip_prefix("start="))?.trim_matches('"').to_string();
+    let phases = line.split_once("phases=")?.1;
+    let parsed = phases
+        .split_whitespace()
+        .filter_map(|kv| {
+            let (name, v) = kv.split_once('=')?;
+            Some((name.to_string(), v.strip_suffix("ms")?.parse().ok()?))
+        })
+        .collect();
+    Some((start, parsed))
+}
+
+async fn one_pod(
+    containerd: &Containerd,
+    handler: &str,
+    network: Network,
+    n: usize,
+    samples: Option<&mut Samples>,
+) -> Result<Duration> {
+    let cri = containerd.cri().await?;
+    let name = format!("warm-bench-{handler}-{n}");
+    let mut pod = pod_config(&name, &containerd.new_log_dir(&name)?);
+    if network == Network::Pod {
+        bulkhead_integration::cri::use_pod_network(&mut pod)?;
+    }
+    let started = Instant::now();
+    let pod_id = cri.run_pod_sandbox(&pod, handler).await?;
+    let ready = started.elapsed();
+    let status = cri.pod_sandbox_status(&pod_id).await?;
+    if status.state != k8s_cri::v1::PodSandboxState::SandboxReady as i32 {
+        bail!("{handler}: pod {pod_id} is not ready after RunPodSandbox: {status:?}");
+    }
+    let line = start_line(&containerd.log_tail(2000), &pod_id);
+    cri.stop_pod_sandbox(&pod_id).await?;
+    cri.remove_pod_sandbox(&pod_id).await?;
+    let (start, phases) = line.with_context(|| format!("{handler}: no `VM started` line for pod {pod_id}"))?;
+    if let Some(s) = samples {
+        s.ready.push(ready);
+        *s.starts.entry(start).or_default() += 1;
+        for (phase, v) in phases {
+            s.phases.entry(phase).or_default().push(v);
+        }
+    }
+    Ok(ready)
+}
+
+/// The shim's config: the `vm` backend booting `guest`, cold or warm.
+fn config(dir: &Path, state_dir: &Path, guest: &Path, vmm: &Path, warm: bool) -> Result<PathBuf> {
+    let initramfs = dir.join("initramfs.cpio.gz");
+    std::fs::write(&initramfs, b"not read by the test guest")?;
+    let start = if warm { "warm" } else { "cold" };
+    let path = dir.join(format!("bulkhead-{start}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = 20000\n\n\
+             [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n\
+             memory_mib = {GUEST_MIB}\njail_id_first = {JAIL_IDS}\njail_id_count = 16\nstart = \"{start}\"\n\
+             template_dir = \"{}\"\n",
+            state_dir.display(),
+            vmm.display(),
+            guest.display(),
+            initramfs.display(),
+            bulkhead_integration::virtiofsd_path().display(),
+            dir.join("templates").display(),
+        ),
+    )?;
+    Ok(path)
+}
+
+async fn measure(dir: &Path, guest: &Path, vmm: &Path, network: Network) -> Result<Vec<Samples>> {
+    let state_dir = dir.join("s");
+    let handlers = HANDLERS
+        .iter()
+        .map(|name| {
+            let warm = *name == "bulkhead-warm";
+            let config = config(dir, &state_dir, guest, vmm, warm)?;
+            Ok(RuntimeHandler { name: (*name).into(), ..RuntimeHandler::bulkhead(Some(&config)) })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let containerd =
+        Containerd::start(ContainerdConfig { handlers, cni_bridge: network == Network::Pod, ..Default::default() })
+            .await?;
+    for n in 0..WARMUP {
+        for handler in HANDLERS {
+            let took =
+                one_pod(&containerd, handler, network, n, None).await.with_context(|| format!("warm-up {handler}"))?;
+            if n == 0 && handler == "bulkhead-warm" {
+                println!("  first warm pod (builds the template on first use): {:.1} ms", ms(took));
+            }
+        }
+    }
+    let mut samples: Vec<Samples> = HANDLERS.iter().map(|_| Samples::default()).collect();
+    for n in 0..PODS {
+        for (handler, s) in HANDLERS.iter().zip(samples.iter_mut()) {
+            one_pod(&containerd, handler, network, WARMUP + n, Some(s))
+                .await
+                .with_context(|| format!("{handler} pod"))?;
+        }
+    }
+    Ok(samples)
+}
+
+fn report(network: Network, samples: &[Samples]) {
+    println!("cri_warm_start: {PODS} pods per handler, {}, RunPodSandbox -> sandbox ready (ms)", network.name());
+    for (handler, s) in HANDLERS.iter().zip(samples) {
+        let starts: Vec<String> = s.starts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+        println!(
+            "  {handler:<14} p50 {:>7.1}  p95 {:>7.1}   (the shim says: {})",
+            ms(percentile(&s.ready, 50.0)),
+            ms(percentile(&s.ready, 95.0)),
+            starts.join(", ")
+        );
+        let phases: Vec<String> =
+            s.phases.iter().map(|(name, v)| format!("{name} {:.1}", median(v))).collect::<Vec<_>>();
+        println!("    shim's start phases, median ms: {}", phases.join(", "));
+    }
+    let (cold, warm) = (&samples[0].ready, &samples[1].ready);
+    println!(
+        "  warm/cold: p50 {:.2}, p95 {:.2}",
+        ms(percentile(warm, 50.0)) / ms(percentile(cold, 50.0)).max(f64::EPSILON),
+        ms(percentile(warm, 95.0)) / ms(percentile(cold, 95.0)).max(f64::EPSILON)
+    );
+}
+
+async fn run() -> Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("SKIPPED: cri_warm_start: {reason}");
+        return Ok(());
+    }
+    if let Err(why) = bulkhead_vmm_api::probe::kvm_device_usable() {
+        println!("SKIPPED: cri_warm_start: {why}");
+        return Ok(());
+    }
+    let bin_dir = bulkhead_integration::target_dir();
+    if !bin_dir.join("containerd-shim-bulkhead-v2").is_file() {
+        println!("SKIPPED: cri_warm_start: no release shim in {} (`make bench` builds it)", bin_dir.display());
+        return Ok(());
+    }
+    std::env::set_var("BULKHEAD_BIN_DIR", &bin_dir);
+    if !bulkhead_integration::virtiofsd_path().is_file() {
+        println!("SKIPPED: cri_warm_start: virtiofsd is missing (run `make setup`)");
+        return Ok(());
+    }
+    let vmm = match bulkhead_benches::vmm_binary() {
+        Ok(vmm) => vmm,
+        Err(why) => bail!("cri_warm_start: {why}"),
+    };
+    let guest = match guests::build("agent_stub", &bin_dir.join("bulkhead-test-guests")) {
+        Ok(guest) => guest,
+        Err(why) => {
+            println!("SKIPPED: cri_warm_start: {why}");
+            return Ok(());
+        }
+    };
+    println!("cri_warm_start: shim from {}, VMM {}, guest {}", bin_dir.display(), vmm.display(), guest.display());
+    for network in [Network::Host, Network::Pod] {
+        // Short: the VMs' sockets live below it. Fresh per run, so the first warm pod builds.
+        let dir = PathBuf::from(format!("/run/bhw{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let measured = measure(&dir, &guest, &vmm, network).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        report(network, &measured.with_context(|| network.name())?);
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    // `cargo bench` passes --bench; a filter argument that does not match skips the run.
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    if !args.is_empty() && !args.iter().any(|a| "cri_warm_start".contains(a.as_str())) {
+        return Ok(());
+    }
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+}
