@@ -339,7 +339,20 @@ impl Script {
     }
 
     pub fn run(&self, mode: &str) {
-        assert!(Command::new(&self.path).arg(mode).status().expect("script").success());
+        // Another test thread's fork may still hold the script's write fd (until its child execs): exec then
+        // fails with ETXTBSY for that moment, so try again, briefly.
+        for _ in 0..100 {
+            match Command::new(&self.path).arg(mode).status() {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                status => {
+                    assert!(status.expect("script").success());
+                    return;
+                }
+            }
+        }
+        panic!("{} stayed busy (ETXTBSY) for a second", self.path.display());
     }
 
     pub fn restarts(&self) -> usize {
