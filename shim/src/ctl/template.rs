@@ -125,6 +125,11 @@ fn short(name: &str) -> &str {
 
 /// Removes the templates named by `keys` (full keys or unique prefixes), or all with `all`.
 pub async fn rm(config: &Config, keys: &[String], all: bool) -> Result<Outcome, CtlError> {
+    // Nothing to remove from a cache never made (an uninstall asks on every node), and no reason to make it.
+    if all && keys.is_empty() && !config.vm.template_dir.exists() {
+        let text = format!("no templates: {} does not exist\n", config.vm.template_dir.display());
+        return Ok(Outcome { json: json!({ "removed": [] }), text, ok: true });
+    }
     let store = open(config)?;
     let known: Vec<TemplateKey> = store
         .list()
@@ -247,5 +252,15 @@ mod tests {
         let removed = rm(&config, &[], true).await.unwrap();
         assert_eq!(removed.json["removed"][0], b.key().as_str(), "--all removes unusable ones too");
         assert!(ls(&config).unwrap().json["templates"].as_array().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn rm_all_of_a_cache_never_made_does_not_make_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("templates");
+        let config = Config::parse(Path::new("test.toml"), &format!("[vm]\ntemplate_dir = {missing:?}\n")).unwrap();
+        let removed = rm(&config, &[], true).await.unwrap();
+        assert!(removed.ok && removed.json["removed"].as_array().unwrap().is_empty());
+        assert!(!missing.exists());
     }
 }
