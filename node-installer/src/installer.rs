@@ -32,6 +32,8 @@ pub struct Settings {
     pub cri_timeout: Duration,
     /// How long after `current` switched away from a version it may be collected (see `versions`).
     pub gc_grace: Duration,
+    /// Snapshot templates to build once the node is ready (none by default), and to remove at uninstall.
+    pub templates: crate::templates::Templates,
 }
 
 /// Default for [`Settings::gc_grace`]: far longer than a shim's `start` takes to re-execute itself.
@@ -77,6 +79,8 @@ enum Step {
     CheckCri,
     Label,
     RemoveTaint,
+    /// After the node is ready, since a pod needs no template to start (it builds one or boots cold).
+    PrebuildTemplates,
     Done,
 }
 
@@ -223,6 +227,16 @@ impl Installer<'_> {
                     if let (Some((api, node)), Some(taint)) = (&self.nodes, &s.startup_taint) {
                         kube::remove_taint(*api, node, taint).await?;
                     }
+                    Step::PrebuildTemplates
+                }
+                Step::PrebuildTemplates => {
+                    if !s.templates.shapes.is_empty() {
+                        let (templates, layout) = (s.templates.clone(), s.layout.clone());
+                        let ready = tokio::task::spawn_blocking(move || templates.prebuild(&layout))
+                            .await
+                            .map_err(|e| Error::Setting(format!("template pre-build: {e}")))?;
+                        tracing::info!(ready, asked = s.templates.shapes.len(), "templates pre-built");
+                    }
                     Step::Done
                 }
                 Step::Done => {
@@ -298,6 +312,10 @@ impl Installer<'_> {
             containerd::clear_restart_pending(&s.layout)?;
         } else {
             tracing::info!("containerd config unchanged by uninstall; no restart");
+        }
+        let (templates, layout) = (s.templates.clone(), s.layout.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || templates.remove_all(&layout)).await {
+            tracing::warn!(error = %e, "templates not removed");
         }
         artifacts::remove_all(&s.layout)?;
         match api_error {

@@ -3,10 +3,12 @@
 //!
 //! Boundaries: it touches only `<prefix>` (/opt/bulkhead), one drop-in file, the `imports` line of containerd's
 //! config (original bytes kept for uninstall), containerd's restart, and its own Node's label, annotations and one
-//! startup taint. Module per job: `probe`, `artifacts`, `containerd`, `restart`, `cri`, `kube`, `usage` (what runs
-//! from which installed version), `versions` (collecting old ones); `installer` sequences them.
+//! startup taint; and, only when asked, the shim's template cache, through the installed `bulkhead-ctl`. Module per job: `probe`, `artifacts`, `containerd`, `restart`, `cri`, `kube`, `usage` (what runs
+//! from which installed version), `versions` (collecting old ones), `templates` (pre-building warm
+//! pods' snapshot templates, if asked); `installer` sequences them.
 
 pub mod artifacts;
+pub mod bounded;
 pub mod containerd;
 pub mod cri;
 pub mod error;
@@ -18,6 +20,7 @@ pub mod lock;
 pub mod node_paths;
 pub mod probe;
 pub mod restart;
+pub mod templates;
 pub mod usage;
 pub mod versions;
 

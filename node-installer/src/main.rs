@@ -10,6 +10,7 @@ use bulkhead_node_installer::kube::{InCluster, NodeApi};
 use bulkhead_node_installer::node_paths::NodePaths;
 use bulkhead_node_installer::probe;
 use bulkhead_node_installer::restart::CommandRestarter;
+use bulkhead_node_installer::templates::{self, Templates};
 // Boolean environment variables take 1/0, true/false, yes/no, on/off: `BULKHEAD_FORCE_UNINSTALL=1` must work.
 use clap::builder::BoolishValueParser;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -62,6 +63,15 @@ struct Cli {
     gc_grace_secs: u64,
     #[arg(long, env = "BULKHEAD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json, global = true)]
     log_format: LogFormat,
+    /// Snapshot templates to build once the node is ready, for pods that start warm (`vm.start`):
+    /// comma-separated `default` or `<vCPUs>x<MiB>`, each with `/<MTU>` per NIC of pod-network
+    /// pods, e.g. `default,default/9001`. Empty: none.
+    #[arg(long, env = "BULKHEAD_PREBUILD_TEMPLATES", default_value = "", global = true)]
+    prebuild_templates: String,
+    /// Prefix that runs a command on the host, for the template builds (split on whitespace; empty:
+    /// run them in this container), e.g. `nsenter --target 1 --mount --uts --ipc --net --pid --`.
+    #[arg(long, env = "BULKHEAD_HOST_EXEC", default_value = "", global = true)]
+    host_exec: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -128,6 +138,11 @@ async fn main() -> Result<()> {
         allow_pvm: cli.allow_pvm,
         cri_timeout: Duration::from_secs(cli.cri_timeout_secs),
         gc_grace: Duration::from_secs(cli.gc_grace_secs),
+        templates: Templates {
+            shapes: templates::parse_shapes(&cli.prebuild_templates)?,
+            host_exec: cli.host_exec.split_whitespace().map(str::to_string).collect(),
+            timeout: templates::BUILD_TIMEOUT,
+        },
     };
     if let Command::Probe = cli.command {
         let v = probe::verdict(&settings.layout.host_root, settings.allow_pvm);

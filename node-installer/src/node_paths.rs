@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 pub const HANDLER: &str = "bulkhead";
 pub const SHIM_BINARY: &str = "containerd-shim-bulkhead-v2";
 pub const SHIM_CONFIG: &str = "config.toml";
+pub const CTL_BINARY: &str = "bulkhead-ctl";
 /// The link under the prefix that names the version new pods get.
 pub const CURRENT: &str = "current";
 /// Under the prefix, beside the version directories: the installer's own state.
@@ -94,6 +95,11 @@ impl NodePaths {
     /// an older pod run the newer release's binary (as with any shim a package manager replaces in place).
     pub fn view_shim(&self) -> PathBuf {
         self.view(&self.prefix.join(CURRENT).join(SHIM_BINARY))
+    }
+
+    /// `bulkhead-ctl` of the current release, as the host runs it.
+    pub fn view_ctl(&self) -> PathBuf {
+        self.view(&self.prefix.join(CURRENT).join(CTL_BINARY))
     }
 
     /// The shim config as containerd passes it (`ConfigPath`), through `current` for the same reasons: the CRI

@@ -1,6 +1,6 @@
 //! Restarting containerd. Behind a trait so tests restart their own containerd process instead of systemd's.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 
@@ -12,8 +12,7 @@ pub trait Restarter: Send + Sync {
 /// by the DaemonSet's configured command).
 pub struct CommandRestarter {
     pub argv: Vec<String>,
-    /// A restart command still running after this is killed and counts as failed (a hung
-    /// `systemctl` must not hold the installer, and the node, forever).
+    /// A restart command still running after this is killed and counts as failed ([`crate::bounded`]).
     pub timeout: Duration,
 }
 
@@ -33,27 +32,11 @@ impl CommandRestarter {
 impl Restarter for CommandRestarter {
     fn restart(&self) -> Result<()> {
         tracing::info!(command = ?self.argv, "restarting containerd");
-        let mut child = std::process::Command::new(&self.argv[0])
-            .args(&self.argv[1..])
-            .spawn()
-            .map_err(|e| Error::Restart(format!("{:?}: {e}", self.argv)))?;
-        let deadline = Instant::now() + self.timeout;
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-                Ok(None) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(Error::Restart(format!("{:?} did not finish within {:?}", self.argv, self.timeout)));
-                }
-                Err(e) => return Err(Error::Restart(format!("{:?}: wait: {e}", self.argv))),
-            }
-        };
-        if status.success() {
+        let done = crate::bounded::run(&self.argv, self.timeout, false).map_err(Error::Restart)?;
+        if done.status.success() {
             Ok(())
         } else {
-            Err(Error::Restart(format!("{:?} exited with {status}", self.argv)))
+            Err(Error::Restart(format!("{:?} exited with {}", self.argv, done.status)))
         }
     }
 }
@@ -61,6 +44,7 @@ impl Restarter for CommandRestarter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn a_hung_restart_command_is_killed_at_its_timeout() {

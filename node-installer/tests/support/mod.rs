@@ -80,6 +80,7 @@ impl Node {
             allow_pvm: false,
             cri_timeout: Duration::from_secs(30),
             gc_grace: Duration::ZERO,
+            templates: Default::default(),
         }
     }
 
