@@ -4,7 +4,8 @@
 //! cloud metadata endpoint is blocked for bulkhead pods unless the shim config allows it. The same
 //! for a `vm`-backend pod with the real guest (taps and redirects into the guest, the metadata
 //! drop on the tap): on the QEMU stand-in on every host, and on `bulkhead-vmm` where the host
-//! probe says ordinary guests run (elsewhere that variant prints one SKIPPED line).
+//! probe says ordinary guests run (elsewhere that variant prints one SKIPPED line). There too, two
+//! warm pods restored from one template each have their own hostname, entropy and address.
 //!
 //! The metadata endpoint is a stand-in: a network namespace this test creates and attaches to the
 //! test's own bridge, holding 169.254.169.254 and a bridge address through which CNI routes
@@ -16,7 +17,7 @@ use std::fs::File;
 use std::io::Write;
 use std::net::{IpAddr, TcpListener};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,6 +53,11 @@ struct Env {
 /// (`[network] allow_metadata = true`), all on one CNI bridge; with `vm`, also `bulkhead-vm`
 /// (the vm backend with the real guest on that VMM, metadata blocked).
 async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
+    setup_with(test, vm, |_| String::new()).await
+}
+
+/// [`setup`], with `more_vm(config dir)` added to `bulkhead-vm`'s `[vm]` table.
+async fn setup_with(test: &str, vm: Option<GuestVmm>, more_vm: impl Fn(&Path) -> String) -> Result<Option<Env>> {
     if skip_if_unready_on(test, containerd_version()) {
         return Ok(None);
     }
@@ -83,7 +89,8 @@ async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
         let vm_config = config_dir.path().join("bulkhead-vm.toml");
         let vm_state = state_dir.path().join("vm");
         // Below the harness's 60 s CRI deadline, so a slow boot fails with the shim's own error.
-        std::fs::write(&vm_config, bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, vmm)?)?;
+        let text = bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, vmm)?;
+        std::fs::write(&vm_config, format!("{text}{}", more_vm(config_dir.path())))?;
         handlers.push(RuntimeHandler { name: "bulkhead-vm".into(), ..RuntimeHandler::bulkhead(Some(&vm_config)) });
     }
     let containerd = Containerd::start(ContainerdConfig {
@@ -242,6 +249,53 @@ async fn vm_pod_network(test: &str, vmm: GuestVmm) -> Result<()> {
     assert!(code != 0 && got.is_empty(), "a vm pod reached the metadata endpoint: exit {code}, {got:?}");
     let peers = standin.peers();
     assert!(!peers.contains(&vm_ip.parse::<IpAddr>()?), "the stand-in saw {vm_ip}: {peers:?}");
+    Ok(())
+}
+
+/// Warm pods with the real guest (issue 22): two pod-network pods restored from one template (the
+/// first builds it) each run a container with their own hostname, their own entropy and their own
+/// address on the pod network. Only on `bulkhead-vmm`: the QEMU stand-in cannot restore its
+/// snapshots, and PVM runs no ordinary guest (a ledgered SKIPPED line).
+#[tokio::test]
+async fn restored_vm_pods_are_each_their_own_on_bulkhead_vmm() -> Result<()> {
+    let test = "restored_vm_pods_are_each_their_own_on_bulkhead_vmm";
+    let vmm = GuestVmm::Bulkhead;
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+        return Ok(());
+    }
+    let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
+    let Some(env) = setup_with(test, Some(vmm), warm).await? else { return Ok(()) };
+    let (_, control, _) = env.run(&env.pod("warm-control")?, "runc", &strs(&server("r"))).await?;
+    let mut seen = Vec::new();
+    for name in ["warm-a", "warm-b"] {
+        let (pod_id, ctr, ip) = env.run(&env.pod(name)?, "bulkhead-vm", &strs(&server(name))).await?;
+        let log = env.containerd.log_tail(2000);
+        let started = log.lines().find(|l| l.contains(&pod_id) && l.contains("VM started")).unwrap_or_default();
+        assert!(started.contains("start=\"warm\""), "{name} did not start warm: {started:?}\n{}", env.fail_context());
+        let run = |cmd: &'static str| {
+            let (cri, ctr) = (&env.cri, ctr.clone());
+            async move {
+                let out = cri.exec_sync(&ctr, &["sh", "-c", cmd], 10).await?;
+                anyhow::ensure!(
+                    out.exit_code == 0,
+                    "{cmd}: exit {}: {}",
+                    out.exit_code,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                Ok::<_, anyhow::Error>(String::from_utf8_lossy(&out.stdout).trim().to_string())
+            }
+        };
+        assert_eq!(run("hostname").await?, name);
+        let random = run("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await?;
+        assert_eq!(random.len(), 64, "{random:?}");
+        // Its own address on the pod network: a runc pod reaches the server in this VM there.
+        env.fetch_eventually(&control, &ip, 8080, &format!("pong-{name}\n"))
+            .await
+            .with_context(|| format!("{name} at {ip}"))?;
+        seen.push((ip, random));
+    }
+    assert_ne!(seen[0].0, seen[1].0, "two restored pods share an address");
+    assert_ne!(seen[0].1, seen[1].1, "two restored pods read the same bytes from /dev/urandom");
     Ok(())
 }
 
