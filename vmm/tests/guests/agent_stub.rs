@@ -23,15 +23,7 @@ const CONNS: usize = 4;
 const QSIZE: u16 = 8;
 const RX_BUFS: u16 = 4;
 const EV_BUFS: u16 = 2;
-const HDR: u64 = 44;
-
-const OP_REQUEST: u16 = 1;
-const OP_RESPONSE: u16 = 2;
-const OP_RST: u16 = 3;
-const OP_SHUTDOWN: u16 = 4;
-const OP_RW: u16 = 5;
-const OP_CREDIT_UPDATE: u16 = 6;
-const OP_CREDIT_REQUEST: u16 = 7;
+const HDR: u64 = VSOCK_HDR;
 
 const AGENT_PORT: u32 = 1024;
 /// What the stub tells the host it can buffer per connection.
@@ -85,16 +77,18 @@ impl Vs {
         }
         let slot = self.sent % QSIZE;
         let b = TX_BUF + slot as u64 * 0x1000;
-        w64(b, self.cid);
-        w64(b + 8, 2);
-        w32(b + 16, AGENT_PORT);
-        w32(b + 20, port);
-        w32(b + 24, data.len() as u32);
-        w16(b + 28, 1);
-        w16(b + 30, op);
-        w32(b + 32, 0);
-        w32(b + 36, BUF_ALLOC);
-        w32(b + 40, fwd);
+        let len = data.len() as u32;
+        VsockHdr {
+            src_cid: self.cid,
+            src_port: AGENT_PORT,
+            dst_port: port,
+            len,
+            op,
+            flags: 0,
+            buf_alloc: BUF_ALLOC,
+            fwd_cnt: fwd,
+        }
+        .write(b);
         for (i, v) in data.iter().enumerate() {
             w8(b + HDR + i as u64, *v);
         }

@@ -190,6 +190,45 @@ pub fn driver_ok(base: u64) -> bool {
 }
 
 pub const TYPE_VSOCK: u32 = 19;
+
+/// virtio-vsock packet ops (the spec's VIRTIO_VSOCK_OP_*).
+pub const OP_REQUEST: u16 = 1;
+pub const OP_RESPONSE: u16 = 2;
+pub const OP_RST: u16 = 3;
+pub const OP_SHUTDOWN: u16 = 4;
+pub const OP_RW: u16 = 5;
+pub const OP_CREDIT_UPDATE: u16 = 6;
+pub const OP_CREDIT_REQUEST: u16 = 7;
+/// Bytes of a vsock packet header; the payload follows it.
+pub const VSOCK_HDR: u64 = 44;
+
+/// A stream packet's header, from this guest to the host (CID 2).
+pub struct VsockHdr {
+    pub src_cid: u64,
+    pub src_port: u32,
+    pub dst_port: u32,
+    pub len: u32,
+    pub op: u16,
+    pub flags: u32,
+    pub buf_alloc: u32,
+    pub fwd_cnt: u32,
+}
+
+impl VsockHdr {
+    /// Writes the header at `b` (the spec's struct virtio_vsock_hdr, little endian).
+    pub fn write(&self, b: u64) {
+        w64(b, self.src_cid);
+        w64(b + 8, 2);
+        w32(b + 16, self.src_port);
+        w32(b + 20, self.dst_port);
+        w32(b + 24, self.len);
+        w16(b + 28, 1);
+        w16(b + 30, self.op);
+        w32(b + 32, self.flags);
+        w32(b + 36, self.buf_alloc);
+        w32(b + 40, self.fwd_cnt);
+    }
+}
 /// Where `wait_for_restore` keeps vsock's queues and event buffers (no other guest uses them).
 const VSOCK_QUEUES: u64 = 0x44_0000;
 const EV_BUF: u64 = 0x45_0000;

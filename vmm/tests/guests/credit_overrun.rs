@@ -12,10 +12,6 @@ const TX_HDR: u64 = 0x42_0000;
 const DATA: u64 = 0x50_0000;
 const CHUNK: u32 = 64 * 1024;
 const NRX: u16 = 8;
-const OP_REQUEST: u16 = 1;
-const OP_RESPONSE: u16 = 2;
-const OP_RST: u16 = 3;
-const OP_RW: u16 = 5;
 
 struct Vs {
     rx: Vq,
@@ -28,16 +24,18 @@ impl Vs {
     /// waits until the device consumed it.
     fn send(&mut self, op: u16, src_port: u32, len: u32, inline: &[u8]) {
         let b = TX_HDR;
-        w64(b, self.cid);
-        w64(b + 8, 2);
-        w32(b + 16, src_port);
-        w32(b + 20, 5002);
-        w32(b + 24, if inline.is_empty() { len } else { inline.len() as u32 });
-        w16(b + 28, 1);
-        w16(b + 30, op);
-        w32(b + 32, 0);
-        w32(b + 36, 65536);
-        w32(b + 40, 0);
+        let sent = if inline.is_empty() { len } else { inline.len() as u32 };
+        let hdr = VsockHdr {
+            src_cid: self.cid,
+            src_port,
+            dst_port: 5002,
+            len: sent,
+            op,
+            flags: 0,
+            buf_alloc: 65536,
+            fwd_cnt: 0,
+        };
+        hdr.write(b);
         for (i, v) in inline.iter().enumerate() {
             w8(b + 44 + i as u64, *v);
         }

@@ -9,11 +9,6 @@ use common::*;
 const RX_BUF: u64 = 0x41_0000;
 const TX_BUF: u64 = 0x42_0000;
 const NBUF: u16 = 4;
-const OP_REQUEST: u16 = 1;
-const OP_RESPONSE: u16 = 2;
-const OP_RST: u16 = 3;
-const OP_SHUTDOWN: u16 = 4;
-const OP_RW: u16 = 5;
 
 struct Vs {
     rx: Vq,
@@ -33,16 +28,9 @@ impl Vs {
         }
         let slot = self.sent % 8;
         let b = TX_BUF + slot as u64 * 0x1000;
-        w64(b, self.cid);
-        w64(b + 8, 2);
-        w32(b + 16, src_port);
-        w32(b + 20, dst_port);
-        w32(b + 24, data.len() as u32);
-        w16(b + 28, 1);
-        w16(b + 30, op);
-        w32(b + 32, flags);
-        w32(b + 36, 65536);
-        w32(b + 40, self.fwd);
+        let len = data.len() as u32;
+        VsockHdr { src_cid: self.cid, src_port, dst_port, len, op, flags, buf_alloc: 65536, fwd_cnt: self.fwd }
+            .write(b);
         for (i, v) in data.iter().enumerate() {
             w8(b + 44 + i as u64, *v);
         }

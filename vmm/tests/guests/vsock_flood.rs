@@ -10,7 +10,6 @@ use common::*;
 const BATCH: u16 = 64;
 const ROUNDS: u32 = 400;
 const HDRS: u64 = 0x42_0000;
-const OP_REQUEST: u16 = 1;
 
 #[no_mangle]
 pub extern "C" fn _start() -> ! {
@@ -29,16 +28,20 @@ pub extern "C" fn _start() -> ! {
     let cid = r64(base + CONFIG);
     for i in 0..BATCH {
         let b = HDRS + i as u64 * 64;
-        w64(b, cid);
-        w64(b + 8, 2);
-        w32(b + 20, if i % 2 == 0 { 5000 } else { 5001 });
-        w32(b + 24, 0);
-        w16(b + 28, 1);
-        w16(b + 30, OP_REQUEST);
-        w32(b + 32, 0);
-        w32(b + 36, 65536);
-        w32(b + 40, 0);
-        tx.set_desc(i, b, 44, 0, 0);
+        // The source port is filled in per round.
+        let dst_port = if i % 2 == 0 { 5000 } else { 5001 };
+        VsockHdr {
+            src_cid: cid,
+            src_port: 0,
+            dst_port,
+            len: 0,
+            op: OP_REQUEST,
+            flags: 0,
+            buf_alloc: 65536,
+            fwd_cnt: 0,
+        }
+        .write(b);
+        tx.set_desc(i, b, VSOCK_HDR as u32, 0, 0);
     }
     puts("flood start\n");
     let mut idx: u16 = 0;
