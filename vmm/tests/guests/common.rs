@@ -191,16 +191,12 @@ pub fn driver_ok(base: u64) -> bool {
 
 pub const TYPE_VSOCK: u32 = 19;
 
-/// virtio-vsock packet ops (the spec's VIRTIO_VSOCK_OP_*).
-pub const OP_REQUEST: u16 = 1;
-pub const OP_RESPONSE: u16 = 2;
-pub const OP_RST: u16 = 3;
-pub const OP_SHUTDOWN: u16 = 4;
-pub const OP_RW: u16 = 5;
-pub const OP_CREDIT_UPDATE: u16 = 6;
-pub const OP_CREDIT_REQUEST: u16 = 7;
-/// Bytes of a vsock packet header; the payload follows it.
-pub const VSOCK_HDR: u64 = 44;
+// virtio-vsock's ops and header size: the VMM's own file, taken as a module like `mmio_regs`.
+#[path = "../../src/devices/virtio/vsock/wire.rs"]
+mod vsock_wire;
+pub use vsock_wire::*;
+/// Bytes of a vsock packet header, as a guest address offset.
+pub const VSOCK_HDR: u64 = HDR_LEN as u64;
 
 /// A stream packet's header, from this guest to the host (CID 2).
 pub struct VsockHdr {
@@ -222,7 +218,7 @@ impl VsockHdr {
         w32(b + 16, self.src_port);
         w32(b + 20, self.dst_port);
         w32(b + 24, self.len);
-        w16(b + 28, 1);
+        w16(b + 28, TYPE_STREAM);
         w16(b + 30, self.op);
         w32(b + 32, self.flags);
         w32(b + 36, self.buf_alloc);

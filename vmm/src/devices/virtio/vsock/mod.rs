@@ -12,6 +12,7 @@ pub mod event_handler;
 pub mod packet;
 pub mod persist;
 pub mod unix;
+pub mod wire;
 
 pub use device::Vsock;
 

@@ -5,19 +5,7 @@ use vm_memory::{Bytes, GuestMemoryMmap};
 use super::MAX_PKT_PAYLOAD;
 use crate::devices::virtio::chain::{self, Desc};
 
-pub const HDR_LEN: usize = 44;
-pub const TYPE_STREAM: u16 = 1;
-
-pub const OP_REQUEST: u16 = 1;
-pub const OP_RESPONSE: u16 = 2;
-pub const OP_RST: u16 = 3;
-pub const OP_SHUTDOWN: u16 = 4;
-pub const OP_RW: u16 = 5;
-pub const OP_CREDIT_UPDATE: u16 = 6;
-pub const OP_CREDIT_REQUEST: u16 = 7;
-
-pub const SHUTDOWN_RCV: u32 = 1;
-pub const SHUTDOWN_SEND: u32 = 2;
+pub use super::wire::*;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct VsockHeader {
