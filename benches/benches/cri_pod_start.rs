@@ -92,9 +92,7 @@ async fn one_pod(
     let name = format!("bench-{handler}-{n}");
     let mut pod = pod_config(&name, &containerd.new_log_dir(&name)?);
     if network == Network::Pod {
-        let ns =
-            pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
-        ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+        bulkhead_integration::cri::use_pod_network(&mut pod)?;
     }
     let ctr = container_config("sleeper", &["sleep", "3600"]);
 
