@@ -7,6 +7,8 @@ A test that printed `SKIPPED: <reason>` and passed counts as skipped (cargo coun
 passed); one that printed SKIPPED and then failed counts as failed. Every skip must be allowed
 for this host kind by the checked-in ledger (tests/skips.ledger); an unlisted skip fails the run.
 
+Each failed test's output is repeated (its tail) before the summary line.
+
 Exit status: 0 when nothing failed and every skip is listed, 1 otherwise.
 """
 import argparse
@@ -16,6 +18,8 @@ import sys
 RUNNING = re.compile(r"^\s*Running (?:unittests )?\S+ \((?:.*/)?([^/()]+?)(?:-[0-9a-f]{16})?\)$")
 RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed;")
 BLOCK = re.compile(r"^---- (\S+) stdout ----$")
+# How much of a failed test's output the summary repeats.
+FAILURE_TAIL = 25
 
 
 def parse(lines):
@@ -77,7 +81,11 @@ def main():
     allowed = load_ledger(args.ledger)
     skipped = 0
     unlisted = []
+    failures = []
     for binary, test, section, output in blocks:
+        if section == "failures":
+            failures.append((binary, test, output))
+            continue
         reasons = [l for l in output if l.startswith("SKIPPED: ")]
         if not reasons or section != "successes":
             continue  # a failed test that printed SKIPPED is counted as failed by cargo
@@ -88,6 +96,12 @@ def main():
             unlisted.append(f"{key}: {reasons[0]}")
     if args.status != 0 and failed == 0:
         failed = 1  # a build failure or a crashed test binary has no "test result" line
+    # Repeated at the end, where a CI excerpt (the log's tail) shows them: cargo prints the
+    # failures' output in the middle of a long log, before the other test binaries run.
+    for binary, test, output in failures:
+        print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most)")
+        for line in [l for l in output if l.strip()][-FAILURE_TAIL:]:
+            print(f"  {line[:400]}")
     for u in unlisted:
         print(f"unlisted skip on a {args.host_kind} host: {u}")
     if unlisted:
