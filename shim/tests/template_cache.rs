@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bulkhead_shim::sandbox::vm::template::{
-    build, obtain, ColdReason, KeyInputs, KeySources, Listed, Lookup, Obtained, TemplateBuilder, TemplateStore,
+    build, build_unless, obtain, ColdReason, KeyInputs, KeySources, Listed, Lookup, Obtained, TemplateBuilder,
+    TemplateStore, BUILD_TIMEOUT,
 };
 
 /// Larger than what a lookup hashes, as guest memory is.
@@ -44,6 +45,8 @@ impl TemplateBuilder for FakeBuilder {
         std::fs::write(dir.join("memory"), vec![7u8; MEMORY_BYTES]).unwrap();
         Ok(())
     }
+
+    async fn discard(&self, _: &KeyInputs) {}
 }
 
 struct Fixture {
@@ -94,6 +97,61 @@ async fn a_built_template_is_sealed_read_only_and_found_by_its_key() {
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".staging-"))
         .count();
     assert_eq!(staging_left, 0);
+}
+
+/// A builder that never finishes; says whether the key was locked when its VM was discarded.
+struct Hung {
+    store_root: std::path::PathBuf,
+    discarded_locked: std::sync::Mutex<Vec<bool>>,
+}
+
+#[async_trait]
+impl TemplateBuilder for Hung {
+    async fn build(&self, _: &KeyInputs, _: &Path) -> Result<(), String> {
+        tokio::time::sleep(BUILD_TIMEOUT * 2).await;
+        Ok(())
+    }
+
+    async fn discard(&self, inputs: &KeyInputs) {
+        // flock locks conflict between open files of one process too.
+        let free = TemplateStore::open(&self.store_root).unwrap().try_lock(&inputs.key()).unwrap().is_some();
+        self.discarded_locked.lock().unwrap().push(!free);
+    }
+}
+
+/// A build still running at the store's bound is cut: its VM is discarded while the key is still
+/// locked, and nothing of it is published or staged. (Paused time: the 300 s pass at once.)
+#[tokio::test(start_paused = true)]
+async fn a_build_past_its_bound_is_discarded_under_the_lock_and_leaves_nothing() {
+    let f = fixture();
+    let hung = Hung { store_root: f.store.root().to_path_buf(), discarded_locked: Default::default() };
+    let err = build(&f.store, &f.inputs, &hung, WAIT).await.unwrap_err().to_string();
+    assert!(err.contains("not done within"), "{err}");
+    assert_eq!(*hung.discarded_locked.lock().unwrap(), [true], "one discard, under the key's lock");
+    assert!(matches!(f.store.lookup(&f.inputs.key()), Lookup::Missing));
+    let left: Vec<_> = std::fs::read_dir(f.store.root())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".staging-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    assert!(f.store.try_lock(&f.inputs.key()).unwrap().is_some(), "the lock went with the build");
+}
+
+/// A build told to stop (ctl's SIGTERM) ends at once the same way, saying why.
+#[tokio::test(start_paused = true)]
+async fn a_build_told_to_stop_is_discarded_under_the_lock_and_says_why() {
+    let f = fixture();
+    let hung = Hung { store_root: f.store.root().to_path_buf(), discarded_locked: Default::default() };
+    let stop = async {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        "SIGTERM".to_string()
+    };
+    let err = build_unless(&f.store, &f.inputs, &hung, WAIT, stop).await.unwrap_err().to_string();
+    assert!(err.contains("SIGTERM") && err.contains("stopped before it published"), "{err}");
+    assert_eq!(*hung.discarded_locked.lock().unwrap(), [true]);
+    assert!(matches!(f.store.lookup(&f.inputs.key()), Lookup::Missing));
+    assert!(f.store.try_lock(&f.inputs.key()).unwrap().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

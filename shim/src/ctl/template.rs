@@ -94,8 +94,11 @@ pub async fn build(
     let started = Instant::now();
     let builder = VmTemplateBuilder::new(std::sync::Arc::new(config));
     // Another build of the key (a pod's) may hold the lock for as long as a build may take.
-    let template =
-        crate::sandbox::vm::template::build(&store, &inputs, &builder, BUILD_TIMEOUT).await.map_err(|e| failed(&e))?;
+    // SIGTERM (an installer told to stop) or Ctrl-C ends the build, and its VM, at once.
+    let signal = first_signal()?;
+    let template = crate::sandbox::vm::template::build_unless(&store, &inputs, &builder, BUILD_TIMEOUT, signal)
+        .await
+        .map_err(|e| failed(&e))?;
     let nics = match nic_mtus {
         [] => "no NIC".to_string(),
         mtus => format!("NIC MTUs {}", mtus.iter().map(u16::to_string).collect::<Vec<_>>().join(",")),
@@ -117,6 +120,20 @@ pub async fn build(
         "created_unix": template.manifest.created_unix,
     });
     Ok(Outcome { json, text, ok: true })
+}
+
+/// The name of the first of SIGTERM and SIGINT to come (handlers installed now).
+fn first_signal() -> Result<impl std::future::Future<Output = String>, CtlError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let handler = |kind, name: &str| signal(kind).map_err(|e| CtlError::Failed(format!("{name} handler: {e}")));
+    let (mut term, mut int) =
+        (handler(SignalKind::terminate(), "SIGTERM")?, handler(SignalKind::interrupt(), "SIGINT")?);
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => "SIGTERM".to_string(),
+            _ = int.recv() => "SIGINT".to_string(),
+        }
+    })
 }
 
 fn short(name: &str) -> &str {
@@ -205,6 +222,8 @@ mod tests {
         async fn build(&self, _: &KeyInputs, dir: &Path) -> Result<(), String> {
             std::fs::write(dir.join("state"), "s").map_err(|e| e.to_string())
         }
+
+        async fn discard(&self, _: &KeyInputs) {}
     }
 
     fn inputs(memory_mib: u32) -> KeyInputs {

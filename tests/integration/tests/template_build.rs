@@ -156,3 +156,50 @@ async fn a_template_guest_that_dies_fails_the_build_quoting_its_console() -> Res
     assert!(listed["templates"].as_array().unwrap().is_empty(), "{listed}");
     nothing_left(&env).await
 }
+
+/// An installer told to stop (or an operator's Ctrl-C) sends SIGTERM while a build runs: the
+/// build ends at once, failing and saying so, and takes its VM with it (processes, cgroups,
+/// mounts, state), with nothing published or staged.
+#[tokio::test]
+async fn sigterm_during_a_build_ends_it_and_leaves_nothing() -> Result<()> {
+    let test = "sigterm_during_a_build_ends_it_and_leaves_nothing";
+    // The idle guest never says it is ready: the build waits until told to stop.
+    let Some(env) = setup(test, "idle")? else { return Ok(()) };
+    let mut child = Command::new(workspace_bin("bulkhead-ctl"))
+        .arg("--config")
+        .arg(&env.config)
+        .args(["template", "build", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let state = env.state_dir.path().display().to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // The build's VMM runs and has joined its cgroup.
+    let cgroup = loop {
+        let vmm = processes_with(&state).into_iter().find(|(_, cmd)| cmd.contains("bulkhead-vmm"));
+        if let Some(cgroup) = vmm.and_then(|(pid, _)| bulkhead_integration::cgroups::of_pid(pid)) {
+            if cgroup.contains("/bulkhead/tpl-") {
+                break cgroup;
+            }
+        }
+        if let Some(status) = child.try_wait()? {
+            panic!("the build ended ({status}) before its VM ran");
+        }
+        assert!(std::time::Instant::now() < deadline, "the build's VMM did not start within 60 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an interrupted build succeeded: {stderr}");
+    assert!(stderr.contains("SIGTERM") && stderr.contains("stopped before it published"), "{stderr}");
+    let parent = cgroup.rsplit_once('/').map(|(p, _)| p.to_string()).unwrap();
+    for dir in [cgroup.as_str(), parent.as_str()] {
+        assert!(bulkhead_integration::cgroups::existing(dir).is_empty(), "cgroup {dir} left");
+    }
+    let (ok, listed, stderr) = ctl(&env, &["template", "ls"]);
+    assert!(ok, "{stderr}");
+    assert!(listed["templates"].as_array().unwrap().is_empty(), "{listed}");
+    nothing_left(&env).await
+}

@@ -58,14 +58,9 @@ impl VmTemplateBuilder {
 #[async_trait]
 impl TemplateBuilder for VmTemplateBuilder {
     async fn build(&self, inputs: &KeyInputs, dir: &Path) -> Result<(), String> {
-        let key = inputs.key();
-        let id = format!("tpl-{}", key.short());
-        let paths = PodPaths::new(&self.config.state_dir, &id).ok_or_else(|| format!("bad template id {id}"))?;
-        // Beside the template VM's directory, not in it: a pinned namespace file cannot be removed.
-        let netns_path = self.config.state_dir.join(format!("{id}.netns"));
+        let BuildVm { id, paths, netns_path } = self.build_vm(inputs)?;
         // What a build killed midway left behind.
-        cleanup(&paths).await;
-        PlaceholderNetns::remove_at(&netns_path);
+        self.discard(inputs).await;
         let netns = match inputs.nic_mtus.as_slice() {
             [] => None,
             mtus => Some(
@@ -93,6 +88,34 @@ impl TemplateBuilder for VmTemplateBuilder {
         cleanup(&paths).await;
         drop(netns);
         result
+    }
+
+    async fn discard(&self, inputs: &KeyInputs) {
+        match self.build_vm(inputs) {
+            Ok(BuildVm { paths, netns_path, .. }) => {
+                // The VMM and virtiofsd by their pid files, then mounts, cgroups, the identity.
+                cleanup(&paths).await;
+                PlaceholderNetns::remove_at(&netns_path);
+            }
+            Err(e) => tracing::warn!(error = %e, "template: nothing to discard"),
+        }
+    }
+}
+
+/// Where a key's template VM lives while it is built: one key, one VM (under the key's lock).
+struct BuildVm {
+    id: String,
+    paths: PodPaths,
+    /// Beside the template VM's directory, not in it: a pinned namespace file cannot be removed.
+    netns_path: PathBuf,
+}
+
+impl VmTemplateBuilder {
+    fn build_vm(&self, inputs: &KeyInputs) -> Result<BuildVm, String> {
+        let id = format!("tpl-{}", inputs.key().short());
+        let paths = PodPaths::new(&self.config.state_dir, &id).ok_or_else(|| format!("bad template id {id}"))?;
+        let netns_path = self.config.state_dir.join(format!("{id}.netns"));
+        Ok(BuildVm { id, paths, netns_path })
     }
 }
 

@@ -8,6 +8,7 @@
 //! An unusable template is moved aside and the pod boots cold; the caller rebuilds it in the
 //! background ([`build`]), so the next pod is warm again.
 
+use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -24,9 +25,14 @@ pub const BUILD_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Makes a template's files: boots a VM of the inputs' shape to "agent ready", with no pod's
 /// state in it, and snapshots it into `dir` (an empty directory the store then seals).
+/// A build that was cut short (its future dropped: a timeout, a signal) left its VM behind; the
+/// key's lock holder then calls [`discard`](TemplateBuilder::discard).
 #[async_trait]
 pub trait TemplateBuilder: Send + Sync {
     async fn build(&self, inputs: &KeyInputs, dir: &Path) -> Result<(), String>;
+    /// Removes what an unfinished build of `inputs` left outside its staging directory (the
+    /// template VM's processes, state, network). Call only while holding the key's lock.
+    async fn discard(&self, inputs: &KeyInputs);
 }
 
 /// What a pod gets.
@@ -119,7 +125,7 @@ pub async fn obtain(
             Lookup::Missing if waited => return Obtained::Cold(ColdReason::BuiltElsewhereFailed),
             Lookup::Missing => {}
         }
-        return match build_locked(store, inputs, builder, &lock).await {
+        return match build_locked(store, inputs, builder, &lock, std::future::pending()).await {
             Ok(t) => Obtained::Built(t),
             Err(e) => Obtained::Cold(ColdReason::BuildFailed { error: e.to_string() }),
         };
@@ -143,8 +149,22 @@ pub async fn build(
     builder: &dyn TemplateBuilder,
     wait: Duration,
 ) -> Result<Template, TemplateError> {
+    build_unless(store, inputs, builder, wait, std::future::pending()).await
+}
+
+/// [`build`], ended early when `stop` completes (with the reason): a build under way then
+/// discards its VM while it still holds the key's lock, so no other build or removal of the key
+/// can come between.
+pub async fn build_unless(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    wait: Duration,
+    stop: impl Future<Output = String>,
+) -> Result<Template, TemplateError> {
     let key = inputs.key();
     let started = Instant::now();
+    tokio::pin!(stop);
     let lock = loop {
         if let Some(lock) = store.try_lock(&key)? {
             break lock;
@@ -152,14 +172,17 @@ pub async fn build(
         if started.elapsed() >= wait {
             return Err(TemplateError::Busy { key, waited: started.elapsed() });
         }
-        tokio::time::sleep(POLL).await;
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => {}
+            why = &mut stop => return Err(TemplateError::Stopped { key, why }),
+        }
     };
     match store.lookup(&key) {
         Lookup::Ready(t) => return Ok(t),
         Lookup::Unusable { .. } => set_aside(store, &key, &lock),
         Lookup::Missing => {}
     }
-    build_locked(store, inputs, builder, &lock).await
+    build_locked(store, inputs, builder, &lock, stop).await
 }
 
 async fn build_locked(
@@ -167,16 +190,27 @@ async fn build_locked(
     inputs: &KeyInputs,
     builder: &dyn TemplateBuilder,
     lock: &KeyLock,
+    stop: impl Future<Output = String>,
 ) -> Result<Template, TemplateError> {
     let key = inputs.key();
     store.sweep_staging(&key, lock);
     let staging = store.stage(&key, lock)?;
     let started = Instant::now();
     tracing::info!(template = %key, vcpus = inputs.vcpus, memory_mib = inputs.memory_mib, "template: building");
-    match tokio::time::timeout(BUILD_TIMEOUT, builder.build(inputs, staging.path())).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(TemplateError::BadBuild { key, why: error }),
-        Err(_) => return Err(TemplateError::BadBuild { key, why: format!("not done within {BUILD_TIMEOUT:?}") }),
+    let cut_short = tokio::select! {
+        built = tokio::time::timeout(BUILD_TIMEOUT, builder.build(inputs, staging.path())) => match built {
+            Ok(Ok(())) => None,
+            Ok(Err(error)) => return Err(TemplateError::BadBuild { key, why: error }),
+            Err(_) => Some(TemplateError::BadBuild { key: key.clone(), why: format!("not done within {BUILD_TIMEOUT:?}") }),
+        },
+        why = stop => Some(TemplateError::Stopped { key: key.clone(), why }),
+    };
+    if let Some(error) = cut_short {
+        // The build's future is gone mid-way; its VM is not. Still under the lock (the staging
+        // directory goes on return).
+        tracing::warn!(template = %key, %error, "template: build cut short; discarding its VM");
+        builder.discard(inputs).await;
+        return Err(error);
     }
     let template = store.publish(inputs, staging, lock)?;
     tracing::info!(template = %key, bytes = template.bytes(), elapsed_ms = started.elapsed().as_millis() as u64, "template: published");

@@ -14,7 +14,7 @@ pub mod store;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use flight::{build, obtain, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
+pub use flight::{build, build_unless, obtain, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
 pub use key::{KeyInputs, KeySources, TemplateKey};
 pub use store::{Listed, Lookup, Template, TemplateStore};
 
@@ -30,4 +30,6 @@ pub enum TemplateError {
     BadBuild { key: TemplateKey, why: String },
     #[error("template {key}: another build still held it after {waited:?}")]
     Busy { key: TemplateKey, waited: Duration },
+    #[error("template {key}: {why}: the build was stopped before it published anything")]
+    Stopped { key: TemplateKey, why: String },
 }
