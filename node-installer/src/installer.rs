@@ -232,7 +232,11 @@ impl Installer<'_> {
                 Step::PrebuildTemplates => {
                     if !s.templates.shapes.is_empty() {
                         let (templates, layout) = (s.templates.clone(), s.layout.clone());
-                        let ready = tokio::task::spawn_blocking(move || templates.prebuild(&layout))
+                        // The installer's SIGTERM drops this step: the build under way is then
+                        // asked to end (and remove its VM) instead of running on unseen.
+                        let stop = crate::bounded::Stop::default();
+                        let _stop_if_dropped = stop.on_drop();
+                        let ready = tokio::task::spawn_blocking(move || templates.prebuild(&layout, &stop))
                             .await
                             .map_err(|e| Error::Setting(format!("template pre-build: {e}")))?;
                         tracing::info!(ready, asked = s.templates.shapes.len(), "templates pre-built");

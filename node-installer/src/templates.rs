@@ -11,12 +11,16 @@
 
 use std::time::Duration;
 
+use crate::bounded::Stop;
 use crate::error::{Error, Result};
 use crate::node_paths::{NodePaths, CTL_BINARY};
 
 /// How long one template build may take (a real guest boots to its agent and its memory is
 /// written out; the shim's own bound on a build is 120 s, plus the wait for another build).
 pub const BUILD_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long a build told to stop (the installer's SIGTERM) may take to remove its VM before it
+/// is killed (then the next build of its key removes what is left).
+pub const STOP_GRACE: Duration = Duration::from_secs(20);
 /// More shapes than this is a typo, not a node's common shapes.
 const MAX_SHAPES: usize = 16;
 /// More NICs than a pod network gives a VM.
@@ -110,9 +114,18 @@ impl Default for Templates {
 
 impl Templates {
     /// Builds each shape's template with the installed `bulkhead-ctl` and shim config (as the
-    /// host sees them); returns how many are there now. Logs each outcome; never fails.
-    pub fn prebuild(&self, layout: &NodePaths) -> usize {
-        self.shapes.iter().filter(|shape| self.ctl(layout, shape.ctl_args(), "template ready")).count()
+    /// host sees them); returns how many are there now. Logs each outcome; never fails. Once
+    /// `stop` is requested the build under way is asked to end (SIGTERM) and no other starts.
+    pub fn prebuild(&self, layout: &NodePaths, stop: &Stop) -> usize {
+        let mut ready = 0;
+        for shape in &self.shapes {
+            if stop.requested() {
+                tracing::info!("template pre-builds stopped on request");
+                break;
+            }
+            ready += usize::from(self.ctl(layout, shape.ctl_args(), "template ready", stop));
+        }
+        ready
     }
 
     /// At uninstall: removes every template of the installed shim config's cache (pods may have
@@ -121,18 +134,18 @@ impl Templates {
     pub fn remove_all(&self, layout: &NodePaths) {
         if layout.current_link().join(CTL_BINARY).is_file() {
             let args = ["template", "rm", "--all"].map(String::from).to_vec();
-            self.ctl(layout, args, "templates removed");
+            self.ctl(layout, args, "templates removed", &Stop::default());
         }
     }
 
     /// Runs the installed `bulkhead-ctl --config <installed shim config> <args>` on the host;
     /// whether it succeeded (logged either way).
-    fn ctl(&self, layout: &NodePaths, args: Vec<String>, done: &str) -> bool {
+    fn ctl(&self, layout: &NodePaths, args: Vec<String>, done: &str, stop: &Stop) -> bool {
         let mut argv = self.host_exec.clone();
         argv.extend([layout.view_ctl().display().to_string(), "--config".into()]);
         argv.push(layout.view_shim_config().display().to_string());
         argv.extend(args);
-        match crate::bounded::run(&argv, self.timeout, true) {
+        match crate::bounded::run_stoppable(&argv, self.timeout, true, stop, STOP_GRACE) {
             Ok(finished) if finished.status.success() => {
                 tracing::info!(command = ?argv, output = %finished.stdout.trim(), "{done}");
                 true
@@ -223,13 +236,48 @@ mod tests {
             host_exec: vec![exec.display().to_string()],
             timeout: Duration::from_secs(10),
         };
-        assert_eq!(prebuild.prebuild(&layout), 2);
+        assert_eq!(prebuild.prebuild(&layout, &Stop::default()), 2);
         let calls = std::fs::read_to_string(&calls).unwrap();
         let lines: Vec<&str> = calls.lines().collect();
         assert_eq!(lines.len(), 3, "{calls}");
         let config = layout.view_shim_config();
         assert_eq!(lines[0], format!("{} --config {} template build", ctl.display(), config.display()));
         assert!(lines[2].ends_with("template build --vcpus 1 --memory-mib 256 --nic-mtu 1500"), "{calls}");
+    }
+
+    #[test]
+    fn a_stop_ends_the_build_under_way_and_starts_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = NodePaths::new(dir.path(), dir.path());
+        let ctl = layout.view_ctl();
+        std::fs::create_dir_all(ctl.parent().unwrap()).unwrap();
+        let calls = dir.path().join("calls");
+        // Each build records its start, and its SIGTERM when it gets one.
+        write_exec(
+            &ctl,
+            &format!(
+                "#!/bin/sh\necho start >> {0}\ntrap 'echo term >> {0}; exit 1' TERM\nsleep 30 & wait\n",
+                calls.display()
+            ),
+        );
+        let prebuild = Templates {
+            shapes: parse_shapes("default,2x512").unwrap(),
+            host_exec: vec![],
+            timeout: Duration::from_secs(60),
+        };
+        let stop = Stop::default();
+        let asked = stop.clone();
+        let calls_seen = calls.clone();
+        std::thread::spawn(move || {
+            while !std::fs::read_to_string(&calls_seen).is_ok_and(|c| c.contains("start")) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            asked.request();
+        });
+        let started = std::time::Instant::now();
+        assert_eq!(prebuild.prebuild(&layout, &stop), 0);
+        assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+        assert_eq!(std::fs::read_to_string(&calls).unwrap(), "start\nterm\n", "one build, stopped; none after it");
     }
 
     #[test]
@@ -245,7 +293,7 @@ mod tests {
             timeout: Duration::from_millis(300),
         };
         let started = std::time::Instant::now();
-        assert_eq!(prebuild.prebuild(&layout), 0);
+        assert_eq!(prebuild.prebuild(&layout, &Stop::default()), 0);
         assert!(started.elapsed() < Duration::from_secs(10));
     }
 }
