@@ -246,15 +246,15 @@ impl Prepared {
         &self.state.config
     }
 
-    /// Builds this run's devices and puts the guest state back. The VM starts paused.
-    /// `filters`: the seccomp filters of the threads the devices start.
+    /// Builds this run's devices and puts the guest state back. The VM starts paused, unless
+    /// the run says `resume`. `filters`: the seccomp filters of the threads the devices start.
     pub fn restore(mut self, run: &RestoreConfig, filters: &Filters) -> Result<Vm, VmmError> {
         // A prepared VMM waited for this request; that wait is not part of the restore.
         self.phases.restart();
         let cfg = restored_config(&self.state.config, run)?;
         let irqchip = self.state.vm.irqchip.is_some();
         let exit = Arc::new(ExitSignal::new().map_err(dev_err("exit eventfd"))?);
-        let control = Arc::new(VcpuControl::new_paused());
+        let control = Arc::new(if run.resume { VcpuControl::new() } else { VcpuControl::new_paused() });
         let threads = Unconfirmed::default();
         let ctx = DeviceContext { vm: &self.vm, irqchip, mem: &self.mem, exit: &exit, filters, threads: &threads };
         let devices = DeviceManager::build(&cfg, &ctx, Some(&self.state.devices))?;

@@ -161,14 +161,13 @@ fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
         }
         Mode::Restore { dir, run } => {
             run.validate().context("invalid restore config")?;
-            let api = run
-                .api_socket
-                .clone()
-                .context("a restored VM waits for `resume`: the restore config needs api_socket")?;
+            let api = run.api_socket.clone().context(
+                "a restored VM is controlled (resumed, stopped) through its API: the restore config needs api_socket",
+            )?;
             let vm = builder::prepare(&dir, phases)
                 .and_then(|p| p.restore(&run, &filters))
                 .with_context(|| format!("cannot restore the snapshot in {}", dir.display()))?;
-            tracing::info!(dir = %dir.display(), "VM restored; paused until `resume`");
+            tracing::info!(dir = %dir.display(), "VM restored; {}", restored_state(&run));
             vmm::run(vm, signal_fd, start, &filters, Some(ApiEndpoint::Bind(api))).context("VM failed")?
         }
         Mode::Prepare { dir, api } => match prepared(&dir, &api, signal_fd, start, &filters, phases)? {
@@ -234,9 +233,17 @@ fn prepared(
     }
     let report = Response { restore: vm.restore.clone(), ..Response::ok() };
     std::io::Write::write_all(&mut client, &encode_line(&report)).context("answering `restore`")?;
-    tracing::info!("VM restored; paused until `resume`");
+    tracing::info!("VM restored; {}", restored_state(&run));
     let endpoint = ApiEndpoint::Bound { path: api_path.to_owned(), listener: handover.listener, client };
     Ok(Some(vmm::run(vm, signal_fd, start, filters, Some(endpoint)).context("VM failed")?))
+}
+
+fn restored_state(run: &RestoreConfig) -> &'static str {
+    if run.resume {
+        "running (the restore config said resume)"
+    } else {
+        "paused until `resume`"
+    }
 }
 
 enum Waited {

@@ -135,6 +135,26 @@ fn restored_guest_continues_counting_in_a_new_process() {
     assert_continues(&s.serial, &run.serial);
 }
 
+/// A restore config that says `resume` (the shim's): the guest runs as soon as it is restored,
+/// with no API call, and goes on from the snapshot; the API still answers and can pause it.
+#[test]
+fn a_restore_that_says_resume_runs_at_once_and_continues() {
+    let Some(guest) = guest_or_skip("counter") else { return };
+    let s = boot_and_snapshot(&guest, json!({}), "count 3\n");
+    let run_dir = s.dir.path().join("resumed");
+    let vmm = restore(&s.snap, &run_dir, json!({"resume": true}));
+    let text = wait_counts(&run_dir, 3);
+    assert!(!text.contains("counter up"), "the guest started over: {text:?}");
+    let api = run_dir.join("api.sock");
+    let info = api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT);
+    assert_eq!(info["info"]["state"], "running", "{info}");
+    assert!(info["info"]["first_kvm_run_unix_ns"].is_u64(), "{info}");
+    assert_eq!(api_request(&api, &json!({"cmd": "pause"}), API_TIMEOUT)["ok"], true);
+    assert_eq!(api_request(&api, &json!({"cmd": "info"}), API_TIMEOUT)["info"]["state"], "paused");
+    let run = shutdown(vmm, &run_dir);
+    assert_continues(&s.serial, &run.serial);
+}
+
 #[test]
 fn two_restores_run_side_by_side_and_never_write_the_snapshot() {
     let Some(guest) = guest_or_skip("counter") else { return };

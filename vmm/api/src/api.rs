@@ -28,7 +28,7 @@ pub enum Request {
         dir: PathBuf,
     },
     /// To a VMM started with `--prepare`: restore the prepared snapshot with this run's settings.
-    /// The VM stays paused until `resume`.
+    /// The VM stays paused until `resume`, unless the config says `resume`.
     Restore {
         config: RestoreConfig,
     },

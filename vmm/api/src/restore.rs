@@ -48,6 +48,10 @@ pub struct RestoreConfig {
     /// snapshot's).
     #[serde(default)]
     pub fs_sockets: Vec<PathBuf>,
+    /// Run the guest as soon as it is restored, instead of waiting paused for the API's
+    /// `resume`: for a caller with nothing to do in between (the shim), it saves the round trip.
+    #[serde(default)]
+    pub resume: bool,
 }
 
 impl RestoreConfig {

@@ -214,7 +214,7 @@ impl VmSandbox {
             launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Start)?;
         phases.mark("launch");
         if template.is_some() {
-            if let Err(why) = resume_restored(&layout, &vmm).await {
+            if let Err(why) = wait_restored(&layout, &vmm).await {
                 phases.mark("restore_refused");
                 let e = start_failure(&why, &vmm, &fsd, &layout, None).await;
                 return Err(BootFailure::Restore(e));
@@ -247,7 +247,8 @@ pub(super) struct Launched {
 }
 
 /// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
-/// `shape`, or restoring `template` (a warm start: paused until [`resume_restored`]); what it
+/// `shape`, or restoring `template` (a warm start, running as soon as it is restored: see
+/// [`wait_restored`]); what it
 /// started is in `started`. A pod's start and a template's build both begin here, so a template is booted
 /// exactly as a pod's VM is.
 pub(super) async fn launch(
@@ -360,31 +361,27 @@ pub(super) async fn launch(
     Ok(Launched { vmm, virtiofsd: fsd, network, layout })
 }
 
-/// How long a restoring VMM may take to answer on its API socket (the restore is done by then).
+/// How long a restoring VMM may take to bind its API socket (the restore is done by then).
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(20);
 /// How often the restoring VMM's API socket is looked for: the restore itself takes a few ms, so
 /// a coarser poll would be a good share of a warm start.
 const RESTORE_POLL: Duration = Duration::from_millis(1);
 
-/// Resumes the restored VM once its API answers (a restoring VMM binds it once the VM is
-/// restored, paused). An error if the VMM exits first, refuses, or takes too long.
-async fn resume_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String> {
-    let api = VmmApi::new(&layout.api_socket(), API_TIMEOUT);
+/// Until the restored VM runs. The VMM resumes it by itself (the restore config's `resume`: no
+/// API round trip before the guest runs) and binds its API socket after the restore, so the
+/// socket is the sign. An error if the VMM exits first (it would not restore the template) or
+/// takes too long.
+async fn wait_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + RESTORE_TIMEOUT;
     loop {
         if let Some(exit) = vmm.exit() {
             return Err(format!("the restore failed: the VMM exited with status {}", exit.status));
         }
         if layout.api_socket().exists() {
-            match api.resume().await {
-                Ok(()) => return Ok(()),
-                // Bound but not listening yet.
-                Err(api::ApiError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {}
-                Err(e) => return Err(format!("resume after the restore: {e}")),
-            }
+            return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(format!("the restored VM's API did not answer within {RESTORE_TIMEOUT:?}"));
+            return Err(format!("the restored VM's API socket did not appear within {RESTORE_TIMEOUT:?}"));
         }
         tokio::time::sleep(RESTORE_POLL).await;
     }

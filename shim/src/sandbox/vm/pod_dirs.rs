@@ -156,6 +156,8 @@ impl VmLayout {
             block: Vec::new(),
             net_taps: plan.net.iter().map(|n| n.tap.clone()).collect(),
             fs_sockets: vec![FS_SOCKET.into()],
+            // Nothing is done between the restore and the guest's run: the VMM resumes at once.
+            resume: true,
         }
     }
 
