@@ -82,14 +82,7 @@ pub async fn build(
     if let Some(bad) = nic_mtus.iter().find(|m| **m < 68) {
         return Err(CtlError::Failed(format!("NIC MTU {bad}: a guest NIC takes 68..=65535")));
     }
-    let sources = KeySources {
-        kernel: &config.vm.kernel_path,
-        initramfs: &config.vm.initramfs_path,
-        vmm: &config.vm.vmm_path,
-        vcpus,
-        memory_mib,
-        nic_mtus,
-    };
+    let sources = KeySources::of_config(&config.vm, vcpus, memory_mib, nic_mtus);
     let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).map_err(|e| failed(&e))?;
     let started = Instant::now();
     let builder = VmTemplateBuilder::new(std::sync::Arc::new(config));

@@ -43,14 +43,7 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
     // Hashing the kernel, initramfs and VMM (memoised after the first time) is file I/O.
     let found = tokio::task::spawn_blocking(move || {
         let store = TemplateStore::open(&vm.template_dir)?;
-        let sources = KeySources {
-            kernel: &vm.kernel_path,
-            initramfs: &vm.initramfs_path,
-            vmm: &vm.vmm_path,
-            vcpus: shape.vcpus,
-            memory_mib,
-            nic_mtus: &nic_mtus,
-        };
+        let sources = KeySources::of_config(&vm, shape.vcpus, memory_mib, &nic_mtus);
         let inputs = KeyInputs::of(&sources, Some(&store.digests_dir()))?;
         Ok::<_, super::template::TemplateError>((store, inputs))
     })
