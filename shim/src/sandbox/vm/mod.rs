@@ -248,9 +248,8 @@ pub(super) struct Launched {
 
 /// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
 /// `shape`, or restoring `template` (a warm start, running as soon as it is restored: see
-/// [`wait_restored`]); what it
-/// started is in `started`. A pod's start and a template's build both begin here, so a template is booted
-/// exactly as a pod's VM is.
+/// [`wait_restored`]); what it started is in `started`. A pod's start and a template's build both
+/// begin here, so a template is booted exactly as a pod's VM is.
 pub(super) async fn launch(
     config: &Config,
     req: &SandboxRequest,
