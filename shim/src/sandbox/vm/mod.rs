@@ -368,13 +368,17 @@ const RESTORE_POLL: Duration = Duration::from_millis(1);
 
 /// Until the restored VM runs. The VMM resumes it by itself (the restore config's `resume`: no
 /// API round trip before the guest runs) and binds its API socket after the restore, so the
-/// socket is the sign. An error if the VMM exits first (it would not restore the template) or
+/// socket is the sign. An error if the VMM fails first (it would not restore the template) or
 /// takes too long.
 async fn wait_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + RESTORE_TIMEOUT;
     loop {
-        if let Some(exit) = vmm.exit() {
-            return Err(format!("the restore failed: the VMM exited with status {}", exit.status));
+        match vmm.exit() {
+            // The guest ran and stopped itself (status 0), maybe before the socket was seen: the
+            // restore took, and the agent's dial reports the early end.
+            Some(exit) if exit.status == 0 => return Ok(()),
+            Some(exit) => return Err(format!("the restore failed: the VMM exited with status {}", exit.status)),
+            None => {}
         }
         if layout.api_socket().exists() {
             return Ok(());
