@@ -176,6 +176,15 @@ mod tests {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
 
+    /// A node under `dir` whose installed `bulkhead-ctl` is the shell script `script`.
+    fn node_with_ctl(dir: &Path, script: &str) -> NodePaths {
+        let layout = NodePaths::new(dir, dir);
+        let ctl = layout.view_ctl();
+        std::fs::create_dir_all(ctl.parent().unwrap()).unwrap();
+        write_exec(&ctl, script);
+        layout
+    }
+
     #[test]
     fn shapes_parse_with_their_nics_and_defaults() {
         let shapes = parse_shapes(" default, default/9001 ,2x2048/9001/1500,default").unwrap();
@@ -248,18 +257,13 @@ mod tests {
     #[test]
     fn a_stop_ends_the_build_under_way_and_starts_no_other() {
         let dir = tempfile::tempdir().unwrap();
-        let layout = NodePaths::new(dir.path(), dir.path());
-        let ctl = layout.view_ctl();
-        std::fs::create_dir_all(ctl.parent().unwrap()).unwrap();
         let calls = dir.path().join("calls");
         // Each build records its start, and its SIGTERM when it gets one.
-        write_exec(
-            &ctl,
-            &format!(
-                "#!/bin/sh\necho start >> {0}\ntrap 'echo term >> {0}; exit 1' TERM\nsleep 30 & wait\n",
-                calls.display()
-            ),
+        let script = format!(
+            "#!/bin/sh\necho start >> {0}\ntrap 'echo term >> {0}; exit 1' TERM\nsleep 30 & wait\n",
+            calls.display()
         );
+        let layout = node_with_ctl(dir.path(), &script);
         let prebuild = Templates {
             shapes: parse_shapes("default,2x512").unwrap(),
             host_exec: vec![],
@@ -283,10 +287,7 @@ mod tests {
     #[test]
     fn a_build_that_hangs_is_cut_at_its_timeout() {
         let dir = tempfile::tempdir().unwrap();
-        let layout = NodePaths::new(dir.path(), dir.path());
-        let ctl = layout.view_ctl();
-        std::fs::create_dir_all(ctl.parent().unwrap()).unwrap();
-        write_exec(&ctl, "#!/bin/sh\nexec sleep 30\n");
+        let layout = node_with_ctl(dir.path(), "#!/bin/sh\nexec sleep 30\n");
         let prebuild = Templates {
             shapes: parse_shapes("default").unwrap(),
             host_exec: vec![],
