@@ -273,6 +273,8 @@ impl Prepared {
             vcpus.push(vcpu);
         }
         kvm_state::restore_vm(&self.vm, &self.state.vm)?;
+        // After the irqchip: restoring it would drop an interrupt raised before.
+        devices.saveable.tell_restored_changes();
         self.phases.mark("vCPU, irqchip, PIT and clock state", true);
         threads.confirm_all().map_err(dev_err("device threads"))?;
         self.phases.mark("device threads confined (wait)", false);

@@ -187,7 +187,7 @@ fn guest_udp_datagram_reaches_the_tap_and_the_reply_reaches_the_guest() {
         vec![(b"hello from guest".to_vec(), SocketAddr::V4(SocketAddrV4::new(GUEST_IP, GUEST_PORT)))],
         "{ctx}"
     );
-    assert!(run.serial.contains(&format!("net mac {GUEST_MAC} mtu=578\n")), "config space\n{ctx}");
+    assert!(run.serial.contains(&format!("net mac {GUEST_MAC} mtu=578 link up\n")), "config space\n{ctx}");
     assert!(run.serial.contains("sent\n"), "{ctx}");
     assert!(run.serial.contains("reply: echo: hello from guest\n"), "{ctx}");
 }
@@ -288,10 +288,12 @@ fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
     let Some(guest) = netns_guest_or_skip("net") else { return };
     let dir = tempfile::tempdir().unwrap();
     let api_timeout = Duration::from_secs(30);
-    // The template: net up, RX buffers posted, waiting for the transport reset of a restore.
+    // The template: net up with its link down (its tap has no network), RX buffers posted,
+    // waiting for the transport reset of a restore.
     let template_ns = TestNetns::create();
     let api = dir.path().join("api.sock");
     let mut cfg = net_config(dir.path(), &guest);
+    cfg["net"][0]["link"] = serde_json::json!("down");
     cfg["api_socket"] = serde_json::json!(api);
     cfg["vsock"] = serde_json::json!({"uds_path": dir.path().join("v.sock"), "guest_cid": TEMPLATE_CID});
     let vmm = template_ns.spawn_vmm(dir.path(), &cfg);
@@ -302,6 +304,7 @@ fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
     assert_eq!(api_request(&api, &serde_json::json!({"cmd": "shutdown"}), api_timeout)["ok"], true);
     let run = vmm.wait();
     assert!(run.status.success() && !run.serial.contains("sent"), "{}\n{}", run.serial, run.stderr);
+    assert!(run.serial.contains(" link down\n"), "the template's guest saw its link down:\n{}", run.serial);
     drop(template_ns); // the template's tap is gone with its namespace
 
     // A pod: its own namespace and tap, named in its run config.
@@ -332,5 +335,6 @@ fn a_template_restored_in_another_namespace_talks_through_the_runs_own_tap() {
         vec![(b"hello from guest".to_vec(), SocketAddr::V4(SocketAddrV4::new(GUEST_IP, GUEST_PORT)))],
         "{ctx}"
     );
-    assert_eq!(run.serial, "restored\nsent\nreply: echo: hello from guest\n", "{ctx}");
+    // The restore raised the link on the pod's tap, and the guest was told before it sent.
+    assert_eq!(run.serial, "restored\nlink up\nsent\nreply: echo: hello from guest\n", "{ctx}");
 }

@@ -157,6 +157,20 @@ pub struct NetConfig {
     /// Token-bucket limits per direction; absent means unlimited.
     #[serde(default)]
     pub rate_limiter: Option<NetRateLimiterConfig>,
+    /// The link state the device reports (virtio-net's status). `down` is for a template's VM,
+    /// whose tap has no network: a restore attaches the run's own tap, raises the link and
+    /// tells the guest with a config interrupt, as the virtio spec has a device do.
+    #[serde(default)]
+    pub link: LinkState,
+}
+
+/// [`NetConfig::link`].
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkState {
+    #[default]
+    Up,
+    Down,
 }
 
 /// The virtio-balloon device. Its job is free page reporting: the guest's kernel reports pages it

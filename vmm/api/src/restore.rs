@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{
-    BlockConfig, ConfigError, FsConfig, ValidConfig, VsockConfig, MAX_BLOCK_DEVICES, MAX_CONFIG_BYTES, MAX_FS_DEVICES,
-    MAX_NET_DEVICES,
+    BlockConfig, ConfigError, FsConfig, LinkState, ValidConfig, VsockConfig, MAX_BLOCK_DEVICES, MAX_CONFIG_BYTES,
+    MAX_FS_DEVICES, MAX_NET_DEVICES,
 };
 
 /// The state file (versioned, checksummed) inside a snapshot directory.
@@ -40,7 +40,8 @@ pub struct RestoreConfig {
     #[serde(default)]
     pub block: Vec<BlockConfig>,
     /// This run's taps, one per net device of the snapshot, in order. Required when it has any:
-    /// each pod has its own tap (MAC, MTU and rate limits stay the snapshot's).
+    /// each pod has its own tap (MAC, MTU and rate limits stay the snapshot's). Their links are
+    /// up: a template's NIC that was down comes up, and its guest is told.
     #[serde(default)]
     pub net_taps: Vec<String>,
     /// This run's vhost-user sockets, one per virtio-fs device of the snapshot, in order.
@@ -109,8 +110,9 @@ pub struct RestoreMismatch {
 
 /// The snapshot's config with this run's settings in place of the snapshot's: its API socket and
 /// serial log, its vsock socket (the snapshot's CID), its disks (or the snapshot's, if it names
-/// none), its taps and its virtiofsd sockets (the snapshot's MAC, MTU, limits, tags and queue
-/// sizes). Plain data: the devices check the rest (disk sizes, features) when they restore.
+/// none), its taps with their links up and its virtiofsd sockets (the snapshot's MAC, MTU,
+/// limits, tags and queue sizes). Plain data: the devices check the rest (disk sizes, features)
+/// when they restore.
 pub fn restored_config(saved: &ValidConfig, run: &RestoreConfig) -> Result<ValidConfig, RestoreMismatch> {
     let mismatch = |what, reason: String| RestoreMismatch { what, reason };
     let mut cfg = saved.clone();
@@ -142,6 +144,7 @@ pub fn restored_config(saved: &ValidConfig, run: &RestoreConfig) -> Result<Valid
     }
     for (net, tap) in cfg.net.iter_mut().zip(&run.net_taps) {
         net.tap = tap.clone();
+        net.link = LinkState::Up;
     }
     if run.fs_sockets.len() != saved.fs.len() {
         let reason = format!(
@@ -250,8 +253,13 @@ mod tests {
 
     fn fs_and_net() -> (Vec<FsConfig>, Vec<NetConfig>) {
         let fs = FsConfig { tag: "rootfs".into(), socket: "/old/fs.sock".into(), queue_size: 512 };
-        let net =
-            NetConfig { tap: "tap-old".into(), mac: "02:00:00:00:00:01".into(), mtu: Some(1500), rate_limiter: None };
+        let net = NetConfig {
+            tap: "tap-old".into(),
+            mac: "02:00:00:00:00:01".into(),
+            mtu: Some(1500),
+            rate_limiter: None,
+            link: LinkState::Down,
+        };
         (vec![fs], vec![net])
     }
 
@@ -265,7 +273,8 @@ mod tests {
             ..Default::default()
         };
         let cfg = restored_config(&snapshot, &run).unwrap();
-        assert_eq!(cfg.net, vec![NetConfig { tap: "tap-new".into(), ..net[0].clone() }], "MAC, MTU, limits kept");
+        let raised = NetConfig { tap: "tap-new".into(), link: LinkState::Up, ..net[0].clone() };
+        assert_eq!(cfg.net, vec![raised], "MAC, MTU, limits kept; the template's link comes up on the run's tap");
         assert_eq!(cfg.fs, vec![FsConfig { socket: "/new/fs.sock".into(), ..fs[0].clone() }], "tag, queue size kept");
 
         let e = |run: RestoreConfig| restored_config(&snapshot, &run).unwrap_err().to_string();

@@ -122,6 +122,7 @@ impl DeviceManager {
                         tap: n.tap.clone(),
                         backend: Box::new(tap),
                         rate_limiter: n.rate_limiter.clone(),
+                        link: n.link,
                         mem: mem.clone(),
                         irq,
                     })

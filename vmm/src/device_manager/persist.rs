@@ -186,6 +186,16 @@ impl SaveableDevices {
         self.virtio.iter().find_map(|s| s.device.snapshot_blocker())
     }
 
+    /// Tells the guest's drivers what a restore changed under them: a NIC's link, now the run's
+    /// (`Net::tell_link_change`). Call once the VM's irqchip state is back, before the vCPUs run.
+    pub fn tell_restored_changes(&self) {
+        for slot in &self.virtio {
+            if let VirtioHandle::Net(d) = &slot.device {
+                lock(d).tell_link_change();
+            }
+        }
+    }
+
     /// Every device's state. Call on the event-loop thread (no device work runs meanwhile) with
     /// the vCPUs paused.
     pub fn save(&self) -> DevicesState {

@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use super::state::{StateError, VmState};
 
 pub const MAGIC: [u8; 8] = *b"BHKSNAP\0";
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 pub const HEADER_LEN: usize = 96;
 /// A VM of 32 vCPUs needs well under 1 MiB; anything near this is not ours.
 pub const MAX_BODY_BYTES: u64 = 16 << 20;
@@ -233,14 +233,15 @@ pub(crate) mod tests {
     const FP: [u8; 32] = [5; 32];
     const HERE: (&str, &[u8; 32]) = ("TestCPU", &FP);
 
-    /// The body layout of format version 3, as SHA-256 of a sample with every device kind.
-    /// (Version 2's, without the balloon: 23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921.)
-    const LAYOUT_V3: &str = "6e9537c20367e9ec653e04c74795f1b7f39c0a4b816510eb4be3f97e13758b23";
+    /// The body layout of format version 4, as SHA-256 of a sample with every device kind.
+    /// (Version 3's, without the NIC link: 6e9537c20367e9ec653e04c74795f1b7f39c0a4b816510eb4be3f97e13758b23;
+    /// version 2's, without the balloon: 23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921.)
+    const LAYOUT_V4: &str = "2935f045e143b63a61bf19e24a27f60eab8e07fb61c67c77c8b72ac50baf0443";
 
     #[test]
     fn body_layout_is_pinned_to_the_format_version() {
         use crate::config::{
-            BalloonConfig, FsConfig, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig,
+            BalloonConfig, FsConfig, LinkState, NetConfig, NetRateLimiterConfig, RateLimiterConfig, TokenBucketConfig,
         };
         use crate::device_manager::persist::{VirtioDeviceState, VirtioSlotState};
         use crate::devices::virtio::balloon::metrics::BalloonCounters;
@@ -260,6 +261,7 @@ pub(crate) mod tests {
             mac: "02:00:00:00:00:01".into(),
             mtu: Some(1500),
             rate_limiter: Some(limits),
+            link: LinkState::Down,
         }];
         let q = QueueState { max_size: 256, size: 8, ready: true, next_avail: 3, ..Default::default() };
         let transport = MmioTransportState { device_status: 0xf, queues: vec![q], ..Default::default() };
@@ -306,6 +308,7 @@ pub(crate) mod tests {
                     tap: "tap0".into(),
                     mac: [2, 0, 0, 0, 0, 1],
                     mtu: Some(1500),
+                    link: LinkState::Down,
                     acked_features: 1,
                     queues: vec![q; 2],
                     broken: false,
@@ -335,9 +338,9 @@ pub(crate) mod tests {
         s.vcpus[0].xcrs = Some(Default::default());
         let body = postcard::to_stdvec(&s).unwrap();
         let layout = hex(&Sha256::digest(&body));
-        assert_eq!(FORMAT_VERSION, 3);
+        assert_eq!(FORMAT_VERSION, 4);
         assert_eq!(
-            layout, LAYOUT_V3,
+            layout, LAYOUT_V4,
             "the state body's layout changed: bump FORMAT_VERSION and pin the new layout here"
         );
     }

@@ -10,6 +10,13 @@ pub const TYPE_NET: u32 = 1;
 pub const F_CSUM: u32 = 1 << 0;
 pub const F_MTU: u32 = 1 << 3;
 pub const F_MAC: u32 = 1 << 5;
+pub const F_STATUS: u32 = 1 << 16;
+/// virtio-net config space: the link status (u16) after the MAC.
+pub const LINK_STATUS: u64 = CONFIG + 6;
+/// Polls of the interrupt status for a link change (as long as a restore may take to arrive).
+pub const LINK_SPINS: u32 = 2_000_000;
+/// INTERRUPT_STATUS's "the config changed" bit.
+pub const INT_CONFIG: u32 = 2;
 pub const VNET_HDR: u64 = 12;
 pub const HOST_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
 pub const HOST_IP: [u8; 4] = [10, 0, 0, 1];

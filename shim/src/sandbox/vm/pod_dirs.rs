@@ -234,6 +234,7 @@ impl VmLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bulkhead_vmm_api::config::LinkState;
     use std::os::unix::fs::MetadataExt;
 
     fn plan<'a>(kernel: &'a Path, initramfs: &'a Path) -> VmPlan<'a> {
@@ -263,6 +264,7 @@ mod tests {
             mac: "02:00:00:00:00:01".into(),
             mtu: Some(1450),
             rate_limiter: None,
+            link: LinkState::Up,
         }];
         layout.create(&plan).unwrap();
         assert!(JailConfig::from_file(&layout.jail_json()).unwrap().tun);

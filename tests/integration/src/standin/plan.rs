@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use bulkhead_vmm_api::config::{NetConfig, VmConfig, DEFAULT_CMDLINE};
+use bulkhead_vmm_api::config::{LinkState, NetConfig, VmConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::JailConfig;
 
 /// A virtio-fs device: the tag the guest mounts and the vhost-user backend's socket.
@@ -59,6 +59,10 @@ impl Plan {
         }
         if !vm.block.is_empty() {
             return Err("the QEMU stand-in has no block devices".into());
+        }
+        // Only a template's NICs start down, and the stand-in builds no templates.
+        if vm.net.iter().any(|n| n.link == LinkState::Down) {
+            return Err("the QEMU stand-in starts no NIC with its link down (template VMs are bulkhead-vmm's)".into());
         }
         let read_only = |what: &str, p: &Path| {
             jail.read_only

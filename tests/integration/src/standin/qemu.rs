@@ -87,7 +87,7 @@ fn qemu_path(path: &Path) -> String {
 mod tests {
     use super::super::plan::{FsDevice, Vsock};
     use super::*;
-    use bulkhead_vmm_api::config::NetConfig;
+    use bulkhead_vmm_api::config::{LinkState, NetConfig};
 
     fn plan() -> Plan {
         Plan {
@@ -105,6 +105,7 @@ mod tests {
                 mac: "02:00:00:00:00:01".into(),
                 mtu: Some(1450),
                 rate_limiter: None,
+                link: LinkState::Up,
             }],
             api_socket: Some("/s/run/api.sock".into()),
             free_page_reporting: true,

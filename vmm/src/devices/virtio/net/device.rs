@@ -1,12 +1,14 @@
 //! virtio-net device semantics: features (checksum and TSO offloads only where the tap takes
-//! them), the config space (MAC, MTU), and moving frames between the RX/TX queues and the tap,
-//! with backpressure (at most one host frame waits for a guest buffer) and rate limiting.
+//! them), the config space (MAC, link status, MTU), and moving frames between the RX/TX queues
+//! and the tap, with backpressure (at most one host frame waits for a guest buffer) and rate
+//! limiting.
 
 use std::io;
 
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
-    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MTU,
+    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MTU, VIRTIO_NET_F_STATUS,
+    VIRTIO_NET_S_LINK_UP,
 };
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
@@ -15,11 +17,11 @@ use vmm_sys_util::eventfd::EventFd;
 use super::packet::{read_tx, rx_capacity, write_rx, TxOffloads, ETH_HLEN, MAX_BUFFER_LEN, VNET_HDR_LEN};
 use super::rate_limiter::RateLimiter;
 use super::tap::{FrameIo, Tap, TapError};
-use crate::config::{parse_mac, NetConfig};
+use crate::config::{parse_mac, LinkState, NetConfig};
 use crate::devices::virtio::chain;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceState, IrqTrigger, PendingReset, VirtioDevice, TYPE_NET,
-    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
+    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
 use crate::log_throttle::LogThrottle;
 
@@ -54,8 +56,9 @@ pub enum NetError {
 }
 
 /// Features for a tap accepting `tun_offloads` (TUN_F_*): offloads only where it takes them.
+/// Link status always: a template's link is down until a restore raises it.
 pub fn features_for(tun_offloads: u32, mtu: bool) -> u64 {
-    let mut f = VIRTIO_F_VERSION_1 | bit(VIRTIO_NET_F_MAC);
+    let mut f = VIRTIO_F_VERSION_1 | bit(VIRTIO_NET_F_MAC) | bit(VIRTIO_NET_F_STATUS);
     if mtu {
         f |= bit(VIRTIO_NET_F_MTU);
     }
@@ -123,6 +126,10 @@ pub struct Net {
     backend: Box<dyn FrameIo>,
     pub(super) mac: [u8; 6],
     pub(super) mtu: Option<u16>,
+    pub(super) link: LinkState,
+    /// A restore changed the link the driver last saw: it is told once the VM's interrupt state
+    /// is back ([`Net::tell_link_change`]).
+    link_change_untold: bool,
     avail_features: u64,
     pub(super) acked_features: u64,
     queue_evts: [EventFd; 2],
@@ -156,6 +163,8 @@ impl Net {
             backend,
             mac,
             mtu: cfg.mtu,
+            link: cfg.link,
+            link_change_untold: false,
             acked_features: 0,
             queue_evts: [
                 EventFd::new(libc::EFD_NONBLOCK).map_err(NetError::EventFd)?,
@@ -223,6 +232,28 @@ impl Net {
                 }
             }
             Err(e) => self.fail(e),
+        }
+    }
+
+    /// After a restore: the driver saw `saved` (the snapshot's link), and the device now reports
+    /// its own. A driver that negotiated link status on a live device is told at
+    /// [`Net::tell_link_change`]; one that has not set the device up reads the status when it does.
+    pub(super) fn restored_link(&mut self, saved: LinkState) {
+        let told_of_status = self.acked_features & bit(VIRTIO_NET_F_STATUS) != 0;
+        self.link_change_untold = saved != self.link && told_of_status && matches!(self.state, DeviceState::Active(_));
+    }
+
+    /// Raises the config interrupt of a link change a restore made, once; call after the VM's
+    /// irqchip state is back (a restored irqchip would drop an interrupt raised before it).
+    /// The config generation stays: one two-byte field cannot be read torn.
+    pub fn tell_link_change(&mut self) {
+        if !std::mem::take(&mut self.link_change_untold) {
+            return;
+        }
+        if let DeviceState::Active(a) = &self.state {
+            a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+            tracing::info!(device = %self.name, tap = %self.tap_name, link = ?self.link,
+                "link changed by the restore; the guest is told");
         }
     }
 
@@ -382,6 +413,11 @@ impl VirtioDevice for Net {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut cfg = [0u8; CONFIG_SPACE_LEN];
         cfg[..6].copy_from_slice(&self.mac);
+        let status = match self.link {
+            LinkState::Up => VIRTIO_NET_S_LINK_UP as u16,
+            LinkState::Down => 0,
+        };
+        cfg[6..8].copy_from_slice(&status.to_le_bytes());
         cfg[10..12].copy_from_slice(&self.mtu.unwrap_or(0).to_le_bytes());
         read_config_bytes(&cfg, offset, data);
     }
@@ -471,7 +507,13 @@ pub(crate) mod test_utils {
     }
 
     pub fn net_config() -> NetConfig {
-        NetConfig { tap: "tap-test".into(), mac: "02:00:00:00:00:02".into(), mtu: Some(1400), rate_limiter: None }
+        NetConfig {
+            tap: "tap-test".into(),
+            mac: "02:00:00:00:00:02".into(),
+            mtu: Some(1400),
+            rate_limiter: None,
+            link: LinkState::Up,
+        }
     }
 
     pub fn device(cfg: &NetConfig, offloads: u32) -> (Net, UnixDatagram, Arc<Mutex<Vec<u32>>>) {
@@ -521,7 +563,7 @@ mod tests {
     use crate::devices::virtio::net::packet::{VnetHeader, HDR_F_NEEDS_CSUM};
     use vm_memory::{Bytes, GuestAddress};
 
-    const BASIC: u64 = VIRTIO_F_VERSION_1 | bit(VIRTIO_NET_F_MAC);
+    const BASIC: u64 = VIRTIO_F_VERSION_1 | bit(VIRTIO_NET_F_MAC) | bit(VIRTIO_NET_F_STATUS);
     const ALL_TUN: u32 = libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6;
 
     /// An Ethernet frame of `len` bytes (header included), vnet header first.
@@ -593,12 +635,12 @@ mod tests {
     }
 
     #[test]
-    fn config_space_holds_mac_and_mtu() {
+    fn config_space_holds_mac_link_and_mtu() {
         let (dev, _host, _) = device(&net_config(), 0);
         let mut cfg = [0xffu8; 12];
         dev.read_config(0, &mut cfg);
         assert_eq!(cfg[..6], [2, 0, 0, 0, 0, 2]);
-        assert_eq!(cfg[6..10], [0, 0, 0, 0], "no link status, one queue pair");
+        assert_eq!(cfg[6..10], [1, 0, 0, 0], "link up, one queue pair");
         assert_eq!(u16::from_le_bytes([cfg[10], cfg[11]]), 1400);
         let mut mtu = [0u8; 2];
         dev.read_config(10, &mut mtu);
@@ -610,6 +652,10 @@ mod tests {
 
         let (no_mtu, _h, _) = device(&NetConfig { mtu: None, ..net_config() }, 0);
         assert_eq!(no_mtu.avail_features() & bit(VIRTIO_NET_F_MTU), 0);
+        let (down, _h, _) = device(&NetConfig { link: LinkState::Down, ..net_config() }, 0);
+        let mut status = [0xffu8; 2];
+        down.read_config(6, &mut status);
+        assert_eq!(status, [0, 0], "a template's link is down");
         let (_, spare, _) = device(&net_config(), 0);
         let end = SocketEnd { sock: spare, offloads: 0, set: Default::default() };
         let multicast = NetConfig { mac: "01:00:00:00:00:01".into(), ..net_config() };

@@ -1,7 +1,8 @@
-//! Serialisable virtio-net state: MAC, MTU, acked features and the virtqueues. The tap, a
+//! Serialisable virtio-net state: MAC, MTU, link, acked features and the virtqueues. The tap, a
 //! frame waiting for a guest buffer and the rate limiters' buckets are not part of it: after a
 //! restore the device starts with full buckets on a tap the new process attached, and a frame
-//! in flight is lost, as on a real wire.
+//! in flight is lost, as on a real wire. The link is the run's: a template's link that was down
+//! comes up, and the guest is told.
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
@@ -9,7 +10,7 @@ use vm_memory::GuestMemoryMmap;
 
 use super::device::{format_mac, Net};
 use super::tap::FrameIo;
-use crate::config::{NetConfig, NetRateLimiterConfig};
+use crate::config::{LinkState, NetConfig, NetRateLimiterConfig};
 use crate::devices::virtio::persist::{QueueState, VirtioPersistError};
 use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
@@ -19,6 +20,8 @@ pub struct NetState {
     pub tap: String,
     pub mac: [u8; 6],
     pub mtu: Option<u16>,
+    /// The link the driver last saw.
+    pub link: LinkState,
     pub acked_features: u64,
     /// rx, tx; empty while inactive.
     pub queues: Vec<QueueState>,
@@ -33,6 +36,8 @@ pub struct NetConstructorArgs {
     /// The tap (or another host end), attached by the restoring process.
     pub backend: Box<dyn FrameIo>,
     pub rate_limiter: Option<NetRateLimiterConfig>,
+    /// The run's link (up: the run's tap is the pod's network).
+    pub link: LinkState,
     pub mem: GuestMemoryMmap,
     pub irq: IrqTrigger,
 }
@@ -47,6 +52,7 @@ impl Persist for Net {
             tap: self.tap_name.clone(),
             mac: self.mac,
             mtu: self.mtu,
+            link: self.link,
             acked_features: self.acked_features,
             queues: match &self.state {
                 DeviceState::Active(a) => vec![QueueState::from(&a.rx), QueueState::from(&a.tx)],
@@ -71,6 +77,7 @@ impl Persist for Net {
             mac: format_mac(&state.mac),
             mtu: state.mtu,
             rate_limiter: args.rate_limiter,
+            link: args.link,
         };
         let mut net = Net::with_backend(&cfg, args.index, args.backend)
             .map_err(|e| VirtioPersistError::Backend(format!("tap {}: {e}", args.tap)))?;
@@ -95,13 +102,14 @@ impl Persist for Net {
         if state.broken {
             net.mark_broken();
         }
+        net.restored_link(state.link);
         Ok(net)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::device::test_utils::{device, net_config, rig, SocketEnd};
+    use super::super::device::test_utils::{device, net_config, rig, rig_with, SocketEnd};
     use super::*;
     use crate::devices::virtio::VIRTIO_F_VERSION_1;
     use std::os::unix::net::UnixDatagram;
@@ -114,6 +122,7 @@ mod tests {
             tap: "tap-test".into(),
             backend: Box::new(SocketEnd { sock, offloads, set: Default::default() }),
             rate_limiter: None,
+            link: LinkState::Up,
             mem,
             irq: IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()),
         }
@@ -132,6 +141,44 @@ mod tests {
         let mut mac = [0u8; 6];
         restored.read_config(0, &mut mac);
         assert_eq!(mac, snap.mac);
+    }
+
+    #[test]
+    fn a_templates_link_comes_up_on_restore_and_the_driver_is_told_once() {
+        use crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG;
+        use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS};
+        let down = NetConfig { link: LinkState::Down, ..net_config() };
+        let with_status = VIRTIO_F_VERSION_1 | 1 << VIRTIO_NET_F_MAC | 1 << VIRTIO_NET_F_STATUS;
+        let template = rig_with(&down, 0, with_status);
+        let snap = template.dev.save();
+        assert_eq!(snap.link, LinkState::Down);
+
+        let run = args(template.mem.clone(), 0);
+        let irq = run.irq.clone();
+        let mut restored = Net::restore(run, &snap).unwrap();
+        let mut status = [0xffu8; 2];
+        restored.read_config(6, &mut status);
+        assert_eq!(status, [1, 0], "the run's link is up");
+        assert_eq!(irq.status(), 0, "not told before the irqchip is back");
+        restored.tell_link_change();
+        assert_eq!(irq.status(), VIRTIO_MMIO_INT_CONFIG, "the driver is told of the change");
+        irq.ack(VIRTIO_MMIO_INT_CONFIG);
+        restored.tell_link_change();
+        assert_eq!(irq.status(), 0, "once");
+        assert_eq!(restored.save().link, LinkState::Up);
+
+        // Nobody to tell: a driver that did not negotiate link status, a device never set up, or
+        // a link that did not change.
+        let no_status = rig_with(&down, 0, VIRTIO_F_VERSION_1).dev.save();
+        let inactive = NetState { queues: vec![], ..snap.clone() };
+        let up = NetState { link: LinkState::Up, ..snap };
+        for state in [no_status, inactive, up] {
+            let run = args(template.mem.clone(), 0);
+            let irq = run.irq.clone();
+            let mut restored = Net::restore(run, &state).unwrap();
+            restored.tell_link_change();
+            assert_eq!(irq.status(), 0, "{state:?}");
+        }
     }
 
     #[test]
