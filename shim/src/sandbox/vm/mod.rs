@@ -62,7 +62,7 @@ use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
 use crate::logrelay::Component;
 use crate::network::{MetadataAccess, VmAttach, VmNetwork};
-use bulkhead_vmm_api::config::NetConfig;
+use bulkhead_vmm_api::config::{LinkState, NetConfig};
 
 /// How long a VMM gets to shut down on SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(2);
@@ -211,7 +211,7 @@ impl VmSandbox {
     ) -> Result<Booted, BootFailure> {
         let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Start)?;
         let Launched { vmm, virtiofsd: fsd, network, layout } =
-            launch(config, req, paths, started, shape, template).await.map_err(BootFailure::Start)?;
+            launch(config, req, paths, started, shape, Origin::of_pod(template)).await.map_err(BootFailure::Start)?;
         phases.mark("launch");
         if template.is_some() {
             if let Err(why) = wait_restored(&layout, &vmm).await {
@@ -238,6 +238,39 @@ impl VmSandbox {
     }
 }
 
+/// What a [`launch`]ed VMM starts from.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Origin<'a> {
+    /// A pod's VM, booted.
+    PodBoot,
+    /// A pod's VM, restored from the template in this directory.
+    PodRestore(&'a Path),
+    /// A template's VM, booted with its NICs' links down: their taps are placeholders with no
+    /// network, and the restore that puts a pod's taps in their place raises the links and tells
+    /// the guest (virtio-net's link status and config interrupt).
+    Template,
+}
+
+impl<'a> Origin<'a> {
+    fn of_pod(template: Option<&'a Path>) -> Self {
+        template.map_or(Origin::PodBoot, Origin::PodRestore)
+    }
+
+    fn template(self) -> Option<&'a Path> {
+        match self {
+            Origin::PodRestore(dir) => Some(dir),
+            Origin::PodBoot | Origin::Template => None,
+        }
+    }
+
+    fn link(self) -> LinkState {
+        match self {
+            Origin::Template => LinkState::Down,
+            Origin::PodBoot | Origin::PodRestore(_) => LinkState::Up,
+        }
+    }
+}
+
 /// What [`launch`] started: the VMM (booting) and the pod's virtiofsd.
 pub(super) struct Launched {
     pub vmm: Supervised,
@@ -247,17 +280,18 @@ pub(super) struct Launched {
 }
 
 /// Lays the VM out in `paths`, starts the pod's virtiofsd and the jailed VMM booting a VM of
-/// `shape`, or restoring `template` (a warm start, running as soon as it is restored: see
+/// `shape`, or restoring a template (a warm start, running as soon as it is restored: see
 /// [`wait_restored`]); what it started is in `started`. A pod's start and a template's build both
-/// begin here, so a template is booted exactly as a pod's VM is.
+/// begin here, so a template is booted exactly as a pod's VM is, but for its NICs' links.
 pub(super) async fn launch(
     config: &Config,
     req: &SandboxRequest,
     paths: &PodPaths,
     started: &mut Started,
     shape: VmShape,
-    template: Option<&Path>,
+    origin: Origin<'_>,
 ) -> Result<Launched, SandboxError> {
+    let template = origin.template();
     let vmm_path = vm_file("vmm_path", &config.vm.vmm_path)?;
     let virtiofsd_path = vm_file("virtiofsd_path", &config.vm.virtiofsd_path)?;
     let kernel = vm_file("kernel_path", &config.vm.kernel_path)?;
@@ -293,7 +327,13 @@ pub(super) async fn launch(
     let net = network
         .iter()
         .flat_map(|n| &n.nics)
-        .map(|nic| NetConfig { tap: nic.tap.clone(), mac: nic.mac.clone(), mtu: Some(nic.mtu), rate_limiter: None })
+        .map(|nic| NetConfig {
+            tap: nic.tap.clone(),
+            mac: nic.mac.clone(),
+            mtu: Some(nic.mtu),
+            rate_limiter: None,
+            link: origin.link(),
+        })
         .collect();
     let plan = VmPlan {
         id: &req.sandbox_id,
@@ -571,5 +611,21 @@ impl Sandbox for VmSandbox {
         }
         cleanup(&self.paths).await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_templates_nics_start_with_their_links_down() {
+        let dir = Path::new("/templates/k1");
+        assert_eq!(Origin::Template.link(), LinkState::Down);
+        assert_eq!(Origin::Template.template(), None, "a template is booted");
+        assert_eq!(Origin::of_pod(None).link(), LinkState::Up);
+        assert_eq!(Origin::of_pod(None).template(), None);
+        assert_eq!(Origin::of_pod(Some(dir)).link(), LinkState::Up);
+        assert_eq!(Origin::of_pod(Some(dir)).template(), Some(dir));
     }
 }

@@ -3,7 +3,7 @@
 //! over an empty share, and for a key with NICs, taps on placeholder links in a network
 //! namespace of its own: [`PlaceholderNetns`]), but with no pod: it runs until the agent says it listens
 //! (its console's [`READY_LINE`]), before any SetupSandbox, so the share is not mounted and no
-//! NIC is configured. The VMM's API then writes the snapshot inside the jail, and its files are
+//! NIC is configured. Its NICs' links are down ([`Origin::Template`]); a pod's restore raises them. The VMM's API then writes the snapshot inside the jail, and its files are
 //! copied (holes kept) into the store's staging directory, owned by root. The VM and everything
 //! it left go, whatever happened.
 
@@ -21,7 +21,7 @@ use super::api::VmmApi;
 use super::pod_dirs::VmLayout;
 use super::shape::VmShape;
 use super::template::{KeyInputs, TemplateBuilder};
-use super::{cleanup, launch, Launched, Started};
+use super::{cleanup, launch, Launched, Origin, Started};
 use crate::config::Config;
 use crate::network::placeholder::PlaceholderNetns;
 use crate::sandbox::cgroups::PodCgroup;
@@ -79,7 +79,7 @@ impl TemplateBuilder for VmTemplateBuilder {
         };
         let shape = VmShape { vcpus: inputs.vcpus, mem_mib: u64::from(inputs.memory_mib) };
         let mut started = Started::default();
-        let result = match launch(&self.config, &req, &paths, &mut started, shape, None).await {
+        let result = match launch(&self.config, &req, &paths, &mut started, shape, Origin::Template).await {
             Ok(launched) => snapshot(&launched, dir).await,
             Err(e) => Err(e.to_string()),
         };
