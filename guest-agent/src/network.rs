@@ -1,10 +1,13 @@
 //! SetupSandbox's network part: configure existing devices (MAC, MTU, addresses, up) and
-//! routes over rtnetlink, in the agent's network namespace. Parsing and validation are pure
+//! routes over rtnetlink, in the agent's network namespace, then wait until each device has a
+//! carrier, so the pod's first packets are not dropped. Parsing and validation are pure
 //! functions, tested here; the netlink calls are exercised by the e2e test.
 
 use std::net::IpAddr;
+use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
+use rtnetlink::packet_route::link::LinkFlags;
 use rtnetlink::{packet_route::route::RouteScope, Handle, LinkUnspec, RouteMessageBuilder};
 
 use crate::error::{AgentError, Result};
@@ -32,6 +35,11 @@ pub struct RouteConfig {
 }
 
 const MAX_ITEMS: usize = 64;
+/// How long a configured device may take to report a carrier. A booted VM's NIC has one before
+/// the agent listens; a restored VM's gets it when the guest handles the link-up config
+/// interrupt the VMM raised at the restore: milliseconds. Below the shim's SetupSandbox timeout.
+const CARRIER_TIMEOUT: Duration = Duration::from_secs(5);
+const CARRIER_POLL: Duration = Duration::from_millis(2);
 
 fn invalid(what: &str, v: &str) -> AgentError {
     AgentError::InvalidArgument(format!("{what} {v:?}"))
@@ -137,7 +145,31 @@ async fn link_index(h: &Handle, name: &str) -> Result<u32> {
     }
 }
 
-/// Brings `lo` up, configures the interfaces, then adds the routes (replacing equal ones).
+/// Until the device `idx` (`name`) has a carrier, or an error after [`CARRIER_TIMEOUT`].
+async fn await_carrier(h: &Handle, name: &str, idx: u32) -> Result<()> {
+    let deadline = Instant::now() + CARRIER_TIMEOUT;
+    loop {
+        let mut links = h.link().get().match_index(idx).execute();
+        let flags = match links.try_next().await {
+            Ok(Some(l)) => l.header.flags,
+            Ok(None) => return Err(AgentError::NotFound(format!("network interface {name}"))),
+            Err(e) => return Err(nl(&format!("read {name}"), e)),
+        };
+        if flags.contains(LinkFlags::LowerUp) {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(AgentError::FailedPrecondition(format!(
+                "network interface {name} has no carrier {CARRIER_TIMEOUT:?} after it was set up: its device \
+                 reports the link down (on a restored VM, the VMM raises it at the restore)"
+            )));
+        }
+        tokio::time::sleep(CARRIER_POLL).await;
+    }
+}
+
+/// Brings `lo` up, configures the interfaces, adds the routes (replacing equal ones), then
+/// waits for each interface's carrier.
 pub async fn apply(interfaces: &[InterfaceConfig], routes: &[RouteConfig]) -> Result<()> {
     let (conn, h, _) = rtnetlink::new_connection().map_err(|e| nl("socket", e))?;
     let conn = tokio::spawn(conn);
@@ -186,6 +218,9 @@ pub async fn apply(interfaces: &[InterfaceConfig], routes: &[RouteConfig]) -> Re
                 .execute()
                 .await
                 .map_err(|e| nl(&format!("route {:?} via {:?} dev {}", r.destination, r.gateway, r.device), e))?;
+        }
+        for i in interfaces {
+            await_carrier(&h, &i.name, link_index(&h, &i.name).await?).await?;
         }
         Ok(())
     }

@@ -31,8 +31,9 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
     }
     let agent = Agent::start_netns("net").await;
     let pid = agent.agent_pid().expect("agent pid");
-    // Stand-in for the guest's virtio-net device.
+    // Stand-in for the guest's virtio-net device; its carrier comes with the peer's link.
     in_netns(pid, &["ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0"]);
+    in_netns(pid, &["ip", "link", "set", "peer0", "up"]);
 
     let req = SetupSandboxRequest {
         interfaces: vec![Interface {
@@ -97,6 +98,21 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
     };
     let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
+
+    // A device whose link stays down (a restored VM's NIC the VMM never raised) fails the
+    // setup with its name, after the agent's bounded wait, rather than leave a pod offline.
+    in_netns(pid, &["ip", "link", "add", "eth1", "type", "veth", "peer", "name", "peer1"]);
+    let offline = SetupSandboxRequest {
+        interfaces: vec![Interface {
+            name: "eth1".into(),
+            addresses: vec!["10.89.0.7/16".into()],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let e = agent.client.setup_sandbox(ctx(), &offline).await.unwrap_err();
+    assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
+    assert!(format!("{e}").contains("eth1 has no carrier"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
