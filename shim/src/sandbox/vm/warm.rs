@@ -3,9 +3,10 @@
 //! while others wanting it wait within [`TEMPLATE_WAIT`] ([`obtain`]), or the pod boots cold.
 //!
 //! The guest's NICs are virtio-mmio devices, fixed at boot, so a pod with a network takes a
-//! template booted with as many NICs of the same MTUs (part of the key). The restore attaches
-//! the pod's own taps; the agent gives each NIC the CNI interface's MAC and addresses at
-//! SetupSandbox, as after a cold boot.
+//! template booted with as many NICs of the same MTUs (part of the key), their links down. The
+//! restore attaches the pod's own taps and raises the links (virtio-net's config interrupt tells
+//! the guest); the agent gives each NIC the CNI interface's MAC and addresses at SetupSandbox, as
+//! after a cold boot, and waits for its carrier.
 
 use std::sync::Arc;
 use std::time::Duration;
