@@ -552,8 +552,8 @@ fn build_template(env: &VmEnv) -> Result<PathBuf> {
 }
 
 #[tokio::test]
-async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Result<()> {
-    let test = "a_warm_pod_restores_the_template_into_its_own_vmm_and_devices";
+async fn a_restored_guest_that_never_answers_sets_the_template_aside_and_the_pod_boots_cold() -> Result<()> {
+    let test = "a_restored_guest_that_never_answers_sets_the_template_aside_and_the_pod_boots_cold";
     let templates = tempfile::tempdir()?;
     let Some(env) = setup_warm(test, templates.path()).await? else { return Ok(()) };
     let template = build_template(&env)?;
@@ -566,14 +566,22 @@ async fn a_warm_pod_restores_the_template_into_its_own_vmm_and_devices() -> Resu
     let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the test guest has no agent")?;
     let err = format!("{err:#}");
     println!("{test}: RunPodSandbox: {err}");
-    // The pod's VMM restored the template: the guest's first words on the pod's own console are
-    // what its vsock device (the pod's, on the pod's socket) sent it, the transport reset
-    // (event id 0, 4 bytes) only a restore sends; the boot line is the template's, not the pod's.
-    assert!(err.contains("event 0 len 4"), "{err}");
-    assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{err}");
-    assert_names_console(&err, &log_dir, "event 0 len 4");
-    // The template is as it was, and still there for the next pod.
-    assert_eq!(files(&template)?, before, "a restore changed the template's files");
+    // The pod's VMM restored the template into the pod's own devices: the guest's first words on
+    // the pod's console were what the pod's vsock device sent it, the transport reset (event id
+    // 0, 4 bytes) only a restore sends. No agent answered, so the template went aside with that
+    // console as its reason...
+    let quarantine = templates.path().join("templates/.quarantine");
+    let aside: Vec<PathBuf> = std::fs::read_dir(&quarantine)?.flatten().map(|e| e.path()).collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    let reason = std::fs::read_to_string(aside[0].join("reason.txt"))?;
+    println!("{test}: set aside: {reason}");
+    assert!(reason.contains("the restored guest's agent") && reason.contains("event 0 len 4"), "{reason}");
+    assert!(!reason.contains("listening (vsock)"), "the first attempt booted: {reason}");
+    assert_eq!(files(&aside[0])?, before, "a restore changed the template's files");
+    assert!(!template.exists(), "the template is still offered");
+    // ...and the pod booted cold, the proven path (this guest has no agent either way).
+    assert!(err.contains("listening (vsock)"), "{err}");
+    assert_names_console(&err, &log_dir, "listening (vsock)");
     env.assert_nothing_left().await
 }
 
@@ -625,27 +633,29 @@ async fn a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps() 
     let test = "a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps";
     let templates = tempfile::tempdir()?;
     let warm = warm_config(templates.path());
-    let Some(env) = setup_with(test, "vsock_reset", Duration::from_secs(10), JAIL_ID_COUNT, &warm, true).await? else {
+    let Some(env) = setup_with(test, "agent_stub", Duration::from_secs(10), JAIL_ID_COUNT, &warm, true).await? else {
         return Ok(());
     };
     // No template yet: the pod builds the one its network needs (a NIC per CNI interface, in
     // a placeholder namespace of the shim's), then restores it onto its own taps.
-    let (pod, log_dir) = env.networked_pod("warm-net")?;
-    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the test guest has no agent")?;
-    let err = format!("{err:#}");
-    println!("{test}: RunPodSandbox: {err}");
+    let (pod, _) = env.networked_pod("warm-net")?;
+    let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
+    let status = env.cri.pod_sandbox_status(&id).await?;
+    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32, "{status:?}");
     // Restored, not booted: a restore needs a tap in the pod's namespace for the snapshot's NIC
     // (the VMM refuses it otherwise, and the pod would have booted cold, its console a boot's).
-    let why = || format!("{err}\ncontainerd's log:\n{}", env.containerd.log_tail(60));
-    assert!(err.contains("event 0 len 4"), "{}", why());
-    assert!(!err.contains("listening (vsock)") && !err.contains("no event"), "{}", why());
-    assert_names_console(&err, &log_dir, "event 0 len 4");
+    let pod_dir = env.wait_for_console("transport reset").await?;
+    let console = std::fs::read_to_string(pod_dir.join("vm/root/run/console.log"))?;
+    println!("{test}: the pod's console: {console:?}");
+    assert!(!console.contains("listening (vsock)"), "the pod's VM booted: {console}");
     let (_, listed) = template_ls(&env)?;
     let rows = listed["templates"].as_array().context("templates")?;
     assert_eq!(rows.len(), 1, "{listed}");
     assert_eq!(rows[0]["state"], "ready", "{listed}");
     let mtus = rows[0]["nic_mtus"].as_array().context("nic_mtus")?;
     assert_eq!(mtus.len(), 1, "one NIC, as the pod has one CNI interface: {listed}");
+    env.cri.stop_pod_sandbox(&id).await?;
+    env.cri.remove_pod_sandbox(&id).await?;
     // The build's placeholder namespace, taps and VM are gone, as is the pod.
     env.assert_nothing_left().await
 }

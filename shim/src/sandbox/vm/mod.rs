@@ -115,8 +115,9 @@ fn vm_file(field: &str, path: &Path) -> Result<std::path::PathBuf, SandboxError>
     Ok(resolved)
 }
 
-/// Why a VM start failed: the VMM would not restore the template (the pod then boots cold and
-/// the template is moved aside), or anything else, which a cold boot would meet as well.
+/// Why a VM start failed: the VMM would not restore the template, or restored it but the agent
+/// in it never answered (either way the template is moved aside and the pod boots cold: the
+/// cold path is the proven one), or anything else, which a cold boot would meet as well.
 enum BootFailure {
     Restore(SandboxError),
     Start(SandboxError),
@@ -159,8 +160,8 @@ impl VmSandbox {
             Some((store, template)) => {
                 match Self::boot(config, &req, &paths, &mut started, Some(&template.dir), &mut phases).await {
                     Err(BootFailure::Restore(e)) => {
-                        // The VMM would not restore it: moved aside (the next pod rebuilds it), and
-                        // this pod boots cold.
+                        // The VMM would not restore it, or its guest never answered: moved aside
+                        // (the next pod rebuilds it), and this pod boots cold.
                         warm::set_aside(&store, &template, &e.to_string());
                         started.stop().await;
                         cleanup(&paths).await;
@@ -230,6 +231,13 @@ impl VmSandbox {
                 phases.mark("agent");
                 info!(agent_version = %agent.agent_version, mode = %agent.mode, "agent connected");
                 Ok(Booted { agent, vmm, virtiofsd: fsd, network })
+            }
+            // A restored guest that does not answer says the template is bad, as a refused
+            // restore does; its console is in the error the template is set aside with.
+            Err(failure) if template.is_some() => {
+                phases.mark("restored_agent_silent");
+                let why = format!("the restored guest's agent: {failure}");
+                Err(BootFailure::Restore(start_failure(&why, &vmm, &fsd, &layout, None).await))
             }
             Err(failure) => Err(BootFailure::Start(
                 start_failure(&format!("{failure}"), &vmm, &fsd, &layout, req.log_dir.as_deref()).await,
