@@ -17,6 +17,14 @@ fn in_netns(pid: i32, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// SetupSandbox of one interface with one address.
+fn one_interface(name: &str, address: &str) -> SetupSandboxRequest {
+    SetupSandboxRequest {
+        interfaces: vec![Interface { name: name.into(), addresses: vec![address.into()], ..Default::default() }],
+        ..Default::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_sandbox_configures_interfaces_and_routes() {
     if !can_run("setup_sandbox_configures_interfaces_and_routes") {
@@ -88,29 +96,13 @@ async fn setup_sandbox_configures_interfaces_and_routes() {
     };
     let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::NOT_FOUND, "{e}");
-    let bad = SetupSandboxRequest {
-        interfaces: vec![Interface {
-            name: "eth0".into(),
-            addresses: vec!["10.0.0.300/8".into()],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    let e = agent.client.setup_sandbox(ctx(), &bad).await.unwrap_err();
+    let e = agent.client.setup_sandbox(ctx(), &one_interface("eth0", "10.0.0.300/8")).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::INVALID_ARGUMENT, "{e}");
 
     // A device whose link stays down (a restored VM's NIC the VMM never raised) fails the
     // setup with its name, after the agent's bounded wait, rather than leave a pod offline.
     in_netns(pid, &["ip", "link", "add", "eth1", "type", "veth", "peer", "name", "peer1"]);
-    let offline = SetupSandboxRequest {
-        interfaces: vec![Interface {
-            name: "eth1".into(),
-            addresses: vec!["10.89.0.7/16".into()],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    let e = agent.client.setup_sandbox(ctx(), &offline).await.unwrap_err();
+    let e = agent.client.setup_sandbox(ctx(), &one_interface("eth1", "10.89.0.7/16")).await.unwrap_err();
     assert_eq!(code_of(&e), ttrpc::Code::FAILED_PRECONDITION, "{e}");
     assert!(format!("{e}").contains("eth1 has no carrier"), "{e}");
 }

@@ -585,6 +585,18 @@ async fn a_restored_guest_that_never_answers_sets_the_template_aside_and_the_pod
     env.assert_nothing_left().await
 }
 
+/// The agent-stub pod `id` is ready, and was restored, not booted: the pod's console starts at
+/// the restore's transport reset; a boot would have printed the stub's listening line first.
+async fn assert_ready_and_restored(env: &VmEnv, id: &str, test: &str) -> Result<()> {
+    let status = env.cri.pod_sandbox_status(id).await?;
+    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32, "{status:?}");
+    let pod_dir = env.wait_for_console("transport reset").await?;
+    let console = std::fs::read_to_string(pod_dir.join("vm/root/run/console.log"))?;
+    println!("{test}: the pod's console: {console:?}");
+    assert!(!console.contains("listening (vsock)"), "the pod's VM booted: {console}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_restored_pod_whose_guest_answers_gets_ready_and_stops_leaving_nothing() -> Result<()> {
     let test = "a_restored_pod_whose_guest_answers_gets_ready_and_stops_leaving_nothing";
@@ -602,14 +614,7 @@ async fn a_restored_pod_whose_guest_answers_gets_ready_and_stops_leaving_nothing
 
     let (pod, _) = env.pod("warm-ready")?;
     let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.context("RunPodSandbox of a warm pod")?;
-    let status = env.cri.pod_sandbox_status(&id).await?;
-    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32, "{status:?}");
-    // Restored, not booted: the pod's console starts at the restore's transport reset; a boot
-    // would have printed the stub's listening line first.
-    let pod_dir = env.wait_for_console("transport reset").await?;
-    let console = std::fs::read_to_string(pod_dir.join("vm/root/run/console.log"))?;
-    println!("{test}: the pod's console: {console:?}");
-    assert!(!console.contains("listening (vsock)"), "the pod's VM booted: {console}");
+    assert_ready_and_restored(&env, &id, test).await?;
     let log = env.containerd.log_tail(400);
     let connected = log.lines().find(|l| l.contains("agent connected")).unwrap_or_default();
     println!("{test}: {connected}");
@@ -640,14 +645,9 @@ async fn a_pod_with_a_network_restores_a_template_with_nics_onto_its_own_taps() 
     // a placeholder namespace of the shim's), then restores it onto its own taps.
     let (pod, _) = env.networked_pod("warm-net")?;
     let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
-    let status = env.cri.pod_sandbox_status(&id).await?;
-    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32, "{status:?}");
-    // Restored, not booted: a restore needs a tap in the pod's namespace for the snapshot's NIC
-    // (the VMM refuses it otherwise, and the pod would have booted cold, its console a boot's).
-    let pod_dir = env.wait_for_console("transport reset").await?;
-    let console = std::fs::read_to_string(pod_dir.join("vm/root/run/console.log"))?;
-    println!("{test}: the pod's console: {console:?}");
-    assert!(!console.contains("listening (vsock)"), "the pod's VM booted: {console}");
+    // A restore needs a tap in the pod's namespace for the snapshot's NIC (the VMM refuses it
+    // otherwise, and the pod would have booted cold).
+    assert_ready_and_restored(&env, &id, test).await?;
     let (_, listed) = template_ls(&env)?;
     let rows = listed["templates"].as_array().context("templates")?;
     assert_eq!(rows.len(), 1, "{listed}");
