@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Waker};
 
 use arbitrary::{Result, Unstructured};
 use bulkhead_protocol::{handshake, stream};
-use bulkhead_vmm::config::{BlockConfig, NetConfig};
+use bulkhead_vmm::config::{BlockConfig, LinkState, NetConfig};
 use bulkhead_vmm::devices::bus::BusDevice;
 use bulkhead_vmm::devices::virtio::block::packet::Request;
 use bulkhead_vmm::devices::virtio::block::Block;
@@ -670,8 +670,13 @@ impl NetRig {
         let (dev_end, host) = std::os::unix::net::UnixDatagram::pair().expect("socket pair");
         dev_end.set_nonblocking(true).expect("nonblocking");
         host.set_nonblocking(true).expect("nonblocking");
-        let cfg =
-            NetConfig { tap: "fuzz".into(), mac: "02:00:00:00:00:02".into(), mtu: Some(1500), rate_limiter: None };
+        let cfg = NetConfig {
+            tap: "fuzz".into(),
+            mac: "02:00:00:00:00:02".into(),
+            mtu: Some(1500),
+            rate_limiter: None,
+            link: LinkState::Up,
+        };
         let dev = Arc::new(Mutex::new(Net::with_backend(&cfg, 0, Box::new(SocketTap(dev_end))).expect("net device")));
         let mem = guest_mem();
         let as_dyn: Arc<Mutex<dyn VirtioDevice>> = dev.clone();
@@ -874,7 +879,13 @@ fn api_saved_config() -> bulkhead_vmm::config::ValidConfig {
         vsock: Some(VsockConfig { uds_path: "/run/v.sock".into(), guest_cid: GUEST_CID }),
         block: vec![BlockConfig { path: "/snap/disk".into(), read_only: true }],
         fs: vec![FsConfig { tag: "rootfs".into(), socket: "/run/fs.sock".into(), queue_size: 1024 }],
-        net: vec![NetConfig { tap: "tap0".into(), mac: "02:00:00:00:00:01".into(), mtu: None, rate_limiter: None }],
+        net: vec![NetConfig {
+            tap: "tap0".into(),
+            mac: "02:00:00:00:00:01".into(),
+            mtu: None,
+            rate_limiter: None,
+            link: LinkState::Down,
+        }],
         api_socket: None,
         balloon: None,
     }
