@@ -97,19 +97,32 @@ fn create(h: &Hierarchy, cgroup: &Path) -> Result<PathBuf, JailError> {
         let parent = dir.clone();
         dir.push(name);
         match std::fs::create_dir(&dir) {
-            Ok(()) if h.cpuset_v1 => inherit_cpuset(&parent, &dir)?,
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(sys(format!("create cgroup {}", dir.display()))(e)),
+        }
+        // Every level, not only the ones made here: a level another VMM made a moment ago may
+        // not have its CPUs yet, and a child copied from it then would refuse the join (ENOSPC).
+        if h.cpuset_v1 {
+            inherit_cpuset(&parent, &dir)?;
         }
     }
     Ok(dir)
 }
 
 /// A new v1 cpuset cgroup starts with empty `cpuset.cpus`/`cpuset.mems` and accepts no process
-/// until it has them: copy the parent's.
+/// until it has them: copy the parent's where empty (a value someone set stays; racing copies
+/// write the same value).
 fn inherit_cpuset(parent: &Path, dir: &Path) -> Result<(), JailError> {
     for file in ["cpuset.cpus", "cpuset.mems"] {
+        let own = match std::fs::read_to_string(dir.join(file)) {
+            Ok(value) => value,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(sys(format!("read {}", dir.join(file).display()))(e)),
+        };
+        if !own.trim().is_empty() {
+            continue;
+        }
         let value =
             std::fs::read_to_string(parent.join(file)).map_err(sys(format!("read {}", parent.join(file).display())))?;
         std::fs::write(dir.join(file), value.trim()).map_err(sys(format!("write {}", dir.join(file).display())))?;
@@ -157,6 +170,32 @@ mod tests {
         let h = hierarchies("29 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\ngarbage\n1 2 3\n");
         assert_eq!(h, vec![Hierarchy { mount_point: "/sys/fs/cgroup".into(), cpuset_v1: false }]);
         assert!(hierarchies("").is_empty());
+    }
+
+    /// Two pods' VMMs join cgroups under one new parent at once: the second finds the parent
+    /// made by the first, before the first gave it CPUs. Each level gets its parent's where it
+    /// has none; one that has its own keeps them.
+    #[test]
+    fn a_cpuset_level_made_by_another_process_gets_its_cpus_too() {
+        let root = tempfile::tempdir().unwrap();
+        let (top, parent) = (root.path(), root.path().join("kubepods"));
+        std::fs::write(top.join("cpuset.cpus"), "0-3\n").unwrap();
+        std::fs::write(top.join("cpuset.mems"), "0\n").unwrap();
+        // Made by the other VMM, which has not copied the CPUs yet.
+        std::fs::create_dir(&parent).unwrap();
+        std::fs::write(parent.join("cpuset.cpus"), "\n").unwrap();
+        std::fs::write(parent.join("cpuset.mems"), "").unwrap();
+        let h = Hierarchy { mount_point: top.to_path_buf(), cpuset_v1: true };
+        let dir = create(&h, Path::new("/kubepods/pod1")).unwrap();
+        for level in [&parent, &dir] {
+            assert_eq!(std::fs::read_to_string(level.join("cpuset.cpus")).unwrap(), "0-3", "{}", level.display());
+            assert_eq!(std::fs::read_to_string(level.join("cpuset.mems")).unwrap(), "0", "{}", level.display());
+        }
+        // Kubelet's own CPUs for a level stay.
+        std::fs::write(dir.join("cpuset.cpus"), "2").unwrap();
+        create(&h, Path::new("/kubepods/pod1/sandbox")).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("cpuset.cpus")).unwrap(), "2");
+        assert_eq!(std::fs::read_to_string(dir.join("sandbox/cpuset.cpus")).unwrap(), "2");
     }
 
     #[test]
