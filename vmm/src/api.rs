@@ -193,14 +193,26 @@ struct ApiServer {
 }
 
 /// Binds `path` as an API socket, replacing a stale one; mode 0600 (the VMM's umask already
-/// keeps it from others, `main`).
+/// keeps it from others, `main`). The socket is bound and listening under a sibling name first
+/// and renamed into place, so a client that waits for `path` to appear and then connects never
+/// meets a socket that is bound but not yet listening (ECONNREFUSED).
 pub fn bind_api_socket(path: &Path) -> std::io::Result<UnixListener> {
+    let mut binding = path.as_os_str().to_owned();
+    binding.push("~");
+    let binding = PathBuf::from(binding);
     // A stale socket from a previous run would make bind fail.
-    if path.exists() {
-        std::fs::remove_file(path)?;
+    for stale in [path, binding.as_path()] {
+        if stale.exists() {
+            std::fs::remove_file(stale)?;
+        }
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let listener = UnixListener::bind(&binding)?;
+    let placed = std::fs::set_permissions(&binding, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&binding, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&binding);
+        return Err(e);
+    }
     Ok(listener)
 }
 
@@ -627,6 +639,23 @@ mod tests {
             assert!(Instant::now() < deadline, "no event from the API thread");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn the_api_socket_appears_listening_and_replaces_stale_ones() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let binding = dir.path().join("api.sock~");
+        // What a killed VMM leaves: its socket, and one it had not renamed yet.
+        for stale in [&path, &binding] {
+            drop(UnixListener::bind(stale).unwrap());
+        }
+        let listener = bind_api_socket(&path).unwrap();
+        assert!(!binding.exists(), "the binding name is gone");
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let _client = UnixStream::connect(&path).expect("listening as soon as it is there");
+        assert!(listener.accept().is_ok());
     }
 
     #[test]

@@ -129,18 +129,8 @@ pub fn run(
         phases.mark("event loop, snapshot service, kick handler", false);
         BootReport { phases: phases.into_list(), ready_unix_ns: unix_ns() }
     });
-    for (id, vcpu) in vcpus.into_iter().enumerate() {
-        let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
-        let handle = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || match seccomp::install(ThreadKind::Vcpu, &filter) {
-                Ok(()) => vcpu.run(),
-                Err(e) => vcpu_exit.signal(ExitReason::VcpuError { vcpu: id as u8, message: e.to_string() }),
-            })
-            .map_err(dev_err("vcpu thread"))?;
-        // Detached: the thread lists itself for pause kicks while it runs (`Vcpu::run`).
-        drop(handle);
-    }
+    // Listening before any vCPU runs: a guest can say it is ready (a template's console line)
+    // before a later bind, and the caller's API request would find no socket.
     if let Some(endpoint) = api {
         let path = endpoint.path().to_owned();
         let controller = VmController {
@@ -156,6 +146,18 @@ pub fn run(
         };
         api::spawn(endpoint, controller, filters.api().clone())
             .map_err(dev_err(format!("api socket {}", path.display())))?;
+    }
+    for (id, vcpu) in vcpus.into_iter().enumerate() {
+        let (filter, vcpu_exit) = (filters.vcpu().clone(), exit.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || match seccomp::install(ThreadKind::Vcpu, &filter) {
+                Ok(()) => vcpu.run(),
+                Err(e) => vcpu_exit.signal(ExitReason::VcpuError { vcpu: id as u8, message: e.to_string() }),
+            })
+            .map_err(dev_err("vcpu thread"))?;
+        // Detached: the thread lists itself for pause kicks while it runs (`Vcpu::run`).
+        drop(handle);
     }
     tracing::debug!(since_start_us = unix_ns().saturating_sub(start_unix_ns) / 1000, "VM running");
 
