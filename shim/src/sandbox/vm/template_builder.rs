@@ -129,7 +129,15 @@ async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
     }
     let booted = started.elapsed();
     let api = VmmApi::new(&layout.api_socket(), SNAPSHOT_TIMEOUT);
-    api.snapshot(Path::new(JAIL_SNAPSHOT_DIR)).await.map_err(|e| format!("snapshot: {e}"))?;
+    if let Err(e) = api.snapshot(Path::new(JAIL_SNAPSHOT_DIR)).await {
+        // Whether the VMM was still there says whose failure it was; the console says more.
+        let vmm_state = match vmm.exit() {
+            Some(exit) => format!("the VMM had exited with status {}", exit.status),
+            None => "the VMM was running".into(),
+        };
+        let err = super::start_failure(&format!("snapshot: {e} ({vmm_state})"), vmm, virtiofsd, layout, None).await;
+        return Err(err.to_string());
+    }
     let written = host_path(layout, JAIL_SNAPSHOT_DIR);
     for name in [STATE_FILE, MEMORY_FILE] {
         copy_keeping_holes(&written.join(name), &dir.join(name))
