@@ -7,6 +7,7 @@
 //! own sharing of a container's volumes). A container's OCI spec travels through them typed
 //! (`oci_spec::runtime::Spec`, [`crate::spec`]) and is encoded once, by the Task service.
 
+pub mod cgroup_primer;
 pub mod cgroup_stats;
 pub mod cgroups;
 pub mod emptydir;

@@ -52,6 +52,7 @@ use self::pod_dirs::{VmLayout, VmPlan};
 use self::shape::VmShape;
 use self::share::SharedDir;
 use self::start_phases::StartPhases;
+use super::cgroup_primer::CgroupPrimer;
 use super::cgroups::{self, PodCgroup};
 use super::emptydir::PodEmptyDirs;
 use super::paths::{HostPids, PodPaths};
@@ -211,9 +212,15 @@ impl VmSandbox {
         phases: &mut StartPhases,
     ) -> Result<Booted, BootFailure> {
         let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Start)?;
+        // From now, ahead of the VMM's and virtiofsd's joins of the pod's cgroups: see the module.
+        let primer = CgroupPrimer::start();
         let Launched { vmm, virtiofsd: fsd, network, layout } =
             launch(config, req, paths, started, shape, Origin::of_pod(template)).await.map_err(BootFailure::Start)?;
         phases.mark("launch");
+        // virtiofsd has joined (before its exec); the VMM joins in its jail.
+        if let Some(primer) = primer {
+            tokio::spawn(primer.until_joined(vmm.pid, req.cgroup.sandbox()).in_current_span());
+        }
         if template.is_some() {
             if let Err(why) = wait_restored(&layout, &vmm).await {
                 phases.mark("restore_refused");
