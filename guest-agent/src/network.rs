@@ -176,8 +176,10 @@ pub async fn apply(interfaces: &[InterfaceConfig], routes: &[RouteConfig]) -> Re
     let result = async {
         let lo = link_index(&h, "lo").await?;
         h.link().set(LinkUnspec::new_with_index(lo).up().build()).execute().await.map_err(|e| nl("lo up", e))?;
+        let mut configured = Vec::with_capacity(interfaces.len());
         for i in interfaces {
             let idx = link_index(&h, &i.name).await?;
+            configured.push((i.name.as_str(), idx));
             let mut b = LinkUnspec::new_with_index(idx);
             if let Some(mac) = i.mac {
                 b = b.address(mac.to_vec());
@@ -219,8 +221,8 @@ pub async fn apply(interfaces: &[InterfaceConfig], routes: &[RouteConfig]) -> Re
                 .await
                 .map_err(|e| nl(&format!("route {:?} via {:?} dev {}", r.destination, r.gateway, r.device), e))?;
         }
-        for i in interfaces {
-            await_carrier(&h, &i.name, link_index(&h, &i.name).await?).await?;
+        for (name, idx) in configured {
+            await_carrier(&h, name, idx).await?;
         }
         Ok(())
     }
