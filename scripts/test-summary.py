@@ -20,6 +20,26 @@ RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed;")
 BLOCK = re.compile(r"^---- (\S+) stdout ----$")
 # How much of a failed test's output the summary repeats.
 FAILURE_TAIL = 25
+# anyhow's and std's backtraces: a header, then indented frames and `at` lines.
+BACKTRACE_HEAD = re.compile(r"^(Stack backtrace:|stack backtrace:)$")
+BACKTRACE_BODY = re.compile(r"^(\s+\S|\s*note: )")
+
+
+def without_backtraces(lines):
+    """The lines with every backtrace left out: the frames would fill the tail and push out the
+    error message, the one line that says what failed."""
+    out = []
+    skipping = False
+    for line in lines:
+        if BACKTRACE_HEAD.match(line.strip()):
+            skipping = True
+            out.append("  [backtrace left out]")
+            continue
+        if skipping and (not line.strip() or BACKTRACE_BODY.match(line)):
+            continue
+        skipping = False
+        out.append(line)
+    return out
 
 
 def parse(lines):
@@ -99,8 +119,8 @@ def main():
     # Repeated at the end, where a CI excerpt (the log's tail) shows them: cargo prints the
     # failures' output in the middle of a long log, before the other test binaries run.
     for binary, test, output in failures:
-        print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most)")
-        for line in [l for l in output if l.strip()][-FAILURE_TAIL:]:
+        print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most, backtraces left out)")
+        for line in [l for l in without_backtraces(output) if l.strip()][-FAILURE_TAIL:]:
             print(f"  {line[:400]}")
     for u in unlisted:
         print(f"unlisted skip on a {args.host_kind} host: {u}")

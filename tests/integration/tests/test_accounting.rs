@@ -87,6 +87,27 @@ fn a_skip_that_then_failed_counts_as_failed() {
 }
 
 #[test]
+fn a_failure_is_repeated_with_its_error_and_without_its_backtrace() {
+    let mut text = String::from(
+        "     Running tests/vm_e2e.rs (target/debug/deps/vm_e2e-0123456789abcdef)\n\n\
+         running 1 test\ntest boots ... FAILED\n\nfailures:\n\n---- boots stdout ----\n\
+         Error: pod state left behind\n\nStack backtrace:\n",
+    );
+    // More frames than the repeated tail holds, as a real anyhow backtrace has.
+    for n in 0..40 {
+        text.push_str(&format!("  {n:2}: frame_{n}\n             at ./src/x.rs:{n}:1\n"));
+    }
+    text.push_str("  note: Some details are omitted\n\nfailures:\n    boots\n\n");
+    text.push_str("test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n");
+    let run = summarize(&text, "", "pvm", 101);
+    assert_eq!(run.code, 1, "{}", run.out);
+    assert!(run.out.contains("failed: vm_e2e::boots"), "{}", run.out);
+    assert!(run.out.contains("Error: pod state left behind"), "the error was pushed out: {}", run.out);
+    assert!(!run.out.contains("frame_"), "{}", run.out);
+    assert!(run.out.ends_with("tests: 0 passed, 1 failed, 0 skipped\n"), "{}", run.out);
+}
+
+#[test]
 fn a_build_failure_is_a_failure() {
     let run = summarize("error[E0425]: cannot find value\n", "", "pvm", 101);
     assert_eq!(run.code, 1, "{}", run.out);
