@@ -16,6 +16,8 @@ const PAUSE_SOURCE: &str = include_str!("../images/pause.c");
 const CONFORMANCE_SOURCE: &str = include_str!("../images/conformance.c");
 const FORKBOMB_SOURCE: &str = include_str!("../images/forkbomb.c");
 const EARLY_EXIT_SOURCE: &str = include_str!("../images/early-exit.c");
+/// What [`early_exit_init`] writes to the console before it exits.
+pub const EARLY_EXIT_LINE: &str = "simulated early exit before serving";
 /// In the busybox image: `images/conformance.c`, the kernel facilities ordinary programs use.
 pub const CONFORMANCE_BIN: &str = "/bin/bulkhead-conformance";
 /// In the busybox image: `images/forkbomb.c`, a fork bomb that prints how many forks it made and
@@ -99,12 +101,22 @@ fn compile_static(dir: &Path, what: &str, source: &str) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// A static `/init` that writes a fatal line to the console and exits at once: an agent that
-/// fails before it serves, for tests of how a failed boot is reported.
+/// A static `/init` that writes [`EARLY_EXIT_LINE`] to the console and exits at once: an agent
+/// that fails before it serves, for tests of how a failed boot is reported.
 pub fn early_exit_init(dir: &Path) -> Result<PathBuf> {
+    exit_init(dir, "early-exit", EARLY_EXIT_SOURCE.to_string())
+}
+
+/// [`early_exit_init`], but it exits `seconds` after its line, so a test can act on the host
+/// while the guest still runs.
+pub fn late_exit_init(dir: &Path, seconds: u32) -> Result<PathBuf> {
+    exit_init(dir, "late-exit", format!("#define EXIT_AFTER_SECONDS {seconds}\n{EARLY_EXIT_SOURCE}"))
+}
+
+fn exit_init(dir: &Path, name: &str, source: String) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
-    let out = dir.join("early-exit");
-    std::fs::write(&out, compile_static(dir, "early-exit", EARLY_EXIT_SOURCE)?)?;
+    let out = dir.join(name);
+    std::fs::write(&out, compile_static(dir, name, &source)?)?;
     std::fs::set_permissions(&out, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     Ok(out)
 }

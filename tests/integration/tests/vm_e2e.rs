@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::{self, GuestVmm};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
-use bulkhead_integration::images::CONFORMANCE_BIN;
+use bulkhead_integration::images::{self, CONFORMANCE_BIN};
 use bulkhead_integration::{
     container_config, pod_config, skip_if_unready_on, Containerd, ContainerdConfig, ContainerdVersion, Cri,
     RuntimeHandler,
@@ -30,6 +30,8 @@ fn containerd_version() -> ContainerdVersion {
 /// Below the harness's 60 s CRI deadline, so a guest that never answers fails with the shim's
 /// own error and console tail.
 const CONNECT_TIMEOUT_MS: u64 = 45_000;
+/// What the QEMU stand-in says when its guest resets (a panic with `panic=1`).
+const GUEST_RESET: &str = "the guest shut down (guest-reset)";
 
 /// A container that runs until SIGTERM (then exits 0), after `first`.
 fn long_running(name: &str, first: &str) -> cri::ContainerConfig {
@@ -361,9 +363,19 @@ async fn sh_in(cri: &Cri, id: &str, script: &str) -> Result<String> {
     run_in(cri, id, &["sh", "-c", script]).await
 }
 
+/// What a failed-boot test does on the host while RunPodSandbox runs.
+#[derive(Clone, Copy)]
+enum Meddling {
+    None,
+    /// Once the console shows this line, stop (SIGSTOP) the stand-in's `vhost-device-vsock`: a
+    /// vhost-user backend that does not answer holds QEMU after its guest resets (measured with
+    /// QEMU 7.2), the hang the stand-in's shutdown watch ends.
+    StopVsockBackendAfter(&'static str),
+}
+
 /// RunPodSandbox with a guest whose `/init` is `init`: must fail well before the agent's connect
-/// timeout, quoting the console. Returns the error text.
-async fn failed_boot(test: &str, init: &Path) -> Result<String> {
+/// timeout, quoting the console, and the stand-in must say `stand_in_says`. Returns the error text.
+async fn failed_boot(test: &str, init: &Path, meddling: Meddling, stand_in_says: &str) -> Result<String> {
     let (kernel, _) = guests::kernel_and_initramfs()?;
     let dir = tempfile::tempdir()?;
     let initramfs = dir.path().join("initramfs.cpio.gz");
@@ -381,22 +393,76 @@ async fn failed_boot(test: &str, init: &Path) -> Result<String> {
     let cri = containerd.cri().await?;
     let pod = pod_config(test, &containerd.new_log_dir(test)?);
     let started = Instant::now();
-    let err = match cri.run_pod_sandbox(&pod, "bulkhead").await {
+    let (ran, meddled) = tokio::join!(cri.run_pod_sandbox(&pod, "bulkhead"), meddle(state_dir.path(), meddling));
+    let err = match ran {
         Ok(id) => bail!("pod {id} started with a guest that cannot boot"),
         Err(e) => format!("{e:#}"),
     };
     let took = started.elapsed();
+    meddled?;
     println!("{test}: RunPodSandbox failed after {took:?}: {err}");
-    // "At once": the VM's exit ends the wait, not the agent's connect timeout. CI saw this wait
-    // once (the stand-in's QEMU outlived its guest's panic by 45 s, not reproduced in 30 runs):
-    // the failure carries containerd's log, where the shim relays the stand-in's own lines.
+    // The VM's exit ends the wait, not the agent's connect timeout. The failure carries
+    // containerd's log, where the shim relays the stand-in's own lines.
     assert!(
-        took < Duration::from_millis(CONNECT_TIMEOUT_MS / 2),
-        "the failure waited for the connect timeout ({took:?}); containerd's log:\n{}",
+        err.contains("before the agent answered"),
+        "the failure was not the VM's exit ({took:?}); containerd's log:\n{}",
         containerd.log_tail(120)
     );
+    // The stand-in's own lines reach containerd's log through the shim, which may lag a little.
+    let until = Instant::now() + Duration::from_secs(10);
+    while !containerd.log_tail(400).contains(stand_in_says) {
+        if Instant::now() >= until {
+            bail!("the stand-in never said {stand_in_says:?}; containerd's log:\n{}", containerd.log_tail(120));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = containerd.log_tail(400);
+    println!("{test}: {}", log.lines().find(|l| l.contains(stand_in_says)).unwrap_or_default());
     nothing_left(state_dir.path()).await?;
     Ok(err)
+}
+
+/// Does what `meddling` says to the VM under `state_dir`, within the connect timeout.
+async fn meddle(state_dir: &Path, meddling: Meddling) -> Result<()> {
+    let Meddling::StopVsockBackendAfter(line) = meddling else { return Ok(()) };
+    let until = Instant::now() + Duration::from_millis(CONNECT_TIMEOUT_MS);
+    let state = state_dir.display().to_string();
+    loop {
+        let console = find_file(state_dir, "console.log", 4);
+        if console.and_then(|c| std::fs::read_to_string(c).ok()).is_some_and(|text| text.contains(line)) {
+            break;
+        }
+        if Instant::now() >= until {
+            bail!("the console never showed {line:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // This test's own backend: its command line names this test's state directory.
+    let backends: Vec<u32> = processes_with(&state)
+        .into_iter()
+        .filter(|(_, cmdline)| cmdline.contains("vhost-device-vsock"))
+        .map(|(pid, _)| pid)
+        .collect();
+    let [pid] = backends[..] else { bail!("want one vhost-device-vsock under {state}, found {backends:?}") };
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).context("SIGSTOP vhost-device-vsock")?;
+    Ok(())
+}
+
+/// The first file called `name` at most `depth` directories below `dir`.
+fn find_file(dir: &Path, name: &str, depth: usize) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if entry.file_name() == name {
+            return Some(path);
+        }
+        if depth > 0 && entry.file_type().is_ok_and(|t| t.is_dir()) {
+            if let Some(found) = find_file(&path, name, depth - 1) {
+                return Some(found);
+            }
+        }
+    }
+    None
 }
 
 #[tokio::test]
@@ -409,7 +475,7 @@ async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail(
     let dir = tempfile::tempdir()?;
     let init = dir.path().join("not-a-program");
     std::fs::write(&init, b"this is not an executable\n")?;
-    let err = failed_boot(test, &init).await?;
+    let err = failed_boot(test, &init, Meddling::None, GUEST_RESET).await?;
     assert!(err.contains("VM did not start"), "{err}");
     assert!(err.contains("Kernel panic") && err.contains("No working init found"), "no console tail in: {err}");
     Ok(())
@@ -422,9 +488,27 @@ async fn an_agent_that_exits_early_fails_the_pod_with_the_console_tail() -> Resu
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let init: PathBuf = bulkhead_integration::images::early_exit_init(dir.path())?;
-    let err = failed_boot(test, &init).await?;
+    let init: PathBuf = images::early_exit_init(dir.path())?;
+    let err = failed_boot(test, &init, Meddling::None, GUEST_RESET).await?;
     assert!(err.contains("VM did not start"), "{err}");
-    assert!(err.contains("simulated early exit before serving"), "the agent's last words are missing: {err}");
+    assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
+    Ok(())
+}
+
+/// The test harness's own promise: a QEMU held after its guest's reset (here by a vhost-user
+/// backend that stopped answering) is ended by the stand-in, so the pod fails at once as on
+/// `bulkhead-vmm`, not at the shim's connect timeout.
+#[tokio::test]
+async fn a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends() -> Result<()> {
+    let test = "a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends";
+    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    // Long enough after its line for the backend to be stopped before the reset.
+    let init = images::late_exit_init(dir.path(), 3)?;
+    let meddling = Meddling::StopVsockBackendAfter(images::EARLY_EXIT_LINE);
+    let err = failed_boot(test, &init, meddling, "did not exit within 5s of its guest's shutdown; killed").await?;
+    assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
 }

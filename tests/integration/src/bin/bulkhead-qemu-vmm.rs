@@ -2,7 +2,9 @@
 //! `bulkhead_integration::standin`). Started by the shim exactly as the VMM is
 //! (`--config vm.json --jail jail.json`); runs `vhost-device-vsock` and QEMU as children that die
 //! with it, and exits when QEMU does (0 when the guest powers off or resets, as the VMM), or 0
-//! after SIGTERM/SIGINT or an API `shutdown` stops the VM. Never shipped: `make image` and the
+//! after SIGTERM/SIGINT or an API `shutdown` stops the VM. A QEMU still running
+//! [`EXIT_AFTER_SHUTDOWN`] after its guest shut down or reset is killed, and the stand-in exits 0
+//! as the VMM would have. Never shipped: `make image` and the
 //! installer name their artifacts one by one, and this is not one of them.
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -11,6 +13,7 @@ use std::process::{Child, Command, ExitCode, ExitStatus};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use bulkhead_integration::standin::shutdown_watch::{self, Watched};
 use bulkhead_integration::standin::{api, cgroup, qemu, qmp::Qmp, vsock_gate, Plan};
 use nix::sys::signal::{SigSet, Signal};
 
@@ -20,6 +23,13 @@ const BACKEND_READY: Duration = Duration::from_secs(10);
 const VSOCK_READY: Duration = Duration::from_secs(300);
 /// How long QEMU gets to quit after an orderly stop before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
+/// How long QEMU gets to exit after its guest shut down or reset before it is killed (see
+/// `standin::shutdown_watch`); it takes well under a second.
+const EXIT_AFTER_SHUTDOWN: Duration = Duration::from_secs(5);
+/// How long the events monitor may take to appear after QEMU starts.
+const EVENTS_READY: Duration = Duration::from_secs(30);
+/// The signal the shutdown watch raises in the stand-in when QEMU has not exited in time.
+const LATE_EXIT: Signal = Signal::SIGUSR1;
 
 fn main() -> ExitCode {
     match run() {
@@ -113,7 +123,7 @@ fn run() -> Result<u8> {
         .unwrap_or(0);
     // Blocked before any thread or child exists; the main thread takes them with sigwait.
     let mut signals = SigSet::empty();
-    for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD] {
+    for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD, LATE_EXIT] {
         signals.add(sig);
     }
     signals.thread_block().context("block signals")?;
@@ -159,10 +169,11 @@ fn run() -> Result<u8> {
         backend = Some(child);
     }
 
-    let qmp = plan.qmp_socket();
+    let (qmp, events) = (plan.qmp_socket(), plan.qmp_events_socket());
     remove_stale(&qmp)?;
+    remove_stale(&events)?;
     let mut command = Command::new(qemu::QEMU);
-    command.args(qemu::args(&plan, &qmp, backend.as_ref().map(|_| plan.vhost_vsock_socket()).as_deref()));
+    command.args(qemu::args(&plan, &qmp, &events, backend.as_ref().map(|_| plan.vhost_vsock_socket()).as_deref()));
     let mut vm = match spawn(command, "qemu-system-x86_64 (make setup installs qemu-system-x86)") {
         Ok(vm) => vm,
         Err(e) => {
@@ -172,6 +183,15 @@ fn run() -> Result<u8> {
             return Err(e);
         }
     };
+    std::thread::Builder::new().name("shutdown-watch".into()).spawn(move || {
+        // The signal is blocked in every thread, so only the main thread's sigwait takes it.
+        let late = || {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), LATE_EXIT);
+        };
+        if let Watched::NoMonitor(why) = shutdown_watch::watch(&events, EVENTS_READY, EXIT_AFTER_SHUTDOWN, late) {
+            eprintln!("bulkhead-qemu-vmm: no shutdown watch: {why}");
+        }
+    })?;
     if let Some(vsock) = &plan.vsock {
         let gate = vsock_gate::Gate {
             qmp: qmp.clone(),
@@ -210,6 +230,20 @@ fn run() -> Result<u8> {
                 }
             }
             continue;
+        }
+        if signal == LATE_EXIT {
+            if let Some(status) = vm.try_wait()? {
+                eprintln!("bulkhead-qemu-vmm: QEMU exited: {status}");
+            } else {
+                kill(&mut vm);
+                eprintln!(
+                    "bulkhead-qemu-vmm: QEMU did not exit within {EXIT_AFTER_SHUTDOWN:?} of its guest's shutdown; killed"
+                );
+            }
+            if let Some(b) = backend.as_mut() {
+                kill(b);
+            }
+            return Ok(0);
         }
         // SIGTERM, SIGINT or an API shutdown: stop the VM in order, then by force.
         if let Err(e) = Qmp::connect(&qmp, STOP_GRACE).and_then(|mut q| q.execute("quit")) {

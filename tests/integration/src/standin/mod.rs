@@ -14,7 +14,8 @@
 //!
 //! [`plan`] resolves the two documents into host paths, [`qemu`] turns a plan into QEMU's
 //! arguments, [`qmp`] is a bounded QMP client, [`api`] serves the VMM's API socket over it and
-//! [`cgroup`] joins the pod's cgroup; [`vsock_gate`] keeps the hybrid-vsock socket hidden until
+//! [`cgroup`] joins the pod's cgroup; [`shutdown_watch`] ends a QEMU that outlives its guest;
+//! [`vsock_gate`] keeps the hybrid-vsock socket hidden until
 //! the guest's driver is ready (a `vhost-device-vsock` flaw).
 
 pub mod api;
@@ -22,6 +23,7 @@ pub mod cgroup;
 pub mod plan;
 pub mod qemu;
 pub mod qmp;
+pub mod shutdown_watch;
 pub mod vsock_gate;
 
 pub use plan::Plan;

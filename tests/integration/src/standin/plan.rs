@@ -126,6 +126,11 @@ impl Plan {
         self.run_dir.join("q.sock")
     }
 
+    /// QEMU's second QMP socket, which the stand-in only reads events from.
+    pub fn qmp_events_socket(&self) -> PathBuf {
+        self.run_dir.join("qe.sock")
+    }
+
     /// Where `vhost-device-vsock` listens for host connections until the stand-in publishes it
     /// at the hybrid socket's path ([`super::vsock_gate`]).
     pub fn vsock_private_socket(&self) -> PathBuf {

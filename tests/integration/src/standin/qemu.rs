@@ -6,6 +6,8 @@
 //!   must map;
 //! - an ELF vmlinux booted through its PVH note (`CONFIG_PVH`);
 //! - `-no-reboot`: a guest reset or panic ends QEMU, as it ends `bulkhead-vmm`;
+//! - a second QMP monitor that only carries events, so the stand-in sees the guest's `SHUTDOWN`
+//!   while the first serves the API and the vsock gate (a QMP socket takes one client at a time);
 //! - `reboot=t` after the shim's words: `microvm` has no i8042, so the shim's `reboot=k` (right
 //!   for `bulkhead-vmm`, which has one) would spin through the kernel's keyboard-controller reset
 //!   loop (10 tries of up to 65536 reads of a port nothing answers) before it falls back to a
@@ -21,9 +23,10 @@ pub const QEMU: &str = "qemu-system-x86_64";
 /// How the guest kernel resets (and so ends QEMU) on a machine without an i8042.
 const GUEST_RESET: &str = "reboot=t";
 
-/// QEMU's arguments (after the binary) for `plan`, with its QMP socket at `qmp` and, when the
-/// plan has vsock, `vhost-device-vsock` serving vhost-user at `vhost_vsock`.
-pub fn args(plan: &Plan, qmp: &Path, vhost_vsock: Option<&Path>) -> Vec<String> {
+/// QEMU's arguments (after the binary) for `plan`, with its QMP sockets at `qmp` (commands) and
+/// `events` (events only) and, when the plan has vsock, `vhost-device-vsock` serving vhost-user
+/// at `vhost_vsock`.
+pub fn args(plan: &Plan, qmp: &Path, events: &Path, vhost_vsock: Option<&Path>) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     let mem = format!("{}M", plan.mem_mib);
@@ -46,7 +49,9 @@ pub fn args(plan: &Plan, qmp: &Path, vhost_vsock: Option<&Path>) -> Vec<String> 
         }
         None => push(&["-serial", "null"]),
     }
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", qemu_path(qmp))]);
+    for socket in [qmp, events] {
+        push(&["-qmp", &format!("unix:{},server=on,wait=off", qemu_path(socket))]);
+    }
     for (i, fs) in plan.fs.iter().enumerate() {
         push(&[
             "-chardev",
@@ -122,7 +127,8 @@ mod tests {
 
     #[test]
     fn the_machine_is_what_the_guest_needs() {
-        let a = args(&plan(), Path::new("/s/run/q.sock"), Some(Path::new("/s/run/vv.sock")));
+        let a =
+            args(&plan(), Path::new("/s/run/q.sock"), Path::new("/s/run/qe.sock"), Some(Path::new("/s/run/vv.sock")));
         let m = value_after(&a, "-M", "microvm").unwrap();
         assert!(m.contains("acpi=off") && m.contains("memory-backend=mem"), "{m}");
         assert_eq!(value_after(&a, "-object", "memfd"), Some("memory-backend-memfd,id=mem,size=512M,share=on"));
@@ -133,12 +139,13 @@ mod tests {
         assert_eq!(value_after(&a, "-device", "balloon"), Some("virtio-balloon-device,free-page-reporting=on"));
         let mut p = plan();
         p.free_page_reporting = false;
-        assert_eq!(value_after(&args(&p, Path::new("/q"), None), "-device", "balloon"), None);
+        assert_eq!(value_after(&args(&p, Path::new("/q"), Path::new("/e"), None), "-device", "balloon"), None);
     }
 
     #[test]
     fn every_device_of_the_plan_is_there() {
-        let a = args(&plan(), Path::new("/s/run/q.sock"), Some(Path::new("/s/run/vv.sock")));
+        let a =
+            args(&plan(), Path::new("/s/run/q.sock"), Path::new("/s/run/qe.sock"), Some(Path::new("/s/run/vv.sock")));
         assert_eq!(
             value_after(&a, "-device", "vhost-user-fs"),
             Some("vhost-user-fs-device,chardev=fs0,tag=bulkhead,queue-size=1024")
@@ -151,14 +158,15 @@ mod tests {
             Some("virtio-net-device,netdev=net0,mac=02:00:00:00:00:01,host_mtu=1450")
         );
         assert_eq!(value_after(&a, "-chardev", "console"), Some("file,id=console,path=/s/run/console.log"));
-        assert_eq!(value_after(&a, "-qmp", ""), Some("unix:/s/run/q.sock,server=on,wait=off"));
+        assert_eq!(value_after(&a, "-qmp", "q.sock"), Some("unix:/s/run/q.sock,server=on,wait=off"));
+        assert_eq!(value_after(&a, "-qmp", "qe.sock"), Some("unix:/s/run/qe.sock,server=on,wait=off"));
     }
 
     #[test]
     fn commas_in_paths_are_escaped() {
         let mut p = plan();
         p.console = Some("/s/a,b/console.log".into());
-        let a = args(&p, Path::new("/q"), None);
+        let a = args(&p, Path::new("/q"), Path::new("/e"), None);
         assert_eq!(value_after(&a, "-chardev", "console"), Some("file,id=console,path=/s/a,,b/console.log"));
         assert!(value_after(&a, "-device", "vhost-user-vsock").is_none(), "no vhost-user socket, no vsock device");
     }

@@ -1,5 +1,5 @@
 //! A small QMP client: one connection per command, every read bounded in length and time, events
-//! that arrive in between skipped.
+//! that arrive in between skipped; or a connection kept open to wait for one event.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -78,6 +78,20 @@ impl Qmp {
         Err(QmpError::Protocol(format!("no reply to {command} within {MAX_LINES} messages")))
     }
 
+    /// Reads until QEMU sends event `name` and returns its `data` (null if it has none). No
+    /// deadline: the event may come hours after the connection was made; every line is still
+    /// bounded in length, and QEMU closing the connection ends the wait with an error.
+    pub fn wait_for_event(&mut self, name: &str) -> Result<Value, QmpError> {
+        let path = self.path.clone();
+        self.reader.get_ref().set_read_timeout(None).map_err(|source| QmpError::Io { path, source })?;
+        loop {
+            let message = self.read_line()?;
+            if message.get("event").and_then(Value::as_str) == Some(name) {
+                return Ok(message.get("data").cloned().unwrap_or(Value::Null));
+            }
+        }
+    }
+
     fn set_timeout(&self) -> Result<(), QmpError> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -90,6 +104,11 @@ impl Qmp {
 
     fn read_message(&mut self) -> Result<Value, QmpError> {
         self.set_timeout()?;
+        self.read_line()
+    }
+
+    /// One message, with whatever read timeout the socket has.
+    fn read_line(&mut self) -> Result<Value, QmpError> {
         let mut line = Vec::new();
         let path = self.path.clone();
         (&mut self.reader)
@@ -149,6 +168,37 @@ mod tests {
         assert_eq!(q.execute("query-status").unwrap()["status"], "paused");
         let err = q.execute("cont").unwrap_err().to_string();
         assert!(err.contains("GenericError: nope"), "{err}");
+    }
+
+    #[test]
+    fn an_awaited_event_is_found_among_others_and_a_closed_socket_ends_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = peer(
+            dir.path(),
+            GREETING,
+            vec![concat!(
+                "{\"return\": {}}\n",
+                "{\"event\": \"STOP\"}\n",
+                "{\"event\": \"SHUTDOWN\", \"data\": {\"guest\": true, \"reason\": \"guest-reset\"}}\n"
+            )],
+        );
+        let mut q = Qmp::connect(&path, Duration::from_secs(5)).unwrap();
+        let data = q.wait_for_event("SHUTDOWN").unwrap();
+        assert_eq!(data["reason"], "guest-reset");
+        // The peer closes after its script (and a pause): the wait ends with an error, not forever.
+        let err = q.wait_for_event("SHUTDOWN").unwrap_err().to_string();
+        assert!(err.contains("closed"), "{err}");
+    }
+
+    #[test]
+    fn an_over_long_event_line_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let long: &'static str =
+            Box::leak(format!("{{\"return\": {{}}}}\n{}\n", "x".repeat(MAX_LINE as usize + 10)).into());
+        let path = peer(dir.path(), GREETING, vec![long]);
+        let mut q = Qmp::connect(&path, Duration::from_secs(5)).unwrap();
+        let err = q.wait_for_event("SHUTDOWN").unwrap_err().to_string();
+        assert!(err.contains("longer than"), "{err}");
     }
 
     #[test]
