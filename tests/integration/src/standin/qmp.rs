@@ -126,12 +126,12 @@ impl Qmp {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::os::unix::net::UnixListener;
 
     /// A QMP peer that sends `script` lines after each line it reads.
-    fn peer(dir: &Path, greeting: &'static str, replies: Vec<&'static str>) -> std::path::PathBuf {
+    pub(in super::super) fn peer(dir: &Path, greeting: &'static str, replies: Vec<&'static str>) -> std::path::PathBuf {
         let path = dir.join("q.sock");
         let listener = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
@@ -150,7 +150,7 @@ mod tests {
         path
     }
 
-    const GREETING: &str = "{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n";
+    pub(in super::super) const GREETING: &str = "{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n";
 
     #[test]
     fn replies_are_found_behind_events() {

@@ -52,27 +52,14 @@ pub fn watch(events: &Path, ready_within: Duration, grace: Duration, late: impl 
 
 #[cfg(test)]
 mod tests {
+    use super::super::qmp::tests::{peer, GREETING};
     use super::*;
-    use std::io::{BufRead, BufReader, Write};
-    use std::os::unix::net::UnixListener;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    const GREETING: &str = "{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n";
-
-    /// A monitor that answers `qmp_capabilities`, sends `events`, then stays open for `open_for`.
-    fn monitor(dir: &Path, events: &'static str, open_for: Duration) -> std::path::PathBuf {
-        let path = dir.join("qe.sock");
-        let listener = UnixListener::bind(&path).unwrap();
-        std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            s.write_all(GREETING.as_bytes()).unwrap();
-            let mut line = String::new();
-            BufReader::new(s.try_clone().unwrap()).read_line(&mut line).unwrap();
-            s.write_all(b"{\"return\": {}}\n").unwrap();
-            s.write_all(events.as_bytes()).unwrap();
-            std::thread::sleep(open_for);
-        });
-        path
+    /// A monitor that answers `qmp_capabilities`, sends `events`, and closes a while later.
+    fn monitor(dir: &Path, events: &'static str) -> std::path::PathBuf {
+        let reply: &'static str = Box::leak(format!("{{\"return\": {{}}}}\n{events}").into_boxed_str());
+        peer(dir, GREETING, vec![reply])
     }
 
     #[test]
@@ -82,7 +69,7 @@ mod tests {
             "{\"event\": \"SHUTDOWN\", \"data\": {\"guest\": false, \"reason\": \"host-qmp-quit\"}}\n",
             "{\"event\": \"SHUTDOWN\", \"data\": {\"guest\": true, \"reason\": \"guest-reset\"}}\n"
         );
-        let path = monitor(dir.path(), events, Duration::from_secs(5));
+        let path = monitor(dir.path(), events);
         let called = AtomicBool::new(false);
         let watched =
             watch(&path, Duration::from_secs(5), Duration::from_millis(10), || called.store(true, Ordering::SeqCst));
@@ -94,7 +81,7 @@ mod tests {
     fn a_host_stop_or_a_closed_monitor_ends_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let events = "{\"event\": \"SHUTDOWN\", \"data\": {\"guest\": false, \"reason\": \"host-signal\"}}\n";
-        let path = monitor(dir.path(), events, Duration::ZERO);
+        let path = monitor(dir.path(), events);
         let watched = watch(&path, Duration::from_secs(5), Duration::ZERO, || panic!("QEMU was not late"));
         assert_eq!(watched, Watched::Closed);
     }
