@@ -373,8 +373,9 @@ enum Meddling {
     StopVsockBackendAfter(&'static str),
 }
 
-/// RunPodSandbox with a guest whose `/init` is `init`: must fail well before the agent's connect
-/// timeout, quoting the console, and the stand-in must say `stand_in_says`. Returns the error text.
+/// RunPodSandbox with a guest whose `/init` is `init`: must fail with the VM's exit (not the
+/// agent's connect timeout), quoting the console, and the stand-in must say `stand_in_says`.
+/// Returns the error text.
 async fn failed_boot(test: &str, init: &Path, meddling: Meddling, stand_in_says: &str) -> Result<String> {
     let (kernel, _) = guests::kernel_and_initramfs()?;
     let dir = tempfile::tempdir()?;
