@@ -196,9 +196,29 @@ fn read_from(path: &Path, from: u64) -> (Vec<u8>, u64) {
     (bytes, end)
 }
 
+/// Bytes a plain copy moves per read and write: bounded, so a huge data extent costs no more
+/// memory than this.
+const COPY_CHUNK: usize = 1 << 20;
+
+/// How [`copy_keeping_holes`] moved the data: what the tests check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CopyWay {
+    /// `copy_file_range(2)` all along.
+    Kernel,
+    /// Reads and writes, because the kernel refused (EXDEV between two filesystems, as from the
+    /// state dir on tmpfs to the template store on disk) or was never asked.
+    ReadWrite,
+}
+
 /// Copies `from` to a new file `to` (mode 0600, this process's), data extents only: the guest's
 /// memory file is mostly holes, which stay holes.
 fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
+    copy_keeping_holes_by(from, to, CopyWay::Kernel).map(|_| ())
+}
+
+/// [`copy_keeping_holes`], trying `way` first: `Kernel` falls back to `ReadWrite` for good when
+/// `copy_file_range` cannot do this pair of files. Returns the way it ended with.
+fn copy_keeping_holes_by(from: &Path, to: &Path, mut way: CopyWay) -> std::io::Result<CopyWay> {
     use nix::unistd::{lseek, Whence};
     use std::os::unix::fs::OpenOptionsExt;
     let src = std::fs::File::open(from)?;
@@ -210,6 +230,7 @@ fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(to)?;
     dst.set_len(len)?;
+    let mut buf = Vec::new();
     let mut pos = 0u64;
     while pos < len {
         let data = match lseek(&src, pos as i64, Whence::SeekData) {
@@ -218,21 +239,70 @@ fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
             Err(e) => return Err(e.into()),
         };
         let hole = (lseek(&src, data as i64, Whence::SeekHole)? as u64).min(len);
-        let (mut off_in, mut off_out) = (data as i64, data as i64);
-        while (off_in as u64) < hole {
-            let left = (hole - off_in as u64) as usize;
-            // SAFETY: both fds are open for the call; the offsets are this loop's own cells.
-            let n =
-                unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left, 0) };
-            match n {
-                n if n > 0 => {}
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                _ => return Err(std::io::Error::last_os_error()),
+        let mut off = data;
+        if way == CopyWay::Kernel {
+            match kernel_copy(&src, &dst, &mut off, hole) {
+                Ok(()) => {}
+                // EXDEV: two filesystems the kernel will not copy between; the others: a
+                // filesystem or kernel without it. The range goes on from where it stopped.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
+                    ) =>
+                {
+                    info!(error = %e, from = %from.display(), to = %to.display(), "copy_file_range refused; copying by read and write");
+                    way = CopyWay::ReadWrite;
+                }
+                Err(e) => return Err(e),
             }
+        }
+        if way == CopyWay::ReadWrite {
+            plain_copy(&src, &dst, off, hole, &mut buf)?;
         }
         pos = hole;
     }
-    dst.sync_all()
+    dst.sync_all()?;
+    Ok(way)
+}
+
+/// `copy_file_range` of `[*off, end)`; `*off` is how far it got, also on an error.
+fn kernel_copy(src: &std::fs::File, dst: &std::fs::File, off: &mut u64, end: u64) -> std::io::Result<()> {
+    while *off < end {
+        let (mut off_in, mut off_out) = (*off as i64, *off as i64);
+        let left = (end - *off) as usize;
+        // SAFETY: both fds are open for the call; the offsets are this function's own cells.
+        let n = unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left, 0) };
+        match n {
+            n if n > 0 => *off += n as u64,
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            _ => return Err(std::io::Error::last_os_error()),
+        }
+    }
+    Ok(())
+}
+
+/// `[off, end)` of `src` to the same place in `dst` through `buf`, [`COPY_CHUNK`] at a time.
+fn plain_copy(
+    src: &std::fs::File,
+    dst: &std::fs::File,
+    mut off: u64,
+    end: u64,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    buf.resize(COPY_CHUNK, 0);
+    while off < end {
+        let want = ((end - off) as usize).min(COPY_CHUNK);
+        let n = src.read_at(&mut buf[..want], off)?;
+        if n == 0 {
+            // The file shrank under us: the snapshot is not what was written.
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        dst.write_all_at(&buf[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -240,23 +310,62 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    #[test]
-    fn a_copy_keeps_the_data_and_the_holes() {
-        let dir = tempfile::tempdir().unwrap();
-        let (from, to) = (dir.path().join("memory"), dir.path().join("copy"));
-        let mut f = std::fs::File::create(&from).unwrap();
+    /// A 64 MiB file at `path` with 8 KiB of data at 8 MiB and 4 KiB at its end, holes elsewhere.
+    fn sparse_file(path: &Path) {
+        let mut f = std::fs::File::create(path).unwrap();
         f.set_len(64 << 20).unwrap();
         f.seek(SeekFrom::Start(8 << 20)).unwrap();
         f.write_all(&[7u8; 8192]).unwrap();
         f.seek(SeekFrom::Start((64 << 20) - 4096)).unwrap();
         f.write_all(&[9u8; 4096]).unwrap();
-        drop(f);
-        copy_keeping_holes(&from, &to).unwrap();
-        assert_eq!(std::fs::read(&from).unwrap(), std::fs::read(&to).unwrap());
+    }
+
+    fn assert_same_with_holes(from: &Path, to: &Path) {
+        assert_eq!(std::fs::read(from).unwrap(), std::fs::read(to).unwrap());
         use std::os::unix::fs::MetadataExt;
-        let blocks = std::fs::metadata(&to).unwrap().blocks() * 512;
+        let blocks = std::fs::metadata(to).unwrap().blocks() * 512;
         assert!(blocks < 1 << 20, "the holes stayed holes: {blocks} bytes allocated");
+    }
+
+    #[test]
+    fn a_copy_keeps_the_data_and_the_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("memory"), dir.path().join("copy"));
+        sparse_file(&from);
+        copy_keeping_holes(&from, &to).unwrap();
+        assert_same_with_holes(&from, &to);
         assert!(copy_keeping_holes(&from, &to).is_err(), "an existing file is not overwritten");
+    }
+
+    #[test]
+    fn a_copy_by_read_and_write_keeps_the_data_and_the_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("memory"), dir.path().join("copy"));
+        sparse_file(&from);
+        assert_eq!(copy_keeping_holes_by(&from, &to, CopyWay::ReadWrite).unwrap(), CopyWay::ReadWrite);
+        assert_same_with_holes(&from, &to);
+    }
+
+    /// The layout of a real node: the snapshot on tmpfs (the state dir under /run), the store on
+    /// disk. Where the kernel refuses `copy_file_range` between them, this runs the fallback.
+    #[test]
+    fn a_copy_from_tmpfs_to_another_filesystem_keeps_the_data_and_the_holes() {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            println!("SKIPPED: no writable /dev/shm");
+            return;
+        };
+        let disk = tempfile::tempdir().unwrap();
+        let dev = |p: &Path| std::fs::metadata(p).unwrap().dev();
+        if dev(shm.path()) == dev(disk.path()) {
+            println!("SKIPPED: /dev/shm and {} are one filesystem", disk.path().display());
+            return;
+        }
+        let (from, to) = (shm.path().join("memory"), disk.path().join("copy"));
+        sparse_file(&from);
+        let way = copy_keeping_holes_by(&from, &to, CopyWay::Kernel).unwrap();
+        println!("tmpfs -> {}: copied by {way:?}", disk.path().display());
+        assert_same_with_holes(&from, &to);
     }
 
     #[test]
