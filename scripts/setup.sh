@@ -12,13 +12,14 @@ log() { printf 'setup: %s\n' "$*"; }
 # guest kernel's source and build tools (guest-kernel/build-kernel.sh), and libseccomp/libcap-ng
 # headers and pkg-config to build virtiofsd, and QEMU: the test-only stand-in CPU that runs the
 # real guest on hosts whose /dev/kvm runs no ordinary guest (tests/integration, `bulkhead-qemu-vmm`);
-# e2fsprogs for mkfs.ext4, which the shim runs to give a size-limited emptyDir its own filesystem.
+# e2fsprogs for mkfs.ext4, which the shim runs to give a size-limited emptyDir its own filesystem;
+# kmod for the emulated node (tests/node): depmod for its kernel's modules, and modprobe inside it.
 APT_PACKAGES=(
   containerd runc containernetworking-plugins busybox-static protobuf-compiler
   musl-tools gcc g++ libc6-dev binutils make file iproute2 util-linux e2fsprogs python3 python3-venv ca-certificates openssl
   linux-source-6.12 bc bison flex libelf-dev libssl-dev xz-utils
   libseccomp-dev libcap-ng-dev pkg-config
-  qemu-system-x86
+  qemu-system-x86 kmod
 )
 
 missing=()
@@ -197,6 +198,30 @@ runnable_runc() {
   "$root/runtime/usr/bin/patchelf" --set-interpreter "$libs/ld-linux-x86-64.so.2" --set-rpath "$libs" \
     "$root/usr/sbin/runc"
 }
+
+# The emulated node's kernel (tests/node/node.py): Debian 12's own, whose kvm-amd runs bulkhead-vmm inside QEMU's
+# TCG with SVM. Unpacked (not installed) into $cache/<package>-<version>/ with its modules.dep, linked as
+# $cache/node-kernel. Pinned by version: move the pin when bookworm's archive drops it (setup says so).
+NODE_KERNEL=linux-image-6.1.0-50-amd64
+NODE_KERNEL_VERSION=6.1.176-1 # bookworm
+cached_node_kernel() {
+  local root="$cache/$NODE_KERNEL-$NODE_KERNEL_VERSION" release=${NODE_KERNEL#linux-image-}
+  if [[ -f $root/lib/modules/$release/modules.dep && -f $root/boot/vmlinuz-$release ]]; then
+    log "node kernel $NODE_KERNEL $NODE_KERNEL_VERSION present in $root"
+  else
+    log "fetching the node kernel $NODE_KERNEL $NODE_KERNEL_VERSION into $root"
+    private_apt_update
+    local deb
+    deb=$(fetch_deb "$NODE_KERNEL=$NODE_KERNEL_VERSION" NODE_KERNEL_VERSION)
+    rm -rf "$root.tmp" && mkdir -p "$root.tmp"
+    dpkg-deb -x "$deb" "$root.tmp"
+    rm -f "$deb"
+    depmod -b "$root.tmp" "$release"
+    rm -rf "$root" && mv "$root.tmp" "$root"
+  fi
+  ln -sfn "$root" "$cache/node-kernel"
+}
+cached_node_kernel
 
 cached_deb containerd "$CONTAINERD_17" 1.7 CONTAINERD_17 usr/bin/containerd
 cached_deb containerd "$CONTAINERD_21" 2.1 CONTAINERD_21 usr/bin/containerd

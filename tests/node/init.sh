@@ -1,0 +1,44 @@
+#!/bin/sh
+# The emulated node's first init (busybox, in its initramfs): load the modules that reach the
+# host's root, lay a tmpfs overlay over it, and hand over to systemd as PID 1 (cgroup v2), which
+# runs the command unit that node.py wrote into the shared output directory.
+# Any failure here powers the node off at once: node.py then reports the console's tail.
+export PATH=/bin
+fail() {
+  echo "node-init: $*" >/dev/console
+  echo "node-init: $*" >/out/init-failed 2>/dev/null
+  poweroff -f
+}
+mkdir -p /proc /sys /dev /lower /ovl /newroot /out
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+# Modules in dependency order (node.py writes the list).
+while read -r ko; do
+  insmod "/modules/$ko" || fail "insmod $ko failed"
+done </modules/order
+opts=trans=virtio,version=9p2000.L,msize=262144
+mount -t 9p -o "$opts,cache=none" out /out || fail "cannot mount the output share"
+# The host's root, read-only; cache=loose keeps binaries' pages after the first read.
+mount -t 9p -o "$opts,ro,cache=loose" host /lower || fail "cannot mount the host's root"
+mount -t tmpfs -o mode=0755,size=$(cat /node/upper_size) tmpfs /ovl || fail "cannot mount the overlay's tmpfs"
+mkdir -p /ovl/upper /ovl/work
+mount -t overlay -o lowerdir=/lower,upperdir=/ovl/upper,workdir=/ovl/work overlay /newroot \
+  || fail "cannot mount the overlay root"
+# What the host's root brings that a node must not see: its fstab (devices the node lacks), its
+# machine id, and the marker that makes systemd believe it runs in a container (and then ignore
+# the kernel's command line).
+: >/newroot/etc/fstab
+rm -f /newroot/.dockerenv /newroot/run/.containerenv
+rm -f /newroot/etc/machine-id && : >/newroot/etc/machine-id
+# The node kernel's own modules (the host's /lib/modules is for the host's kernel), so modprobe
+# and the kernel's autoload work in the node.
+ver=$(cat /node/kernel_version)
+mkdir -p "/newroot/lib/modules/$ver"
+mount --bind "/newroot$(cat /node/modules_dir)" "/newroot/lib/modules/$ver" || fail "cannot bind the node's modules"
+# The command's units, written by node.py.
+cp /node/bulkhead-node.service /node/bulkhead-node.target /newroot/etc/systemd/system/ || fail "cannot install the units"
+mkdir -p /newroot/bulkhead-node
+mount --move /out /newroot/bulkhead-node || fail "cannot move the output share"
+umount /proc /sys /dev 2>/dev/null
+exec switch_root /newroot /lib/systemd/systemd --unit=bulkhead-node.target
