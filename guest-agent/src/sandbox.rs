@@ -169,6 +169,10 @@ impl Sandbox {
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
         spec::fit_spec_hugepages(&mut spec, &spec::hugepage_sizes())?;
+        // In namespace mode containerd already decided from the host's hierarchy, which is ours.
+        if self.mode == Mode::Guest && hierarchy == Hierarchy::V2 && spec::give_cgroup_namespace(&mut spec) {
+            tracing::debug!(container = %req.id, "cgroup namespace added: the guest is on cgroup v2");
+        }
         let pod_dns = dns::pod_file(&self.state_dir);
         if pod_dns.exists() {
             dns::point_at_pod_file(&mut spec, &pod_dns);

@@ -1,10 +1,10 @@
 //! The shim's OCI JSON in, what libcontainer runs out: parses the spec, exec process and resource
-//! update under a size limit, and rewrites them for this sandbox (rootfs, cgroup path, terminal,
-//! seccomp compiled by the agent). Pure functions: no file or mount is touched here.
+//! update under a size limit, and rewrites them for this sandbox (rootfs, cgroup path and
+//! namespace, terminal, seccomp compiled by the agent). Pure functions: no file or mount is touched here.
 
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{LinuxResources, Process, Spec};
+use oci_spec::runtime::{LinuxNamespace, LinuxNamespaceType, LinuxResources, Process, Spec};
 
 use crate::{
     error::{AgentError, Result},
@@ -57,6 +57,27 @@ pub fn adapt_to_sandbox(spec: &mut Spec, rootfs_path: &str, terminal: bool, cgro
     linux.set_cgroups_path(Some(cgroup_path.to_path_buf()));
     spec.set_linux(Some(linux));
     Ok(rootfs)
+}
+
+/// Gives the container a cgroup namespace of its own if the spec has none, and says whether it
+/// did. containerd asks for one only when the *host* is on cgroup v2, but the guest always is:
+/// without it `/proc/self/cgroup` shows the agent's path and the spec's `cgroup` mount at
+/// /sys/fs/cgroup shows the guest's root (no `memory.max`), so a runtime that sizes itself from
+/// its cgroup sees no limit. With it the container sees what runc gives it on a v2 host: `0::/`
+/// and its own cgroup's files.
+pub fn give_cgroup_namespace(spec: &mut Spec) -> bool {
+    let mut linux = spec.linux().clone().unwrap_or_default();
+    let mut namespaces = linux.namespaces().clone().unwrap_or_default();
+    if namespaces.iter().any(|n| n.typ() == LinuxNamespaceType::Cgroup) {
+        return false;
+    }
+    let mut cgroup = LinuxNamespace::default();
+    cgroup.set_typ(LinuxNamespaceType::Cgroup);
+    cgroup.set_path(None);
+    namespaces.push(cgroup);
+    linux.set_namespaces(Some(namespaces));
+    spec.set_linux(Some(linux));
+    true
 }
 
 /// Compiles `linux.seccomp` (if any) and takes it out of the spec: libcontainer is built
@@ -232,6 +253,58 @@ mod tests {
         let mut relative_root = minimal();
         relative_root["root"]["path"] = "rootfs".into();
         assert!(invalid(relative_root, ""));
+    }
+
+    /// The parts of containerd's CRI spec on a cgroup v1 host that matter here.
+    fn containerd_v1_host_spec() -> serde_json::Value {
+        let mut json = minimal();
+        json["mounts"] = serde_json::json!([
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+             "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+        ]);
+        json["linux"] = serde_json::json!({"namespaces": [
+            {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+            {"type": "network", "path": "/proc/1/ns/net"},
+        ]});
+        json
+    }
+
+    fn namespaces(s: &Spec) -> Vec<LinuxNamespace> {
+        s.linux().as_ref().and_then(|l| l.namespaces().clone()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_spec_without_a_cgroup_namespace_gets_one_and_keeps_the_rest() {
+        let original = spec(containerd_v1_host_spec());
+        let mut s = original.clone();
+        assert!(give_cgroup_namespace(&mut s));
+        let ns = namespaces(&s);
+        let cgroup: Vec<_> = ns.iter().filter(|n| n.typ() == LinuxNamespaceType::Cgroup).collect();
+        assert_eq!(cgroup.len(), 1);
+        assert_eq!(cgroup[0].path(), &None, "a new namespace, not one joined");
+        assert_eq!(ns[..ns.len() - 1], namespaces(&original)[..], "the spec's own namespaces stay as they were");
+        assert_eq!(s.mounts(), original.mounts(), "the cgroup mount is left to be mounted in the new namespace");
+
+        let mut json = minimal();
+        json["linux"] = serde_json::json!({});
+        let mut bare = spec(json);
+        assert!(give_cgroup_namespace(&mut bare), "a spec that lists no namespaces gets one too");
+        assert_eq!(namespaces(&bare).iter().map(|n| n.typ()).collect::<Vec<_>>(), [LinuxNamespaceType::Cgroup]);
+    }
+
+    #[test]
+    fn a_spec_with_a_cgroup_namespace_is_left_alone() {
+        for cgroup in
+            [serde_json::json!({"type": "cgroup"}), serde_json::json!({"type": "cgroup", "path": "/proc/7/ns/cgroup"})]
+        {
+            let mut json = containerd_v1_host_spec();
+            json["linux"]["namespaces"].as_array_mut().unwrap().push(cgroup);
+            let original = spec(json);
+            let mut s = original.clone();
+            assert!(!give_cgroup_namespace(&mut s));
+            assert_eq!(s, original);
+        }
     }
 
     #[test]
