@@ -80,13 +80,25 @@ impl Dispatch {
     }
 }
 
-/// Binds the agent's Unix listener at `path`, replacing a stale socket.
-pub fn bind_unix(path: &Path) -> io::Result<UnixListener> {
+/// Binds a Unix listener at `path`, replacing a stale socket, mode 0600 whatever the umask:
+/// whoever can connect drives the agent. The directory is the shim's own (0700), so the socket
+/// is reachable by no one else between the bind and the chmod.
+pub fn bind_unix_std(path: &Path) -> io::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
-    let listener = UnixListener::bind(path)?;
+    let listener = std::os::unix::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Binds the agent's Unix listener at `path` ([`bind_unix_std`]) for the runtime.
+pub fn bind_unix(path: &Path) -> io::Result<UnixListener> {
+    let listener = bind_unix_std(path)?;
+    listener.set_nonblocking(true)?;
+    let listener = UnixListener::from_std(listener)?;
     tracing::info!(path = %path.display(), "listening (unix, hybrid-vsock preamble)");
     Ok(listener)
 }
@@ -161,4 +173,46 @@ pub async fn serve_vsock(dispatch: Dispatch) -> io::Result<()> {
         let _ = t.await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Runs `f` on a thread of its own whose credentials are nobody's (raw system calls change
+    /// only the calling thread's; glibc's wrappers would change every thread's).
+    fn as_nobody<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(move || {
+            // SAFETY: raw setgroups/setresgid/setresuid on this thread only, with plain integers
+            // and no list; every result is checked.
+            unsafe {
+                assert_eq!(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()), 0);
+                assert_eq!(libc::syscall(libc::SYS_setresgid, 65534, 65534, 65534), 0);
+                assert_eq!(libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534), 0);
+            }
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn the_unix_listener_is_the_owners_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.sock");
+        std::fs::write(&path, b"stale").unwrap();
+        let _listener = bind_unix_std(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{:o}", mode & 0o777);
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED (in part): connecting as nobody needs root");
+            return;
+        }
+        // Even with every directory on the way open, nobody cannot connect.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let connected = as_nobody(move || std::os::unix::net::UnixStream::connect(&path).map(drop));
+        let err = connected.expect_err("nobody connected to the agent's socket");
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+    }
 }

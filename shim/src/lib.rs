@@ -48,6 +48,8 @@ pub mod sandboxer;
 pub mod service;
 pub mod spec;
 pub mod task;
+#[cfg(test)]
+mod testing;
 pub mod trans;
 pub mod watch;
 

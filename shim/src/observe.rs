@@ -26,7 +26,7 @@ pub fn pod_started(
     let Some(paths) = PodPaths::new(&config.state_dir, sandbox_id) else {
         return;
     };
-    if let Err(e) = std::fs::create_dir_all(&paths.dir) {
+    if let Err(e) = paths.create_dir() {
         warn!("pod directory {}: {e}; bulkhead-ctl and metrics will not see this pod", paths.dir.display());
         return;
     }

@@ -1,6 +1,7 @@
 //! Namespace mode: the agent's minimal root. Without a VM the agent would be root on the host's
 //! whole filesystem; instead its first run, still single-threaded:
-//! 1. binds its Unix listener (the socket's directory is the shim's and stays outside the root);
+//! 1. binds its Unix listener, mode 0600 whatever the umask (the socket's directory is the
+//!    shim's, 0700, and stays outside the root);
 //! 2. unshares a mount namespace of its own (the launcher's, or a test proxy's, keeps the host's
 //!    view) and makes every mount in it a slave: nothing it mounts reaches the host, while what
 //!    the host mounts below a shared directory (the shim's view of the pod's container mounts)
@@ -247,16 +248,11 @@ pub fn enter(opts: &AgentOpts) -> anyhow::Result<Infallible> {
     exec_self(listener)
 }
 
-/// Binds the agent's listener at `path` (replacing a stale socket) for the second run to serve:
+/// Binds the agent's listener at `path` (replacing a stale socket, mode 0600) for the second run to serve:
 /// returns its descriptor, left open across exec.
 fn bind_listener(path: &Path) -> anyhow::Result<i32> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("remove stale {}", path.display()))
-        }
-        _ => {}
-    }
-    let listener = std::os::unix::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
+    // Mode 0600 whatever the umask: the agent holds CAP_SYS_ADMIN on the host.
+    let listener = crate::transport::bind_unix_std(path).with_context(|| format!("bind {}", path.display()))?;
     nix::fcntl::fcntl(&listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
         .context("keep the listener open across exec")?;
     Ok(listener.into_raw_fd())

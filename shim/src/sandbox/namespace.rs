@@ -89,7 +89,7 @@ impl NamespaceSandbox {
             .ok_or_else(|| SandboxError::AgentStart(format!("sandbox id {:?} is not a plain id", req.sandbox_id)))?;
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
-        std::fs::create_dir_all(&paths.dir).map_err(io(format!("create {}", paths.dir.display())))?;
+        paths.create_dir().map_err(io(format!("create {}", paths.dir.display())))?;
         // Before the launcher: the agent's mount namespace must copy these to receive later mounts.
         let mounts = PodMounts::new(&paths);
         if let Err(e) = mounts.create() {

@@ -19,6 +19,38 @@ impl PodPaths {
         Some(Self { dir: state_dir.join(sandbox_id) })
     }
 
+    /// Makes the pod directory, mode 0700 whatever the umask (and whatever an earlier run left):
+    /// it holds the agent's socket and the records teardown trusts, so it is root's alone, and the
+    /// files inside need no mode of their own. The state dir above it is made 0711 if missing,
+    /// and loses any group or other write bit: whoever can write it could plant a pod's
+    /// directory, or `.ids`, before the shim makes it.
+    pub fn create_dir(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        let private = |path: &Path, mode: u32| -> std::io::Result<()> {
+            let meta = std::fs::symlink_metadata(path)?;
+            if !meta.is_dir() {
+                return Err(std::io::Error::other(format!("{} is not a directory", path.display())));
+            }
+            if meta.mode() & 0o7777 != mode {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+            }
+            Ok(())
+        };
+        if let Some(state_dir) = self.dir.parent() {
+            std::fs::DirBuilder::new().recursive(true).mode(0o711).create(state_dir)?;
+            let mode = std::fs::metadata(state_dir)?.mode() & 0o7777;
+            if mode & 0o022 != 0 {
+                tracing::warn!(dir = %state_dir.display(), "the state dir was mode {mode:o}: no longer writable by others");
+                private(state_dir, mode & !0o022)?;
+            }
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(&self.dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
+        private(&self.dir, 0o700)
+    }
+
     /// The agent's hybrid-vsock Unix socket (short name: sun_path has 108 bytes).
     pub fn agent_socket(&self) -> PathBuf {
         self.dir.join("a.sock")
@@ -189,6 +221,31 @@ mod tests {
         assert!(PodRecord::read(&paths).is_err());
         std::fs::write(paths.record_file(), vec![b' '; 100_000]).unwrap();
         assert!(PodRecord::read(&paths).is_err());
+    }
+
+    #[test]
+    fn the_pod_dir_is_0700_and_the_state_dir_not_writable_by_others() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let paths = PodPaths::new(&state, "sb1").unwrap();
+        paths.create_dir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&paths.dir), 0o700);
+        assert_eq!(mode(&state) & 0o022, 0);
+        // What an earlier release (or a umask of 000) left is put right.
+        std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+        paths.create_dir().unwrap();
+        assert_eq!((mode(&state), mode(&paths.dir)), (0o755, 0o700));
+        // A link where the pod directory goes is not followed.
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let linked = PodPaths::new(&state, "sb2").unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &linked.dir).unwrap();
+        assert!(linked.create_dir().is_err());
+        assert_eq!(mode(&elsewhere), 0o755);
     }
 
     #[test]

@@ -816,11 +816,23 @@ async fn the_shims_sockets_are_0600_whatever_the_umask() -> Result<()> {
     let (pod_id, _) =
         env.pod_with(&pod, &sleeper("umask", &unique("umask"))).await.with_context(|| env.fail_context())?;
     let task_api = bulkhead_integration::host::shim_socket(&env.containerd, &pod_id);
-    let metrics = env.state_dir.path().join(&pod_id).join("metrics.sock");
-    for socket in [&task_api, &metrics] {
+    let pod_dir = env.state_dir.path().join(&pod_id);
+    let metrics = pod_dir.join("metrics.sock");
+    let agent = pod_dir.join("a.sock");
+    for socket in [&task_api, &metrics, &agent] {
         let mode = std::fs::metadata(socket).with_context(|| socket.display().to_string())?.permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "{} is {:o} under umask 000", socket.display(), mode & 0o777);
     }
+    let mode = std::fs::metadata(&pod_dir)?.permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "the pod directory is {:o} under umask 000", mode & 0o777);
+    // The state dir is open to everyone, as /run is: only the pod's own modes may stop a local user.
+    std::fs::set_permissions(env.state_dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let (listed, connected) = as_nobody({
+        let (pod_dir, agent) = (pod_dir.clone(), agent.clone());
+        move || (std::fs::read_dir(&pod_dir).is_ok(), std::os::unix::net::UnixStream::connect(&agent).is_ok())
+    });
+    assert!(!listed, "nobody lists the pod directory");
+    assert!(!connected, "nobody connects to the agent, which holds CAP_SYS_ADMIN on the host");
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await
 }
@@ -845,6 +857,23 @@ async fn a_pods_containers_keep_the_config_its_sandbox_started_with() -> Result<
     std::fs::write(&config, original)?;
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await
+}
+
+/// Runs `f` on a thread of its own whose credentials are nobody's, no groups (raw system calls
+/// change only the calling thread's; glibc's wrappers would change every thread's).
+fn as_nobody<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        // SAFETY: raw setgroups/setresgid/setresuid on this thread only, with plain integers and
+        // no list; every result is checked.
+        unsafe {
+            assert_eq!(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()), 0);
+            assert_eq!(libc::syscall(libc::SYS_setresgid, 65534, 65534, 65534), 0);
+            assert_eq!(libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534), 0);
+        }
+        f()
+    })
+    .join()
+    .expect("the nobody thread panicked")
 }
 
 /// The pids of pod `pod_id`'s agent (its launcher left out). A process the agent started from

@@ -47,16 +47,41 @@ fn start(pod: &str, count: u32) -> u32 {
     u32::try_from(hash % u64::from(count)).unwrap_or(0)
 }
 
-/// Creates `path` if it does not exist; the directory too, which the last release removes (and
-/// may remove again between the two steps: then the next try makes it again).
+/// Makes the ids directory, 0700 whatever the umask: whoever could delete an id file there could
+/// give two pods one VMM identity.
+fn create_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.is_dir() {
+        return Err(std::io::Error::other(format!("{} is not a directory", dir.display())));
+    }
+    if meta.mode() & 0o7777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Creates `path` (mode 0600) if it does not exist; the directory too, which the last release
+/// removes (and may remove again between the two steps: then the next try makes it again).
 fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut tries = 0;
     loop {
-        match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path);
+        match opened {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 3 => {
                 tries += 1;
                 if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
+                    create_dir(dir)?;
                 }
             }
             other => return other,
@@ -68,6 +93,8 @@ fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
 pub fn allocate(state_dir: &Path, pod: &str, range: IdRange) -> Result<u32, IdError> {
     let ids = dir(state_dir);
     let io = |source| IdError::Io { dir: ids.clone(), source };
+    // Also puts right a directory an earlier release made under a looser umask.
+    create_dir(&ids).map_err(io)?;
     let first = start(pod, range.count);
     for step in 0..range.count {
         let id = range.first + (first + step) % range.count;
@@ -161,6 +188,36 @@ mod tests {
         assert_eq!(holder(&dir(state.path()).join(id.to_string())).as_deref(), Some("c"));
         release(state.path(), "c");
         assert!(!dir(state.path()).exists(), "the last release leaves nothing");
+    }
+
+    #[test]
+    fn under_umask_000_nobody_can_read_or_change_the_ids() {
+        use crate::testing::{as_nobody, in_child, is_root, CHILD_ARG};
+        use std::os::unix::fs::PermissionsExt;
+        let range = IdRange { first: 900, count: 4 };
+        if let Ok(state) = std::env::var(CHILD_ARG) {
+            // The child, under umask 000: a shim taking an id.
+            pod_dir(Path::new(&state), "pod");
+            allocate(Path::new(&state), "pod", range).unwrap();
+            return;
+        }
+        if !is_root("under_umask_000_nobody_can_read_or_change_the_ids") {
+            return;
+        }
+        let state = tempfile::tempdir().unwrap();
+        // Open to everyone, as /run is: only the ids directory's own mode may stop nobody.
+        std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = state.path().display().to_string();
+        in_child("sandbox::vm::ids::tests::under_umask_000_nobody_can_read_or_change_the_ids", &path, 0);
+        let ids = dir(state.path());
+        let taken: Vec<_> = std::fs::read_dir(&ids).unwrap().flatten().map(|e| e.path()).collect();
+        assert_eq!(taken.len(), 1, "{taken:?}");
+        let file = taken[0].display();
+        assert!(!as_nobody(&format!("ls {}", ids.display())), "nobody lists the ids");
+        assert!(!as_nobody(&format!("rm -f {file}")), "nobody frees a pod's id");
+        assert!(!as_nobody(&format!("echo other > {file}")), "nobody rewrites a pod's id");
+        assert!(!as_nobody(&format!("touch {}/901", ids.display())), "nobody takes an id");
+        assert_eq!(holder(&taken[0]).as_deref(), Some("pod"));
     }
 
     #[test]

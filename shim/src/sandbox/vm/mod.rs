@@ -35,7 +35,6 @@ pub mod virtiofsd;
 mod warm;
 
 use std::ffi::CString;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -313,11 +312,7 @@ pub(super) async fn launch(
     let initramfs = vm_file("initramfs_path", &config.vm.initramfs_path)?;
     let layout = VmLayout::new(paths);
 
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&paths.dir)
-        .map_err(io(format!("create {}", paths.dir.display())))?;
+    paths.create_dir().map_err(io(format!("create {}", paths.dir.display())))?;
     // The pod's own VMM identity (after its directory exists: see `ids`).
     let range = ids::IdRange { first: config.vm.jail_id_first, count: config.vm.jail_id_count };
     let jail_id =
