@@ -10,12 +10,12 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bulkhead_shim::sandbox::vm::template::{
-    build, build_unless, obtain, ColdReason, KeyInputs, KeySources, Listed, Lookup, Obtained, TemplateBuilder,
-    TemplateStore, BUILD_TIMEOUT,
+    backoff, build, build_unless, obtain, obtain_at, ColdReason, KeyInputs, KeySources, Listed, Lookup, Obtained,
+    TemplateBuilder, TemplateStore, BACKOFF_BASE, BUILD_TIMEOUT,
 };
 
 /// Larger than what a lookup hashes, as guest memory is.
@@ -30,6 +30,10 @@ struct FakeBuilder {
 impl FakeBuilder {
     fn new(delay: Duration) -> Arc<Self> {
         Arc::new(Self { builds: AtomicUsize::new(0), delay, fail: false })
+    }
+
+    fn failing() -> Arc<Self> {
+        Arc::new(Self { builds: AtomicUsize::new(0), delay: Duration::ZERO, fail: true })
     }
 }
 
@@ -215,9 +219,71 @@ async fn a_failed_build_leaves_nothing_and_its_waiters_boot_cold_without_buildin
     assert_eq!(waiter.builds.load(Ordering::SeqCst), 0);
     assert!(matches!(f.store.lookup(&f.inputs.key()), Lookup::Missing));
     assert!(f.store.list().unwrap().is_empty(), "no staging directory left: {:?}", f.store.list().unwrap());
-    // A later pod tries again.
+    // A later pod boots cold at once; one after the backoff tries again.
     let later = FakeBuilder::new(Duration::ZERO);
-    assert!(matches!(obtain(&f.store, &f.inputs, later.as_ref(), WAIT).await, Obtained::Built(_)));
+    let got = obtain(&f.store, &f.inputs, later.as_ref(), WAIT).await;
+    assert!(matches!(got, Obtained::Cold(ColdReason::BackingOff { .. })), "{got:?}");
+    let after_backoff = SystemTime::now() + BACKOFF_BASE + Duration::from_secs(1);
+    assert!(matches!(obtain_at(&f.store, &f.inputs, later.as_ref(), WAIT, after_backoff).await, Obtained::Built(_)));
+}
+
+/// After a failed build, pods of the key boot cold at once, without waiting and without building,
+/// and say why; once the backoff has passed a pod builds again, each failure in a row doubling the
+/// backoff; a build that publishes clears the record. (The time is handed in: no test waits
+/// minutes.)
+#[tokio::test]
+async fn after_a_failed_build_pods_boot_cold_at_once_until_the_backoff_has_passed() {
+    let f = fixture();
+    let key = f.inputs.key();
+    let failing = FakeBuilder::failing();
+    let got = obtain(&f.store, &f.inputs, failing.as_ref(), WAIT).await;
+    assert!(matches!(got, Obtained::Cold(ColdReason::BuildFailed { .. })), "{got:?}");
+    let recorded = backoff::last(&f.store, &key).expect("the failure is recorded");
+    assert_eq!(recorded.failures, 1);
+    assert!(recorded.error.contains("agent-ready"), "{recorded:?}");
+
+    // The next pods: cold at once, no build, no wait for the key's lock; the log line says why.
+    let good = FakeBuilder::new(Duration::ZERO);
+    let held = f.store.try_lock(&key).unwrap().expect("free");
+    for _ in 0..3 {
+        let got = obtain(&f.store, &f.inputs, good.as_ref(), WAIT).await;
+        let Obtained::Cold(why @ ColdReason::BackingOff { failures: 1, .. }) = got else { panic!("{got:?}") };
+        let said = why.to_string();
+        assert!(said.contains("template build failed") && said.contains("next try in"), "{said}");
+        assert!(!why.wants_rebuild());
+    }
+    assert_eq!(good.builds.load(Ordering::SeqCst), 0);
+    drop(held);
+
+    // Past the first backoff a pod builds again; it fails again and the backoff doubles.
+    let t0 = SystemTime::now();
+    let later = t0 + BACKOFF_BASE + Duration::from_secs(1);
+    let got = obtain_at(&f.store, &f.inputs, failing.as_ref(), WAIT, later).await;
+    assert!(matches!(got, Obtained::Cold(ColdReason::BuildFailed { .. })), "{got:?}");
+    assert_eq!(failing.builds.load(Ordering::SeqCst), 2);
+    assert_eq!(backoff::last(&f.store, &key).unwrap().failures, 2);
+    let got = obtain_at(&f.store, &f.inputs, good.as_ref(), WAIT, later).await;
+    assert!(matches!(got, Obtained::Cold(ColdReason::BackingOff { failures: 2, .. })), "{got:?}");
+    assert_eq!(good.builds.load(Ordering::SeqCst), 0);
+
+    // Past that one a build publishes, the record goes, and pods are warm.
+    let much_later = t0 + 2 * BACKOFF_BASE + Duration::from_secs(2);
+    let got = obtain_at(&f.store, &f.inputs, good.as_ref(), WAIT, much_later).await;
+    assert!(matches!(got, Obtained::Built(_)), "{got:?}");
+    assert_eq!(backoff::last(&f.store, &key), None, "a published build clears the record");
+    assert!(matches!(obtain(&f.store, &f.inputs, good.as_ref(), WAIT).await, Obtained::Ready(_)));
+}
+
+/// An operator's `bulkhead-ctl template build` is not held off, and its success clears the record.
+#[tokio::test]
+async fn an_explicit_build_ignores_the_backoff_and_clears_it() {
+    let f = fixture();
+    let got = obtain(&f.store, &f.inputs, FakeBuilder::failing().as_ref(), WAIT).await;
+    assert!(matches!(got, Obtained::Cold(ColdReason::BuildFailed { .. })), "{got:?}");
+    let good = FakeBuilder::new(Duration::ZERO);
+    build(&f.store, &f.inputs, good.as_ref(), WAIT).await.unwrap();
+    assert_eq!(backoff::last(&f.store, &f.inputs.key()), None);
+    assert!(matches!(obtain(&f.store, &f.inputs, good.as_ref(), WAIT).await, Obtained::Ready(_)));
 }
 
 /// A builder process killed mid-build (SIGKILL, holding the key's flock and having written part

@@ -7,13 +7,17 @@
 //! builder before it failed, and retrying a failing build in every pod would multiply its cost.
 //! An unusable template is moved aside and the pod boots cold; the caller rebuilds it in the
 //! background ([`build`]), so the next pod is warm again.
+//!
+//! A failed build is remembered ([`super::backoff`]): until its backoff has passed, pods of the
+//! key boot cold at once rather than each wait for, or start, a build that fails again.
 
 use std::future::Future;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 
+use super::backoff;
 use super::key::KeyInputs;
 use super::store::{KeyLock, Lookup, Template, TemplateStore};
 use super::TemplateError;
@@ -58,6 +62,8 @@ pub enum ColdReason {
     StillBuilding { waited: Duration },
     /// The store itself failed (disk, permissions).
     Store { error: String },
+    /// A build of this key failed `ago`; the next may start in `next_in`.
+    BackingOff { failures: u32, ago: Duration, next_in: Duration, error: String },
 }
 
 impl ColdReason {
@@ -77,6 +83,12 @@ impl std::fmt::Display for ColdReason {
                 write!(f, "another pod was still building the template after {waited:?}")
             }
             ColdReason::Store { error } => write!(f, "template store: {error}"),
+            ColdReason::BackingOff { failures, ago, next_in, error } => write!(
+                f,
+                "template build failed {} s ago ({failures} in a row: {error}); next try in {} s",
+                ago.as_secs(),
+                next_in.as_secs()
+            ),
         }
     }
 }
@@ -89,6 +101,17 @@ pub async fn obtain(
     builder: &dyn TemplateBuilder,
     wait: Duration,
 ) -> Obtained {
+    obtain_at(store, inputs, builder, wait, SystemTime::now()).await
+}
+
+/// [`obtain`], judging an earlier failed build's backoff as of `now`.
+pub async fn obtain_at(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    wait: Duration,
+    now: SystemTime,
+) -> Obtained {
     let key = inputs.key();
     match store.lookup(&key) {
         Lookup::Ready(t) => return Obtained::Ready(t),
@@ -100,6 +123,9 @@ pub async fn obtain(
             return Obtained::Cold(ColdReason::Unusable { reason });
         }
         Lookup::Missing => {}
+    }
+    if let Some(reason) = backing_off(store, &key, now) {
+        return Obtained::Cold(reason);
     }
     let started = Instant::now();
     let mut waited = false;
@@ -125,11 +151,27 @@ pub async fn obtain(
             Lookup::Missing if waited => return Obtained::Cold(ColdReason::BuiltElsewhereFailed),
             Lookup::Missing => {}
         }
+        // Another shim's build may have failed between the first look and the lock.
+        if let Some(reason) = backing_off(store, &key, now) {
+            return Obtained::Cold(reason);
+        }
         return match build_locked(store, inputs, builder, &lock, std::future::pending()).await {
             Ok(t) => Obtained::Built(t),
             Err(e) => Obtained::Cold(ColdReason::BuildFailed { error: e.to_string() }),
         };
     }
+}
+
+/// Why to boot cold while an earlier failed build of `key` holds builds off at `now`.
+fn backing_off(store: &TemplateStore, key: &super::key::TemplateKey, now: SystemTime) -> Option<ColdReason> {
+    let failure = backoff::last(store, key)?;
+    let held = failure.held_off(now)?;
+    Some(ColdReason::BackingOff {
+        failures: failure.failures,
+        ago: held.ago,
+        next_in: held.next_in,
+        error: failure.error,
+    })
 }
 
 fn set_aside(store: &TemplateStore, key: &super::key::TemplateKey, lock: &KeyLock) {
@@ -185,7 +227,35 @@ pub async fn build_unless(
     build_locked(store, inputs, builder, &lock, stop).await
 }
 
+/// Builds and publishes under `lock`, and remembers how it went: a failure holds the key's next
+/// builds off ([`backoff`]), a success forgets earlier failures. A build told to stop did not
+/// fail.
 async fn build_locked(
+    store: &TemplateStore,
+    inputs: &KeyInputs,
+    builder: &dyn TemplateBuilder,
+    lock: &KeyLock,
+    stop: impl Future<Output = String>,
+) -> Result<Template, TemplateError> {
+    let key = inputs.key();
+    let built = build_and_publish(store, inputs, builder, lock, stop).await;
+    match &built {
+        Ok(_) => backoff::clear(store, &key, lock),
+        Err(TemplateError::Stopped { .. }) => {}
+        Err(error) => match backoff::record(store, &key, &error.to_string(), SystemTime::now(), lock) {
+            Ok(f) => tracing::warn!(
+                template = %key,
+                failures = f.failures,
+                next_try_in_s = f.backoff().as_secs(),
+                "template: build failed; pods of this key boot cold until the next try"
+            ),
+            Err(e) => tracing::warn!(template = %key, error = %e, "template: failed build not recorded"),
+        },
+    }
+    built
+}
+
+async fn build_and_publish(
     store: &TemplateStore,
     inputs: &KeyInputs,
     builder: &dyn TemplateBuilder,

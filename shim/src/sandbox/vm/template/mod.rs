@@ -2,11 +2,13 @@
 //! snapshotted once per [`key`] and restored by every pod of that key.
 //!
 //! This part is the cache: [`key`] (what a template depends on, hashed), [`store`] (the
-//! directory layout, atomic publication, checks on lookup, quarantine) and [`flight`] (one build
-//! per key across all shims, the others waiting within their budget or booting cold). Building a
+//! directory layout, atomic publication, checks on lookup, quarantine), [`flight`] (one build
+//! per key across all shims, the others waiting within their budget or booting cold) and
+//! [`backoff`] (a failed build holds the key's next ones off). Building a
 //! template is [`super::template_builder`]'s job; choosing one for a pod, or booting cold, is
 //! `warm.rs`'s; `bulkhead-ctl template ls|build|rm` manages them on a node.
 
+pub mod backoff;
 pub mod flight;
 pub mod key;
 pub mod store;
@@ -14,7 +16,8 @@ pub mod store;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use flight::{build, build_unless, obtain, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
+pub use backoff::{BuildFailure, BACKOFF_BASE, BACKOFF_CAP};
+pub use flight::{build, build_unless, obtain, obtain_at, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
 pub use key::{KeyInputs, KeySources, TemplateKey};
 pub use store::{Listed, Lookup, Template, TemplateStore};
 
