@@ -91,7 +91,11 @@ async fn a_built_template_is_sealed_read_only_and_found_by_its_key() {
     for file in ["memory", "state", "template.json"] {
         let meta = std::fs::metadata(t.dir.join(file)).unwrap();
         assert_eq!(meta.uid(), nix::unistd::geteuid().as_raw(), "{file}");
-        assert_eq!(meta.permissions().mode() & 0o777, 0o444, "{file} is read-only to everyone");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o400, "{file} is read-only, and its owner's alone");
+    }
+    for dir in [f.store.root(), t.dir.as_path()] {
+        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", dir.display());
     }
     let Obtained::Ready(again) = obtain(&f.store, &f.inputs, builder.as_ref(), WAIT).await else { panic!("not ready") };
     assert_eq!(again, t);
@@ -101,6 +105,50 @@ async fn a_built_template_is_sealed_read_only_and_found_by_its_key() {
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".staging-"))
         .count();
     assert_eq!(staging_left, 0);
+}
+
+/// Runs `f` on a thread of its own whose credentials are nobody's, no groups (raw system calls
+/// change only the calling thread's; glibc's wrappers would change every thread's).
+fn as_nobody<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        // SAFETY: raw setgroups/setresgid/setresuid on this thread only, with plain integers and
+        // no list; every result is checked.
+        unsafe {
+            assert_eq!(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()), 0);
+            assert_eq!(libc::syscall(libc::SYS_setresgid, 65534, 65534, 65534), 0);
+            assert_eq!(libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534), 0);
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// A template's memory image holds what every warm pod of its key shares: no local user but
+/// root reads it, wherever the store lives and whatever the umask was.
+#[tokio::test]
+async fn nobody_can_read_a_template() {
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: nobody_can_read_a_template: needs root");
+        return;
+    }
+    let f = fixture();
+    // Every directory above the store open to all, as /var/lib is.
+    std::fs::set_permissions(f._dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let Obtained::Built(t) = obtain(&f.store, &f.inputs, FakeBuilder::new(Duration::ZERO).as_ref(), WAIT).await else {
+        panic!("not built")
+    };
+    let (root, dir) = (f.store.root().to_path_buf(), t.dir.clone());
+    let (listed_root, listed, read) = as_nobody(move || {
+        (std::fs::read_dir(&root).is_ok(), std::fs::read_dir(&dir).is_ok(), std::fs::read(dir.join("memory")).is_ok())
+    });
+    assert!(
+        !listed_root && !listed && !read,
+        "nobody listed the store ({listed_root}), the template ({listed}) or read its memory ({read})"
+    );
+    // Even reached past the directories (a descriptor leaked, a bind mount), the files are root's alone.
+    let memory = std::fs::metadata(t.dir.join("memory")).unwrap();
+    assert_eq!(memory.permissions().mode() & 0o077, 0);
 }
 
 /// A builder that never finishes; says whether the key was locked when its VM was discarded.

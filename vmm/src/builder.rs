@@ -6,7 +6,6 @@
 //! device manager's (`device_manager/`): the builder hands it the VM and memory and gets the buses
 //! back. Both run on the main thread before any seccomp filter, as no thread can start later.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use bulkhead_vmm_api::api::RestoreReport;
@@ -26,7 +25,7 @@ use crate::phases::Phases;
 use crate::seccomp::Filters;
 use crate::snapshot::cpu::HostCpu;
 use crate::snapshot::state::VmState;
-use crate::snapshot::{file, kvm as kvm_state, MEMORY_FILE, STATE_FILE};
+use crate::snapshot::{file, kvm as kvm_state, SnapshotFiles, MEMORY_FILE, STATE_FILE};
 use crate::snapshotter::SnapshotHost;
 use crate::thread::Unconfirmed;
 use crate::vcpu::{unix_ns, Vcpu, VcpuControl, VcpuFeatures, VcpuShared};
@@ -190,20 +189,23 @@ pub struct Prepared {
     phases: Phases,
 }
 
-/// Reads the snapshot in `dir` and does every host step that does not depend on the run.
+/// Reads the snapshot in `files` (opened by the caller: as root, before the jail's privilege
+/// drop) and does every host step that does not depend on the run.
 /// `phases`: the start so far (from `main`), which goes on here.
-pub fn prepare(dir: &Path, mut phases: Phases) -> Result<Prepared, VmmError> {
+pub fn prepare(files: SnapshotFiles, mut phases: Phases) -> Result<Prepared, VmmError> {
+    let SnapshotFiles { dir, state, memory } = files;
     let kvm = Kvm::new().map_err(VmmError::Kvm)?;
     kvm_state::check_xsave_size(&kvm)?;
     let host = HostCpu::probe(&kvm).map_err(|source| VmmError::KvmSetup { what: "supported cpuid", source })?;
     phases.mark("open /dev/kvm, host CPU fingerprint", true);
     let snapshot_err = |source| VmmError::Snapshot { dir: dir.display().to_string(), source };
-    let state = file::read(&dir.join(STATE_FILE), (&host.description, &host.fingerprint)).map_err(snapshot_err)?;
+    let state =
+        file::read_file(state, &dir.join(STATE_FILE), (&host.description, &host.fingerprint)).map_err(snapshot_err)?;
     phases.mark("read and check state file", false);
     let vm = create_vm(&kvm)?;
     phases.mark("KVM_CREATE_VM", true);
     // Private even with virtio-fs: its backend sees only the relay's region, not guest memory.
-    let mem = map_snapshot_memory(&dir.join(MEMORY_FILE), state.mem_file_bytes)?;
+    let mem = map_snapshot_memory(memory, &dir.join(MEMORY_FILE), state.mem_file_bytes)?;
     phases.mark("map memory file (MAP_PRIVATE)", false);
     register_memory(&vm, &mem)?;
     phases.mark("KVM_SET_USER_MEMORY_REGION", true);

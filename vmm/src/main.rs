@@ -21,6 +21,7 @@ use bulkhead_vmm::exit::ExitReason;
 use bulkhead_vmm::jail::{self, Jailed};
 use bulkhead_vmm::phases::Phases;
 use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
+use bulkhead_vmm::snapshot::SnapshotFiles;
 use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
 use bulkhead_vmm_api::jail::JailConfig;
@@ -137,13 +138,24 @@ fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
     // Read on the host side; the paths inside are checked once jailed, where they must resolve.
     let mode = mode(&args)?;
     phases.mark("read config", false);
-    if let Some(jail_path) = &args.jail {
-        let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
-        phases.mark("read jail config", false);
-        if let Jailed::Exited(code) = jail::enter(&jail, &mut phases).context("cannot jail the VMM")? {
-            return Ok(code);
+    // A snapshot's files are root's alone (the shim's template store): opened before the jail
+    // drops privileges, by their paths inside it.
+    let snapshot_dir = match &mode {
+        Mode::Boot(_) => None,
+        Mode::Restore { dir, .. } | Mode::Prepare { dir, .. } => Some(dir.clone()),
+    };
+    let open_snapshot = || snapshot_dir.as_deref().map(SnapshotFiles::open).transpose();
+    let mut snapshot = match &args.jail {
+        Some(jail_path) => {
+            let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
+            phases.mark("read jail config", false);
+            match jail::enter(&jail, &mut phases, open_snapshot).context("cannot jail the VMM")? {
+                Jailed::Exited(code) => return Ok(code),
+                Jailed::Vmm(opened) => opened,
+            }
         }
-    }
+        None => open_snapshot().context("open the snapshot")?,
+    };
     // Everything the VMM makes from here on (API and vsock sockets, the serial log, snapshot
     // files) is its own uid's alone, whatever umask it was started with: the shim reads them as
     // root. After the jail, whose mount points and device node other ids must reach.
@@ -164,16 +176,20 @@ fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
             let api = run.api_socket.clone().context(
                 "a restored VM is controlled (resumed, stopped) through its API: the restore config needs api_socket",
             )?;
-            let vm = builder::prepare(&dir, phases)
+            let files = snapshot.take().context("the snapshot was not opened")?;
+            let vm = builder::prepare(files, phases)
                 .and_then(|p| p.restore(&run, &filters))
                 .with_context(|| format!("cannot restore the snapshot in {}", dir.display()))?;
             tracing::info!(dir = %dir.display(), "VM restored; {}", restored_state(&run));
             vmm::run(vm, signal_fd, start, &filters, Some(ApiEndpoint::Bind(api))).context("VM failed")?
         }
-        Mode::Prepare { dir, api } => match prepared(&dir, &api, signal_fd, start, &filters, phases)? {
-            Some(reason) => reason,
-            None => return Ok(1),
-        },
+        Mode::Prepare { dir, api } => {
+            let files = snapshot.take().context("the snapshot was not opened")?;
+            match prepared(&dir, files, &api, signal_fd, start, &filters, phases)? {
+                Some(reason) => reason,
+                None => return Ok(1),
+            }
+        }
     };
     let code = reason.exit_code();
     if code == 0 {
@@ -190,6 +206,7 @@ fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
 /// prepared state is spent; the client got the error).
 fn prepared(
     dir: &Path,
+    files: SnapshotFiles,
     api_path: &Path,
     signal_fd: OwnedFd,
     start: u64,
@@ -197,7 +214,7 @@ fn prepared(
     phases: Phases,
 ) -> anyhow::Result<Option<ExitReason>> {
     let prepared =
-        builder::prepare(dir, phases).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
+        builder::prepare(files, phases).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
     let listener = bind_api_socket(api_path).with_context(|| format!("api socket {}", api_path.display()))?;
     let info =
         prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, prepared.irqchip(), start, prepared.report());

@@ -76,10 +76,9 @@ pub fn save_guest_memory(mem: &GuestMemoryMmap, file: &File, path: &Path) -> Res
     Ok(SavedMemory { file_bytes: offset, written_bytes: written })
 }
 
-/// Opens a snapshot's memory file read-only and checks it holds `mem_bytes`.
-fn open_memory_file(path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
+/// Checks a snapshot's memory file (open read-only) holds `mem_bytes`.
+fn check_memory_file(file: File, path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
     let p = path.display().to_string();
-    let file = File::open(path).map_err(|source| MemoryError::File { path: p.clone(), source })?;
     let got = file.metadata().map_err(|source| MemoryError::File { path: p.clone(), source })?.len();
     if got != mem_bytes {
         return Err(MemoryError::FileSize { path: p, got, want: mem_bytes });
@@ -87,11 +86,11 @@ fn open_memory_file(path: &Path, mem_bytes: u64) -> Result<File, MemoryError> {
     Ok(file)
 }
 
-/// Maps a snapshot's memory file as guest memory of `mem_bytes`: read-only file, private
-/// copy-on-write mapping, so the guest's writes stay in this process.
-pub fn map_snapshot_memory(path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
+/// Maps a snapshot's memory file (open read-only; `path` names it in errors) as guest memory of
+/// `mem_bytes`: private copy-on-write mapping, so the guest's writes stay in this process.
+pub fn map_snapshot_memory(file: File, path: &Path, mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
     let p = path.display().to_string();
-    let file = open_memory_file(path, mem_bytes)?;
+    let file = check_memory_file(file, path, mem_bytes)?;
     let file = std::sync::Arc::new(file);
     let mut offset = 0u64;
     let mut regions = Vec::new();
@@ -283,15 +282,15 @@ mod tests {
         assert_eq!(saved, SavedMemory { file_bytes: 16 << 20, written_bytes: 2 * SAVE_CHUNK as u64 });
         let before = std::fs::read(&path).unwrap();
 
-        let a = map_snapshot_memory(&path, 16 << 20).unwrap();
-        let b = map_snapshot_memory(&path, 16 << 20).unwrap();
+        let a = map_snapshot_memory(File::open(&path).unwrap(), &path, 16 << 20).unwrap();
+        let b = map_snapshot_memory(File::open(&path).unwrap(), &path, 16 << 20).unwrap();
         assert_eq!(a.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0x1122_3344);
         assert_eq!(a.read_obj::<u32>(GuestAddress((16 << 20) - 4)).unwrap(), 0x5566_7788);
         a.write_obj(0xdeadu32, GuestAddress(0x1000)).unwrap();
         assert_eq!(b.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0x1122_3344, "private to each VM");
         assert_eq!(std::fs::read(&path).unwrap(), before, "the file is never written");
 
-        let err = map_snapshot_memory(&path, 32 << 20).unwrap_err();
+        let err = map_snapshot_memory(File::open(&path).unwrap(), &path, 32 << 20).unwrap_err();
         assert!(err.to_string().contains("holds 16777216 bytes"), "{err}");
     }
 

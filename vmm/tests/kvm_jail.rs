@@ -574,7 +574,8 @@ fn assert_counts_on(template: &str, restored: &str) {
 
 /// The template and the pods as the shim runs them: the template VMM, jailed, writes its
 /// snapshot into a writable dir of its chroot; the shim keeps the files in its template cache
-/// (root-owned, readable by the pods' uids) and lists them read-only in each pod's jail; a pod
+/// (root's alone: the pods' VMMs open them before dropping root) and lists them read-only in
+/// each pod's jail; a pod
 /// restores them (`--prepare` then `restore`, or `--restore`) with paths inside its chroot.
 #[test]
 fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
@@ -599,12 +600,14 @@ fn a_snapshot_taken_in_a_jail_restores_in_other_jails() {
     let run = vmm.wait();
     assert_eq!(run.status.code(), Some(0), "{}", run.stderr);
 
-    // The shim's template cache.
+    // The shim's template cache: root's alone (0700, files 0400), so the jailed VMM opens the
+    // files before it drops root.
     let cache = template.dir.path().join("template");
     std::fs::create_dir(&cache).unwrap();
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700)).unwrap();
     for f in ["state", "memory"] {
         std::fs::copy(snap.join(f), cache.join(f)).unwrap();
-        std::fs::set_permissions(cache.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(cache.join(f), std::fs::Permissions::from_mode(0o400)).unwrap();
     }
     let memory = std::fs::read(cache.join("memory")).unwrap();
     let pod_document = |pod: &Jail| {

@@ -60,16 +60,22 @@ fn sys<E: Into<std::io::Error>>(what: impl Into<String>) -> impl FnOnce(E) -> Ja
 
 /// Which process returns from [`enter`].
 #[derive(Debug, PartialEq, Eq)]
-pub enum Jailed {
-    /// This is the jailed VMM: build and run the VM.
-    Vmm,
+pub enum Jailed<T> {
+    /// This is the jailed VMM: build and run the VM, with what `as_root` opened.
+    Vmm(T),
     /// This was the waiter; the VMM is gone and this is the status to exit with.
     Exited(i32),
 }
 
 /// Applies `jail` to this (single-threaded, root) process. Returns once in the jailed VMM and
-/// once, when the VMM has exited, in the waiter. Each step is timed into `phases`.
-pub fn enter(jail: &JailConfig, phases: &mut Phases) -> Result<Jailed, JailError> {
+/// once, when the VMM has exited, in the waiter. Each step is timed into `phases`. `as_root`
+/// runs in the VMM inside the chroot before privileges are dropped: it opens what only root may
+/// (a template's files), by their paths in the jail.
+pub fn enter<T>(
+    jail: &JailConfig,
+    phases: &mut Phases,
+    as_root: impl FnOnce() -> std::io::Result<T>,
+) -> Result<Jailed<T>, JailError> {
     jail.validate().map_err(|e| JailError::Refused(e.to_string()))?;
     let host = checks::check_host(jail)?;
     phases.mark("jail: host checks", false);
@@ -100,12 +106,13 @@ pub fn enter(jail: &JailConfig, phases: &mut Phases) -> Result<Jailed, JailError
             watch.arm()?;
             root::build(jail, &host)?;
             phases.mark("jail: mounts, device nodes, pivot_root", false);
+            let opened = as_root().map_err(sys("open as root what the VMM reads"))?;
             privileges::drop_to(jail.uid, jail.gid)?;
             // Changing the uid cleared the parent-death signal: set it again.
             watch.arm()?;
             phases.mark("jail: drop privileges", false);
             tracing::info!(id = %jail.id, uid = jail.uid, gid = jail.gid, "jailed");
-            Ok(Jailed::Vmm)
+            Ok(Jailed::Vmm(opened))
         }
     }
 }

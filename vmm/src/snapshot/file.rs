@@ -160,9 +160,15 @@ pub fn decode(bytes: &[u8], here: (&str, &[u8; 32])) -> Result<VmState, Snapshot
 /// Reads and decodes the state file at `path`, refusing files over [`MAX_FILE_BYTES`] before
 /// reading them.
 pub fn read(path: &std::path::Path, here: (&str, &[u8; 32])) -> Result<VmState, ReadError> {
+    let file =
+        std::fs::File::open(path).map_err(|source| ReadError::Io { path: path.display().to_string(), source })?;
+    read_file(file, path, here)
+}
+
+/// [`read`] of a state file already open (`path` names it in errors).
+pub fn read_file(file: std::fs::File, path: &std::path::Path, here: (&str, &[u8; 32])) -> Result<VmState, ReadError> {
     use std::io::Read;
     let io = |source| ReadError::Io { path: path.display().to_string(), source };
-    let file = std::fs::File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     if len > MAX_FILE_BYTES {
         return Err(ReadError::File(SnapshotFileError::TooLarge(len - HEADER_LEN as u64)));

@@ -17,3 +17,31 @@ pub mod state;
 
 /// The two files of a snapshot directory.
 pub use bulkhead_vmm_api::restore::{MEMORY_FILE, STATE_FILE};
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// A snapshot's two files, opened. A jailed VMM opens them while still root (the template store
+/// is root's alone: 0700 directories, 0400 files), before it drops its privileges.
+#[derive(Debug)]
+pub struct SnapshotFiles {
+    pub dir: PathBuf,
+    pub state: File,
+    pub memory: File,
+}
+
+impl SnapshotFiles {
+    /// Opens `dir`'s state and memory files read-only, following no link.
+    pub fn open(dir: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let open = |name: &str| {
+            let path = dir.join(name);
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("open {}: {e}", path.display())))
+        };
+        Ok(Self { dir: dir.to_owned(), state: open(STATE_FILE)?, memory: open(MEMORY_FILE)? })
+    }
+}

@@ -1,8 +1,11 @@
 //! The template cache on disk: one directory per key, published whole or not at all.
 //!
 //! ```text
-//! <root>/                          0755, root's
-//!   <key>/                         a template: the VMM's snapshot files (0444) and template.json
+//! <root>/                          0700, root's: a template's memory image holds what every warm
+//!                                  pod of its key shares (KASLR slide, stack canaries, the CRNG
+//!                                  state before its reseed), so no other local user reads it
+//!   <key>/                         a template (0700): the VMM's snapshot files and template.json
+//!                                  (0400; the jailed VMM opens them before it drops root)
 //!   .staging-<key>-<pid>-<ns>/     a build in progress; never loaded, swept by the next builder
 //!   .quarantine/<key>-<ns>/        templates found unusable, with reason.txt (the newest few kept)
 //!   .locks/<key>.lock              flock: one builder (or remover) per key across all shims
@@ -176,12 +179,13 @@ fn sha256_of(file: &mut File) -> std::io::Result<String> {
 impl TemplateStore {
     /// Opens the store at `root`, making it and its private directories if needed. `root` must
     /// be a real directory owned by this process's euid (root in production), writable by no one
-    /// else: the VMMs only ever read from it.
+    /// else; it is made 0700 (an earlier release's 0755 included): the VMMs open its files
+    /// before they drop root, and no one else reads them.
     pub fn open(root: &Path) -> Result<Self, TemplateError> {
         let owner = nix::unistd::geteuid().as_raw();
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(0o755)
+            .mode(0o700)
             .create(root)
             .map_err(io(format!("create {}", root.display())))?;
         let meta = std::fs::symlink_metadata(root).map_err(io(format!("stat {}", root.display())))?;
@@ -195,6 +199,10 @@ impl TemplateStore {
                     meta.mode() & 0o7777
                 ),
             });
+        }
+        if meta.mode() & 0o077 != 0 {
+            std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
+                .map_err(io(format!("chmod {}", root.display())))?;
         }
         for private in [QUARANTINE, LOCKS, DIGESTS] {
             let dir = root.join(private);
@@ -347,11 +355,14 @@ impl TemplateStore {
     pub fn stage(&self, key: &TemplateKey, _lock: &KeyLock) -> Result<Staging, TemplateError> {
         let name = format!("{STAGING_PREFIX}{key}-{}-{}", std::process::id(), now_ns());
         let path = self.root.join(&name);
-        std::fs::DirBuilder::new().mode(0o755).create(&path).map_err(io(format!("create {}", path.display())))?;
+        std::fs::DirBuilder::new().mode(0o700).create(&path).map_err(io(format!("create {}", path.display())))?;
+        // Whatever the umask: the directory is published as it is.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
+            .map_err(io(format!("chmod {}", path.display())))?;
         Ok(Staging { name, path })
     }
 
-    /// Seals `staging` (every file read-only, hashed into the manifest, synced) and renames it
+    /// Seals `staging` (every file read-only and root's alone, hashed into the manifest, synced) and renames it
     /// to `key`; fails if a template of that key is already there.
     pub fn publish(&self, inputs: &KeyInputs, staging: Staging, _lock: &KeyLock) -> Result<Template, TemplateError> {
         let key = inputs.key();
@@ -372,7 +383,7 @@ impl TemplateStore {
             if meta.uid() != self.owner {
                 return Err(bad(format!("{name:?} is owned by uid {}, not {}", meta.uid(), self.owner)));
             }
-            file.set_permissions(std::fs::Permissions::from_mode(0o444))
+            file.set_permissions(std::fs::Permissions::from_mode(0o400))
                 .map_err(io(format!("chmod {}", path.display())))?;
             let sha256 = sha256_of(&mut file).map_err(io(format!("hash {}", path.display())))?;
             file.sync_all().map_err(io(format!("sync {}", path.display())))?;
@@ -389,7 +400,7 @@ impl TemplateStore {
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o444)
+            .mode(0o400)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
             .map_err(io(format!("create {}", path.display())))?;

@@ -140,7 +140,7 @@ mod tests {
         file.set_len(16 * MIB).unwrap();
         file.write_all_at(&[0x11; 0x2000], 2 * MIB).unwrap();
         drop(file);
-        let mem = crate::memory::map_snapshot_memory(&path, 16 * MIB).unwrap();
+        let mem = crate::memory::map_snapshot_memory(std::fs::File::open(&path).unwrap(), &path, 16 * MIB).unwrap();
         fill(&mem, 2 * MIB, 0x2000, 0x22);
         fill(&mem, 6 * MIB, 0x1000, 0x33);
         assert_eq!(discard(&mem, range(2 * MIB, 0x2000)).unwrap(), Method::DontNeed);

@@ -298,7 +298,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("memory");
         std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
-        let private = crate::memory::map_snapshot_memory(&path, 16 << 20).unwrap();
+        let private = crate::memory::map_snapshot_memory(std::fs::File::open(&path).unwrap(), &path, 16 << 20).unwrap();
         assert!(matches!(memory_regions(&private), Err(BackendError::PrivateMemory(0))));
     }
 
