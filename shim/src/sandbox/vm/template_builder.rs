@@ -6,6 +6,11 @@
 //! NIC is configured. Its NICs' links are down ([`Origin::Template`]); a pod's restore raises them. The VMM's API then writes the snapshot inside the jail, and its files are
 //! copied (holes kept) into the store's staging directory, owned by root. The VM and everything
 //! it left go, whatever happened.
+//!
+//! What the template VM's VMM wrote (its console, the snapshot) is in its `run/`, which its jail
+//! uid owns: root opens those files with [`open_jail_file`] (no link followed, no blocking open,
+//! a regular file of one link only), so a FIFO there cannot hang a build that holds the key's
+//! lock, nor a link (`state` -> /etc/shadow) put a host file into the store.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::AsRawFd;
@@ -139,6 +144,11 @@ async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
         return Err(err.to_string());
     }
     let written = host_path(layout, JAIL_SNAPSHOT_DIR);
+    // The VMM made this directory: opened once without following a link, its files are named
+    // through the descriptor (`run/` itself is the shim's, in the root-owned chroot).
+    let written =
+        open_dir_nofollow(&written).map_err(|e| format!("the snapshot's directory {}: {e}", written.display()))?;
+    let written = PathBuf::from(format!("/proc/self/fd/{}", written.as_raw_fd()));
     for name in [STATE_FILE, MEMORY_FILE] {
         copy_keeping_holes(&written.join(name), &dir.join(name))
             .map_err(|e| format!("copy {name} of the snapshot: {e}"))?;
@@ -163,7 +173,7 @@ async fn wait_ready(console: &Path, vmm: &Supervised) -> Result<(), String> {
     // The end of what was read last, so that a line split across two reads is still found.
     let mut carry = Vec::new();
     loop {
-        let (new, end) = read_from(console, seen);
+        let (new, end) = read_from(console, seen)?;
         seen = end;
         carry.extend_from_slice(&new);
         if carry.windows(READY_LINE.len()).any(|w| w == READY_LINE.as_bytes()) {
@@ -181,19 +191,58 @@ async fn wait_ready(console: &Path, vmm: &Supervised) -> Result<(), String> {
     }
 }
 
-/// Up to [`CONSOLE_CHUNK`] bytes of `path` from `from`, and where the next read starts. A
-/// console that shrank (it never does) is read from its start again.
-fn read_from(path: &Path, from: u64) -> (Vec<u8>, u64) {
-    let Ok(mut file) = std::fs::File::open(path) else { return (Vec::new(), from) };
+/// Up to [`CONSOLE_CHUNK`] bytes of `path` from `from`, and where the next read starts; nothing
+/// while there is no console yet, an error if what is there is not a plain file
+/// ([`open_jail_file`]). A console that shrank (it never does) is read from its start again.
+fn read_from(path: &Path, from: u64) -> Result<(Vec<u8>, u64), String> {
+    let mut file = match open_jail_file(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), from)),
+        Err(e) => return Err(format!("its console {}: {e}", path.display())),
+    };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let from = if len < from { 0 } else { from };
     if file.seek(SeekFrom::Start(from)).is_err() {
-        return (Vec::new(), from);
+        return Ok((Vec::new(), from));
     }
     let mut bytes = Vec::new();
     let _ = file.take(CONSOLE_CHUNK).read_to_end(&mut bytes);
     let end = from + bytes.len() as u64;
-    (bytes, end)
+    Ok((bytes, end))
+}
+
+/// A directory, opened without following a link (`O_PATH`: only to name what is in it).
+fn open_dir_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Opens, to read, a file the jailed VMM wrote (module docs): with O_NOFOLLOW (a link is an
+/// error) and O_NONBLOCK (a FIFO opens at once instead of waiting for a writer), then refuses
+/// anything but a regular file with one link (a hard link would be another file's), and only
+/// then makes reads blocking again.
+fn open_jail_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => std::io::Error::other("a symbolic link: refused"),
+            _ => e,
+        })?;
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.nlink() != 1 {
+        let kind = if meta.is_file() { "a regular file" } else { "not a regular file" };
+        return Err(std::io::Error::other(format!("{kind} with {} links: refused", meta.nlink())));
+    }
+    let flags = OFlag::from_bits_truncate(fcntl(&file, FcntlArg::F_GETFL)?);
+    fcntl(&file, FcntlArg::F_SETFL(flags - OFlag::O_NONBLOCK))?;
+    Ok(file)
 }
 
 /// Bytes a plain copy moves per read and write: bounded, so a huge data extent costs no more
@@ -221,7 +270,7 @@ fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
 fn copy_keeping_holes_by(from: &Path, to: &Path, mut way: CopyWay) -> std::io::Result<CopyWay> {
     use nix::unistd::{lseek, Whence};
     use std::os::unix::fs::OpenOptionsExt;
-    let src = std::fs::File::open(from)?;
+    let src = open_jail_file(from)?;
     let len = src.metadata()?.len();
     let dst = std::fs::OpenOptions::new()
         .write(true)
@@ -337,6 +386,48 @@ mod tests {
         assert!(copy_keeping_holes(&from, &to).is_err(), "an existing file is not overwritten");
     }
 
+    /// What a jail uid can leave in its `run/` in place of the snapshot: a FIFO (a plain open
+    /// would wait for a writer forever, holding the key's lock), a link or a hard link to a host
+    /// file (a plain open would copy it into the store). Each is refused at once, and nothing is
+    /// written where the store would publish it.
+    #[test]
+    fn a_fifo_or_a_link_in_place_of_the_snapshot_is_refused_and_nothing_is_copied() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("shadow");
+        std::fs::write(&secret, b"root:$6$secret").unwrap();
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&secret, &link).unwrap();
+        let hard = dir.path().join("hard");
+        std::fs::hard_link(&secret, &hard).unwrap();
+        for (from, says) in [(&fifo, "not a regular file"), (&link, "symbolic link"), (&hard, "2 links")] {
+            let to = dir.path().join("copy");
+            let err = copy_keeping_holes(from, &to).unwrap_err().to_string();
+            assert!(err.contains(says) && err.contains("refused"), "{}: {err}", from.display());
+            assert!(!to.exists(), "{}: nothing is copied", from.display());
+        }
+        // The console is opened the same way: a FIFO fails the wait at once.
+        let err = read_from(&fifo, 0).unwrap_err();
+        assert!(err.contains("not a regular file"), "{err}");
+        // And the snapshot's directory is not reached through a link.
+        let dir_link = dir.path().join("snapshot");
+        std::os::unix::fs::symlink(dir.path(), &dir_link).unwrap();
+        assert!(open_dir_nofollow(&dir_link).is_err());
+        assert!(open_dir_nofollow(dir.path()).is_ok());
+    }
+
+    #[test]
+    fn a_regular_snapshot_file_is_read_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        std::fs::write(&path, b"state").unwrap();
+        let file = open_jail_file(&path).unwrap();
+        let flags =
+            nix::fcntl::OFlag::from_bits_truncate(nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_GETFL).unwrap());
+        assert!(!flags.contains(nix::fcntl::OFlag::O_NONBLOCK));
+    }
+
     #[test]
     fn a_copy_by_read_and_write_keeps_the_data_and_the_holes() {
         let dir = tempfile::tempdir().unwrap();
@@ -372,12 +463,12 @@ mod tests {
     fn the_console_is_read_on_from_where_it_was() {
         let dir = tempfile::tempdir().unwrap();
         let console = dir.path().join("console.log");
-        assert_eq!(read_from(&console, 0), (Vec::new(), 0));
+        assert_eq!(read_from(&console, 0).unwrap(), (Vec::new(), 0));
         std::fs::write(&console, b"booting\nlisten").unwrap();
-        let (a, end) = read_from(&console, 0);
+        let (a, end) = read_from(&console, 0).unwrap();
         assert_eq!((a.as_slice(), end), (&b"booting\nlisten"[..], 14));
         std::fs::write(&console, b"booting\nlistening (vsock) port=1024\n").unwrap();
-        let (b, end) = read_from(&console, end);
+        let (b, end) = read_from(&console, end).unwrap();
         assert_eq!((b.as_slice(), end), (&b"ing (vsock) port=1024\n"[..], 36));
     }
 }
