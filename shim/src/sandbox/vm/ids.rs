@@ -7,9 +7,19 @@
 //! frees them all). The pod's teardown releases it ([`release`]); an id whose pod directory is
 //! gone (its pod was never torn down) is taken over by the next pod that needs it. The pod's
 //! directory must exist before [`allocate`], or another shim could take the id back at once.
+//!
+//! A takeover rewrites the file in place under an exclusive flock of the file itself, after
+//! reading it again under that lock and checking it is still linked: two shims that both saw one
+//! leftover take turns, and the second finds the first's pod there. (Removing the file and
+//! creating it again let both win: the second removed the first's new file.) Writers of an id
+//! file (a new one's first write, a takeover, a release) all hold its lock.
 
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
 
 /// Bytes of an id file read at most (a pod id is at most 128 bytes).
 const MAX_RECORD: u64 = 256;
@@ -45,6 +55,12 @@ fn holder(path: &Path) -> Option<String> {
 fn start(pod: &str, count: u32) -> u32 {
     let hash = pod.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
     u32::try_from(hash % u64::from(count)).unwrap_or(0)
+}
+
+/// Opens an existing id file to read and write, following no link.
+fn open_rw(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path)
 }
 
 /// Makes the ids directory, 0700 whatever the umask: whoever could delete an id file there could
@@ -89,6 +105,39 @@ fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
     }
 }
 
+/// `file` locked exclusively (waiting for the holder: every holder only reads or writes a few
+/// bytes), if it is still linked into the directory once locked.
+fn lock_linked(file: File) -> std::io::Result<Option<Flock<File>>> {
+    let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| std::io::Error::from(e))?;
+    Ok((locked.metadata()?.nlink() > 0).then_some(locked))
+}
+
+/// The pod id `file` holds, read from its start.
+fn read_holder(file: &mut File) -> std::io::Result<String> {
+    let mut text = String::new();
+    file.rewind()?;
+    file.take(MAX_RECORD).read_to_string(&mut text)?;
+    Ok(text.trim().to_string())
+}
+
+/// Takes the id file at `path` over for `pod` if, under its lock, it still names `stale`, whose
+/// pod is gone. False if another shim was first (or the file went).
+fn take_over(path: &Path, state_dir: &Path, stale: &str, pod: &str) -> std::io::Result<bool> {
+    let file = match open_rw(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        other => other?,
+    };
+    let Some(mut file) = lock_linked(file)? else { return Ok(false) };
+    let now = read_holder(&mut file)?;
+    if now != stale || state_dir.join(&now).exists() {
+        return Ok(false);
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    file.write_all(pod.as_bytes())?;
+    Ok(true)
+}
+
 /// Takes a free id of `range` for `pod` (its own id again if it already holds one).
 pub fn allocate(state_dir: &Path, pod: &str, range: IdRange) -> Result<u32, IdError> {
     let ids = dir(state_dir);
@@ -100,23 +149,24 @@ pub fn allocate(state_dir: &Path, pod: &str, range: IdRange) -> Result<u32, IdEr
         let id = range.first + (first + step) % range.count;
         let path = ids.join(id.to_string());
         match create_new(&path) {
-            Ok(mut file) => {
+            Ok(file) => {
+                // Under the lock, so a takeover never reads half a pod id.
+                let mut file = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io(e.into()))?;
                 file.write_all(pod.as_bytes()).map_err(io)?;
                 return Ok(id);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                match holder(&path) {
-                    Some(h) if h == pod => return Ok(id),
-                    // Its pod's state is gone: a leftover. Whoever removes it first may retake it.
-                    Some(h) if !h.is_empty() && !state_dir.join(&h).exists() => {
-                        tracing::info!(id, pod = %h, "reclaiming the VMM identity of a pod that is gone");
-                        let _ = std::fs::remove_file(&path);
-                        if let Ok(mut file) = create_new(&path) {
-                            file.write_all(pod.as_bytes()).map_err(io)?;
-                            return Ok(id);
-                        }
+                let held = holder(&path);
+                if held.as_deref() == Some(pod) {
+                    return Ok(id);
+                }
+                // Its pod's state is gone: a leftover, taken over by one shim (module docs).
+                let gone = held.filter(|h| !h.is_empty() && !state_dir.join(h).exists());
+                if let Some(h) = gone {
+                    if take_over(&path, state_dir, &h, pod).map_err(io)? {
+                        tracing::info!(id, pod = %h, "reclaimed the VMM identity of a pod that is gone");
+                        return Ok(id);
                     }
-                    _ => {}
                 }
             }
             Err(e) => return Err(io(e)),
@@ -133,8 +183,19 @@ pub fn release(state_dir: &Path, pod: &str) {
     let Ok(entries) = std::fs::read_dir(&ids) else { return };
     for entry in entries.flatten() {
         let path = entry.path();
-        if holder(&path).as_deref() == Some(pod) {
-            if let Err(e) = std::fs::remove_file(&path) {
+        if holder(&path).as_deref() != Some(pod) {
+            continue;
+        }
+        // Again under the file's lock: a takeover may have given it to another pod since.
+        let released = open_rw(&path).and_then(lock_linked).and_then(|locked| {
+            let Some(mut file) = locked else { return Ok(()) };
+            if read_holder(&mut file)? == pod {
+                std::fs::remove_file(&path)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = released {
+            if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(path = %path.display(), "release the VMM identity: {e}");
             }
         }
@@ -218,6 +279,34 @@ mod tests {
         assert!(!as_nobody(&format!("echo other > {file}")), "nobody rewrites a pod's id");
         assert!(!as_nobody(&format!("touch {}/901", ids.display())), "nobody takes an id");
         assert_eq!(holder(&taken[0]).as_deref(), Some("pod"));
+    }
+
+    #[test]
+    fn shims_reclaiming_one_stale_id_at_once_never_both_get_it() {
+        let range = IdRange { first: 300, count: 1 };
+        for round in 0..100 {
+            let state = tempfile::tempdir().unwrap();
+            // The id's pod is gone without a release: whoever asks next may take it over.
+            create_dir(&dir(state.path())).unwrap();
+            std::fs::write(dir(state.path()).join("300"), "gone").unwrap();
+            let racers = 4;
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(racers));
+            let threads: Vec<_> = (0..racers)
+                .map(|i| {
+                    let (state, barrier) = (state.path().to_owned(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let pod = format!("p{i}");
+                        pod_dir(&state, &pod);
+                        barrier.wait();
+                        allocate(&state, &pod, range).ok().map(|id| (id, pod))
+                    })
+                })
+                .collect();
+            let winners: Vec<_> = threads.into_iter().filter_map(|t| t.join().unwrap()).collect();
+            assert_eq!(winners.len(), 1, "round {round}: {winners:?} all took the one stale id");
+            let held = holder(&dir(state.path()).join("300"));
+            assert_eq!(held.as_deref(), Some(winners[0].1.as_str()), "round {round}: the file names the winner");
+        }
     }
 
     #[test]
