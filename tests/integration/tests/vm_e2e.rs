@@ -348,6 +348,64 @@ async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
     env.remove_pod_and_check_nothing_left(&pod_id).await
 }
 
+#[tokio::test]
+async fn vm_container_sees_its_own_cgroup_and_memory_limit() -> Result<()> {
+    own_cgroup("vm_container_sees_its_own_cgroup_and_memory_limit", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn vm_container_sees_its_own_cgroup_and_memory_limit_on_bulkhead_vmm() -> Result<()> {
+    own_cgroup("vm_container_sees_its_own_cgroup_and_memory_limit_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+/// With containerd's own spec, which on this cgroup v1 host has no cgroup namespace, a vm pod's
+/// container still gets what runc gives it on a cgroup v2 node (the guest always is one): its
+/// cgroup is the root of what it sees, and /sys/fs/cgroup shows its own limits, which follow an
+/// UpdateContainerResources. Runtimes that size themselves from `memory.max` need both.
+async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+        return Ok(());
+    }
+    let env = VmEnv::start(test, vmm, None).await?;
+    let cri = &env.cri;
+    let pod = pod_config("vm-cgroup", &env.containerd.new_log_dir("vm-cgroup")?);
+    let pod_id = env.run_pod(&pod).await?;
+
+    // The container's own process writes what it sees, so not only execs are checked.
+    let mut app = long_running("app", "cat /proc/self/cgroup > /cgroup-of-init");
+    let limit: i64 = 64 << 20;
+    app.linux.as_mut().unwrap().resources =
+        Some(cri::LinuxContainerResources { memory_limit_in_bytes: limit, ..Default::default() });
+    let app = cri.create_container(&pod_id, &app, &pod).await.with_context(|| env.containerd.log_tail(40))?;
+    cri.start_container(&app).await?;
+    cri.wait_container(&app, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+
+    assert_eq!(sh_in(cri, &app, "cat /proc/self/cgroup").await?, "0::/\n", "an exec's cgroup");
+    let mut of_init = String::new();
+    for _ in 0..100 {
+        of_init = sh_in(cri, &app, "cat /cgroup-of-init 2>/dev/null || true").await?;
+        if !of_init.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(of_init, "0::/\n", "the container process's cgroup");
+    let memory_max = || sh_in(cri, &app, "cat /sys/fs/cgroup/memory.max");
+    assert_eq!(memory_max().await?.trim(), limit.to_string(), "memory.max at create");
+
+    let raised: i64 = 96 << 20;
+    cri.update_container_resources(
+        &app,
+        cri::LinuxContainerResources { memory_limit_in_bytes: raised, ..Default::default() },
+    )
+    .await?;
+    assert_eq!(memory_max().await?.trim(), raised.to_string(), "memory.max after UpdateContainerResources");
+
+    cri.stop_container(&app, 10).await?;
+    cri.remove_container(&app).await?;
+    env.remove_pod_and_check_nothing_left(&pod_id).await
+}
+
 /// `cmd` in container `id`; its output (stdout, then stderr) when it exits 0, else an error.
 async fn run_in(cri: &Cri, id: &str, cmd: &[&str]) -> Result<String> {
     let out = cri.exec_sync(id, cmd, 30).await?;
