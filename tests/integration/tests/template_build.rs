@@ -114,14 +114,15 @@ async fn template_build_snapshots_a_ready_guest_and_publishes_it_once() -> Resul
     let key = built["key"].as_str().unwrap().to_string();
     let dir = PathBuf::from(built["dir"].as_str().unwrap());
     assert_eq!((built["vcpus"].as_u64(), built["memory_mib"].as_u64()), (Some(1), Some(64)), "{built}");
-    // The VMM's snapshot, sealed by the store: root's, read-only, with the store's manifest.
+    // The VMM's snapshot, sealed by the store: root's alone, read-only, with the store's manifest.
     let mut names: Vec<String> = entries(&dir).iter().map(|p| p.rsplit('/').next().unwrap().to_string()).collect();
     names.sort();
     assert_eq!(names, ["memory", "state", "template.json"], "{dir:?}");
     for name in &names {
         let meta = std::fs::metadata(dir.join(name))?;
-        assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o444), "{name}");
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o400), "{name}");
     }
+    assert_eq!(std::fs::metadata(&dir)?.mode() & 0o777, 0o700, "the template's directory");
     assert_eq!(std::fs::metadata(dir.join("memory"))?.len(), 64 << 20, "the guest's memory, whole");
 
     let (ok, listed, stderr) = ctl(&env, &["template", "ls"]);
