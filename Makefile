@@ -6,14 +6,15 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test under-load demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
+.PHONY: all setup build test test-node under-load demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
 
 all: build
 
 help:
 	@echo "make setup  - install what the project needs (idempotent)"
 	@echo "make build  - build every crate"
-	@echo "make test   - setup, lints, then the whole test suite"
+	@echo "make test   - setup, lints, then the whole test suite (with the emulated node's stage)"
+	@echo "make test-node - every bulkhead-vmm test in the emulated AMD-V node (tests/node), the 2.1 twins too"
 	@echo "make under-load - the integration and KVM tests three times while a CPU hog spins on one core"
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
 	@echo "make bench  - micro-benchmarks, the CRI pod-start benchmark against runc, warm vs cold VM pod starts"
@@ -71,6 +72,10 @@ lint:
 # Binaries first: end-to-end tests start the freshly built shim, agent and VMM.
 test: setup lint build kernel
 	@scripts/run-tests.sh
+
+# The emulated node's stage alone, with the tests `make test` leaves out for CI's time (scripts/node-stage.sh).
+test-node: setup build kernel
+	@scripts/node-stage.sh --all
 
 # Stability: the integration and KVM test binaries three times in a row beside a one-core CPU hog.
 under-load: setup build kernel

@@ -189,6 +189,12 @@ ip link add bulkhead-d0 type dummy && ip link set bulkhead-d0 up \\
   && ip addr add 192.0.2.1/24 dev bulkhead-d0 && ip route add default dev bulkhead-d0 \\
   || echo "node: the dummy default route could not be set up"
 ip link set lo up
+# containerd's overlay snapshots cannot have their upper layers on the node's overlay root: the state
+# trees get tmpfs mounts of their own, as a node's disk would be.
+for dir in /var/lib/bulkhead-test /var/lib/bulkhead /var/lib/containerd /tmp; do
+  mkdir -p $dir && mount -t tmpfs -o mode=0755 tmpfs $dir || echo "node: cannot mount a tmpfs at $dir"
+done
+chmod 1777 /tmp
 {command}
 status=$?
 echo $status >{NODE_OUT}/status

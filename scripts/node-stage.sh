@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The emulated-node stage of `make test`: the full path on bulkhead-vmm (real guest kernel, agent, containerd
+# and shim) inside a QEMU TCG node with AMD-V, cgroup v2 and systemd as PID 1 (tests/node/node.py).
+#
+#   scripts/node-stage.sh [--all]
+#
+# Runs the `_on_bulkhead_vmm` tests of the listed integration binaries in one node, one test at a time, and
+# prints their libtest output (for scripts/test-summary.py) and one line of its own. Without --all it runs the
+# set `make test` keeps within CI's time (NODE_TESTS below); with --all (`make test-node`), every binary.
+# Exit status: 0 when every test ran and passed there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# Each entry: an integration test binary and the filter of what runs in the node.
+NODE_TESTS=(
+  vm_e2e::_on_bulkhead_vmm
+  network_e2e::_on_bulkhead_vmm
+  emptydir_e2e::_on_bulkhead_vmm
+  containerd_2x::_on_bulkhead_vmm
+)
+NODE_TESTS_MORE=(
+  vm_e2e_on_containerd_2_1::_on_bulkhead_vmm
+  network_e2e_on_containerd_2_1::_on_bulkhead_vmm
+)
+tests=("${NODE_TESTS[@]}")
+if [[ ${1:-} == --all ]]; then
+  tests+=("${NODE_TESTS_MORE[@]}")
+fi
+# NODE_TESTS_ONLY="binary::filter ...": just those (while working on one test).
+if [[ -n ${NODE_TESTS_ONLY:-} ]]; then
+  read -r -a tests <<<"$NODE_TESTS_ONLY"
+fi
+
+say() { printf 'node stage: %s\n' "$*"; }
+started=$(date +%s)
+
+# The guest kernel and initramfs, built here: inside the node a kernel hash and a cargo build would take
+# minutes of emulation.
+kernel=$(guest-kernel/build-kernel.sh) || { say "building the guest kernel failed"; exit 1; }
+make -s -C guest-kernel initramfs >/dev/null || { say "make -C guest-kernel initramfs failed"; exit 1; }
+initramfs=$PWD/guest-kernel/build/initramfs.cpio.gz
+
+# The test binaries' paths, as cargo built them for the host run.
+mapfile -t listing < <(cargo test -q -p bulkhead-integration --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])
+')
+specs=()
+for t in "${tests[@]}"; do
+  name=${t%%::*} filter=${t#*::} exe=
+  for row in "${listing[@]}"; do
+    [[ ${row%% *} == "$name" ]] && exe=${row#* }
+  done
+  if [[ -z $exe ]]; then
+    say "no built test binary $name (cargo test -p bulkhead-integration --no-run)"
+    exit 1
+  fi
+  specs+=("$exe::$filter")
+done
+
+out=${CARGO_TARGET_DIR:-$PWD/target}/node
+rm -rf "$out" && mkdir -p "$out"
+envs=(--env "BULKHEAD_GUEST_KERNEL=$kernel" --env "BULKHEAD_GUEST_INITRAMFS=$initramfs")
+for v in BULKHEAD_REQUIRE_E2E BULKHEAD_CONTAINERD RUST_LOG; do
+  [[ -n ${!v:-} ]] && envs+=(--env "$v=${!v}")
+done
+say "${#specs[@]} test binaries in the emulated node (QEMU TCG, AMD-V, cgroup v2, systemd as PID 1); its files in $out"
+python3 tests/node/node.py tests --out "$out" --timeout "${NODE_TIMEOUT:-2400}" "${envs[@]}" -- "${specs[@]}" \
+  | tee "$out/stage.log"
+status=${PIPESTATUS[0]}
+read -r passed failed < <(python3 - "$out/stage.log" <<'EOF'
+import re, sys
+p = f = 0
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"^test result: \w+\. (\d+) passed; (\d+) failed;", line)
+    if m:
+        p += int(m.group(1)); f += int(m.group(2))
+print(p, f)
+EOF
+)
+say "ran ${passed:-0} tests in the emulated node on bulkhead-vmm: ${passed:-0} passed, ${failed:-0} failed, node status $status, $(( $(date +%s) - started )) s"
+if ((status != 0)) || [[ ${passed:-0} == 0 ]]; then
+  exit 1
+fi
