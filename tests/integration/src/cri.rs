@@ -68,8 +68,19 @@ impl Cri {
 
     /// RunPodSandbox with `handler` ("" = containerd's default runtime); returns the pod id.
     pub async fn run_pod_sandbox(&self, config: &cri::PodSandboxConfig, handler: &str) -> Result<String> {
+        self.run_pod_sandbox_allowing(config, handler, Duration::ZERO).await
+    }
+
+    /// [`Self::run_pod_sandbox`] allowed `extra` time beyond [`CALL_TIMEOUT`]: for a test that
+    /// knowingly makes the start slow (many guests booting at once).
+    pub async fn run_pod_sandbox_allowing(
+        &self,
+        config: &cri::PodSandboxConfig,
+        handler: &str,
+        extra: Duration,
+    ) -> Result<String> {
         let req = cri::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: handler.into() };
-        Ok(call("RunPodSandbox", Duration::ZERO, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
+        Ok(call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
     }
 
     pub async fn pod_sandbox_status(&self, pod_id: &str) -> Result<cri::PodSandboxStatus> {
