@@ -87,6 +87,24 @@ pub fn parse_options(options: &[String]) -> (MsFlags, Option<String>) {
     (flags, (!data.is_empty()).then(|| data.join(",")))
 }
 
+/// The propagation a bind of the host's gets where the shim binds it for a pod (the share, a
+/// namespace pod's root), as runc gives it: `rslave` (or `slave`; CRI's HostToContainer) makes it
+/// a slave of its source, so what the host mounts below the source later appears in the pod;
+/// anything else, `rprivate` (CRI's default) or no option, makes it private, so nothing mounted
+/// later below the source reaches the pod, with its own flags, past a read-only bind.
+/// `rshared` (Bidirectional) is taken as `rslave`: no mount the pod makes can reach the host
+/// through the share or the agent's namespace. Recursive for an rbind.
+pub fn bind_propagation(options: &[String]) -> MsFlags {
+    let slave = options.iter().any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared"));
+    let recursive = options.iter().any(|o| o == "rbind");
+    let kind = if slave { MsFlags::MS_SLAVE } else { MsFlags::MS_PRIVATE };
+    if recursive {
+        kind | MsFlags::MS_REC
+    } else {
+        kind
+    }
+}
+
 /// Mounts containerd's rootfs `mounts` (an overlay of the snapshot's layers, usually one) at
 /// `target`.
 pub fn mount_rootfs(mounts: &[RootfsMount], target: &Path) -> Result<(), MountError> {
@@ -202,6 +220,16 @@ mod tests {
     fn mountinfo_escapes_are_undone() {
         assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
+    }
+
+    #[test]
+    fn binds_are_private_unless_the_spec_asks_for_the_hosts_later_mounts() {
+        let of = |options: &[&str]| bind_propagation(&options.iter().map(|o| o.to_string()).collect::<Vec<_>>());
+        assert_eq!(of(&["rbind", "rprivate", "ro"]), MsFlags::MS_PRIVATE | MsFlags::MS_REC);
+        assert_eq!(of(&["bind", "ro"]), MsFlags::MS_PRIVATE);
+        assert_eq!(of(&[]), MsFlags::MS_PRIVATE);
+        assert_eq!(of(&["rbind", "rslave"]), MsFlags::MS_SLAVE | MsFlags::MS_REC);
+        assert_eq!(of(&["rbind", "rshared"]), MsFlags::MS_SLAVE | MsFlags::MS_REC);
     }
 
     #[test]

@@ -20,7 +20,10 @@
 //! and in the agent's copy of view/, and nothing the agent mounts travels back. (The other way,
 //! the agent mounting host paths itself, needs those paths in its root: containerd's snapshot
 //! directory holds every image's layers and every container's writable layer, other pods'
-//! included.)
+//! included.) What the shim binds here from the host is private, though (or a slave of its
+//! source where the spec says `rslave`: [`bind_propagation`]): a clone of a host mount would
+//! otherwise join its source's peer group, and a mount the host makes below a readOnly hostPath
+//! later (another pod's secret tmpfs) would reach the containers with its own, writable, flags.
 //!
 //! **Read-only.** A remount never propagates: a volume made read-only here after the bind would
 //! stay writable in the agent's copy. So a read-only volume is bound as a detached clone made
@@ -43,8 +46,8 @@ use oci_spec::runtime::Spec;
 use tracing::warn;
 
 use super::mounts::{
-    bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, options_of,
-    remove_mount_points, unmount_all, MountError,
+    bind_propagation, bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below,
+    options_of, remove_mount_points, unmount_all, MountError,
 };
 use super::paths::PodPaths;
 
@@ -54,9 +57,16 @@ fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T,
 }
 
 /// Clones the mount at `source` (with everything below it if `recursive`) as a detached tree,
-/// makes it read-only if asked, and attaches it at `target`, so that it is born with its flags
-/// and every propagated copy has them (module docs).
-fn attach_clone(source: &Path, target: &Path, recursive: bool, read_only: bool) -> Result<(), Errno> {
+/// gives it `propagation` (`MS_PRIVATE` or `MS_SLAVE`: a clone joins its source's peer group)
+/// and makes it read-only if asked, and attaches it at `target`, so that it is born with its
+/// flags and every propagated copy has them (module docs).
+fn attach_clone(
+    source: &Path,
+    target: &Path,
+    recursive: bool,
+    read_only: bool,
+    propagation: MsFlags,
+) -> Result<(), Errno> {
     let rec = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
     let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | rec;
     let fd = with_cpath(source, |src| {
@@ -67,8 +77,10 @@ fn attach_clone(source: &Path, target: &Path, recursive: bool, read_only: bool) 
     let fd = i32::try_from(Errno::result(fd)?).map_err(|_| Errno::EBADF)?;
     // SAFETY: open_tree just returned this descriptor; nothing else owns it.
     let tree = unsafe { OwnedFd::from_raw_fd(fd) };
-    if read_only {
-        let attr = libc::mount_attr { attr_set: libc::MOUNT_ATTR_RDONLY, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    {
+        let attr_set = if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
+        let propagation = (propagation & (MsFlags::MS_PRIVATE | MsFlags::MS_SLAVE)).bits();
+        let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd: 0 };
         let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
         // SAFETY: mount_setattr(2) on our detached tree's descriptor, an empty path (a static
         // C string), and a mount_attr of the size passed, which outlives the call.
@@ -176,7 +188,8 @@ impl PodMounts {
             make_point(d, false)?;
         }
         if mounts.is_empty() {
-            mount(Some(bundle_rootfs), &rootfs, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            // Private: not in the bundle's peer group (module docs, "Propagation").
+            attach_clone(bundle_rootfs, &rootfs, true, false, MsFlags::MS_PRIVATE)
                 .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), &rootfs))?;
         }
         mount_rootfs(mounts, &rootfs)?;
@@ -191,7 +204,7 @@ impl PodMounts {
             let options = options_of(m);
             let recursive = options.iter().any(|o| o == "rbind");
             let read_only = options.iter().any(|o| o == "ro");
-            attach_clone(&source, &target, recursive, read_only)
+            attach_clone(&source, &target, recursive, read_only, bind_propagation(options))
                 .map_err(mount_err(format!("volume {}", source.display()), &target))?;
             m.set_source(Some(seen.join("volumes").join(index.to_string())));
         }
@@ -236,6 +249,48 @@ mod tests {
         fn drop(&mut self) {
             unmount_all(&self.0);
         }
+    }
+
+    /// A readOnly hostPath whose source is in a shared peer group: a tmpfs the host mounts below
+    /// it after the container was prepared (another pod's secret volume) does not appear in the
+    /// view the agent keeps; with `rslave` (CRI's HostToContainer) it does, as the spec asks.
+    #[test]
+    fn the_hosts_later_mounts_below_a_volume_do_not_reach_the_view() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: the_hosts_later_mounts_below_a_volume_do_not_reach_the_view: needs root");
+            return;
+        }
+        let scratch = tempfile::tempdir_in("/run").unwrap();
+        let _unmount = Unmount(scratch.path().to_owned());
+        let s = |p: &str| scratch.path().join(p);
+        for d in ["bundle-rootfs", "pods/other", "slave/other"] {
+            std::fs::create_dir_all(s(d)).unwrap();
+        }
+        for source in [s("pods"), s("slave")] {
+            mount(Some(&source), &source, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+            mount(None::<&str>, &source, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).unwrap();
+            mount(None::<&str>, &source, None::<&str>, MsFlags::MS_SHARED, None::<&str>).unwrap();
+        }
+        let paths = PodPaths::new(scratch.path(), "pod").unwrap();
+        std::fs::create_dir_all(&paths.dir).unwrap();
+        let pod = PodMounts::new(&paths);
+        pod.create().unwrap();
+        let mounts = json!({"mounts": [
+            {"destination": "/pods", "type": "bind", "source": s("pods"), "options": ["rbind", "rprivate", "ro"]},
+            {"destination": "/slave", "type": "bind", "source": s("slave"), "options": ["rbind", "rslave", "ro"]},
+        ]});
+        let mut spec: Spec = serde_json::from_slice(&serde_json::to_vec(&mounts).unwrap()).unwrap();
+        pod.prepare("c1", &s("bundle-rootfs"), &[], &mut spec).unwrap();
+        for source in [s("pods/other"), s("slave/other")] {
+            mount(Some("tmpfs"), &source, Some("tmpfs"), MsFlags::empty(), Some("size=64k")).unwrap();
+            std::fs::write(source.join("secret"), b"token").unwrap();
+        }
+        let view = pod.view().join("c1");
+        assert!(!view.join("volumes/0/other/secret").exists(), "the host's later mount reached the view");
+        assert!(std::fs::write(view.join("volumes/0/other/planted"), b"x").is_err());
+        assert_eq!(std::fs::read(view.join("volumes/1/other/secret")).unwrap(), b"token", "rslave follows the host");
+        pod.release("c1");
+        assert!(!paths.rootfs("c1").exists());
     }
 
     /// As root: a container's rootfs and volumes are mounted below rootfs/, appear in the

@@ -13,9 +13,14 @@
 //! <pod>/shared/          what virtiofsd serves: a read-only bind of shared.mounts, a slave of
 //!                        it, so every mount made there appears here (and in virtiofsd's copy,
 //!                        a slave too), while the directories around them are read-only
-//! <pod>/shared.staging/  host-only and private: a read-only mount is made read-only here, then
-//!                        moved into shared.mounts, because mount flags reach a propagated copy
-//!                        only when the mount is created, never by a later remount
+//! <pod>/shared.staging/  host-only and private: every bind of a host path is made here, made
+//!                        private (or a slave, as its spec asks: [`bind_propagation`]) and, if
+//!                        read-only, read-only, then moved into shared.mounts, because mount
+//!                        flags reach a propagated copy only when the mount is created, never by
+//!                        a later remount; and a bind made straight into shared.mounts would join
+//!                        its source's peer group, so that what the host mounts below a readOnly
+//!                        hostPath later (another pod's secret tmpfs) would reach the guest with
+//!                        its own, writable, flags
 //! ```
 //! Containers' writable rootfs and volumes stay writable from the guest, exactly as the spec
 //! says; read-only ones are read-only in every copy. Host-side operations in shared.mounts still
@@ -37,8 +42,8 @@ use oci_spec::runtime::{Mount as SpecMount, Spec};
 use tracing::warn;
 
 use super::super::mounts::{
-    bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, options_of,
-    remove_mount_points, unmount_all, MountError,
+    bind_propagation, bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below,
+    options_of, remove_mount_points, unmount_all, MountError,
 };
 
 /// Makes `target` (a bind mount, and every mount below it) read-only, keeping its other flags.
@@ -211,14 +216,17 @@ impl SharedDir {
             make_point(d, false)?;
         }
 
-        // The rootfs: where it is read-only, mounted and finished in staging, then moved.
+        // The rootfs: where it is read-only or a bind of the host's, mounted and finished in
+        // staging, then moved (a fresh overlay has no peer group to leave).
         let read_only_root = spec.root().as_ref().and_then(|r| r.readonly()) == Some(true);
-        let root_at = if read_only_root { self.staged(id, "rootfs") } else { rootfs.clone() };
-        if read_only_root {
+        let staged_root = read_only_root || mounts.is_empty();
+        let root_at = if staged_root { self.staged(id, "rootfs") } else { rootfs.clone() };
+        if staged_root {
             make_point(&root_at, false)?;
         }
         if mounts.is_empty() {
             bind(bundle_rootfs, &root_at, MsFlags::MS_REC, format!("rootfs {}", bundle_rootfs.display()))?;
+            flags_only(&root_at, MsFlags::MS_PRIVATE | MsFlags::MS_REC, "rootfs private")?;
         }
         mount_rootfs(mounts, &root_at)?;
         if read_only_root {
@@ -230,6 +238,8 @@ impl SharedDir {
                 make_mount_point(&root, &destination, file)?;
             }
             remount_read_only(&root_at)?;
+        }
+        if staged_root {
             move_mount(&root_at, &rootfs)?;
         }
 
@@ -250,15 +260,16 @@ impl SharedDir {
             let options = options_of(m);
             let recursive = if options.iter().any(|o| o == "rbind") { MsFlags::MS_REC } else { MsFlags::empty() };
             let what = format!("volume {}", source.display());
+            // Bound, cut from (or made a slave of) its source's peer group and finished in
+            // staging, then moved (module docs).
+            let staged = self.staged(id, &format!("volume-{index}"));
+            make_point(&staged, !is_dir)?;
+            bind(&source, &staged, recursive, what)?;
+            flags_only(&staged, bind_propagation(options), "volume propagation")?;
             if options.iter().any(|o| o == "ro") {
-                let staged = self.staged(id, &format!("volume-{index}"));
-                make_point(&staged, !is_dir)?;
-                bind(&source, &staged, recursive, what)?;
                 remount_read_only(&staged)?;
-                move_mount(&staged, &target)?;
-            } else {
-                bind(&source, &target, recursive, what)?;
             }
+            move_mount(&staged, &target)?;
             m.set_source(Some(guest.join("volumes").join(index.to_string())));
         }
         self.clear_staging(id);
@@ -485,6 +496,55 @@ mod tests {
         assert!(!s("ro/new").exists());
         shared.release("c1");
         assert!(!seen.exists(), "removal reaches virtiofsd's copy");
+    }
+
+    /// A readOnly hostPath whose source is in a shared peer group (as kubelet's directories are
+    /// on a systemd host): a tmpfs the host mounts below it after the pod started (another pod's
+    /// secret volume) reaches neither the share nor virtiofsd's copy. With `rslave` (CRI's
+    /// HostToContainer) it does, as the spec asks.
+    #[test]
+    fn the_hosts_later_mounts_below_a_volume_do_not_reach_the_share() {
+        if !is_root("the_hosts_later_mounts_below_a_volume_do_not_reach_the_share") {
+            return;
+        }
+        let scratch = tempfile::tempdir().unwrap();
+        let _unmount = Unmount(scratch.path().to_owned());
+        let s = |p: &str| scratch.path().join(p);
+        for d in ["image/etc", "pods/other", "slave/other"] {
+            std::fs::create_dir_all(s(d)).unwrap();
+        }
+        // The host's side: each source a mount of its own in a shared peer group.
+        for source in [s("pods"), s("slave")] {
+            mount(Some(&source), &source, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+            mount(None::<&str>, &source, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).unwrap();
+            mount(None::<&str>, &source, None::<&str>, MsFlags::MS_SHARED, None::<&str>).unwrap();
+        }
+        let shared = SharedDir::new(s("shared"));
+        shared.create().unwrap();
+        virtiofsd_view(&s("shared"), &s("virtiofsd"));
+        let mut spec = oci(json!({
+            "root": {"path": "rootfs"},
+            "mounts": [
+                {"destination": "/pods", "type": "bind", "source": s("pods"), "options": ["rbind", "rprivate", "ro"]},
+                {"destination": "/slave", "type": "bind", "source": s("slave"), "options": ["rbind", "rslave", "ro"]},
+            ]
+        }));
+        shared.prepare("c1", &s("image"), &[], &mut spec).unwrap();
+        // Later, on the host: a tmpfs below each source, with a secret in it.
+        for source in [s("pods/other"), s("slave/other")] {
+            mount(Some("tmpfs"), &source, Some("tmpfs"), MsFlags::empty(), Some("size=64k")).unwrap();
+            std::fs::write(source.join("secret"), b"token").unwrap();
+        }
+        for view in [s("shared/c1"), s("virtiofsd/c1")] {
+            let secret = view.join("volumes/0/other/secret");
+            assert!(!secret.exists(), "{}: the host's later mount reached the share", secret.display());
+            assert!(read_only(&view.join("volumes/0/other/planted")), "{}", view.display());
+            // Asked for: the host's later mounts come through, as runc gives them.
+            let followed = view.join("volumes/1/other/secret");
+            assert_eq!(std::fs::read(&followed).unwrap(), b"token", "{}", followed.display());
+        }
+        shared.release("c1");
+        assert!(!s("shared/c1").exists());
     }
 
     #[test]
