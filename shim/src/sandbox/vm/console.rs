@@ -21,22 +21,31 @@ const KEEP_BYTES: u64 = 1 << 20;
 /// The kept copy's name in the pod's log directory.
 pub const KEPT_NAME: &str = "bulkhead-vm-console.log";
 
-/// Opens the serial log for reading as root without letting the VMM's uid (which owns its
-/// directory) steer the read elsewhere: a symlink in its place is not followed, and anything
-/// but a regular file with a single link (a FIFO that would block, a hard link to another
-/// file) is refused.
+/// Opens a file the VMM wrote (the serial log, a template's snapshot) for reading as root
+/// without letting the VMM's uid (which owns its directory) steer the read elsewhere or block
+/// it: a symlink in its place is not followed (O_NOFOLLOW), a FIFO opens at once (O_NONBLOCK),
+/// and anything but a regular file with a single link (a FIFO, a hard link to another file) is
+/// refused; reads are then made blocking again.
 pub fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let refused = |why: String| {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {why}: refused", path.display()))
+    };
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)?;
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => refused("a symbolic link".into()),
+            _ => e,
+        })?;
     let meta = file.metadata()?;
     if !meta.is_file() || meta.nlink() != 1 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("{} is not a regular file of its own", path.display()),
-        ));
+        let kind = if meta.is_file() { "a regular file" } else { "not a regular file" };
+        return Err(refused(format!("{kind} with {} links", meta.nlink())));
     }
+    let flags = OFlag::from_bits_truncate(fcntl(&file, FcntlArg::F_GETFL)?);
+    fcntl(&file, FcntlArg::F_SETFL(flags - OFlag::O_NONBLOCK))?;
     Ok(file)
 }
 

@@ -8,7 +8,7 @@
 //! it left go, whatever happened.
 //!
 //! What the template VM's VMM wrote (its console, the snapshot) is in its `run/`, which its jail
-//! uid owns: root opens those files with [`open_jail_file`] (no link followed, no blocking open,
+//! uid owns: root opens those files with [`open_log`] (no link followed, no blocking open,
 //! a regular file of one link only), so a FIFO there cannot hang a build that holds the key's
 //! lock, nor a link (`state` -> /etc/shadow) put a host file into the store.
 
@@ -23,6 +23,7 @@ use bulkhead_vmm_api::restore::{MEMORY_FILE, STATE_FILE};
 use tracing::info;
 
 use super::api::VmmApi;
+use super::console::open_log;
 use super::pod_dirs::VmLayout;
 use super::shape::VmShape;
 use super::template::{KeyInputs, TemplateBuilder};
@@ -193,9 +194,9 @@ async fn wait_ready(console: &Path, vmm: &Supervised) -> Result<(), String> {
 
 /// Up to [`CONSOLE_CHUNK`] bytes of `path` from `from`, and where the next read starts; nothing
 /// while there is no console yet, an error if what is there is not a plain file
-/// ([`open_jail_file`]). A console that shrank (it never does) is read from its start again.
+/// ([`open_log`]). A console that shrank (it never does) is read from its start again.
 fn read_from(path: &Path, from: u64) -> Result<(Vec<u8>, u64), String> {
-    let mut file = match open_jail_file(path) {
+    let mut file = match open_log(path) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), from)),
         Err(e) => return Err(format!("its console {}: {e}", path.display())),
@@ -218,31 +219,6 @@ fn open_dir_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
         .read(true)
         .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-}
-
-/// Opens, to read, a file the jailed VMM wrote (module docs): with O_NOFOLLOW (a link is an
-/// error) and O_NONBLOCK (a FIFO opens at once instead of waiting for a writer), then refuses
-/// anything but a regular file with one link (a hard link would be another file's), and only
-/// then makes reads blocking again.
-fn open_jail_file(path: &Path) -> std::io::Result<std::fs::File> {
-    use nix::fcntl::{fcntl, FcntlArg, OFlag};
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => std::io::Error::other("a symbolic link: refused"),
-            _ => e,
-        })?;
-    let meta = file.metadata()?;
-    if !meta.is_file() || meta.nlink() != 1 {
-        let kind = if meta.is_file() { "a regular file" } else { "not a regular file" };
-        return Err(std::io::Error::other(format!("{kind} with {} links: refused", meta.nlink())));
-    }
-    let flags = OFlag::from_bits_truncate(fcntl(&file, FcntlArg::F_GETFL)?);
-    fcntl(&file, FcntlArg::F_SETFL(flags - OFlag::O_NONBLOCK))?;
-    Ok(file)
 }
 
 /// Bytes a plain copy moves per read and write: bounded, so a huge data extent costs no more
@@ -270,7 +246,7 @@ fn copy_keeping_holes(from: &Path, to: &Path) -> std::io::Result<()> {
 fn copy_keeping_holes_by(from: &Path, to: &Path, mut way: CopyWay) -> std::io::Result<CopyWay> {
     use nix::unistd::{lseek, Whence};
     use std::os::unix::fs::OpenOptionsExt;
-    let src = open_jail_file(from)?;
+    let src = open_log(from)?;
     let len = src.metadata()?.len();
     let dst = std::fs::OpenOptions::new()
         .write(true)
@@ -422,7 +398,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         std::fs::write(&path, b"state").unwrap();
-        let file = open_jail_file(&path).unwrap();
+        let file = open_log(&path).unwrap();
         let flags =
             nix::fcntl::OFlag::from_bits_truncate(nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_GETFL).unwrap());
         assert!(!flags.contains(nix::fcntl::OFlag::O_NONBLOCK));
