@@ -39,7 +39,10 @@ impl PodPaths {
         if let Some(state_dir) = self.dir.parent() {
             std::fs::DirBuilder::new().recursive(true).mode(0o711).create(state_dir)?;
             let mode = std::fs::metadata(state_dir)?.mode() & 0o7777;
-            if mode & 0o022 != 0 {
+            if mode & 0o022 != 0 && mode & 0o1000 != 0 {
+                // A shared sticky directory (/tmp) is not ours to close: say so, change nothing.
+                tracing::warn!(dir = %state_dir.display(), "the state dir is a shared directory (mode {mode:o}): other users can plant names in it; configure a private state_dir");
+            } else if mode & 0o022 != 0 {
                 tracing::warn!(dir = %state_dir.display(), "the state dir was mode {mode:o}: no longer writable by others");
                 private(state_dir, mode & !0o022)?;
             }
@@ -238,6 +241,10 @@ mod tests {
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
         paths.create_dir().unwrap();
         assert_eq!((mode(&state), mode(&paths.dir)), (0o755, 0o700));
+        // A shared sticky directory (a state_dir of /tmp) is left as it is.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        paths.create_dir().unwrap();
+        assert_eq!(mode(&state), 0o1777);
         // A link where the pod directory goes is not followed.
         let elsewhere = dir.path().join("elsewhere");
         std::fs::create_dir(&elsewhere).unwrap();
