@@ -2,7 +2,7 @@
 //! private containerd and CRI. Each test runs on the QEMU stand-in (`bulkhead-qemu-vmm`, QEMU
 //! under TCG in the VMM's place) on every host, and its `_on_bulkhead_vmm` twin runs the same on
 //! `bulkhead-vmm` where the host probe says ordinary guests run (elsewhere the twin prints one
-//! ledgered SKIPPED line). Any error fails them.
+//! ledgered SKIPPED line). Any error fails them. The twenty-pod burst is in `vm_burst`, its own binary.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::{self, GuestVmm};
-use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::host::processes_with;
 use bulkhead_integration::images::{self, CONFORMANCE_BIN};
+use bulkhead_integration::vm_env::{nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
 use bulkhead_integration::{
     container_config, pod_config, skip_if_unready_on, Containerd, ContainerdConfig, ContainerdVersion, Cri,
     RuntimeHandler,
@@ -26,10 +27,6 @@ const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
 fn containerd_version() -> ContainerdVersion {
     ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
 }
-/// How long the shim waits for the agent: TCG boots in seconds, but a loaded CI host is slow.
-/// Below the harness's 60 s CRI deadline, so a guest that never answers fails with the shim's
-/// own error and console tail.
-const CONNECT_TIMEOUT_MS: u64 = 45_000;
 /// What the QEMU stand-in says when its guest resets (a panic with `panic=1`).
 const GUEST_RESET: &str = "the guest shut down (guest-reset)";
 
@@ -37,77 +34,6 @@ const GUEST_RESET: &str = "the guest shut down (guest-reset)";
 fn long_running(name: &str, first: &str) -> cri::ContainerConfig {
     let script = format!("{first}; trap 'exit 0' TERM; while true; do sleep 0.2; done");
     container_config(name, &["sh", "-c", &script])
-}
-
-/// A private containerd whose `bulkhead` handler runs the real guest on `vmm`, with pod state in
-/// a fresh directory under /run. `base_spec` becomes the handler's `base_runtime_spec`.
-struct VmEnv {
-    containerd: Containerd,
-    cri: Cri,
-    state_dir: tempfile::TempDir,
-    _cfg_dir: tempfile::TempDir,
-}
-
-impl VmEnv {
-    async fn start(test: &str, vmm: GuestVmm, base_spec: Option<serde_json::Value>) -> Result<Self> {
-        Self::start_with(test, vmm, base_spec, CONNECT_TIMEOUT_MS).await
-    }
-
-    /// [`Self::start`], the shim waiting `connect_timeout_ms` for each guest's agent.
-    async fn start_with(
-        test: &str,
-        vmm: GuestVmm,
-        base_spec: Option<serde_json::Value>,
-        connect_timeout_ms: u64,
-    ) -> Result<Self> {
-        println!("{test}: the guest runs on {}", vmm.name());
-        let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
-        let cfg_dir = tempfile::tempdir()?;
-        let cfg = cfg_dir.path().join("bulkhead.toml");
-        std::fs::write(&cfg, guests::real_vm_config(state_dir.path(), connect_timeout_ms, vmm)?)?;
-        let mut handler = RuntimeHandler::bulkhead(Some(&cfg));
-        if let Some(spec) = base_spec {
-            let path = cfg_dir.path().join("base-spec.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&spec)?)?;
-            handler.base_runtime_spec = Some(path);
-        }
-        let containerd = Containerd::start(ContainerdConfig {
-            handlers: vec![handler],
-            version: containerd_version(),
-            ..Default::default()
-        })
-        .await?;
-        let cri = containerd.cri().await?;
-        Ok(Self { containerd, cri, state_dir, _cfg_dir: cfg_dir })
-    }
-
-    async fn run_pod(&self, pod: &cri::PodSandboxConfig) -> Result<String> {
-        self.cri.run_pod_sandbox(pod, "bulkhead").await.with_context(|| self.containerd.log_tail(60))
-    }
-
-    /// Stops and removes the pod, then checks the host keeps nothing of it.
-    async fn remove_pod_and_check_nothing_left(&self, pod_id: &str) -> Result<()> {
-        self.cri.stop_pod_sandbox(pod_id).await?;
-        self.cri.remove_pod_sandbox(pod_id).await?;
-        nothing_left(self.state_dir.path()).await
-    }
-}
-
-/// No process, mount or state of a pod whose state lived in `state_dir` is left on the host.
-async fn nothing_left(state_dir: &Path) -> Result<()> {
-    let state = state_dir.display().to_string();
-    let within = Duration::from_secs(20);
-    eventually_nothing("VMM, QEMU, vhost-device-vsock and virtiofsd processes", within, || {
-        processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
-    })
-    .await?;
-    eventually_nothing("mounts", within, || mounts_with(&state)).await?;
-    eventually_nothing("pod state", within, || {
-        std::fs::read_dir(state_dir)
-            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
-            .unwrap_or_default()
-    })
-    .await
 }
 
 #[tokio::test]
@@ -124,7 +50,7 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
-    let env = VmEnv::start(test, vmm, None).await?;
+    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
     let cri = &env.cri;
     let pod = pod_config("vm-e2e", &env.containerd.new_log_dir("vm-e2e")?);
     let started = Instant::now();
@@ -274,7 +200,7 @@ async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
     if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
-    let env = VmEnv::start(test, vmm, Some(base_spec_of_an_ordinary_node()?)).await?;
+    let env = VmEnv::start(test, containerd_version(), vmm, Some(base_spec_of_an_ordinary_node()?)).await?;
     let cri = &env.cri;
     let mut pod = pod_config("vm-conformance", &env.containerd.new_log_dir("vm-conformance")?);
     // One pod sysctl from each namespaced group: IPC (kernel.shm*, kernel.msg*, kernel.sem),
@@ -376,7 +302,7 @@ async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
     if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
-    let env = VmEnv::start(test, vmm, None).await?;
+    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
     let cri = &env.cri;
     let pod = pod_config("vm-cgroup", &env.containerd.new_log_dir("vm-cgroup")?);
     let pod_id = env.run_pod(&pod).await?;
@@ -580,76 +506,4 @@ async fn a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends() -> Resul
     let err = failed_boot(test, &init, meddling, "did not exit within 5s of its guest's shutdown; killed").await?;
     assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
-}
-
-/// Twenty vm pods asked for at once, as a node scheduling a burst does, all start: twenty TCG
-/// guests booting on this host's cores together starve each vCPU, which is what made guests panic
-/// in the kernel's IO-APIC timer check ("IO-APIC + timer doesn't work!", 3 of 20 in issue 31)
-/// before the guest command line skipped it. Stand-in only: twenty nested guests in the
-/// emulated node would take too long.
-#[tokio::test]
-async fn twenty_vm_pods_started_at_once_all_start() -> Result<()> {
-    const PODS: usize = 20;
-    // Twenty guests share the host's cores (two here, often busy with more): each boots many
-    // times slower than alone, so the shim and the CRI call wait longer than for one pod.
-    const BURST_CONNECT_TIMEOUT_MS: u64 = 300_000;
-    const BURST_EXTRA: Duration = Duration::from_secs(300);
-    let test = "twenty_vm_pods_started_at_once_all_start";
-    let vmm = GuestVmm::QemuStandIn;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
-        return Ok(());
-    }
-    let env = VmEnv::start_with(test, vmm, None, BURST_CONNECT_TIMEOUT_MS).await?;
-    let mut runs = tokio::task::JoinSet::new();
-    for i in 0..PODS {
-        let name = format!("vm-burst-{i}");
-        let pod = pod_config(&name, &env.containerd.new_log_dir(&name)?);
-        let cri = env.cri.clone();
-        runs.spawn(async move {
-            let started = Instant::now();
-            let result = cri.run_pod_sandbox_allowing(&pod, "bulkhead", BURST_EXTRA).await;
-            (i, result, started.elapsed())
-        });
-    }
-    let (mut pods, mut failed, mut slowest) = (Vec::new(), Vec::new(), Duration::ZERO);
-    while let Some(joined) = runs.join_next().await {
-        let (i, result, took) = joined?;
-        slowest = slowest.max(took);
-        match result {
-            Ok(id) => pods.push(id),
-            Err(e) => failed.push(format!("pod {i}: {e:#}")),
-        }
-    }
-    println!("{test}: {} of {PODS} RunPodSandbox calls succeeded; the slowest took {slowest:?}", pods.len());
-    const READY: i32 = cri::PodSandboxState::SandboxReady as i32;
-    for id in &pods {
-        let status = env.cri.pod_sandbox_status(id).await?;
-        if status.state != READY {
-            failed.push(format!("pod {id} is not ready: {status:?}"));
-        }
-    }
-
-    // All of them go, at once too, and leave nothing.
-    let mut ends = tokio::task::JoinSet::new();
-    for id in pods {
-        let cri = env.cri.clone();
-        ends.spawn(async move {
-            cri.stop_pod_sandbox(&id).await?;
-            cri.remove_pod_sandbox(&id).await
-        });
-    }
-    while let Some(joined) = ends.join_next().await {
-        if let Err(e) = joined? {
-            failed.push(format!("stop or remove: {e:#}"));
-        }
-    }
-    if !failed.is_empty() {
-        bail!(
-            "{} of {PODS} pods failed:\n{}\ncontainerd:\n{}",
-            failed.len(),
-            failed.join("\n"),
-            env.containerd.log_tail(80)
-        );
-    }
-    nothing_left(env.state_dir.path()).await
 }

@@ -1,0 +1,97 @@
+//! A vm pod's test environment: a private containerd whose `bulkhead` handler runs the real guest
+//! (kernel, initramfs and agent) on a given VMM, with pod state in a fresh directory under /run, and
+//! the check that a pod whose state lived there left nothing on the host (processes, mounts, state).
+//! `vm_e2e` and `vm_burst` use it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use k8s_cri::v1 as cri;
+
+use crate::guests::{self, GuestVmm};
+use crate::host::{eventually_nothing, mounts_with, processes_with};
+use crate::{Containerd, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler};
+
+/// How long the shim waits for the agent: TCG boots in seconds, but a loaded CI host is slow.
+/// Below the harness's 60 s CRI deadline, so a guest that never answers fails with the shim's
+/// own error and console tail.
+pub const CONNECT_TIMEOUT_MS: u64 = 45_000;
+
+/// A private containerd whose `bulkhead` handler runs the real guest on a VMM, with pod state in
+/// a fresh directory under /run.
+pub struct VmEnv {
+    pub containerd: Containerd,
+    pub cri: Cri,
+    /// The shim's `state_dir`: each pod's state, VM root and console log live below it.
+    pub state_dir: tempfile::TempDir,
+    _cfg_dir: tempfile::TempDir,
+}
+
+impl VmEnv {
+    /// Starts containerd `version` with the handler's guest on `vmm`, the shim waiting
+    /// [`CONNECT_TIMEOUT_MS`] for each guest's agent. `base_spec` becomes the handler's
+    /// `base_runtime_spec`.
+    pub async fn start(
+        test: &str,
+        version: ContainerdVersion,
+        vmm: GuestVmm,
+        base_spec: Option<serde_json::Value>,
+    ) -> Result<Self> {
+        Self::start_with(test, version, vmm, base_spec, CONNECT_TIMEOUT_MS).await
+    }
+
+    /// [`Self::start`], the shim waiting `connect_timeout_ms` for each guest's agent.
+    pub async fn start_with(
+        test: &str,
+        version: ContainerdVersion,
+        vmm: GuestVmm,
+        base_spec: Option<serde_json::Value>,
+        connect_timeout_ms: u64,
+    ) -> Result<Self> {
+        println!("{test}: the guest runs on {}", vmm.name());
+        let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
+        let cfg_dir = tempfile::tempdir()?;
+        let cfg = cfg_dir.path().join("bulkhead.toml");
+        std::fs::write(&cfg, guests::real_vm_config(state_dir.path(), connect_timeout_ms, vmm)?)?;
+        let mut handler = RuntimeHandler::bulkhead(Some(&cfg));
+        if let Some(spec) = base_spec {
+            let path = cfg_dir.path().join("base-spec.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&spec)?)?;
+            handler.base_runtime_spec = Some(path);
+        }
+        let containerd =
+            Containerd::start(ContainerdConfig { handlers: vec![handler], version, ..Default::default() }).await?;
+        let cri = containerd.cri().await?;
+        Ok(Self { containerd, cri, state_dir, _cfg_dir: cfg_dir })
+    }
+
+    /// RunPodSandbox on the `bulkhead` handler; a failure carries containerd's log tail.
+    pub async fn run_pod(&self, pod: &cri::PodSandboxConfig) -> Result<String> {
+        self.cri.run_pod_sandbox(pod, "bulkhead").await.with_context(|| self.containerd.log_tail(60))
+    }
+
+    /// Stops and removes the pod, then checks the host keeps nothing of it.
+    pub async fn remove_pod_and_check_nothing_left(&self, pod_id: &str) -> Result<()> {
+        self.cri.stop_pod_sandbox(pod_id).await?;
+        self.cri.remove_pod_sandbox(pod_id).await?;
+        nothing_left(self.state_dir.path()).await
+    }
+}
+
+/// No process, mount or state of a pod whose state lived in `state_dir` is left on the host.
+pub async fn nothing_left(state_dir: &Path) -> Result<()> {
+    let state = state_dir.display().to_string();
+    let within = Duration::from_secs(20);
+    eventually_nothing("VMM, QEMU, vhost-device-vsock and virtiofsd processes", within, || {
+        processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
+    })
+    .await?;
+    eventually_nothing("mounts", within, || mounts_with(&state)).await?;
+    eventually_nothing("pod state", within, || {
+        std::fs::read_dir(state_dir)
+            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
+            .unwrap_or_default()
+    })
+    .await
+}
