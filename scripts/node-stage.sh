@@ -17,6 +17,7 @@ NODE_TESTS=(
   network_e2e::_on_bulkhead_vmm
   emptydir_e2e::_on_bulkhead_vmm
   containerd_2x::_on_bulkhead_vmm
+  shim_e2e::shim_pods_live_in_kubelets_systemd_slice
 )
 NODE_TESTS_MORE=(
   vm_e2e_on_containerd_2_1::_on_bulkhead_vmm
@@ -40,26 +41,16 @@ kernel=$(guest-kernel/build-kernel.sh) || { say "building the guest kernel faile
 make -s -C guest-kernel initramfs >/dev/null || { say "make -C guest-kernel initramfs failed"; exit 1; }
 initramfs=$PWD/guest-kernel/build/initramfs.cpio.gz
 
-# The test binaries' paths, as cargo built them for the host run.
-mapfile -t listing < <(cargo test -q -p bulkhead-integration --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
-        print(m["target"]["name"], m["executable"])
-')
+# The test binaries, as `cargo test` built them for the host's run: the newest of each name (a clean clone has
+# one). Found on disk rather than through cargo, whose lock a concurrent cargo command may hold for long.
+deps=${CARGO_TARGET_DIR:-$PWD/target}/debug/deps
 specs=()
 for t in "${tests[@]}"; do
-  name=${t%%::*} filter=${t#*::} exe=
-  for row in "${listing[@]}"; do
-    [[ ${row%% *} == "$name" ]] && exe=${row#* }
-  done
+  name=${t%%::*} filter=${t#*::}
+  exe=$(find "$deps" -maxdepth 1 -type f -executable -regextype egrep -regex ".*/${name}-[0-9a-f]{16}" \
+    -printf '%T@ %p\n' 2>/dev/null | sort -rn | head -n 1 | cut -d' ' -f2-)
   if [[ -z $exe ]]; then
-    say "no built test binary $name (cargo test -p bulkhead-integration --no-run)"
+    say "no built test binary $name in $deps (cargo test -p bulkhead-integration --no-run)"
     exit 1
   fi
   specs+=("$exe::$filter")

@@ -195,8 +195,15 @@ for dir in /var/lib/bulkhead-test /var/lib/bulkhead /var/lib/containerd /tmp; do
   mkdir -p $dir && mount -t tmpfs -o mode=0755 tmpfs $dir || echo "node: cannot mount a tmpfs at $dir"
 done
 chmod 1777 /tmp
+# A process that crashes in the node leaves its core beside the output, for gdb on the host (same binaries).
+mkdir -p {NODE_OUT}/cores && echo "{NODE_OUT}/cores/core.%e.%p" >/proc/sys/kernel/core_pattern && ulimit -c unlimited
+# The system bus, through which the shim (busctl) and containerd ask systemd for transient scopes.
+systemctl start dbus.socket dbus.service || echo "node: the system bus did not start"
 {command}
 status=$?
+for core in {NODE_OUT}/cores/*; do
+  [ -e "$core" ] && echo "node: a process crashed in the node: its core is $core (on the host: the output directory's cores/)"
+done
 echo $status >{NODE_OUT}/status
 sync
 exit $status
