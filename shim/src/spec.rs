@@ -220,13 +220,11 @@ impl BundleSpec {
         if self.spec.linux().as_ref().is_some_and(|l| l.intel_rdt().is_some()) {
             return Err(unsupported("linux.intelRdt", "not supported by bulkhead"));
         }
-        // The guest kernel has cgroup namespaces (containerd gives every container one on cgroup
-        // v2 hosts); the namespace backend's agent cannot nest them inside the host's.
-        use LinuxNamespaceType::{Cgroup, Time, User};
-        let refused: &[LinuxNamespaceType] = match backend {
-            Backend::Vm => &[User, Time],
-            Backend::Namespace => &[User, Time, Cgroup],
-        };
+        // Cgroup namespaces pass on both backends: containerd gives every container one on a
+        // cgroup v2 host (EKS AL2023), and the namespace backend's agent makes it below the
+        // container's cgroup as runc does (refusing it failed every container on such a host).
+        use LinuxNamespaceType::{Time, User};
+        let refused: &[LinuxNamespaceType] = &[User, Time];
         for (typ, _) in self.namespaces() {
             if refused.contains(&typ) {
                 return Err(unsupported(
@@ -673,13 +671,14 @@ mod tests {
     }
 
     #[test]
-    fn the_vm_backend_keeps_cgroup_namespaces_the_namespace_backend_refuses_them() {
+    fn both_backends_keep_cgroup_namespaces() {
         let s = sandbox_edited(|s| linux(s).namespaces_mut().as_mut().unwrap().push(ns(Cgroup, None)));
         assert!(s.validate_sandbox(Backend::Vm).is_ok());
-        let err = s.validate_sandbox(Backend::Namespace).unwrap_err().to_string();
-        assert!(err.contains("linux.namespaces[type=cgroup]") && err.contains("namespace backend"), "{err}");
+        assert!(s.validate_sandbox(Backend::Namespace).is_ok(), "containerd's spec on a cgroup v2 host");
         let c = spec(json!({"process": process(&["sh"]), "linux": {"namespaces": [{"type": "cgroup"}]}}));
-        assert_eq!(namespaces(&c.translate_container(42, Backend::Vm).unwrap()), vec![(Cgroup, None)]);
+        for backend in [Backend::Vm, Backend::Namespace] {
+            assert_eq!(namespaces(&c.translate_container(42, backend).unwrap()), vec![(Cgroup, None)]);
+        }
         for typ in ["user", "time"] {
             for backend in [Backend::Vm, Backend::Namespace] {
                 let s = spec(json!({"linux": {"namespaces": [{"type": typ}]}}));

@@ -113,11 +113,21 @@ impl Drop for KubeletPodCgroup {
 
 fn make_levels(path: &str) -> std::io::Result<()> {
     for mount in mounts() {
+        // v2 (the unified hierarchy): a level's limits exist only where its parent hands the
+        // controllers down, as kubelet (and systemd for its slices) enable them; cpusets are
+        // inherited, so there is nothing to copy.
+        let unified = mount.join("cgroup.controllers").exists();
         let mut dir = mount.clone();
         for part in path.trim_start_matches('/').split('/').filter(|p| !p.is_empty()) {
             let parent = dir.clone();
             dir.push(part);
-            if std::fs::create_dir(&dir).is_ok() && dir.join("cpuset.cpus").exists() {
+            if unified {
+                for controller in ["cpu", "memory", "pids"] {
+                    // Best effort: a controller the parent lacks stays off below it too.
+                    let _ = std::fs::write(parent.join("cgroup.subtree_control"), format!("+{controller}"));
+                }
+                let _ = std::fs::create_dir(&dir);
+            } else if std::fs::create_dir(&dir).is_ok() && dir.join("cpuset.cpus").exists() {
                 for file in ["cpuset.cpus", "cpuset.mems"] {
                     std::fs::write(dir.join(file), std::fs::read_to_string(parent.join(file))?.trim())?;
                 }

@@ -690,15 +690,37 @@ async fn shim_pods_live_in_kubelets_systemd_slice() -> Result<()> {
     if let Some(linux) = pod.linux.as_mut() {
         linux.cgroup_parent = kubelet.cri_parent.clone();
     }
-    let (pod_id, ctr) =
-        env.pod_with(&pod, &sleeper("sleeper", &unique("slice"))).await.with_context(|| env.fail_context())?;
+    let marker = unique("slice");
+    let (pod_id, ctr) = env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
     let scope = format!("{}/cri-containerd-{pod_id}.scope", kubelet.path);
     let agents = pod_agents(&pod_id);
     assert_eq!(agents.len(), 1, "one agent for the pod: {agents:?}");
     assert_eq!(cgroups::of_pid(agents[0]), Some(scope.clone()), "the agent's cgroup");
+    // Where systemd is PID 1 (the emulated node, EKS AL2023), the scope is its transient unit in
+    // kubelet's slice, as runc's systemd driver leaves it.
+    if std::path::Path::new("/run/systemd/system").is_dir() {
+        let unit = format!("cri-containerd-{pod_id}.scope");
+        let show = |prop: &str| -> Result<String> {
+            let out = std::process::Command::new("systemctl").args(["show", "-p", prop, "--value", &unit]).output()?;
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        };
+        assert_eq!(show("ActiveState")?, "active", "systemd knows the pod's scope");
+        assert_eq!(show("Slice")?, kubelet.cri_parent, "the scope is in kubelet's slice");
+        println!("shim_pods_live_in_kubelets_systemd_slice: {unit} is systemd's, in {}", kubelet.cri_parent);
+    }
     let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert_eq!(cgroups::path_in(&text), Some(format!("{}/{ctr}", kubelet.path)), "{text}");
+    let want = format!("{}/{ctr}", kubelet.path);
+    if text.trim() == "0::/" {
+        // A cgroup v2 host: containerd gave the container a cgroup namespace rooted at its own
+        // cgroup, as runc's are. From the host it sits beside the agent's scope.
+        wait_for_process(&marker).await?;
+        let (pid, _) = processes_with(&marker).into_iter().next().context("the container's process")?;
+        assert_eq!(cgroups::of_pid(pid), Some(want), "the container's cgroup seen from the host");
+        println!("shim_pods_live_in_kubelets_systemd_slice: the container sees 0::/ (its cgroup namespace)");
+    } else {
+        assert_eq!(cgroups::path_in(&text), Some(want), "{text}");
+    }
     // kubelet's limit is on the slice, and the pod is charged to it.
     let charged = kubelet.dirs().iter().find_map(|dir| {
         ["memory.usage_in_bytes", "memory.current"]
