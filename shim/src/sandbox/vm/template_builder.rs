@@ -67,6 +67,9 @@ impl TemplateBuilder for VmTemplateBuilder {
         let BuildVm { id, paths, netns_path } = self.build_vm(inputs)?;
         // What a build killed midway left behind.
         self.discard(inputs).await;
+        // The placeholder namespace's pin lives in the state dir, which on a fresh node no pod
+        // has made yet (the first warm pod with a network failed there with ENOENT).
+        paths.create_dir().map_err(|e| format!("the template VM's directory: {e}"))?;
         let netns = match inputs.nic_mtus.as_slice() {
             [] => None,
             mtus => Some(
