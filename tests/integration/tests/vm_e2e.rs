@@ -367,17 +367,16 @@ enum Meddling {
     StopVsockBackendAfter(&'static str),
 }
 
-/// RunPodSandbox with a guest whose `/init` is `init`: must fail with the VM's exit (not the
-/// agent's connect timeout), quoting the console, and the stand-in must say `stand_in_says`.
+/// RunPodSandbox with a guest whose `/init` is `init`, on `vmm`: must fail with the VM's exit (not
+/// the agent's connect timeout), quoting the console, and the VMM must say `vmm_says`.
 /// Returns the error text.
-async fn failed_boot(test: &str, init: &Path, meddling: Meddling, stand_in_says: &str) -> Result<String> {
+async fn failed_boot(test: &str, vmm: GuestVmm, init: &Path, meddling: Meddling, vmm_says: &str) -> Result<String> {
     let (kernel, _) = guests::kernel_and_initramfs()?;
     let dir = tempfile::tempdir()?;
     let initramfs = dir.path().join("initramfs.cpio.gz");
     guests::initramfs_with(init, &initramfs)?;
     let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
     let cfg = dir.path().join("bulkhead.toml");
-    let vmm = GuestVmm::QemuStandIn;
     std::fs::write(&cfg, guests::vm_config(state_dir.path(), CONNECT_TIMEOUT_MS, vmm, &kernel, &initramfs))?;
     let containerd = Containerd::start(ContainerdConfig {
         handlers: vec![RuntimeHandler::bulkhead(Some(&cfg))],
@@ -397,22 +396,22 @@ async fn failed_boot(test: &str, init: &Path, meddling: Meddling, stand_in_says:
     meddled?;
     println!("{test}: RunPodSandbox failed after {took:?}: {err}");
     // The VM's exit ends the wait, not the agent's connect timeout. The failure carries
-    // containerd's log, where the shim relays the stand-in's own lines.
+    // containerd's log, where the shim relays the VMM's own lines.
     assert!(
         err.contains("before the agent answered"),
         "the failure was not the VM's exit ({took:?}); containerd's log:\n{}",
         containerd.log_tail(120)
     );
-    // The stand-in's own lines reach containerd's log through the shim, which may lag a little.
+    // The VMM's own lines reach containerd's log through the shim, which may lag a little.
     let until = Instant::now() + Duration::from_secs(10);
-    while !containerd.log_tail(400).contains(stand_in_says) {
+    while !containerd.log_tail(400).contains(vmm_says) {
         if Instant::now() >= until {
-            bail!("the stand-in never said {stand_in_says:?}; containerd's log:\n{}", containerd.log_tail(120));
+            bail!("{} never said {vmm_says:?}; containerd's log:\n{}", vmm.name(), containerd.log_tail(120));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let log = containerd.log_tail(400);
-    println!("{test}: {}", log.lines().find(|l| l.contains(stand_in_says)).unwrap_or_default());
+    println!("{test}: {}", log.lines().find(|l| l.contains(vmm_says)).unwrap_or_default());
     nothing_left(state_dir.path()).await?;
     Ok(err)
 }
@@ -460,17 +459,34 @@ fn find_file(dir: &Path, name: &str, depth: usize) -> Option<PathBuf> {
     None
 }
 
+/// What each VMM says when its guest resets: the stand-in, and `bulkhead-vmm`'s exit line.
+fn guest_reset_line(vmm: GuestVmm) -> &'static str {
+    match vmm {
+        GuestVmm::QemuStandIn => GUEST_RESET,
+        GuestVmm::Bulkhead => "reason=GuestReset",
+    }
+}
+
 #[tokio::test]
 async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail() -> Result<()> {
-    let test = "a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail";
-    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
+    kernel_panic("a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail_on_bulkhead_vmm() -> Result<()> {
+    let test = "a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail_on_bulkhead_vmm";
+    kernel_panic(test, GuestVmm::Bulkhead).await
+}
+
+async fn kernel_panic(test: &str, vmm: GuestVmm) -> Result<()> {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
     // An /init that is no program: the kernel finds no working init and panics.
     let dir = tempfile::tempdir()?;
     let init = dir.path().join("not-a-program");
     std::fs::write(&init, b"this is not an executable\n")?;
-    let err = failed_boot(test, &init, Meddling::None, GUEST_RESET).await?;
+    let err = failed_boot(test, vmm, &init, Meddling::None, guest_reset_line(vmm)).await?;
     assert!(err.contains("VM did not start"), "{err}");
     assert!(err.contains("Kernel panic") && err.contains("No working init found"), "no console tail in: {err}");
     Ok(())
@@ -478,13 +494,22 @@ async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail(
 
 #[tokio::test]
 async fn an_agent_that_exits_early_fails_the_pod_with_the_console_tail() -> Result<()> {
-    let test = "an_agent_that_exits_early_fails_the_pod_with_the_console_tail";
-    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
+    early_exit("an_agent_that_exits_early_fails_the_pod_with_the_console_tail", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn an_agent_that_exits_early_fails_the_pod_with_the_console_tail_on_bulkhead_vmm() -> Result<()> {
+    early_exit("an_agent_that_exits_early_fails_the_pod_with_the_console_tail_on_bulkhead_vmm", GuestVmm::Bulkhead)
+        .await
+}
+
+async fn early_exit(test: &str, vmm: GuestVmm) -> Result<()> {
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
     let init: PathBuf = images::early_exit_init(dir.path())?;
-    let err = failed_boot(test, &init, Meddling::None, GUEST_RESET).await?;
+    let err = failed_boot(test, vmm, &init, Meddling::None, guest_reset_line(vmm)).await?;
     assert!(err.contains("VM did not start"), "{err}");
     assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
@@ -503,7 +528,14 @@ async fn a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends() -> Resul
     // Long enough after its line for the backend to be stopped before the reset.
     let init = images::late_exit_init(dir.path(), 3)?;
     let meddling = Meddling::StopVsockBackendAfter(images::EARLY_EXIT_LINE);
-    let err = failed_boot(test, &init, meddling, "did not exit within 5s of its guest's shutdown; killed").await?;
+    let err = failed_boot(
+        test,
+        GuestVmm::QemuStandIn,
+        &init,
+        meddling,
+        "did not exit within 5s of its guest's shutdown; killed",
+    )
+    .await?;
     assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
 }
