@@ -311,7 +311,7 @@ fn vm_config(dir: &Path, vmm: &Path, guest: &Path, virtiofsd: &Path) -> Result<P
         &config,
         format!(
             "backend = \"vm\"\nstate_dir = \"{}\"\n[agent]\nconnect_timeout_ms = {CONNECT_TIMEOUT_MS}\n[vm]\n\
-             vmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
+             start = \"cold\"\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
             dir.join("s").display(),
             vmm.display(),
             guest.display(),

@@ -142,10 +142,10 @@ pub struct VmConfig {
     /// The snapshot template cache (warm pods): root's, read-only to the VMMs.
     #[serde(default = "default_template_dir")]
     pub template_dir: PathBuf,
-    /// How a pod's VM starts: restored from a template (`warm`), booted (`cold`), or `auto`:
-    /// warm where the host runs ordinary guests on `bulkhead-vmm` (the probe says VMX or SVM).
-    /// `cold` by default until a real guest's warm start has been proven on such a host (the
-    /// test hosts so far are PVM, where only test guests restore).
+    /// How a pod's VM starts: restored from a template (`warm`), booted (`cold`), or `auto`
+    /// (the default): warm where the host runs ordinary guests on `bulkhead-vmm` (the probe says
+    /// VMX or SVM), cold elsewhere. Warm pods with the real guest are proven in the emulated
+    /// AMD-V node (`tests/node`, `network_e2e::restored_vm_pods_are_each_their_own_on_bulkhead_vmm`).
     #[serde(default)]
     pub start: VmStart,
 }
@@ -154,9 +154,9 @@ pub struct VmConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VmStart {
+    #[default]
     Auto,
     Warm,
-    #[default]
     Cold,
 }
 
@@ -477,12 +477,13 @@ mod tests {
         let config = parse(text).unwrap();
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
-        assert_eq!(config.vm.start, VmStart::Cold);
+        assert_eq!(config.vm.start, VmStart::Auto);
     }
 
     #[test]
     fn vm_start_is_warm_cold_or_auto_and_nothing_else() {
-        assert_eq!(parse("").unwrap().vm.start, VmStart::Cold);
+        assert_eq!(parse("").unwrap().vm.start, VmStart::Auto, "warm where the probe says VMX or SVM");
+        assert_eq!(parse("[vm]\nstart = \"cold\"\n").unwrap().vm.start, VmStart::Cold);
         assert_eq!(parse("[vm]\nstart = \"warm\"\n").unwrap().vm.start, VmStart::Warm);
         assert!(VmStart::Warm.warm_here() && !VmStart::Cold.warm_here());
         let err = parse("[vm]\nstart = \"sometimes\"\n").unwrap_err().to_string();

@@ -178,6 +178,10 @@ pub fn vhost_device_vsock_path() -> PathBuf {
     PathBuf::from(cache).join("bin/vhost-device-vsock")
 }
 
+/// The `[vm]` line of [`vm_config`] that makes its pods boot cold (`vm.start` is `auto` by default,
+/// warm where the probe says VMX or SVM: the emulated node).
+pub const COLD: &str = "start = \"cold\"\n";
+
 /// A shim config (TOML) for the `vm` backend with the real guest ([`kernel_and_initramfs`]) on
 /// `vmm`, and `make setup`'s virtiofsd, keeping pod state in `state_dir`.
 pub fn real_vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm) -> anyhow::Result<String> {
@@ -194,11 +198,12 @@ pub fn namespace_config(state_dir: &Path, agent: &Path) -> String {
     )
 }
 
-/// A shim config (TOML) for the `vm` backend booting `kernel` and `initramfs` on `vmm`.
+/// A shim config (TOML) for the `vm` backend booting `kernel` and `initramfs` on `vmm`. Its pods
+/// boot cold ([`COLD`]): each test says which start it proves, and a warm one replaces that line.
 pub fn vm_config(state_dir: &Path, connect_timeout_ms: u64, vmm: GuestVmm, kernel: &Path, initramfs: &Path) -> String {
     format!(
         "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {connect_timeout_ms}\n\n\
-         [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
+         [vm]\n{COLD}vmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n",
         state_dir.display(),
         vmm.binary().display(),
         kernel.display(),
