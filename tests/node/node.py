@@ -190,11 +190,11 @@ ip link add bulkhead-d0 type dummy && ip link set bulkhead-d0 up \\
   || echo "node: the dummy default route could not be set up"
 ip link set lo up
 # containerd's overlay snapshots cannot have their upper layers on the node's overlay root: the state
-# trees get tmpfs mounts of their own, as a node's disk would be.
-for dir in /var/lib/bulkhead-test /var/lib/bulkhead /var/lib/containerd /tmp; do
+# trees get tmpfs mounts of their own, as a node's disk would be. (Not /tmp: a checkout there, as CI's
+# may be, must stay visible.)
+for dir in /var/lib/bulkhead-test /var/lib/bulkhead /var/lib/containerd; do
   mkdir -p $dir && mount -t tmpfs -o mode=0755 tmpfs $dir || echo "node: cannot mount a tmpfs at $dir"
 done
-chmod 1777 /tmp
 # A process that crashes in the node leaves its core beside the output, for gdb on the host (same binaries).
 mkdir -p {NODE_OUT}/cores && echo "{NODE_OUT}/cores/core.%e.%p" >/proc/sys/kernel/core_pattern && ulimit -c unlimited
 # The system bus, through which the shim (busctl) and containerd ask systemd for transient scopes.

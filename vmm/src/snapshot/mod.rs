@@ -34,14 +34,18 @@ impl SnapshotFiles {
     /// Opens `dir`'s state and memory files read-only, following no link.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         use std::os::unix::fs::OpenOptionsExt;
-        let open = |name: &str| {
+        let open = |name: &str, what: &str| {
             let path = dir.join(name);
             std::fs::OpenOptions::new()
                 .read(true)
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&path)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("open {}: {e}", path.display())))
+                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot read {what} {}: {e}", path.display())))
         };
-        Ok(Self { dir: dir.to_owned(), state: open(STATE_FILE)?, memory: open(MEMORY_FILE)? })
+        Ok(Self {
+            dir: dir.to_owned(),
+            state: open(STATE_FILE, "state file")?,
+            memory: open(MEMORY_FILE, "memory file")?,
+        })
     }
 }
