@@ -291,10 +291,10 @@ async fn restored_vm_pods_are_each_their_own_on_bulkhead_vmm() -> Result<()> {
         let started = log.lines().find(|l| l.contains(&pod_id) && l.contains("VM started")).unwrap_or_default();
         assert!(started.contains("start=\"warm\""), "{name} did not start warm: {started:?}\n{}", env.fail_context());
         println!("{test}: {name}: {}", started.split("VM started").last().unwrap_or_default().trim());
-        let run = |cmd: &'static str| {
+        let run_owned = |cmd: String| {
             let (cri, ctr) = (&env.cri, ctr.clone());
             async move {
-                let out = cri.exec_sync(&ctr, &["sh", "-c", cmd], 10).await?;
+                let out = cri.exec_sync(&ctr, &["sh", "-c", &cmd], 10).await?;
                 anyhow::ensure!(
                     out.exit_code == 0,
                     "{cmd}: exit {}: {}",
@@ -304,9 +304,18 @@ async fn restored_vm_pods_are_each_their_own_on_bulkhead_vmm() -> Result<()> {
                 Ok::<_, anyhow::Error>(String::from_utf8_lossy(&out.stdout).trim().to_string())
             }
         };
+        let run = |cmd: &str| run_owned(cmd.to_string());
         assert_eq!(run("hostname").await?, name);
         let random = run("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await?;
         assert_eq!(random.len(), 64, "{random:?}");
+        // The wall clock is the host's, not the template's (warm-b restores minutes after the snapshot).
+        let guest_now: i64 = run("date +%s").await?.parse()?;
+        let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs() as i64;
+        assert!((guest_now - host_now).abs() < 30, "{name}: guest clock {guest_now}, host clock {host_now}");
+        // Its rootfs is the pod's virtio-fs share, reached through the restored device's relay:
+        // a file written there is copied and read back.
+        let file = format!("/written-by-{name}");
+        assert_eq!(run_owned(format!("echo {name} > {file}.a && cp {file}.a {file}.b && cat {file}.b")).await?, name);
         // Its own address on the pod network: a runc pod reaches the server in this VM there.
         env.fetch_eventually(&control, &ip, 8080, &format!("pong-{name}\n"))
             .await
