@@ -31,6 +31,11 @@ mount -t overlay -o lowerdir=/lower,upperdir=/ovl/upper,workdir=/ovl/work overla
 : >/newroot/etc/fstab
 rm -f /newroot/.dockerenv /newroot/run/.containerenv
 rm -f /newroot/etc/machine-id && : >/newroot/etc/machine-id
+# systemd-tmpfiles would clean /tmp at boot (tmp.conf's D line): in the overlay that hides the host's
+# /tmp, where a checkout (CI's clone) may live. The node's root is the host's: nothing cleans it.
+for unit in systemd-tmpfiles-setup.service systemd-tmpfiles-clean.service systemd-tmpfiles-clean.timer; do
+  ln -sf /dev/null "/newroot/etc/systemd/system/$unit"
+done
 # The node kernel's own modules (the host's /lib/modules is for the host's kernel), so modprobe
 # and the kernel's autoload work in the node.
 ver=$(cat /node/kernel_version)
