@@ -121,7 +121,7 @@ def main():
     for binary, test, output in failures:
         print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most, backtraces left out)")
         for line in [l for l in without_backtraces(output) if l.strip()][-FAILURE_TAIL:]:
-            print(f"  {line[:400]}")
+            print(f"  {line[:1000]}")
     for u in unlisted:
         print(f"unlisted skip on a {args.host_kind} host: {u}")
     if unlisted:

@@ -13,6 +13,7 @@
 //! spawn it with `stdout`/`stderr` piped, then for each pipe
 //! `tokio::spawn(logrelay::relay(pipe, Source { pod, component: Component::Vmm, stream: "stderr" }, None))`.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -97,6 +98,38 @@ impl ConsoleLog {
     }
 }
 
+/// The last few lines a helper wrote, kept so that an early exit can be reported with the
+/// helper's own reason ("its last words") in the error that reaches containerd and kubelet,
+/// not only in the shim log. Bounded: [`LAST_WORDS_LINES`] lines of at most
+/// [`LAST_WORDS_LINE`] bytes each.
+#[derive(Clone, Default)]
+pub struct LastWords(Arc<Mutex<VecDeque<String>>>);
+
+/// Lines kept by [`LastWords`].
+pub const LAST_WORDS_LINES: usize = 3;
+/// Longest line kept by [`LastWords`], in bytes; longer ones are cut.
+pub const LAST_WORDS_LINE: usize = 512;
+
+impl LastWords {
+    fn push(&self, line: &str) {
+        let mut cut = line.len().min(LAST_WORDS_LINE);
+        while !line.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if lines.len() == LAST_WORDS_LINES {
+            lines.pop_front();
+        }
+        lines.push_back(line[..cut].to_owned());
+    }
+
+    /// The kept lines joined with " | ", or `None` if the helper said nothing.
+    pub fn text(&self) -> Option<String> {
+        let lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (!lines.is_empty()).then(|| lines.iter().map(String::as_str).collect::<Vec<_>>().join(" | "))
+    }
+}
+
 /// Fixed one-second windows of at most [`LINES_PER_SECOND`] lines.
 struct Throttle {
     window: Instant,
@@ -140,16 +173,28 @@ impl Throttle {
     }
 }
 
-fn emit(source: &Source, throttle: &mut Throttle, line: &[u8]) {
+fn emit(source: &Source, throttle: &mut Throttle, kept: Option<&LastWords>, line: &[u8]) {
     let text = String::from_utf8_lossy(line);
     let text = text.trim_end_matches('\r');
-    if !text.is_empty() && throttle.admit(source) {
+    if text.trim().is_empty() {
+        return;
+    }
+    if let Some(kept) = kept {
+        kept.push(text);
+    }
+    if throttle.admit(source) {
         info!(pod = %source.pod, component = source.component.name(), stream = source.stream, "{text}");
     }
 }
 
-/// Relays `pipe` until it ends (the process exited or closed it).
-pub async fn relay(mut pipe: impl AsyncRead + Unpin, source: Source, console: Option<ConsoleLog>) {
+/// Relays `pipe` until it ends (the process exited or closed it), keeping its last lines in
+/// `kept` when given.
+pub async fn relay(
+    mut pipe: impl AsyncRead + Unpin,
+    source: Source,
+    console: Option<ConsoleLog>,
+    kept: Option<LastWords>,
+) {
     let mut throttle = Throttle::new();
     let mut pending: Vec<u8> = Vec::with_capacity(MAX_LINE);
     let mut buf = vec![0u8; 8192];
@@ -163,18 +208,18 @@ pub async fn relay(mut pipe: impl AsyncRead + Unpin, source: Source, console: Op
         }
         for &b in &buf[..n] {
             if b == b'\n' {
-                emit(&source, &mut throttle, &pending);
+                emit(&source, &mut throttle, kept.as_ref(), &pending);
                 pending.clear();
             } else {
                 pending.push(b);
                 if pending.len() >= MAX_LINE {
-                    emit(&source, &mut throttle, &pending);
+                    emit(&source, &mut throttle, kept.as_ref(), &pending);
                     pending.clear();
                 }
             }
         }
     }
-    emit(&source, &mut throttle, &pending);
+    emit(&source, &mut throttle, kept.as_ref(), &pending);
     throttle.flush(&source);
 }
 
@@ -214,7 +259,7 @@ mod tests {
         let feeder = tokio::spawn(async move {
             w.write_all(&input).await.unwrap();
         });
-        relay(r, source(), console).await;
+        relay(r, source(), console, None).await;
         feeder.await.unwrap();
         let out = captured.0.lock().unwrap().clone();
         String::from_utf8(out).unwrap()
@@ -249,6 +294,26 @@ mod tests {
         assert!(log.lines().all(|l| l.len() < MAX_LINE + 200), "no line longer than the cut");
         let expected = (LINES_PER_SECOND * 3 + 3 - LINES_PER_SECOND) as usize;
         assert!(log.contains(&format!("suppressed={expected}")), "{log}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_last_lines_are_kept_bounded_for_the_error() {
+        let kept = LastWords::default();
+        assert_eq!(kept.text(), None);
+        let mut input = Vec::new();
+        for i in 0..10 {
+            input.extend_from_slice(format!("line {i}\n\n").as_bytes());
+        }
+        input.extend_from_slice("é".repeat(LAST_WORDS_LINE).as_bytes());
+        let (mut w, r) = tokio::io::duplex(1 << 16);
+        w.write_all(&input).await.unwrap();
+        drop(w);
+        relay(r, source(), None, Some(kept.clone())).await;
+        let text = kept.text().unwrap();
+        let parts: Vec<&str> = text.split(" | ").collect();
+        assert_eq!(parts.len(), LAST_WORDS_LINES, "{text}");
+        assert_eq!(&parts[..2], ["line 8", "line 9"], "blank lines are not words");
+        assert!(parts[2].len() <= LAST_WORDS_LINE && parts[2].starts_with('é'), "cut on a char boundary");
     }
 
     #[test]

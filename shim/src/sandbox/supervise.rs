@@ -19,7 +19,7 @@ use tracing::{info, warn, Instrument};
 use super::SandboxError;
 use crate::agent::{AgentClient, Timeouts};
 use crate::exit::ExitInfo;
-use crate::logrelay::{self, Component, ConsoleLog, Source};
+use crate::logrelay::{self, Component, ConsoleLog, LastWords, Source};
 
 /// Where a child's output goes: the shim log, tagged with the pod and component, and optionally
 /// the pod's console log too.
@@ -36,15 +36,31 @@ const DIAL_ATTEMPT: Duration = Duration::from_secs(1);
 const DIAL_RETRY: Duration = Duration::from_millis(5);
 /// Largest pid file accepted.
 const MAX_PID_FILE: u64 = 64;
+/// How long an exit waits for the child's stderr to be read to its end, so that its last words
+/// are known when the exit is seen (a grandchild holding the pipe open must not delay it more).
+const LAST_WORDS_WAIT: Duration = Duration::from_millis(500);
 
-/// A started child: its pid, and its exit once it happened (status, 128+signal if signalled).
-#[derive(Debug, Clone)]
+/// A started child: its pid, its exit once it happened (status, 128+signal if signalled), and
+/// the last lines it wrote to stderr.
+#[derive(Clone)]
 pub struct Supervised {
     pub pid: u32,
     pub exited: watch::Receiver<Option<ExitInfo>>,
+    pub last_words: LastWords,
+}
+
+impl std::fmt::Debug for Supervised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervised").field("pid", &self.pid).field("exited", &self.exit()).finish_non_exhaustive()
+    }
 }
 
 impl Supervised {
+    /// ": it said '<last lines>'" for an error message, or "" if it wrote nothing to stderr.
+    pub fn said(&self) -> String {
+        self.last_words.text().map(|t| format!(": it said '{t}'")).unwrap_or_default()
+    }
+
     /// The exit, if the child has exited.
     pub fn exit(&self) -> Option<ExitInfo> {
         *self.exited.borrow()
@@ -124,15 +140,21 @@ pub fn spawn(
     let pid = child.id().unwrap_or_default();
     let source = |stream| Source { pod: log.pod.clone(), component: log.component, stream };
     if let Some(pipe) = child.stdout.take() {
-        tokio::spawn(logrelay::relay(pipe, source("stdout"), log.console.clone()).instrument(span.clone()));
+        tokio::spawn(logrelay::relay(pipe, source("stdout"), log.console.clone(), None).instrument(span.clone()));
     }
-    if let Some(pipe) = child.stderr.take() {
-        tokio::spawn(logrelay::relay(pipe, source("stderr"), log.console.clone()).instrument(span.clone()));
-    }
+    let last_words = LastWords::default();
+    let stderr = child.stderr.take().map(|pipe| {
+        let relay = logrelay::relay(pipe, source("stderr"), log.console.clone(), Some(last_words.clone()));
+        tokio::spawn(relay.instrument(span.clone()))
+    });
     let (exit_tx, exit_rx) = watch::channel(None);
     tokio::spawn(
         async move {
-            let exit = match child.wait().await {
+            let status = child.wait().await;
+            if let Some(stderr) = stderr {
+                let _ = tokio::time::timeout(LAST_WORDS_WAIT, stderr).await;
+            }
+            let exit = match status {
                 Ok(status) => {
                     let code = status
                         .code()
@@ -151,14 +173,14 @@ pub fn spawn(
         }
         .instrument(span.clone()),
     );
-    Ok(Supervised { pid, exited: exit_rx })
+    Ok(Supervised { pid, exited: exit_rx, last_words })
 }
 
 /// Why the agent could not be reached.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DialFailure {
-    #[error("it exited with status {status} before the agent answered (last dial: {last})")]
-    Exited { status: u32, last: String },
+    #[error("it exited with status {status} before the agent answered{said} (last dial: {last})")]
+    Exited { status: u32, said: String, last: String },
     #[error("the agent did not answer within {waited:?} at {socket} (last dial: {last})")]
     NoAnswer { waited: Duration, socket: PathBuf, last: String },
 }
@@ -170,7 +192,7 @@ pub async fn dial_agent(socket: &Path, timeouts: Timeouts, child: &Supervised) -
     let mut last = String::from("socket never appeared");
     loop {
         if let Some(exit) = child.exit() {
-            return Err(DialFailure::Exited { status: exit.status, last });
+            return Err(DialFailure::Exited { status: exit.status, said: child.said(), last });
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if socket.exists() {
@@ -305,11 +327,13 @@ mod tests {
         let socket = dir.path().join("a.sock");
         let timeouts = Timeouts { connect: Duration::from_secs(30), rpc: Duration::from_secs(1) };
         let mut cmd = tokio::process::Command::new("/bin/sh");
-        cmd.args(["-c", "sleep 0.2; exit 3"]);
+        cmd.args(["-c", "sleep 0.2; echo 'starting' >&2; echo 'error: cannot open the tap' >&2; exit 3"]);
         let child = spawn(cmd, "early exit", &span(), log()).unwrap();
         let started = Instant::now();
         let err = dial_agent(&socket, timeouts, &child).await.err().unwrap();
         assert!(matches!(err, DialFailure::Exited { status: 3, .. }), "{err}");
+        // Its own reason reaches the error that containerd and kubelet show.
+        assert!(err.to_string().contains("it said 'starting | error: cannot open the tap'"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(10), "noticed at once, not at the timeout");
 
         // A listener that never answers the handshake: the deadline ends the wait.

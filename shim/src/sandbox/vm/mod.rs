@@ -32,7 +32,7 @@ mod start_phases;
 pub mod template;
 pub mod template_builder;
 pub mod virtiofsd;
-mod warm;
+pub(crate) mod warm;
 
 use std::ffi::CString;
 use std::path::Path;
@@ -427,7 +427,9 @@ async fn wait_restored(layout: &VmLayout, vmm: &Supervised) -> Result<(), String
             // The guest ran and stopped itself (status 0), maybe before the socket was seen: the
             // restore took, and the agent's dial reports the early end.
             Some(exit) if exit.status == 0 => return Ok(()),
-            Some(exit) => return Err(format!("the restore failed: the VMM exited with status {}", exit.status)),
+            Some(exit) => {
+                return Err(format!("the restore failed: the VMM exited with status {}{}", exit.status, vmm.said()))
+            }
             None => {}
         }
         if layout.api_socket().exists() {
@@ -453,7 +455,7 @@ pub(super) async fn start_failure(
     let mut reason = format!("bulkhead-vmm (pid {}): {failure}", vmm.pid);
     // virtiofsd exits 0 when the VMM closes its connection; anything else is its own failure.
     if let Some(exit) = fsd.exit().filter(|e| e.status != 0) {
-        reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}", fsd.pid, exit.status));
+        reason.push_str(&format!("; virtiofsd (pid {}) had exited with status {}{}", fsd.pid, exit.status, fsd.said()));
     }
     let console = layout.console_log();
     let tail = console::tail(&console);

@@ -141,7 +141,7 @@ async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
     if let Err(e) = api.snapshot(Path::new(JAIL_SNAPSHOT_DIR)).await {
         // Whether the VMM was still there says whose failure it was; the console says more.
         let vmm_state = match vmm.exit() {
-            Some(exit) => format!("the VMM had exited with status {}", exit.status),
+            Some(exit) => format!("the VMM had exited with status {}{}", exit.status, vmm.said()),
             None => "the VMM was running".into(),
         };
         let err = super::start_failure(&format!("snapshot: {e} ({vmm_state})"), vmm, virtiofsd, layout, None).await;
