@@ -11,11 +11,18 @@
 //! is opened without following a link, the image is created with `O_EXCL`/`O_NOFOLLOW`, and
 //! mkfs writes through `/proc/<shim>/fd/<n>`, never a path someone else could swap.
 //!
-//! A new image is made as `.partial`, formatted, then renamed into place, so a shim killed
-//! half-way leaves nothing a later sandbox would take for a filesystem. An existing image is
-//! taken only if it is what the shim makes (a regular file, root's, one link, the same size):
-//! the host kernel parses it, and no one but the host kernel's ext4 driver has written it
-//! (containers see files through virtiofsd or a bind mount, never its blocks).
+//! A new image is made as `.partial`, formatted, marked, then renamed into place, so a shim
+//! killed half-way leaves nothing a later sandbox would take for a filesystem. An existing image
+//! is taken only if it is what the shim makes (a regular file, root's, one link, the same size)
+//! and carries the shim's mark: the host kernel parses it, and no one but the host kernel's ext4
+//! driver may have written it (containers see files through virtiofsd or a bind mount, never its
+//! blocks). The mark matters because the directory is not always the shim's: while a volume is
+//! unlimited (an earlier sandbox of the pod, before a limit was set) the guest writes it through
+//! virtiofsd, which runs as root, so a planted `.bulkhead-emptydir.ext4` is root's and of one
+//! link. The mark is the `trusted.bulkhead.emptydir` attribute, which only a process with
+//! CAP_SYS_ADMIN on the host can set: virtiofsd serves no extended attributes (no `--xattr`),
+//! and a namespace-backend container holds no CAP_SYS_ADMIN unless it is privileged (and then is
+//! the host's root anyway).
 
 use std::fs::File;
 use std::io::Read;
@@ -41,6 +48,9 @@ const PARTIAL_NAME: &str = ".bulkhead-emptydir.ext4.partial";
 const MKFS_TIMEOUT: Duration = Duration::from_secs(60);
 /// How much of mkfs's error output goes into an error.
 const MKFS_STDERR_MAX: u64 = 4096;
+/// The attribute that says the shim made an image (module docs), and its value.
+const MARK: &std::ffi::CStr = c"trusted.bulkhead.emptydir";
+const MARK_VALUE: &[u8] = b"1";
 
 /// An image opened read-write, and whether it was formatted just now (empty) or found.
 #[derive(Debug)]
@@ -76,6 +86,14 @@ fn reuse(file: File, path: PathBuf, size: u64) -> Result<Image, EmptyDirError> {
     if !meta.file_type().is_file() || meta.uid() != 0 || meta.nlink() != 1 {
         return Err(refuse("not an image bulkhead made (a regular file of root's with one link)".into()));
     }
+    if !is_marked(&file) {
+        return Err(refuse(format!(
+            "it does not carry bulkhead's mark (the {} attribute, which only the host's root can set): a file \
+             the pod could have written while the volume was unlimited is never mounted; remove it to start \
+             the volume afresh",
+            MARK.to_string_lossy()
+        )));
+    }
     if meta.len() != size {
         return Err(refuse(format!(
             "it holds the volume's data at {} bytes, but the pod's limit is now {size} bytes; \
@@ -104,6 +122,7 @@ fn create(dir: &OwnedFd, host_dir: &Path, path: PathBuf, size: u64, mkfs: &Path)
         .set_len(size)
         .map_err(|e| EmptyDirError::Io { what: "size the image", path: partial.clone(), source: e })
         .and_then(|()| mkfs_ext4(mkfs, &file, &partial))
+        .and_then(|()| mark(&file, &partial))
         .and_then(|()| renameat(dir, PARTIAL_NAME, dir, IMAGE_NAME).map_err(sys("rename the image into place", &path)));
     if let Err(e) = made {
         if let Err(undo) = unlinkat(dir, PARTIAL_NAME, UnlinkatFlags::NoRemoveDir) {
@@ -112,6 +131,26 @@ fn create(dir: &OwnedFd, host_dir: &Path, path: PathBuf, size: u64, mkfs: &Path)
         return Err(e);
     }
     Ok(Image { file, path, fresh: true })
+}
+
+/// Marks `file` as an image the shim made (module docs).
+fn mark(file: &File, shown_as: &Path) -> Result<(), EmptyDirError> {
+    // SAFETY: the name is a valid C string, the value a live buffer of the given length, the fd ours.
+    let done =
+        unsafe { libc::fsetxattr(file.as_raw_fd(), MARK.as_ptr(), MARK_VALUE.as_ptr().cast(), MARK_VALUE.len(), 0) };
+    if done != 0 {
+        // A filesystem without trusted.* attributes cannot hold an image that is safe to use again.
+        return Err(sys("mark the image (the filesystem must support trusted.* attributes)", shown_as)(Errno::last()));
+    }
+    Ok(())
+}
+
+/// Whether `file` carries the mark.
+fn is_marked(file: &File) -> bool {
+    let mut value = [0u8; 8];
+    // SAFETY: the name is a valid C string, the buffer live and of the given length, the fd ours.
+    let len = unsafe { libc::fgetxattr(file.as_raw_fd(), MARK.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+    usize::try_from(len).is_ok_and(|len| &value[..len] == MARK_VALUE)
 }
 
 /// mke2fs's arguments for an image of `size` bytes: no blocks reserved for root (otherwise a
@@ -191,7 +230,7 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let made = open_or_create(dir.path(), 8 << 20, &mkfs).unwrap();
-        assert!(made.fresh);
+        assert!(made.fresh && is_marked(&made.file), "a new image carries the mark");
         let meta = std::fs::metadata(dir.path().join(IMAGE_NAME)).unwrap();
         assert_eq!((meta.len(), meta.mode() & 0o777), (8 << 20, 0o600));
         assert!(meta.blocks() * 512 < 1 << 20, "sparse: {} blocks", meta.blocks());
@@ -245,6 +284,27 @@ mod tests {
         let err = open_or_create(&volume, 8 << 20, &mkfs).unwrap_err().to_string();
         assert!(err.contains("not an image bulkhead made"), "{err}");
         assert_eq!(std::fs::read(&elsewhere).unwrap(), b"precious");
+        // A root file of one link and the right size, formatted but not by the shim (what a guest
+        // could leave through virtiofsd while the volume was unlimited): never mounted.
+        if Uid::effective().is_root() {
+            let planted = dir.path().join("planted");
+            std::fs::create_dir(&planted).unwrap();
+            let file = File::create(planted.join(IMAGE_NAME)).unwrap();
+            file.set_len(8 << 20).unwrap();
+            mkfs_ext4(&mkfs, &file, &planted.join(IMAGE_NAME)).unwrap();
+            drop(file);
+            let err = open_or_create(&planted, 8 << 20, &mkfs).unwrap_err().to_string();
+            assert!(err.contains("does not carry bulkhead's mark"), "{err}");
+            // A mark some other user set (user.*, not trusted.*) does not count either.
+            let path = std::ffi::CString::new(planted.join(IMAGE_NAME).as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: valid C strings and a live buffer.
+            let set = unsafe {
+                libc::setxattr(path.as_ptr(), c"user.bulkhead.emptydir".as_ptr(), c"1".as_ptr().cast(), 1, 0)
+            };
+            if set == 0 {
+                assert!(open_or_create(&planted, 8 << 20, &mkfs).is_err());
+            }
+        }
         // The volume directory itself must not be a link.
         std::os::unix::fs::symlink(dir.path(), dir.path().join("linked")).unwrap();
         assert!(open_or_create(&dir.path().join("linked"), 8 << 20, &mkfs).is_err());
