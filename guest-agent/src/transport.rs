@@ -17,7 +17,7 @@ use tokio::{
     net::{UnixListener, UnixStream},
     sync::mpsc,
 };
-use tokio_vsock::{VsockAddr, VsockListener, VsockStream, VMADDR_CID_ANY};
+use tokio_vsock::{VsockAddr, VsockListener, VsockStream, VMADDR_CID_ANY, VMADDR_CID_HOST};
 
 use bulkhead_protocol::frame_guard::FrameGuard;
 
@@ -150,7 +150,14 @@ pub async fn serve_unix(listener: UnixListener, dispatch: Dispatch) -> io::Resul
     }
 }
 
-/// Listens on every agent port over vsock.
+/// Whether a vsock peer may drive the agent: only the host (the VMM's side of the device). A
+/// process in the guest (a container that opens AF_VSOCK to the guest's own CID, or to the
+/// loopback CID) must never reach the agent that runs its containers.
+fn peer_allowed(peer: &VsockAddr) -> bool {
+    peer.cid() == VMADDR_CID_HOST
+}
+
+/// Listens on every agent port over vsock; only the host's connections are served.
 pub async fn serve_vsock(dispatch: Dispatch) -> io::Result<()> {
     let mut tasks = Vec::new();
     for port in ports::ALL {
@@ -160,7 +167,14 @@ pub async fn serve_vsock(dispatch: Dispatch) -> io::Result<()> {
         tasks.push(tokio::spawn(async move {
             loop {
                 match listener.accept().await {
-                    Ok((s, _)) => dispatch.route(port, Conn::Vsock(s)).await,
+                    Ok((s, peer)) if peer_allowed(&peer) => dispatch.route(port, Conn::Vsock(s)).await,
+                    Ok((_, peer)) => {
+                        tracing::warn!(
+                            port,
+                            peer_cid = peer.cid(),
+                            "vsock connection from a peer other than the host refused"
+                        );
+                    }
                     Err(e) => {
                         tracing::warn!(port, error = %e, "vsock accept failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -179,6 +193,15 @@ pub async fn serve_vsock(dispatch: Dispatch) -> io::Result<()> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn only_the_host_may_connect_over_vsock() {
+        assert!(peer_allowed(&VsockAddr::new(VMADDR_CID_HOST, 49152)));
+        // The guest itself (its own CID, loopback, "any") and the hypervisor's CID are refused.
+        for cid in [tokio_vsock::VMADDR_CID_LOCAL, 3, 4, 0xffff_ffff, tokio_vsock::VMADDR_CID_HYPERVISOR] {
+            assert!(!peer_allowed(&VsockAddr::new(cid, 1024)), "cid {cid}");
+        }
+    }
 
     /// Runs `f` on a thread of its own whose credentials are nobody's (raw system calls change
     /// only the calling thread's; glibc's wrappers would change every thread's).
