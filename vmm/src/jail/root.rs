@@ -17,7 +17,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{fchmod, mkdirat, mknodat, umask, Mode, SFlag};
 use nix::unistd::{chdir, fchdir, fchown, fchownat, pivot_root, unlinkat, Gid, Uid, UnlinkatFlags};
 
-use super::checks::HostFacts;
+use super::checks::{open_read_only, HostFacts, ReadOnlyFile};
 use super::{sys, JailError};
 
 const NONE: Option<&str> = None;
@@ -48,8 +48,8 @@ pub fn build(jail: &JailConfig, host: &HostFacts) -> Result<(), JailError> {
         fchown(&fd, Some(uid), Some(gid)).map_err(sys(format!("chown {}", dir.display())))?;
         fchmod(&fd, Mode::from_bits_truncate(0o700)).map_err(sys(format!("chmod {}", dir.display())))?;
     }
-    for (host_path, jail_path) in &host.read_only {
-        bind_read_only(&root, host_path, jail_path)?;
+    for file in &open_read_only(&jail.read_only, |_| {})? {
+        bind_read_only(&root, file)?;
     }
     device_node(&root, Path::new("/dev/kvm"), host.kvm, uid, gid)?;
     if let Some(tun) = host.tun {
@@ -108,15 +108,15 @@ fn parent_and_name<'a>(root: &OwnedFd, path: &'a Path) -> Result<(OwnedFd, &'a O
     Ok((parent, name))
 }
 
-/// Bind-mounts the host file read-only (and nosuid, nodev, noexec) at `jail_path`.
-fn bind_read_only(root: &OwnedFd, host_path: &Path, jail_path: &Path) -> Result<(), JailError> {
+/// Bind-mounts the host file (the one opened on the host side, not whatever its path names now)
+/// read-only (and nosuid, nodev, noexec) at its jail path.
+fn bind_read_only(root: &OwnedFd, file: &ReadOnlyFile) -> Result<(), JailError> {
+    let (host_path, jail_path, source) = (&file.host, &file.jail, &file.source);
     let (parent, name) = parent_and_name(root, jail_path)?;
-    let source = nix::fcntl::open(host_path, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(|e| path_err(host_path, e))?;
     let flags = OFlag::O_RDONLY | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
     let target = openat(&parent, name, flags, Mode::from_bits_truncate(0o444))
         .map_err(|e| path_err(jail_path, format!("mount point: {e}")))?;
-    mount(Some(fd_path(&source).as_str()), fd_path(&target).as_str(), NONE, MsFlags::MS_BIND, NONE)
+    mount(Some(fd_path(source).as_str()), fd_path(&target).as_str(), NONE, MsFlags::MS_BIND, NONE)
         .map_err(sys(format!("bind-mount {} at {}", host_path.display(), jail_path.display())))?;
     // Reopen through the new mount: a remount acts on the mount's root, not the file under it.
     let mounted = openat(&parent, name, OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
