@@ -37,7 +37,7 @@ pub const MAX_CONNECTIONS: usize = 64;
 /// another.
 pub struct ScrapeCache<G> {
     gather: G,
-    last: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+    last: tokio::sync::Mutex<Option<(Instant, Arc<str>)>>,
 }
 
 impl<G, F> ScrapeCache<G>
@@ -49,14 +49,16 @@ where
         Self { gather, last: tokio::sync::Mutex::new(None) }
     }
 
-    pub async fn get(&self) -> Arc<String> {
+    /// The current exposition, shared: every request writes from the one buffer, so slow
+    /// readers cost the exporter their sockets' buffers, not a copy of the body each.
+    pub async fn get(&self) -> Arc<str> {
         let mut last = self.last.lock().await;
         if let Some((at, text)) = last.as_ref() {
             if at.elapsed() < CACHE_FOR {
                 return text.clone();
             }
         }
-        let text = Arc::new((self.gather)().await);
+        let text: Arc<str> = Arc::from((self.gather)().await);
         *last = Some((Instant::now(), text.clone()));
         text
     }
@@ -243,7 +245,7 @@ where
         };
         let cache = cache.clone();
         tokio::spawn(async move {
-            let body = async { cache.get().await.as_str().to_owned() };
+            let body = cache.get();
             let answer = http::serve_one(&mut stream, body);
             if tokio::time::timeout(REQUEST_TIMEOUT, answer).await.is_err() {
                 tracing::warn!("metrics request not answered within {REQUEST_TIMEOUT:?}");

@@ -79,10 +79,12 @@ pub async fn respond<S: AsyncWrite + Unpin>(
 }
 
 /// Answers one metrics request: `GET /metrics` (or `/`) gets `body`, anything else an error.
-pub async fn serve_one<S, F>(stream: &mut S, body: F) -> Result<(), HttpError>
+/// The body is written from whatever holds it (a shared `Arc<str>`: no copy per request).
+pub async fn serve_one<S, F, B>(stream: &mut S, body: F) -> Result<(), HttpError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
-    F: std::future::Future<Output = String>,
+    F: std::future::Future<Output = B>,
+    B: AsRef<str>,
 {
     let (method, path) = read_request(stream).await?;
     if method != "GET" {
@@ -90,7 +92,7 @@ where
     } else if path != "/metrics" && path != "/" {
         respond(stream, 404, "text/plain", b"try /metrics\n").await?;
     } else {
-        respond(stream, 200, CONTENT_TYPE, body.await.as_bytes()).await?;
+        respond(stream, 200, CONTENT_TYPE, body.await.as_ref().as_bytes()).await?;
     }
     Ok(())
 }
