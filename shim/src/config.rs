@@ -142,6 +142,17 @@ pub struct VmConfig {
     /// The snapshot template cache (warm pods): root's, read-only to the VMMs.
     #[serde(default = "default_template_dir")]
     pub template_dir: PathBuf,
+    /// The template store's ceiling: at most this many templates...
+    #[serde(default = "default_template_max_count")]
+    pub template_max_count: u32,
+    /// ...using at most this much disk (allocated blocks; a quantity such as `"32Gi"`). Before
+    /// each build, templates of other node files, templates unused for
+    /// `template_max_idle_days`, then the least recently used go until the new one fits; if it
+    /// still does not (the rest are busy), the pod boots cold.
+    #[serde(default = "default_template_max_size")]
+    pub template_max_size: ByteSize,
+    #[serde(default = "default_template_max_idle_days")]
+    pub template_max_idle_days: u32,
     /// How a pod's VM starts: restored from a template (`warm`), booted (`cold`), or `auto`
     /// (the default): warm where the host runs ordinary guests on `bulkhead-vmm` (the probe says
     /// VMX or SVM), cold elsewhere. Warm pods with the real guest are proven in the emulated
@@ -247,6 +258,15 @@ fn default_agent_path() -> PathBuf {
 fn default_vmm_path() -> PathBuf {
     PathBuf::from("/usr/local/bin/bulkhead-vmm")
 }
+fn default_template_max_count() -> u32 {
+    32
+}
+fn default_template_max_size() -> ByteSize {
+    ByteSize(32 << 30)
+}
+fn default_template_max_idle_days() -> u32 {
+    14
+}
 fn default_template_dir() -> PathBuf {
     PathBuf::from("/var/lib/bulkhead/templates")
 }
@@ -294,6 +314,9 @@ impl Default for VmConfig {
             jail_id_first: default_jail_id_first(),
             jail_id_count: default_jail_id_count(),
             template_dir: default_template_dir(),
+            template_max_count: default_template_max_count(),
+            template_max_size: default_template_max_size(),
+            template_max_idle_days: default_template_max_idle_days(),
             start: VmStart::default(),
         }
     }
@@ -359,6 +382,15 @@ impl Config {
         }
         if self.vm.memory_mib < 64 || u64::from(self.vm.memory_mib) > MAX_MEM_MIB {
             return Err(invalid("vm.memory_mib", &format!("must be between 64 and {MAX_MEM_MIB}")));
+        }
+        if self.vm.template_max_count == 0 || self.vm.template_max_count > 10_000 {
+            return Err(invalid("vm.template_max_count", "must be between 1 and 10000"));
+        }
+        if self.vm.template_max_size.0 < 64 << 20 {
+            return Err(invalid("vm.template_max_size", "must be at least 64Mi"));
+        }
+        if self.vm.template_max_idle_days == 0 {
+            return Err(invalid("vm.template_max_idle_days", "must be at least 1"));
         }
         let bounds = format!(
             "must be between {} and {}",
@@ -478,6 +510,23 @@ mod tests {
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
         assert_eq!(config.vm.start, VmStart::Auto);
+        assert_eq!(config.vm, VmConfig { kernel_path: config.vm.kernel_path.clone(), ..VmConfig::default() });
+    }
+
+    #[test]
+    fn the_template_ceiling_is_checked() {
+        let vm = parse("[vm]\ntemplate_max_count = 4\ntemplate_max_size = \"10Gi\"\ntemplate_max_idle_days = 2\n")
+            .unwrap()
+            .vm;
+        assert_eq!((vm.template_max_count, vm.template_max_size.0, vm.template_max_idle_days), (4, 10 << 30, 2));
+        for (bad, field) in [
+            ("template_max_count = 0", "vm.template_max_count"),
+            ("template_max_size = \"1Mi\"", "vm.template_max_size"),
+            ("template_max_idle_days = 0", "vm.template_max_idle_days"),
+        ] {
+            let err = parse(&format!("[vm]\n{bad}\n")).unwrap_err().to_string();
+            assert!(err.contains(field), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -116,6 +116,10 @@ enum TemplateCommand {
         #[arg(long = "nic-mtu")]
         nic_mtus: Vec<u16>,
     },
+    /// Collects templates now, as a pass before each build does: those of other node files
+    /// (after an update), those unused for `vm.template_max_idle_days`, then the least recently
+    /// used beyond `vm.template_max_count` / `vm.template_max_size`.
+    Gc,
     /// Removes templates (a pod then builds or boots cold); waits for a build of the same key.
     Rm {
         /// Template keys, or unique prefixes of them.
@@ -204,6 +208,7 @@ async fn run(cli: Cli) -> Result<Option<Outcome>, CtlError> {
         Command::Template { command: TemplateCommand::Build { vcpus, memory_mib, nic_mtus } } => {
             Ok(Some(template::build(load_config(explicit)?, vcpus, memory_mib, &nic_mtus).await?))
         }
+        Command::Template { command: TemplateCommand::Gc } => Ok(Some(template::gc(&load_config(explicit)?)?)),
         Command::Template { command: TemplateCommand::Rm { keys, all } } => {
             Ok(Some(template::rm(&load_config(explicit)?, &keys, all).await?))
         }

@@ -1,22 +1,59 @@
-//! `bulkhead-ctl template ls|build|rm`: the node's snapshot template cache (`vm.template_dir`).
+//! `bulkhead-ctl template ls|build|rm|gc`: the node's snapshot template cache (`vm.template_dir`).
 //! `ls` checks each template as a pod's lookup would; `build` boots and snapshots one through
 //! the same lock and store a pod's build uses; `rm` takes the key's lock, so it never removes a
-//! template while a shim publishes it (a VMM restored from one keeps its open files).
+//! template while a shim publishes it (a VMM restored from one keeps its open files); `gc` runs
+//! the collection pass a build runs (other node files', idle, then least recently used beyond
+//! the ceiling).
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::json;
 
 use super::{CtlError, Outcome};
 use crate::config::Config;
-use crate::sandbox::vm::template::{KeyInputs, KeySources, Listed, TemplateKey, TemplateStore, BUILD_TIMEOUT};
+use crate::sandbox::vm::template::{
+    collect, KeyInputs, KeySources, Listed, Room, TemplateKey, TemplateStore, BUILD_TIMEOUT,
+};
 use crate::sandbox::vm::template_builder::VmTemplateBuilder;
 
 /// How long `rm` waits for a build of the same key to finish.
 const RM_WAIT: Duration = Duration::from_secs(30);
 
 fn open(config: &Config) -> Result<TemplateStore, CtlError> {
-    TemplateStore::open(&config.vm.template_dir).map_err(|e| CtlError::Failed(e.to_string()))
+    crate::sandbox::vm::warm::open_store(&config.vm).map_err(|e| CtlError::Failed(e.to_string()))
+}
+
+/// One collection pass now, within the config's ceiling.
+pub fn gc(config: &Config) -> Result<Outcome, CtlError> {
+    if !config.vm.template_dir.exists() {
+        let text = format!("no templates: {} does not exist\n", config.vm.template_dir.display());
+        return Ok(Outcome { json: json!({ "removed": [] }), text, ok: true });
+    }
+    let failed = |e: &dyn std::fmt::Display| CtlError::Failed(e.to_string());
+    let store = open(config)?;
+    // The node's current files (the shape does not matter to a pass).
+    let sources = KeySources::of_config(&config.vm, config.vm.vcpus, config.vm.memory_mib, &[]);
+    let current = KeyInputs::of(&sources, Some(&store.digests_dir())).map_err(|e| failed(&e))?;
+    let pass =
+        collect(&store, &current, store.ceiling(), Room::default(), SystemTime::now()).map_err(|e| failed(&e))?;
+    let mut text: String = pass
+        .removed
+        .iter()
+        .map(|r| format!("removed {} ({} MiB): {}\n", r.key.short(), r.bytes >> 20, r.why))
+        .collect();
+    let ceiling = store.ceiling();
+    text += &format!(
+        "kept {} templates, {} MiB (ceiling {} templates, {} MiB, {} days unused)\n",
+        pass.kept,
+        pass.kept_bytes >> 20,
+        ceiling.max_templates,
+        ceiling.max_bytes >> 20,
+        ceiling.max_idle.as_secs() / 86_400
+    );
+    let removed: Vec<_> =
+        pass.removed.iter().map(|r| json!({ "key": r.key, "bytes": r.bytes, "why": r.why.to_string() })).collect();
+    let json = json!({ "removed": removed, "kept": pass.kept, "kept_bytes": pass.kept_bytes, "fits": pass.fits });
+    Ok(Outcome { json, text, ok: true })
 }
 
 pub fn ls(config: &Config) -> Result<Outcome, CtlError> {

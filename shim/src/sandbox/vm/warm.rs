@@ -14,9 +14,11 @@ use std::time::Duration;
 use tracing::{info, warn, Instrument};
 
 use super::shape::VmShape;
-use super::template::{obtain, KeyInputs, KeySources, Obtained, Template, TemplateStore};
+use super::template::{
+    memory_bucket_mib, obtain, Ceiling, KeyInputs, KeySources, Obtained, Template, TemplateError, TemplateStore,
+};
 use super::template_builder::VmTemplateBuilder;
-use crate::config::Config;
+use crate::config::{Config, VmConfig};
 use crate::sandbox::SandboxRequest;
 
 /// How long a pod waits for another pod's build of its template before it boots cold.
@@ -39,11 +41,12 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
         },
     };
     let shape = VmShape::for_pod(&config.vm, &req.resources).ok()?;
-    let memory_mib = u32::try_from(shape.mem_mib).ok()?;
+    // A few shared shapes, not one template per distinct limit (key.rs).
+    let memory_mib = memory_bucket_mib(shape.mem_mib, bulkhead_vmm_api::config::MAX_MEM_MIB)?;
     let vm = config.vm.clone();
     // Hashing the kernel, initramfs and VMM (memoised after the first time) is file I/O.
     let found = tokio::task::spawn_blocking(move || {
-        let store = TemplateStore::open(&vm.template_dir)?;
+        let store = open_store(&vm)?;
         let sources = KeySources::of_config(&vm, shape.vcpus, memory_mib, &nic_mtus);
         let inputs = KeyInputs::of(&sources, Some(&store.digests_dir()))?;
         Ok::<_, super::template::TemplateError>((store, inputs))
@@ -62,9 +65,13 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
     };
     let builder = VmTemplateBuilder::new(Arc::new(config.clone()));
     match obtain(&store, &inputs, &builder, TEMPLATE_WAIT).await {
-        Obtained::Ready(t) => Some((store, t)),
+        Obtained::Ready(t) => {
+            store.mark_used(&t.key);
+            Some((store, t))
+        }
         Obtained::Built(t) => {
             info!(template = %t.key, "template: built for this pod");
+            store.mark_used(&t.key);
             Some((store, t))
         }
         Obtained::Cold(reason) => {
@@ -84,6 +91,16 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
             None
         }
     }
+}
+
+/// The node's template store, kept within the config's ceiling.
+pub fn open_store(vm: &VmConfig) -> Result<TemplateStore, TemplateError> {
+    let ceiling = Ceiling {
+        max_templates: vm.template_max_count as usize,
+        max_bytes: vm.template_max_size.0,
+        max_idle: Duration::from_secs(u64::from(vm.template_max_idle_days) * 86_400),
+    };
+    Ok(TemplateStore::open(&vm.template_dir)?.with_ceiling(ceiling))
 }
 
 /// Moves `template` aside after the VMM would not restore it (the next pod rebuilds it), unless

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 
 use super::backoff;
+use super::collect::{collect, Room};
 use super::key::KeyInputs;
 use super::store::{KeyLock, Lookup, Template, TemplateStore};
 use super::TemplateError;
@@ -162,6 +163,27 @@ pub async fn obtain_at(
     }
 }
 
+/// A collection pass before a build of `inputs` ([`super::collect`]), leaving room for it: an
+/// error if the store stays over its ceiling (what is kept is busy or recent enough).
+async fn make_room(store: &TemplateStore, inputs: &KeyInputs) -> Result<(), TemplateError> {
+    let key = inputs.key();
+    let room = Room { templates: 1, bytes: u64::from(inputs.memory_mib) << 20 };
+    let (owned_store, owned_inputs) = (store.clone(), inputs.clone());
+    let pass = tokio::task::spawn_blocking(move || {
+        let ceiling = *owned_store.ceiling();
+        collect(&owned_store, &owned_inputs, &ceiling, room, SystemTime::now())
+    })
+    .await
+    .map_err(|e| TemplateError::BadBuild { key: key.clone(), why: format!("collection task: {e}") })??;
+    if !pass.removed.is_empty() {
+        tracing::info!(template = %key, removed = pass.removed.len(), kept = pass.kept, "template: store collected before a build");
+    }
+    if !pass.fits {
+        return Err(TemplateError::Full { key, templates: pass.kept, mib: pass.kept_bytes >> 20 });
+    }
+    Ok(())
+}
+
 /// Why to boot cold while an earlier failed build of `key` holds builds off at `now`.
 fn backing_off(store: &TemplateStore, key: &super::key::TemplateKey, now: SystemTime) -> Option<ColdReason> {
     let failure = backoff::last(store, key)?;
@@ -263,6 +285,7 @@ async fn build_and_publish(
     stop: impl Future<Output = String>,
 ) -> Result<Template, TemplateError> {
     let key = inputs.key();
+    make_room(store, inputs).await?;
     store.sweep_staging(&key, lock);
     let staging = store.stage(&key, lock)?;
     let started = Instant::now();
@@ -282,7 +305,12 @@ async fn build_and_publish(
         builder.discard(inputs).await;
         return Err(error);
     }
-    let template = store.publish(inputs, staging, lock)?;
+    // Hashing and syncing guest memory is long blocking I/O: off the runtime's threads, with
+    // the key's lock carried along.
+    let (owned_store, owned_inputs, owned_lock) = (store.clone(), inputs.clone(), lock.clone());
+    let template = tokio::task::spawn_blocking(move || owned_store.publish(&owned_inputs, staging, &owned_lock))
+        .await
+        .map_err(|e| TemplateError::BadBuild { key: key.clone(), why: format!("publishing task: {e}") })??;
     tracing::info!(template = %key, bytes = template.bytes(), elapsed_ms = started.elapsed().as_millis() as u64, "template: published");
     Ok(template)
 }

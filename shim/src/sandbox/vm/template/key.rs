@@ -71,6 +71,25 @@ impl From<TemplateKey> for String {
     }
 }
 
+/// The guest memory of the template a pod needing `exact` MiB restores: the next step of a fixed
+/// ladder, so that pods whose limits differ a little share one template instead of each
+/// building its own (a tenant varying its limit by 1 MiB must not cost the node a build per
+/// pod). Steps: 64 MiB up to 1 GiB, 256 MiB up to 4 GiB, 1 GiB above. The pod's own limits
+/// still hold inside the guest (its containers' cgroups); what the bucket adds is memory the
+/// guest has but no container may use, and that costs the host nothing until touched (the
+/// restored memory is mapped copy-on-write). `None` when the step would pass `max_mib` and
+/// `exact` does too; a step above `max_mib` is cut to it.
+pub fn memory_bucket_mib(exact: u64, max_mib: u64) -> Option<u32> {
+    let step = match exact {
+        0..=1024 => 64,
+        1025..=4096 => 256,
+        _ => 1024,
+    };
+    let bucket = exact.max(1).div_ceil(step) * step;
+    let bucket = if bucket > max_mib && exact <= max_mib { max_mib } else { bucket };
+    (bucket <= max_mib).then_some(bucket).and_then(|b| u32::try_from(b).ok())
+}
+
 /// What a template is built from; its [`TemplateKey`] is their hash.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -255,6 +274,22 @@ mod tests {
         std::fs::write(&i, b"initramfs").unwrap();
         std::fs::write(&v, b"vmm").unwrap();
         (k, i, v)
+    }
+
+    #[test]
+    fn pods_of_nearby_limits_share_a_few_memory_buckets() {
+        let max = 1 << 20;
+        // 50 pods of 100..149 MiB on 256 MiB of guest overhead: two templates, not fifty.
+        let buckets: std::collections::BTreeSet<u32> =
+            (100..150).map(|limit| memory_bucket_mib(limit + 256, max).unwrap()).collect();
+        assert_eq!(buckets.into_iter().collect::<Vec<_>>(), [384, 448]);
+        for (exact, bucket) in [(1, 64), (256, 256), (257, 320), (1024, 1024), (1025, 1280), (4097, 5120)] {
+            assert_eq!(memory_bucket_mib(exact, max), Some(bucket), "{exact} MiB");
+            assert!(u64::from(memory_bucket_mib(exact, max).unwrap()) >= exact, "never smaller than the pod");
+        }
+        // Near the largest VM, the bucket is cut to it; beyond it there is none.
+        assert_eq!(memory_bucket_mib(1000, 1010), Some(1010));
+        assert_eq!(memory_bucket_mib(1011, 1010), None);
     }
 
     fn inputs(k: &Path, i: &Path, v: &Path, vcpus: u8, memory_mib: u32, memo: Option<&Path>) -> KeyInputs {

@@ -10,6 +10,7 @@
 //!   .quarantine/<key>-<ns>/        templates found unusable, with reason.txt (the newest few kept)
 //!   .locks/<key>.lock              flock: one builder (or remover) per key across all shims
 //!   .digests/                      the key's file-digest memo (key.rs)
+//!   .used/<key>                    empty; its mtime is the template's last warm start (collect.rs)
 //! ```
 //!
 //! A build writes into its staging directory, then the store hashes every file, writes the
@@ -28,6 +29,7 @@ use nix::fcntl::{Flock, FlockArg, RenameFlags};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::collect::Ceiling;
 use super::key::{KeyInputs, TemplateKey};
 use super::TemplateError;
 
@@ -49,6 +51,7 @@ const STAGING_PREFIX: &str = ".staging-";
 const QUARANTINE: &str = ".quarantine";
 const LOCKS: &str = ".locks";
 const DIGESTS: &str = ".digests";
+const USED: &str = ".used";
 const TRASH_PREFIX: &str = ".removing-";
 
 /// What a template directory says of itself.
@@ -128,11 +131,12 @@ impl Drop for Staging {
     }
 }
 
-/// The exclusive right to build, quarantine or remove one key's template; released on drop
-/// (and by the kernel when the holder dies).
-#[derive(Debug)]
+/// The exclusive right to build, quarantine or remove one key's template; released when the
+/// last clone is dropped (and by the kernel when the holder dies). Clones let a blocking task
+/// (publishing) carry the right with it.
+#[derive(Debug, Clone)]
 pub struct KeyLock {
-    _lock: Flock<File>,
+    _lock: std::sync::Arc<Flock<File>>,
 }
 
 /// The template cache at one root.
@@ -140,6 +144,7 @@ pub struct KeyLock {
 pub struct TemplateStore {
     root: PathBuf,
     owner: u32,
+    ceiling: Ceiling,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TemplateError {
@@ -204,7 +209,7 @@ impl TemplateStore {
             std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
                 .map_err(io(format!("chmod {}", root.display())))?;
         }
-        for private in [QUARANTINE, LOCKS, DIGESTS] {
+        for private in [QUARANTINE, LOCKS, DIGESTS, USED] {
             let dir = root.join(private);
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                 Ok(()) => {}
@@ -212,7 +217,16 @@ impl TemplateStore {
                 Err(e) => return Err(io(format!("create {}", dir.display()))(e)),
             }
         }
-        Ok(Self { root: root.to_owned(), owner })
+        Ok(Self { root: root.to_owned(), owner, ceiling: Ceiling::default() })
+    }
+
+    /// The same store, kept within `ceiling` by the passes before each build.
+    pub fn with_ceiling(self, ceiling: Ceiling) -> Self {
+        Self { ceiling, ..self }
+    }
+
+    pub fn ceiling(&self) -> &Ceiling {
+        &self.ceiling
     }
 
     pub fn root(&self) -> &Path {
@@ -241,7 +255,7 @@ impl TemplateStore {
             .open(&path)
             .map_err(io(format!("open {}", path.display())))?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(Some(KeyLock { _lock: lock })),
+            Ok(lock) => Ok(Some(KeyLock { _lock: std::sync::Arc::new(lock) })),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
             Err((_, errno)) => Err(io(format!("flock {}", path.display()))(errno.into())),
         }
@@ -334,6 +348,58 @@ impl TemplateStore {
             return Err(format!("{what}: mode {:o} is writable beyond the store's owner", meta.mode() & 0o7777));
         }
         Ok(())
+    }
+
+    /// Every name in the store that is a template key (checked or not).
+    pub fn keys(&self) -> Result<Vec<TemplateKey>, TemplateError> {
+        let entries = std::fs::read_dir(&self.root).map_err(io(format!("read {}", self.root.display())))?;
+        let mut keys: Vec<TemplateKey> =
+            entries.flatten().filter_map(|e| TemplateKey::parse(&e.file_name().to_string_lossy()).ok()).collect();
+        keys.sort();
+        Ok(keys)
+    }
+
+    /// `key`'s manifest, read (bounded) without checking the files against it: for collection,
+    /// which needs the inputs and not a restorable template.
+    pub fn manifest(&self, key: &TemplateKey) -> Result<Manifest, String> {
+        let path = self.root.join(key.as_str()).join(MANIFEST);
+        let mut file = open_nofollow(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut text = String::new();
+        (&mut file).take(MAX_MANIFEST_BYTES + 1).read_to_string(&mut text).map_err(|e| format!("{MANIFEST}: {e}"))?;
+        if text.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(format!("{MANIFEST}: larger than {MAX_MANIFEST_BYTES} bytes"));
+        }
+        serde_json::from_str(&text).map_err(|e| format!("{MANIFEST}: {e}"))
+    }
+
+    /// Disk use of `key`'s template (allocated blocks of its files).
+    pub fn disk_bytes(&self, key: &TemplateKey) -> u64 {
+        super::collect::allocated_bytes(&self.root.join(key.as_str()))
+    }
+
+    /// Records a warm start from `key`'s template now (best effort: collection falls back to the
+    /// template's creation time).
+    pub fn mark_used(&self, key: &TemplateKey) {
+        if let Err(e) = self.mark_used_at(key, std::time::SystemTime::now()) {
+            tracing::debug!(template = %key, error = %e, "template: use not recorded");
+        }
+    }
+
+    /// Records a use of `key`'s template at `at`.
+    pub fn mark_used_at(&self, key: &TemplateKey, at: std::time::SystemTime) -> std::io::Result<()> {
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(self.root.join(USED).join(key.as_str()))?;
+        file.set_modified(at)
+    }
+
+    /// When `key`'s template was last used, if that was recorded.
+    pub fn last_used(&self, key: &TemplateKey) -> Option<std::time::SystemTime> {
+        std::fs::symlink_metadata(self.root.join(USED).join(key.as_str())).and_then(|m| m.modified()).ok()
     }
 
     /// Removes what builds of `key` that died left behind. Call with `key`'s lock held: no live
@@ -467,6 +533,7 @@ impl TemplateStore {
         }
         let path = self.root.join(&trash);
         std::fs::remove_dir_all(&path).map_err(io(format!("remove {}", path.display())))?;
+        let _ = std::fs::remove_file(self.root.join(USED).join(key.as_str()));
         Ok(true)
     }
 
