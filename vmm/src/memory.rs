@@ -114,17 +114,25 @@ pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryErro
     map_memfd(new_memfd(mem_bytes)?, mem_bytes)
 }
 
-/// An empty memfd of `mem_bytes`: the RAM ranges one after the other.
+/// An empty memfd of `mem_bytes`: the RAM ranges one after the other. Sealed at that size: a
+/// vhost-user backend it is shared with (virtiofsd, the most guest-exposed host process) could
+/// otherwise truncate it, and every VMM access past the new end would be a SIGBUS.
 fn new_memfd(mem_bytes: u64) -> Result<File, MemoryError> {
     let name = CString::new("bulkhead-guest-mem").map_err(|e| MemoryError::Memfd(e.into()))?;
     // SAFETY: name is a valid NUL-terminated string; the return value is checked.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
     }
     // SAFETY: fd was just created and is owned by nobody else.
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(mem_bytes).map_err(|source| MemoryError::Truncate { size: mem_bytes, source })?;
+    // Hole punching (the balloon's free page reporting) stays allowed: only a write seal stops it.
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int of seal bits; the fd is ours and open.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
+    }
     Ok(file)
 }
 
@@ -224,6 +232,30 @@ impl ReadVolatile for ImageFile<'_> {
 mod tests {
     use super::*;
     use vm_memory::Bytes;
+
+    #[test]
+    fn guest_memory_cannot_be_shrunk_or_grown_by_whoever_it_is_shared_with() {
+        let mem = create_guest_memory(8 << 20).unwrap();
+        let region = mem.iter().next().unwrap();
+        let file = region.file_offset().unwrap().file();
+        for len in [4 << 20, 16 << 20, 0] {
+            let err = file.set_len(len).unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EPERM), "resize to {len}: {err}");
+        }
+        // SAFETY: F_GET_SEALS reads the seals of our open fd.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_eq!(
+            seals,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            "and no one can add or lift one"
+        );
+        // Punching a hole (free page reporting) still works.
+        // SAFETY: a plain fallocate on our fd.
+        let punched = unsafe {
+            libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, 4096)
+        };
+        assert_eq!(punched, 0, "{}", std::io::Error::last_os_error());
+    }
 
     #[test]
     fn an_image_lands_in_a_memfd_without_the_vmm_touching_the_pages() {
