@@ -85,3 +85,56 @@ pub fn dropped_output(state_root: &Path, pod_id: &str) -> Result<u64> {
     let line = text.lines().find(|l| l.starts_with("bulkhead_output_dropped_bytes_total")).context("the metric")?;
     Ok(line.split_whitespace().last().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as u64)
 }
+
+/// A directory that is a shared mount of its own, as kubelet's pod directories are on a node
+/// whose `/` is shared (systemd's default): a bind of it that is not made private receives every
+/// mount made under it later. Unmounted (with what is under it) on drop.
+pub struct SharedDir {
+    dir: tempfile::TempDir,
+}
+
+impl SharedDir {
+    pub fn new() -> Result<Self> {
+        use nix::mount::{mount, MsFlags};
+        let dir = tempfile::tempdir()?;
+        mount(Some(dir.path()), dir.path(), None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .with_context(|| format!("bind {} onto itself", dir.path().display()))?;
+        let shared = Self { dir };
+        mount(None::<&str>, shared.path(), None::<&str>, MsFlags::MS_SHARED, None::<&str>)
+            .with_context(|| format!("make {} shared", shared.path().display()))?;
+        Ok(shared)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SharedDir {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// A tmpfs mounted at `at` on the host (a directory that exists) holding a file `secret`, as a
+/// node mounts another pod's secret volume under kubelet's directory; detached on drop.
+pub struct LaterMount {
+    at: PathBuf,
+}
+
+impl LaterMount {
+    pub fn new(at: &Path) -> Result<Self> {
+        use nix::mount::{mount, MsFlags};
+        mount(Some("tmpfs"), at, Some("tmpfs"), MsFlags::empty(), Some("size=1m,mode=0755"))
+            .with_context(|| format!("mount a tmpfs at {}", at.display()))?;
+        let later = Self { at: at.to_owned() };
+        std::fs::write(at.join("secret"), "host-secret\n")?;
+        Ok(later)
+    }
+}
+
+impl Drop for LaterMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.at, nix::mount::MntFlags::MNT_DETACH);
+    }
+}

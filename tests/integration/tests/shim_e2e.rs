@@ -259,7 +259,9 @@ async fn shim_exit_code_log_file_and_oom_killed() -> Result<()> {
 #[tokio::test]
 async fn shim_two_containers_share_a_volume() -> Result<()> {
     let Some(env) = setup("shim_two_containers_share_a_volume", vec![]).await? else { return Ok(()) };
-    let volume = tempfile::tempdir()?;
+    // A shared mount of its own, as kubelet's directories are on a systemd node.
+    let volume = bulkhead_integration::host::SharedDir::new()?;
+    std::fs::create_dir(volume.path().join("later"))?;
     let mount = cri::Mount {
         container_path: "/data".into(),
         host_path: volume.path().display().to_string(),
@@ -272,7 +274,7 @@ async fn shim_two_containers_share_a_volume() -> Result<()> {
     );
     writer.mounts = vec![mount.clone()];
     let mut reader = sleeper("reader", &unique("pair"));
-    reader.mounts = vec![mount];
+    reader.mounts = vec![cri::Mount { readonly: true, ..mount }];
 
     let (pod_id, w) = env.pod_with(&pod, &writer).await.with_context(|| env.fail_context())?;
     let r = env.cri.create_container(&pod_id, &reader, &pod).await?;
@@ -289,6 +291,20 @@ async fn shim_two_containers_share_a_volume() -> Result<()> {
     };
     assert_eq!(String::from_utf8_lossy(&seen.stdout), "from-writer\n");
     assert_eq!(std::fs::read_to_string(volume.path().join("f"))?, "from-writer\n");
+
+    // A mount made on the host under the volume after the pod started (another pod's secret
+    // tmpfs under kubelet's directory, say) does not reach the pod: its binds are private.
+    let later = bulkhead_integration::host::LaterMount::new(&volume.path().join("later"))?;
+    for (id, who) in [(&w, "writer"), (&r, "reader")] {
+        let script = "cat /data/later/secret; echo planted > /data/later/planted";
+        let out = env.cri.exec_sync(id, &["sh", "-c", script], 10).await?;
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("host-secret"),
+            "the {who} sees the later mount: {out:?}"
+        );
+    }
+    assert!(!volume.path().join("later/planted").exists(), "the pod wrote into a mount made after it started");
+    drop(later);
 
     let mut listed: Vec<String> = env.cri.list_containers(Some(&pod_id)).await?.into_iter().map(|c| c.id).collect();
     listed.sort();

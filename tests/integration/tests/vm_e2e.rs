@@ -58,8 +58,10 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     println!("{test}: RunPodSandbox took {:?}", started.elapsed());
 
     // Two containers share an emptyDir (kubelet passes it as a host directory): the writer
-    // read-write, the reader read-only and with a read-only rootfs.
-    let empty_dir = tempfile::tempdir()?;
+    // read-write, the reader read-only and with a read-only rootfs. The directory is a shared
+    // mount, as kubelet's are on a systemd node.
+    let empty_dir = bulkhead_integration::host::SharedDir::new()?;
+    std::fs::create_dir(empty_dir.path().join("later"))?;
     let volume = |read_only| cri::Mount {
         container_path: "/data".into(),
         host_path: empty_dir.path().display().to_string(),
@@ -132,6 +134,20 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     }
     assert_eq!(seen, "from-writer\n");
     assert_eq!(std::fs::read_to_string(empty_dir.path().join("f"))?, "from-writer\n");
+
+    // A mount made on the host under the volume after the pod started (another pod's secret
+    // tmpfs under kubelet's directory, say) does not reach the pod: its binds are private.
+    let later = bulkhead_integration::host::LaterMount::new(&empty_dir.path().join("later"))?;
+    for (id, who) in [(&w, "writer"), (&r, "reader")] {
+        let script = "cat /data/later/secret; echo planted > /data/later/planted";
+        let out = cri.exec_sync(id, &["sh", "-c", script], 10).await?;
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("host-secret"),
+            "the {who} sees the later mount: {out:?}"
+        );
+    }
+    assert!(!empty_dir.path().join("later/planted").exists(), "the pod wrote into a mount made after it started");
+    drop(later);
 
     // Read-only stays read-only inside the guest: the reader's rootfs and its view of the volume.
     for path in ["/rootfs-write", "/data/reader-write"] {
