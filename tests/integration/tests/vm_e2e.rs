@@ -301,6 +301,78 @@ async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
 }
 
 #[tokio::test]
+async fn vm_pod_lives_in_kubelets_systemd_slice() -> Result<()> {
+    systemd_slice("vm_pod_lives_in_kubelets_systemd_slice", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn vm_pod_lives_in_kubelets_systemd_slice_on_bulkhead_vmm() -> Result<()> {
+    systemd_slice("vm_pod_lives_in_kubelets_systemd_slice_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+/// With the systemd cgroup driver (EKS, kubeadm) kubelet makes the pod's slice with the pod's
+/// limit on it and containerd names the sandbox `<slice>:cri-containerd:<id>`: the pod's host
+/// processes (the VMM, virtiofsd) live in the sandbox's scope in that slice, are charged to it,
+/// and, where systemd is PID 1 (the emulated node, an AL2023 node), the scope is systemd's
+/// transient unit in kubelet's slice, as runc's systemd driver leaves it.
+async fn systemd_slice(test: &str, vmm: GuestVmm) -> Result<()> {
+    use bulkhead_integration::cgroups;
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+        return Ok(());
+    }
+    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    let uid = format!("vm{}x{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
+    let kubelet = cgroups::KubeletPodCgroup::systemd_slice(&uid)?;
+    let limit = 2u64 << 30;
+    for file in ["memory.limit_in_bytes", "memory.max"] {
+        kubelet.set(file, &limit.to_string())?;
+    }
+    let mut pod = pod_config("vm-slice", &env.containerd.new_log_dir("vm-slice")?);
+    pod.linux.as_mut().unwrap().cgroup_parent = kubelet.cri_parent.clone();
+    let pod_id = env.run_pod(&pod).await?;
+    let scope = format!("{}/cri-containerd-{pod_id}.scope", kubelet.path);
+    let state = env.state_dir.path().display().to_string();
+    let helpers: Vec<(u32, String)> = processes_with(&state)
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains("vmm") || cmd.contains("virtiofsd"))
+        .collect();
+    assert!(helpers.iter().any(|(_, c)| c.contains("virtiofsd")), "no virtiofsd of the pod: {helpers:?}");
+    assert!(helpers.iter().any(|(_, c)| c.contains("vmm")), "no VMM of the pod: {helpers:?}");
+    for (pid, cmd) in &helpers {
+        assert_eq!(cgroups::of_pid(*pid), Some(scope.clone()), "the cgroup of {pid} {cmd}");
+    }
+    if std::path::Path::new("/run/systemd/system").is_dir() {
+        let unit = format!("cri-containerd-{pod_id}.scope");
+        let show = |prop: &str| -> Result<String> {
+            let out = std::process::Command::new("systemctl").args(["show", "-p", prop, "--value", &unit]).output()?;
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        };
+        assert_eq!(show("ActiveState")?, "active", "systemd knows the pod's scope");
+        assert_eq!(show("Slice")?, kubelet.cri_parent, "the scope is in kubelet's slice");
+        println!("{test}: {unit} is systemd's, in {}", kubelet.cri_parent);
+    }
+    // A container runs, and the guest's memory is charged to kubelet's slice.
+    let ctr = env.cri.create_container(&pod_id, &long_running("app", "true"), &pod).await?;
+    env.cri.start_container(&ctr).await?;
+    env.cri.wait_container(&ctr, Duration::from_secs(120), |s| s.state == RUNNING).await?;
+    let charged = kubelet.dirs().iter().find_map(|dir| {
+        ["memory.usage_in_bytes", "memory.current"]
+            .iter()
+            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    });
+    let charged = charged.context("the slice's memory usage")?;
+    assert!(charged > 0 && charged < limit, "the slice accounts the pod: {charged} bytes of {limit}");
+    env.remove_pod_and_check_nothing_left(&pod_id).await?;
+    bulkhead_integration::host::eventually_nothing("the pod's scope", Duration::from_secs(15), || {
+        cgroups::existing(&scope)
+    })
+    .await?;
+    assert!(kubelet.dirs().iter().all(|d| d.exists()), "kubelet's slice stays kubelet's");
+    Ok(())
+}
+
+#[tokio::test]
 async fn vm_container_sees_its_own_cgroup_and_memory_limit() -> Result<()> {
     own_cgroup("vm_container_sees_its_own_cgroup_and_memory_limit", GuestVmm::QemuStandIn).await
 }
