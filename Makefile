@@ -6,7 +6,7 @@ export CARGO_TERM_COLOR ?= never
 export BULKHEAD_CACHE ?= /var/cache/bulkhead
 export PATH := $(BULKHEAD_CACHE)/venv/bin:$(PATH)
 
-.PHONY: all setup build test test-node under-load demo bench lint fmt fuzz fuzz-smoke initramfs kernel image clean help
+.PHONY: all setup build test test-node under-load demo bench bench-node lint fmt fuzz fuzz-smoke initramfs kernel image clean help
 
 all: build
 
@@ -18,6 +18,7 @@ help:
 	@echo "make under-load - the integration and KVM tests three times while a CPU hog spins on one core"
 	@echo "make demo   - run a Pod through containerd's CRI with bulkhead and print what happened"
 	@echo "make bench  - micro-benchmarks, the CRI pod-start benchmark against runc, warm vs cold VM pod starts"
+	@echo "make bench-node - warm vs cold pods with the real guest on bulkhead-vmm, in the emulated AMD-V node"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
 	@echo "make fuzz-smoke - every fuzz target for 30 s (make fuzz: FUZZ_TIME s each, default 60)"
 	@echo "make image  - the node installer image as an OCI archive (no container engine needed)"
@@ -76,6 +77,11 @@ test: setup lint build kernel
 # The emulated node's stage alone, with the tests `make test` leaves out for CI's time (scripts/node-stage.sh).
 test-node: setup build kernel
 	@scripts/node-stage.sh --all
+
+# The CRI warm-start benchmark with the real guest on bulkhead-vmm, in the emulated AMD-V node
+# (warm against cold to the first ExecSync; diagnostic figures, scripts/node-bench.sh).
+bench-node: setup kernel
+	@scripts/node-bench.sh
 
 # Stability: the integration and KVM test binaries three times in a row beside a one-core CPU hog.
 under-load: setup build kernel
