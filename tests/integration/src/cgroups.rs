@@ -97,6 +97,38 @@ impl KubeletPodCgroup {
     pub fn dirs(&self) -> Vec<PathBuf> {
         dirs(&self.path)
     }
+
+    /// The memory charged to it (v1 `memory.usage_in_bytes` or v2 `memory.current`).
+    pub fn memory_charged(&self) -> Option<u64> {
+        self.dirs().iter().find_map(|dir| {
+            ["memory.usage_in_bytes", "memory.current"]
+                .iter()
+                .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        })
+    }
+
+    /// Where systemd is PID 1: checks that the sandbox `pod_id`'s scope is systemd's active
+    /// transient unit in this slice, as runc's systemd driver leaves it, and returns its name.
+    /// `None` elsewhere (the cgroupfs expansion is all there is).
+    pub fn systemd_scope_of(&self, pod_id: &str) -> anyhow::Result<Option<String>> {
+        if !std::path::Path::new("/run/systemd/system").is_dir() {
+            return Ok(None);
+        }
+        let unit = format!("cri-containerd-{pod_id}.scope");
+        let show = |prop: &str| -> anyhow::Result<String> {
+            let out = std::process::Command::new("systemctl").args(["show", "-p", prop, "--value", &unit]).output()?;
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        };
+        anyhow::ensure!(show("ActiveState")? == "active", "systemd does not know the pod's scope {unit}");
+        let slice = show("Slice")?;
+        anyhow::ensure!(
+            slice == self.cri_parent,
+            "the scope {unit} is in {slice}, not in kubelet's {}",
+            self.cri_parent
+        );
+        Ok(Some(unit))
+    }
 }
 
 impl Drop for KubeletPodCgroup {

@@ -714,14 +714,7 @@ async fn shim_pods_live_in_kubelets_systemd_slice() -> Result<()> {
     assert_eq!(cgroups::of_pid(agents[0]), Some(scope.clone()), "the agent's cgroup");
     // Where systemd is PID 1 (the emulated node, EKS AL2023), the scope is its transient unit in
     // kubelet's slice, as runc's systemd driver leaves it.
-    if std::path::Path::new("/run/systemd/system").is_dir() {
-        let unit = format!("cri-containerd-{pod_id}.scope");
-        let show = |prop: &str| -> Result<String> {
-            let out = std::process::Command::new("systemctl").args(["show", "-p", prop, "--value", &unit]).output()?;
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        };
-        assert_eq!(show("ActiveState")?, "active", "systemd knows the pod's scope");
-        assert_eq!(show("Slice")?, kubelet.cri_parent, "the scope is in kubelet's slice");
+    if let Some(unit) = kubelet.systemd_scope_of(&pod_id)? {
         println!("shim_pods_live_in_kubelets_systemd_slice: {unit} is systemd's, in {}", kubelet.cri_parent);
     }
     let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
@@ -738,13 +731,7 @@ async fn shim_pods_live_in_kubelets_systemd_slice() -> Result<()> {
         assert_eq!(cgroups::path_in(&text), Some(want), "{text}");
     }
     // kubelet's limit is on the slice, and the pod is charged to it.
-    let charged = kubelet.dirs().iter().find_map(|dir| {
-        ["memory.usage_in_bytes", "memory.current"]
-            .iter()
-            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
-            .and_then(|t| t.trim().parse::<u64>().ok())
-    });
-    let charged = charged.context("the slice's memory usage")?;
+    let charged = kubelet.memory_charged().context("the slice's memory usage")?;
     assert!(charged > 0 && charged < limit, "the slice accounts the pod: {charged} bytes of {limit}");
 
     env.cri.stop_pod_sandbox(&pod_id).await?;

@@ -341,27 +341,14 @@ async fn systemd_slice(test: &str, vmm: GuestVmm) -> Result<()> {
     for (pid, cmd) in &helpers {
         assert_eq!(cgroups::of_pid(*pid), Some(scope.clone()), "the cgroup of {pid} {cmd}");
     }
-    if std::path::Path::new("/run/systemd/system").is_dir() {
-        let unit = format!("cri-containerd-{pod_id}.scope");
-        let show = |prop: &str| -> Result<String> {
-            let out = std::process::Command::new("systemctl").args(["show", "-p", prop, "--value", &unit]).output()?;
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        };
-        assert_eq!(show("ActiveState")?, "active", "systemd knows the pod's scope");
-        assert_eq!(show("Slice")?, kubelet.cri_parent, "the scope is in kubelet's slice");
+    if let Some(unit) = kubelet.systemd_scope_of(&pod_id)? {
         println!("{test}: {unit} is systemd's, in {}", kubelet.cri_parent);
     }
     // A container runs, and the guest's memory is charged to kubelet's slice.
     let ctr = env.cri.create_container(&pod_id, &long_running("app", "true"), &pod).await?;
     env.cri.start_container(&ctr).await?;
     env.cri.wait_container(&ctr, Duration::from_secs(120), |s| s.state == RUNNING).await?;
-    let charged = kubelet.dirs().iter().find_map(|dir| {
-        ["memory.usage_in_bytes", "memory.current"]
-            .iter()
-            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
-            .and_then(|t| t.trim().parse::<u64>().ok())
-    });
-    let charged = charged.context("the slice's memory usage")?;
+    let charged = kubelet.memory_charged().context("the slice's memory usage")?;
     assert!(charged > 0 && charged < limit, "the slice accounts the pod: {charged} bytes of {limit}");
     env.remove_pod_and_check_nothing_left(&pod_id).await?;
     bulkhead_integration::host::eventually_nothing("the pod's scope", Duration::from_secs(15), || {
