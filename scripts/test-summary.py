@@ -97,7 +97,8 @@ def main():
     ap.add_argument("--status", type=int, default=0, help="cargo's exit status")
     args = ap.parse_args()
     with open(args.log, encoding="utf-8", errors="replace") as f:
-        passed, failed, blocks = parse(f)
+        lines = f.read().splitlines(keepends=True)
+    passed, failed, blocks = parse(lines)
     allowed = load_ledger(args.ledger)
     skipped = 0
     unlisted = []
@@ -122,6 +123,9 @@ def main():
         print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most, backtraces left out)")
         for line in [l for l in without_backtraces(output) if l.strip()][-FAILURE_TAIL:]:
             print(f"  {line[:1000]}")
+    # The emulated node's kernel, where it reported trouble (tests/node/node.py): repeated too.
+    for line in [l.rstrip("\n") for l in lines if l.startswith("node: kernel: ")][-20:]:
+        print(line[:1000])
     for u in unlisted:
         print(f"unlisted skip on a {args.host_kind} host: {u}")
     if unlisted:

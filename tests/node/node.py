@@ -327,7 +327,27 @@ def run_node(opts, command):
             f"{tail(os.path.join(out, 'console.log'), 40)}\nQEMU said:\n{tail(os.path.join(out, 'qemu.log'), 10)}")
         return 125
     log(f"the command exited {status}; the node ran {took:.0f} s")
+    if status != 0:
+        # What the node's kernel said of memory, kills and faults: a test that failed because the
+        # node ran short (or a VMM was killed) says so here, and the console itself is kept.
+        for line in kernel_trouble(os.path.join(out, "console.log")):
+            log(f"kernel: {line}")
     return status
+
+
+# Console lines that say the node itself was in trouble.
+TROUBLE = ("out of memory", "oom-kill", "killed process", "segfault", "general protection", "bug:",
+           "soft lockup", "hung task", "blocked for more than", "page allocation failure")
+
+
+def kernel_trouble(console, most=20):
+    try:
+        with open(console, "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    found = [l.strip() for l in lines if any(t in l.lower() for t in TROUBLE)]
+    return found[-most:]
 
 
 def cmd_run(opts):
@@ -360,7 +380,9 @@ def main():
         p = sub.add_parser(verb)
         p.add_argument("--out", required=True, help="the output directory, shared with the node")
         p.add_argument("--timeout", type=int, default=1800, help="bound on the whole node, in seconds")
-        p.add_argument("--mem-mib", type=int, default=6144)
+        # Room for a VM's memory, virtiofsd, containerd and the tmpfs mounts the tests fill, with
+        # headroom: TCG maps guest RAM lazily, so the host pays only for what the node touches.
+        p.add_argument("--mem-mib", type=int, default=8192)
         p.add_argument("--upper-mib", type=int, default=3072, help="the overlay's tmpfs size")
         p.add_argument("--smp", type=int, default=2)
         p.add_argument("--env", action="append", default=[], help="K=V for the command's environment")
