@@ -217,6 +217,12 @@ async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
         return Ok(());
     }
     let env = VmEnv::start(test, containerd_version(), vmm, Some(base_spec_of_an_ordinary_node()?)).await?;
+    // Many steps, any of which may fail far from the shim's reason: the log comes with the error.
+    let checked = conformance_checks(&env).await;
+    checked.with_context(|| format!("containerd's log (with the shim's), last lines:\n{}", env.containerd.log_tail(80)))
+}
+
+async fn conformance_checks(env: &VmEnv) -> Result<()> {
     let cri = &env.cri;
     let mut pod = pod_config("vm-conformance", &env.containerd.new_log_dir("vm-conformance")?);
     // One pod sysctl from each namespaced group: IPC (kernel.shm*, kernel.msg*, kernel.sem),
