@@ -80,20 +80,7 @@ impl Cri {
         extra: Duration,
     ) -> Result<String> {
         let req = cri::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: handler.into() };
-        match call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req.clone())).await {
-            Ok(reply) => Ok(reply.pod_sandbox_id),
-            // A known flake of the emulated node only (tests/node/README.md): a cold guest there
-            // once triple-faulted 9 s after its first KVM_RUN (a clean-clone run of session 13;
-            // session 12's CI lost two cold pods to a VMM exit 1 whose reason it did not keep). Said
-            // loudly and tried once more; the cause is open, first in line for the next session.
-            Err(e)
-                if std::env::var_os("BULKHEAD_IN_NODE").is_some() && format!("{e:#}").contains("GuestTripleFault") =>
-            {
-                println!("NODE FLAKE: RunPodSandbox failed with a guest triple fault in the emulated node; trying once more: {e:#}");
-                Ok(call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
-            }
-            Err(e) => Err(e),
-        }
+        Ok(call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
     }
 
     pub async fn pod_sandbox_status(&self, pod_id: &str) -> Result<cri::PodSandboxStatus> {
