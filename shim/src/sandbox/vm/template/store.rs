@@ -161,6 +161,16 @@ fn open_nofollow(path: &Path) -> std::io::Result<File> {
 }
 
 /// A file name a manifest may list: one plain component, not the manifest, not hidden.
+/// A manifest read from `file`, bounded by [`MAX_MANIFEST_BYTES`], and parsed.
+fn read_manifest(file: &mut File) -> Result<Manifest, String> {
+    let mut text = String::new();
+    file.take(MAX_MANIFEST_BYTES + 1).read_to_string(&mut text).map_err(|e| format!("{MANIFEST}: {e}"))?;
+    if text.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(format!("{MANIFEST}: larger than {MAX_MANIFEST_BYTES} bytes"));
+    }
+    serde_json::from_str(&text).map_err(|e| format!("{MANIFEST}: {e}"))
+}
+
 fn valid_file_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
@@ -286,12 +296,7 @@ impl TemplateStore {
             return Err(format!("{MANIFEST}: not a regular file"));
         }
         self.check_owned(&fmeta, MANIFEST, 0o222)?;
-        let mut text = String::new();
-        (&mut file).take(MAX_MANIFEST_BYTES + 1).read_to_string(&mut text).map_err(|e| format!("{MANIFEST}: {e}"))?;
-        if text.len() as u64 > MAX_MANIFEST_BYTES {
-            return Err(format!("{MANIFEST}: larger than {MAX_MANIFEST_BYTES} bytes"));
-        }
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| format!("{MANIFEST}: {e}"))?;
+        let manifest = read_manifest(&mut file)?;
         if manifest.format != FORMAT {
             return Err(format!("{MANIFEST}: format {} (this shim reads {FORMAT})", manifest.format));
         }
@@ -364,12 +369,7 @@ impl TemplateStore {
     pub fn manifest(&self, key: &TemplateKey) -> Result<Manifest, String> {
         let path = self.root.join(key.as_str()).join(MANIFEST);
         let mut file = open_nofollow(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut text = String::new();
-        (&mut file).take(MAX_MANIFEST_BYTES + 1).read_to_string(&mut text).map_err(|e| format!("{MANIFEST}: {e}"))?;
-        if text.len() as u64 > MAX_MANIFEST_BYTES {
-            return Err(format!("{MANIFEST}: larger than {MAX_MANIFEST_BYTES} bytes"));
-        }
-        serde_json::from_str(&text).map_err(|e| format!("{MANIFEST}: {e}"))
+        read_manifest(&mut file)
     }
 
     /// Disk use of `key`'s template (allocated blocks of its files).
