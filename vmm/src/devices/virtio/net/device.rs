@@ -531,14 +531,8 @@ pub(crate) mod test_utils {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let rx = TestQueue::new(0x1000, size);
         let tx = TestQueue::new(0x2000, size);
-        let qs = [&rx, &tx]
-            .iter()
-            .map(|t| {
-                let mut q = t.queue();
-                q.set_size(size);
-                q
-            })
-            .collect();
+        // As the transport hands them over: the device's maximum, the driver's size.
+        let qs = [&rx, &tx].iter().map(|t| t.device_queue(QUEUE_SIZE)).collect();
         let irq = IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
         dev.set_acked_features(acked);
         dev.activate(mem.clone(), qs, irq.clone()).unwrap();

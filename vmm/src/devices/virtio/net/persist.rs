@@ -5,13 +5,12 @@
 //! comes up, and the guest is told.
 
 use serde::{Deserialize, Serialize};
-use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 
 use super::device::{format_mac, Net};
 use super::tap::FrameIo;
 use crate::config::{LinkState, NetConfig, NetRateLimiterConfig};
-use crate::devices::virtio::persist::{QueueState, VirtioPersistError};
+use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
 use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
@@ -64,7 +63,8 @@ impl Persist for Net {
 
     /// Rebuilds the device on a new host end. The snapshot is untrusted: its MAC must be unicast,
     /// its MTU one a config may name, its acked features ones this host end offers, and live
-    /// queues must be valid in the new guest memory.
+    /// queues (rx and tx) must be the device's size at most, ready and inside the new guest memory
+    /// (the check every device's restore shares).
     fn restore(args: NetConstructorArgs, state: &NetState) -> Result<Self, VirtioPersistError> {
         if state.mac[0] & 1 != 0 {
             return Err(VirtioPersistError::Invalid(format!("mac {} is not unicast", format_mac(&state.mac))));
@@ -86,18 +86,9 @@ impl Persist for Net {
             return Err(VirtioPersistError::Features { acked: state.acked_features, offered });
         }
         net.set_acked_features(state.acked_features);
-        match state.queues.as_slice() {
-            [] => {}
-            [rx, tx] => {
-                let mut queues = Vec::with_capacity(2);
-                for (index, q) in [rx, tx].into_iter().enumerate() {
-                    let q =
-                        Queue::try_from(*q).map_err(|e| VirtioPersistError::Queue { index, reason: e.to_string() })?;
-                    queues.push(q);
-                }
-                net.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
-            }
-            other => return Err(VirtioPersistError::QueueCount { expected: 2, got: other.len() }),
+        if !state.queues.is_empty() {
+            let queues = restore_active_queues(&state.queues, net.queue_max_sizes(), &args.mem)?;
+            net.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
         }
         if state.broken {
             net.mark_broken();
@@ -195,6 +186,26 @@ mod tests {
             (NetState { mac: [1, 0, 0, 0, 0, 1], ..good.clone() }, "mac 01:00:00:00:00:01 is not unicast"),
             (NetState { mtu: Some(10), ..good.clone() }, "mtu"),
             (NetState { queues: vec![QueueState { size: 3, ..good.queues[0] }; 2], ..good.clone() }, "queue"),
+            // Queues larger than the device's: as a maximum, or as a size past it.
+            (
+                NetState {
+                    queues: vec![QueueState { max_size: 1024, size: 1024, ..good.queues[0] }; 2],
+                    ..good.clone()
+                },
+                "queue 0: max size 1024 differs from the device's 256",
+            ),
+            (
+                NetState { queues: vec![good.queues[0], QueueState { size: 512, ..good.queues[1] }], ..good.clone() },
+                "queue 1",
+            ),
+            // A ring past the end of guest memory.
+            (
+                NetState {
+                    queues: vec![good.queues[0], QueueState { used_ring: 1 << 40, ..good.queues[1] }],
+                    ..good.clone()
+                },
+                "queue 1: not ready or outside guest memory",
+            ),
         ];
         for (snap, needle) in cases {
             let err = Net::restore(args(r.mem.clone(), 0), &snap).err().expect(needle).to_string();
