@@ -223,6 +223,59 @@ cached_node_kernel() {
 }
 cached_node_kernel
 
+# The emulated node's QEMU (tests/node/node.py): trixie's, not Debian 12's 7.2, whose SVM emulation breaks nested
+# guests (no XSETBV intercept; with two VMs in the node, guests triple-faulted and the node's kernel crashed in a
+# VMM's vCPU thread: tests/node/README.md). It needs glibc 2.38+, so it runs on trixie's loader and libraries: it
+# and the packages it depends on in trixie (scripts/debian-closure.py) are unpacked, not installed, into
+# $cache/qemu-node-<version>/root, behind a wrapper that names the loader, the libraries and the firmware
+# directories. Linked as $cache/qemu-node. Pinned by version: move the pin when trixie's archive drops it.
+NODE_QEMU=1:10.0.13+ds-0+deb13u1 # trixie
+cached_node_qemu() {
+  local version=${NODE_QEMU#*:}
+  local root="$cache/qemu-node-$version" upstream=${version%%[~+]*}
+  if [[ -x $root/qemu-system-x86_64 ]] && "$root/qemu-system-x86_64" --version 2>/dev/null | grep -qF "$upstream"; then
+    log "node QEMU $NODE_QEMU present in $root"
+  else
+    log "fetching the node's QEMU $NODE_QEMU and its trixie libraries into $root"
+    private_apt_update
+    local pkgs deb
+    if ! pkgs=$(python3 "$(dirname "$0")/debian-closure.py" --apt-dir "$apt_dir" --suite trixie \
+      --skip debconf --skip adduser --skip qemu-system-common --skip ipxe-qemu "qemu-system-x86=$NODE_QEMU"); then
+      log "see what trixie has now with: apt-cache ${apt_opts[*]} policy qemu-system-x86" >&2
+      log "then move NODE_QEMU in scripts/setup.sh to that version and run make setup again" >&2
+      exit 1
+    fi
+    rm -rf "$root.tmp" && mkdir -p "$root.tmp/root"
+    rm -f "$apt_dir/download/"*.deb
+    # shellcheck disable=SC2086 # one word a package
+    if ! (cd "$apt_dir/download" && apt-get "${apt_opts[@]}" -q download $pkgs >/dev/null 2>"$apt_dir/download.err"); then
+      grep -v '^W:' "$apt_dir/download.err" >&2 || true
+      exit 1
+    fi
+    for deb in "$apt_dir/download/"*.deb; do
+      dpkg-deb -x "$deb" "$root.tmp/root"
+    done
+    rm -f "$apt_dir/download/"*.deb
+    echo "$pkgs" >"$root.tmp/VERSIONS"
+    {
+      echo '#!/bin/sh'
+      echo "# trixie's QEMU on trixie's loader and libraries (scripts/setup.sh, cached_node_qemu)."
+      echo "r=$root/root"
+      echo 'lib=$r/usr/lib/x86_64-linux-gnu'
+      echo 'exec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$r/usr/bin/qemu-system-x86_64" \'
+      echo '  -L "$r/usr/share/qemu" -L "$r/usr/share/seabios" "$@"'
+    } >"$root.tmp/qemu-system-x86_64"
+    chmod +x "$root.tmp/qemu-system-x86_64"
+    rm -rf "$root" && mv "$root.tmp" "$root"
+    if ! "$root/qemu-system-x86_64" --version 2>&1 | grep -qF "$upstream"; then
+      log "$root/qemu-system-x86_64 does not run here: $("$root/qemu-system-x86_64" --version 2>&1 | head -n 3)" >&2
+      exit 1
+    fi
+  fi
+  ln -sfn "$root" "$cache/qemu-node"
+}
+cached_node_qemu
+
 cached_deb containerd "$CONTAINERD_17" 1.7 CONTAINERD_17 usr/bin/containerd
 cached_deb containerd "$CONTAINERD_21" 2.1 CONTAINERD_21 usr/bin/containerd
 cached_deb runc "$RUNC_13" 1.3 RUNC_13 usr/sbin/runc

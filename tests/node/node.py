@@ -2,8 +2,8 @@
 """The emulated node: a whole Kubernetes-like node with a real /dev/kvm (AMD-V), inside QEMU TCG.
 
 These hosts' /dev/kvm is PVM, which runs no ordinary guest, so bulkhead-vmm cannot boot the real
-guest here. QEMU's TCG emulates AMD-V with nested paging (`-cpu max`), and Debian 12's own kernel
-loads kvm-amd inside it. The node's root is this host's own root, read-only over 9p under a
+guest here. QEMU's TCG emulates AMD-V with nested paging (`-cpu max`; trixie's QEMU 10, see QEMU
+below), and Debian 12's own kernel loads kvm-amd inside it. The node's root is this host's own root, read-only over 9p under a
 tmpfs overlay, so the node runs the same binaries, caches and test executables; systemd is PID 1
 on a cgroup v2 hierarchy, as on an EKS AL2023 node.
 
@@ -37,7 +37,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.environ.get("BULKHEAD_CACHE", "/var/cache/bulkhead")
-QEMU = "qemu-system-x86_64"
+# Trixie's QEMU (10.0), unpacked by `make setup` (scripts/setup.sh, cached_node_qemu), not Debian 12's
+# 7.2: 7.2's SVM emulation breaks nested guests. It does not intercept XSETBV, so our guest's XCR0
+# changed behind the node's KVM (every guest boot warned "XSAVE consistency problem"), and with two
+# VMs in the node cold guests triple-faulted and the node's own kernel overflowed its stack in a
+# VMM's vCPU thread (tests/node/README.md has the figures). BULKHEAD_NODE_QEMU names another build.
+QEMU = os.environ.get("BULKHEAD_NODE_QEMU", os.path.join(CACHE, "qemu-node", "qemu-system-x86_64"))
+NODE_CPU = "max"
+NODE_ACCEL = "tcg,thread=multi"
+NODE_SMP = 2
 BUSYBOX = "/bin/busybox"
 # Modules the node's first init loads to reach its root, and that the node needs before
 # anything could autoload them; their dependencies come from modules.dep.
@@ -221,7 +229,7 @@ def pdeathsig():
     os.setpgid(0, 0)
 
 
-def boot(out, vmlinuz, initramfs, mem_mib, smp, timeout):
+def boot(out, vmlinuz, initramfs, mem_mib, smp, cpu, accel, timeout):
     """Boots the node and streams output.log until QEMU ends or `timeout` s pass.
     Returns (exit status or None, timed out)."""
     console = os.path.join(out, "console.log")
@@ -233,7 +241,7 @@ def boot(out, vmlinuz, initramfs, mem_mib, smp, timeout):
         "nowatchdog", "tsc=unstable", "no_timer_check", "mitigations=off",
     ])
     args = [
-        QEMU, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(smp), "-m", str(mem_mib),
+        QEMU, "-accel", accel, "-cpu", cpu, "-smp", str(smp), "-m", str(mem_mib),
         "-nodefaults", "-no-reboot", "-display", "none", "-serial", f"file:{console}",
         "-kernel", vmlinuz, "-initrd", initramfs, "-append", cmdline,
         "-virtfs", "local,path=/,mount_tag=host,security_model=passthrough,readonly=on,multidevs=remap",
@@ -242,7 +250,7 @@ def boot(out, vmlinuz, initramfs, mem_mib, smp, timeout):
     with open(os.path.join(out, "qemu.log"), "wb") as qlog:
         qemu = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
                                 preexec_fn=pdeathsig)
-    log(f"QEMU {qemu.pid} boots the node ({smp} vCPUs, {mem_mib} MiB, TCG with SVM); console {console}")
+    log(f"QEMU {qemu.pid} boots the node ({smp} vCPUs, {mem_mib} MiB, -accel {accel} -cpu {cpu}); console {console}")
 
     def stop(signum, _frame):
         qemu.kill()
@@ -301,6 +309,8 @@ def tail(path, n):
 
 
 def run_node(opts, command):
+    if not os.access(QEMU, os.X_OK):
+        sys.exit(f"node: no QEMU for the node at {QEMU} (`make setup` unpacks it)")
     out = os.path.abspath(opts.out)
     os.makedirs(out, exist_ok=True)
     for stale in ["output.log", "status", "console.log", "qemu.log", "init-failed"]:
@@ -317,7 +327,7 @@ def run_node(opts, command):
         env[k] = v
     vmlinuz, initramfs = prepare(out, command, env, opts.upper_mib)
     started = time.monotonic()
-    status, timed_out = boot(out, vmlinuz, initramfs, opts.mem_mib, opts.smp, opts.timeout)
+    status, timed_out = boot(out, vmlinuz, initramfs, opts.mem_mib, opts.smp, opts.cpu, opts.accel, opts.timeout)
     took = time.monotonic() - started
     if timed_out:
         log(f"timed out after {took:.0f} s; the console's tail:\n{tail(os.path.join(out, 'console.log'), 30)}")
@@ -384,7 +394,9 @@ def main():
         # headroom: TCG maps guest RAM lazily, so the host pays only for what the node touches.
         p.add_argument("--mem-mib", type=int, default=8192)
         p.add_argument("--upper-mib", type=int, default=3072, help="the overlay's tmpfs size")
-        p.add_argument("--smp", type=int, default=2)
+        p.add_argument("--smp", type=int, default=NODE_SMP)
+        p.add_argument("--accel", default=NODE_ACCEL, help="QEMU's -accel for the node (default: %(default)s)")
+        p.add_argument("--cpu", default=NODE_CPU, help="QEMU's -cpu for the node (default: %(default)s)")
         p.add_argument("--env", action="append", default=[], help="K=V for the command's environment")
         if verb == "tests":
             p.add_argument("--per-binary-timeout", type=int, default=900)
