@@ -88,6 +88,8 @@ pub struct Config {
     pub network: NetworkConfig,
     #[serde(default)]
     pub emptydir: EmptyDirConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -190,6 +192,30 @@ pub struct NetworkConfig {
     #[serde(default)]
     pub allow_metadata: bool,
 }
+
+/// The pods' metrics sockets (`<state_dir>/.metrics`, [`crate::metrics::dir`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// The group that may read the pods' metrics: the node exporter runs as an unprivileged
+    /// user with this group (the DaemonSet's `supplementalGroups`), and nothing else of the
+    /// pods' state is open to it.
+    #[serde(default = "default_metrics_gid")]
+    pub gid: u32,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { gid: default_metrics_gid() }
+    }
+}
+
+fn default_metrics_gid() -> u32 {
+    DEFAULT_METRICS_GID
+}
+
+/// The metrics group unless the config names another (the exporter's port, 9464).
+pub const DEFAULT_METRICS_GID: u32 = 9464;
 
 /// Smallest emptyDir size limit the shim enforces: below it, ext4's own metadata would leave
 /// the volume next to no room (1 MiB keeps about 90% of itself free).
@@ -392,6 +418,9 @@ impl Config {
         if self.vm.template_max_idle_days == 0 {
             return Err(invalid("vm.template_max_idle_days", "must be at least 1"));
         }
+        if self.metrics.gid == 0 {
+            return Err(invalid("metrics.gid", "must not be 0: the exporter's group would be root's"));
+        }
         let bounds = format!(
             "must be between {} and {}",
             crate::quantity::format_bytes(MIN_EMPTYDIR_BYTES),
@@ -568,5 +597,13 @@ mod tests {
         assert!(parse("[network]\nallow_metadata = true\n").unwrap().network.allow_metadata);
         let err = parse("[network]\nallow_metadata = \"yes\"\n").unwrap_err();
         assert!(err.to_string().contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn the_metrics_group_defaults_to_9464_and_is_never_roots() {
+        assert_eq!(parse("").unwrap().metrics.gid, 9464);
+        assert_eq!(parse("[metrics]\ngid = 1234\n").unwrap().metrics.gid, 1234);
+        let err = parse("[metrics]\ngid = 0\n").unwrap_err();
+        assert!(err.to_string().contains("metrics.gid"), "{err}");
     }
 }

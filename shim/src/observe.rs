@@ -1,14 +1,16 @@
 //! What the shim leaves for operators once its pod's sandbox runs: the [`PodRecord`] that
-//! `bulkhead-ctl` reads, and the pod's metrics socket. Best effort: a failure is logged and
-//! never fails the pod. Both live in the pod's state directory and go with it.
+//! `bulkhead-ctl` reads (in the pod's state directory, and gone with it), and the pod's metrics
+//! socket and labels (in the metrics directory, [`crate::metrics::dir`]; removed when the
+//! sandbox stops, or by `delete` after a crash). Best effort: a failure is logged and never
+//! fails the pod.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tracing::warn;
 
 use crate::config::{Backend, Config};
+use crate::metrics::dir::{PodEndpoint, PodLabels};
 use crate::metrics::PodMetrics;
 use crate::sandbox::paths::{PodPaths, PodRecord};
 use crate::sandbox::Sandbox;
@@ -48,5 +50,13 @@ pub fn pod_started(
     if let Err(e) = record.write(&paths) {
         warn!("pod record {}: {e}", paths.record_file().display());
     }
-    metrics.attach(backend, record.pids, sandbox.agent(), Path::new(&paths.metrics_socket()));
+    let Some(endpoint) = PodEndpoint::of(&paths, config.metrics.gid) else {
+        return;
+    };
+    let labels = PodLabels { pod: record.pod_name.clone(), namespace: record.pod_namespace.clone() };
+    if let Err(e) = endpoint.publish(&labels) {
+        warn!("metrics labels {}: {e}; this pod's metrics are not served", endpoint.labels.display());
+        return;
+    }
+    metrics.attach(backend, record.pids, sandbox.agent(), endpoint);
 }

@@ -1,8 +1,9 @@
 //! `bulkhead-ctl metrics`: every pod's metrics as one OpenMetrics exposition, each sample
 //! labelled with `pod`, `namespace` (Kubernetes) and `pod_id` (the sandbox id), plus
 //! `bulkhead_pod_scrape_up` per pod. Printed once, or served as `GET /metrics` on `--listen`
-//! (the node's exporter: the DaemonSet runs it as a sidecar). A removed pod's socket is gone
-//! with its state directory, so its series disappear from the next scrape.
+//! (the node's exporter: the DaemonSet runs it as a sidecar, as an unprivileged user in the
+//! metrics group). It reads only the metrics directory ([`dir`]); a pod's socket there goes
+//! when its sandbox stops, so its series disappear from the next scrape.
 //!
 //! The endpoint is open to whoever reaches its address, so no client may make the node work
 //! harder than one scrape of its pods per [`CACHE_FOR`]: scrapes never overlap ([`ScrapeCache`]),
@@ -17,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, UnixStream};
 
-use super::pods::{self, Pod};
 use super::{io_err, CtlError};
+use crate::metrics::dir::{self, Entry};
 use crate::metrics::http;
 
 /// Upper bound for one pod's exposition.
@@ -151,10 +152,9 @@ fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-fn pod_labels(pod: &Pod) -> String {
-    let (name, namespace) =
-        pod.record.as_ref().map_or((String::new(), String::new()), |r| (r.pod_name.clone(), r.pod_namespace.clone()));
-    format!("pod=\"{}\",namespace=\"{}\",pod_id=\"{}\"", escape(&name), escape(&namespace), escape(&pod.id))
+fn pod_labels(pod: &Entry) -> String {
+    let (name, namespace) = pod.labels.as_ref().map_or(("", ""), |l| (l.pod.as_str(), l.namespace.as_str()));
+    format!("pod=\"{}\",namespace=\"{}\",pod_id=\"{}\"", escape(name), escape(namespace), escape(&pod.id))
 }
 
 async fn scrape(socket: &Path) -> Result<String, String> {
@@ -165,24 +165,22 @@ async fn scrape(socket: &Path) -> Result<String, String> {
     http::get(&mut stream, "/metrics", MAX_POD_EXPOSITION, POD_TIMEOUT).await.map_err(|e| e.to_string())
 }
 
-/// Scrapes every pod that serves metrics and merges the expositions.
+/// Scrapes every pod that serves metrics and merges the expositions. Reads only the metrics
+/// directory ([`dir`]), so it works as an unprivileged user in the metrics group.
 pub async fn gather(state_dir: &Path) -> String {
-    let pods = match pods::list(state_dir) {
+    let pods = match dir::entries(state_dir) {
         Ok(pods) => pods,
         Err(e) => {
-            tracing::warn!("{e}");
+            tracing::warn!("read {}: {e}", state_dir.join(dir::DIR_NAME).display());
             Vec::new()
         }
     };
     let mut merged = Merged::default();
     let mut up = Vec::new();
     for pod in &pods {
-        let socket = pod.paths.metrics_socket();
-        if !socket.exists() {
-            continue;
-        }
+        let socket = &pod.socket;
         let labels = pod_labels(pod);
-        match scrape(&socket).await {
+        match scrape(socket).await {
             Ok(text) => {
                 merged.add(&text, &labels);
                 up.push(format!("bulkhead_pod_scrape_up{{{labels}}} 1"));

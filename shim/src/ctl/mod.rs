@@ -90,6 +90,10 @@ enum Command {
         /// Serve `GET /metrics` on this TCP address (e.g. 0.0.0.0:9464) instead of printing once.
         #[arg(long)]
         listen: Option<String>,
+        /// The shims' state_dir, instead of the config's: the exporter then reads no config, only
+        /// `<state_dir>/.metrics`, and runs as an unprivileged user in the metrics group.
+        #[arg(long)]
+        state_dir: Option<std::path::PathBuf>,
     },
     /// The snapshot template cache of warm pods.
     Template {
@@ -196,13 +200,21 @@ async fn run(cli: Cli) -> Result<Option<Outcome>, CtlError> {
         Command::Doctor { containerd_socket, handler } => {
             Ok(Some(doctor::run(explicit, &containerd_socket, &handler).await))
         }
-        Command::Metrics { listen: None } => {
-            let text = metrics::gather(&load_config(explicit)?.state_dir).await;
-            Ok(Some(Outcome { json: serde_json::json!({ "exposition": text }), text, ok: true }))
-        }
-        Command::Metrics { listen: Some(addr) } => {
-            metrics::serve(load_config(explicit)?.state_dir, &addr).await?;
-            Ok(None)
+        Command::Metrics { listen, state_dir } => {
+            let state_dir = match state_dir {
+                Some(dir) => dir,
+                None => load_config(explicit)?.state_dir,
+            };
+            match listen {
+                None => {
+                    let text = metrics::gather(&state_dir).await;
+                    Ok(Some(Outcome { json: serde_json::json!({ "exposition": text }), text, ok: true }))
+                }
+                Some(addr) => {
+                    metrics::serve(state_dir, &addr).await?;
+                    Ok(None)
+                }
+            }
         }
         Command::Template { command: TemplateCommand::Ls } => Ok(Some(template::ls(&load_config(explicit)?)?)),
         Command::Template { command: TemplateCommand::Build { vcpus, memory_mib, nic_mtus } } => {

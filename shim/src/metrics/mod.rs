@@ -1,5 +1,5 @@
-//! The pod's Prometheus metrics, kept by its shim and served on a Unix socket in the pod's state
-//! directory ([`crate::sandbox::paths::PodPaths::metrics_socket`]) while the sandbox runs.
+//! The pod's Prometheus metrics, kept by its shim and served on a Unix socket in the node's
+//! metrics directory ([`dir`], open to the metrics group only) while the sandbox runs.
 //! `bulkhead-ctl metrics` gathers every pod's into one node-wide `/metrics` and adds the pod and
 //! namespace labels; a shim's own series carry none (one socket is one pod).
 //!
@@ -19,6 +19,7 @@
 //!   from /proc, per host process tree: `vmm` and `virtiofsd` on the `vm` backend; on the
 //!   `namespace` backend `sandbox`, the launcher with the agent and every container process.
 
+pub mod dir;
 pub mod http;
 pub mod rpc;
 pub mod server;
@@ -232,11 +233,12 @@ impl PodMetrics {
         backend: Backend,
         pids: HostPids,
         agent: Arc<AgentClient>,
-        socket: &std::path::Path,
+        endpoint: dir::PodEndpoint,
     ) {
         *self.sandbox.lock() = Some(Attached { backend, pids, agent });
         let mut slot = self.server.lock().unwrap_or_else(|p| p.into_inner());
-        match server::MetricsServer::start(self.clone(), socket) {
+        let socket = endpoint.socket.clone();
+        match server::MetricsServer::start(self.clone(), endpoint) {
             Ok(server) => *slot = Some(server),
             Err(e) => {
                 tracing::warn!(socket = %socket.display(), "metrics socket: {e}; this pod's metrics are not served")

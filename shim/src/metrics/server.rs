@@ -1,47 +1,48 @@
-//! The pod's metrics socket: `GET /metrics` over HTTP/1.0 on a Unix socket that only root may
-//! open (mode 0600, in the root-owned pod directory). Requests are served one at a time, each
+//! The pod's metrics socket: `GET /metrics` over HTTP/1.0 on a Unix socket that only root and
+//! the metrics group may open ([`super::dir`]). Requests are served one at a time, each
 //! bounded by [`http::REQUEST_TIMEOUT`] and [`RESPONSE_TIMEOUT`], so a stuck client delays the
 //! next scrape by seconds at most and can never wedge the shim.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
+use super::dir::PodEndpoint;
 use super::{http, PodMetrics};
 
 /// Upper bound for answering one request (the agent ping is 1 s of it).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A running metrics socket; dropping it stops serving and removes the socket.
+/// A running metrics socket; dropping it stops serving and removes the pod's entries.
 pub struct MetricsServer {
     task: JoinHandle<()>,
-    path: PathBuf,
+    endpoint: PodEndpoint,
 }
 
 impl MetricsServer {
-    pub fn start(metrics: Arc<PodMetrics>, path: &Path) -> std::io::Result<Self> {
+    /// Serves at `endpoint`, whose labels are already published ([`PodEndpoint::publish`]).
+    pub fn start(metrics: Arc<PodMetrics>, endpoint: PodEndpoint) -> std::io::Result<Self> {
+        let path = &endpoint.socket;
         match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
         let listener = std::os::unix::net::UnixListener::bind(path)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        endpoint.open_socket()?;
         listener.set_nonblocking(true)?;
         let listener = UnixListener::from_std(listener)?;
         let task = tokio::spawn(serve(listener, metrics));
         tracing::debug!(socket = %path.display(), "serving metrics");
-        Ok(Self { task, path: path.into() })
+        Ok(Self { task, endpoint })
     }
 }
 
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.task.abort();
-        let _ = std::fs::remove_file(&self.path);
+        self.endpoint.remove();
     }
 }
 
@@ -67,21 +68,25 @@ async fn serve(listener: UnixListener, metrics: Arc<PodMetrics>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[tokio::test]
     async fn serves_the_registry_until_dropped() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("metrics.sock");
+        let paths = crate::sandbox::paths::PodPaths::new(dir.path(), "pod").unwrap();
+        let endpoint = PodEndpoint::of(&paths, nix::unistd::getegid().as_raw()).unwrap();
+        endpoint.publish(&Default::default()).unwrap();
+        let path = endpoint.socket.clone();
         let metrics = Arc::new(PodMetrics::new());
         metrics.observe_rpc("start", true, Duration::from_millis(1));
-        let server = MetricsServer::start(metrics, &path).unwrap();
+        let server = MetricsServer::start(metrics, endpoint.clone()).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
+        assert_eq!(mode, 0o660);
         let mut stream = tokio::net::UnixStream::connect(&path).await.unwrap();
         let body = http::get(&mut stream, "/metrics", 1 << 20, Duration::from_secs(5)).await.unwrap();
         assert!(body.contains("rpc=\"start\""), "{body}");
         assert!(body.contains("bulkhead_agent_up 0"), "{body}");
         drop(server);
-        assert!(!path.exists());
+        assert!(!path.exists() && !endpoint.labels.exists(), "the pod's entries go with it");
     }
 }

@@ -215,6 +215,10 @@ async fn remove_pod_state(paths: &paths::PodPaths) {
     if let Err(e) = crate::network::teardown(&paths.network_record()).await {
         tracing::warn!("pod network teardown: {e}");
     }
+    // The metrics entries, in case the shim that served them crashed (the gid is not needed).
+    if let Some(endpoint) = crate::metrics::dir::PodEndpoint::of(paths, 0) {
+        endpoint.remove();
+    }
     mounts::unmount_all(&paths.dir);
     // Never recurse into a mount that stayed: it may be a volume with the user's data.
     let left = mounts::mounts_below(&paths.dir);

@@ -1,5 +1,5 @@
 //! Host paths of a pod's state, shared by the running shim, `delete` after a crash, and
-//! `bulkhead-ctl` (which reads the [`PodRecord`], the console log and the metrics socket).
+//! `bulkhead-ctl` (which reads the [`PodRecord`] and the console log).
 
 use std::path::{Path, PathBuf};
 
@@ -103,11 +103,6 @@ impl PodPaths {
     /// The guest console: the VM's serial output (`vm`), the agent's own output (`namespace`).
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
-    }
-
-    /// The shim's Prometheus endpoint for this pod (HTTP over a Unix socket).
-    pub fn metrics_socket(&self) -> PathBuf {
-        self.dir.join("metrics.sock")
     }
 }
 
@@ -269,6 +264,5 @@ mod tests {
         let id = "a".repeat(64);
         let paths = PodPaths::new(Path::new("/run/bulkhead"), &id).unwrap();
         assert!(paths.agent_socket().as_os_str().len() < 108);
-        assert!(paths.metrics_socket().as_os_str().len() < 108);
     }
 }

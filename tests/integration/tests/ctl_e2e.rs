@@ -228,23 +228,39 @@ async fn ctl_commands_report_a_namespace_pod() -> Result<()> {
     Ok(())
 }
 
-/// The node exporter, started as `bulkhead-ctl metrics --listen 127.0.0.1:0`.
+/// The node exporter as the DaemonSet runs it: `bulkhead-ctl metrics --listen 127.0.0.1:0
+/// --state-dir DIR`, no config, as nobody with `groups` (the metrics group, or none).
 struct Exporter {
     _child: Spawned,
     addr: String,
 }
 
+/// The config's `[metrics] gid` (the default).
+const METRICS_GID: u32 = 9464;
+const NOBODY: u32 = 65534;
+
 impl Exporter {
-    fn start(config: &Path) -> Result<Self> {
-        let mut child = Spawned(
-            Command::new(workspace_bin("bulkhead-ctl"))
-                .arg("--config")
-                .arg(config)
-                .args(["metrics", "--listen", "127.0.0.1:0"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()?,
-        );
+    fn start(state_dir: &Path, groups: &'static [u32]) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(workspace_bin("bulkhead-ctl"));
+        command
+            .args(["metrics", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(state_dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        // SAFETY: between fork and exec, only async-signal-safe credential calls on a static list.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                    || libc::setgid(NOBODY) != 0
+                    || libc::setuid(NOBODY) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = Spawned(command.spawn()?);
         let mut first = String::new();
         BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut first)?;
         let addr = first.trim().strip_prefix("listening on ").context("no listening line")?.to_string();
@@ -319,7 +335,10 @@ fn gauge(scrape: &Scrape, pod_id: &str, metric: &str) -> Option<f64> {
 #[tokio::test]
 async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     let Some(env) = setup("metrics_endpoint_follows_a_pods_life").await? else { return Ok(()) };
-    let exporter = Exporter::start(&env.config)?;
+    // Searchable, as the shim makes a state dir (0711) and kubelet /run/bulkhead (0755).
+    std::fs::set_permissions(env.state_dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
+    let exporter = Exporter::start(env.state_dir.path(), &[METRICS_GID])?;
+    let outsider = Exporter::start(env.state_dir.path(), &[])?;
     let before = parse(&exporter.scrape()?);
     assert!(before.samples.is_empty(), "no pods, no samples: {:?}", before.samples);
 
@@ -352,6 +371,9 @@ async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     let second = exporter.scrape_until("the exec's RPCs", |s| rpc_count(s, &pod_id, "start") > starts).await?;
     assert!(rpc_count(&second, &pod_id, "exec") >= 1.0, "exec not counted");
     assert_eq!(rpc_count(&second, &pod_id, "create"), creates);
+    // An exporter outside the metrics group reads nothing of the pods.
+    let outside = parse(&outsider.scrape()?);
+    assert!(outside.samples.is_empty(), "an exporter without the group saw {:?}", outside.samples);
 
     remove_pod(&env, &pod_id, &ctr).await?;
     exporter.scrape_until("the removed pod's series gone", |s| for_pod(s, &pod_id).is_empty()).await?;
