@@ -146,10 +146,7 @@ pub fn entries(state_dir: &Path) -> std::io::Result<Vec<Entry>> {
 
 /// One labels file, bounded, not through a link.
 fn read_labels(path: &Path) -> std::io::Result<PodLabels> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)?;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
     if !file.metadata()?.is_file() {
         return Err(std::io::Error::other(format!("{} is not a file", path.display())));
     }
@@ -194,7 +191,8 @@ mod tests {
         std::fs::write(dir.join("b.sock"), "").unwrap();
         std::fs::write(dir.join("b.json"), "{").unwrap();
         std::fs::write(dir.join("c.sock"), "").unwrap();
-        std::fs::write(dir.join("c.json"), format!("{{\"pod\":\"{}\",\"namespace\":\"x\"}}", "p".repeat(5000))).unwrap();
+        std::fs::write(dir.join("c.json"), format!("{{\"pod\":\"{}\",\"namespace\":\"x\"}}", "p".repeat(5000)))
+            .unwrap();
         std::fs::write(dir.join("d.sock"), "").unwrap();
         std::os::unix::fs::symlink(&a.labels, dir.join("d.json")).unwrap();
         std::fs::write(dir.join("e.json"), "{}").unwrap();
