@@ -68,13 +68,30 @@ pub async fn eventually_nothing(what: &str, within: Duration, check: impl Fn() -
     }
 }
 
+/// What is left in a shim's `state_dir`: every entry but the node's metrics directory
+/// (`.metrics`, which stays for the node exporter), and whatever that directory still holds.
+pub fn state_left(state_dir: &Path) -> Vec<String> {
+    let list = |dir: &Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+    };
+    let mut left = Vec::new();
+    for path in list(state_dir) {
+        if path.file_name().is_some_and(|n| n == ".metrics") {
+            left.extend(list(&path));
+        } else {
+            left.push(path);
+        }
+    }
+    left.into_iter().map(|p| p.display().to_string()).collect()
+}
+
 /// The pod's `bulkhead_output_dropped_bytes_total`, from its shim's metrics socket
-/// (`<backend state dir>/<pod id>/metrics.sock`, in whichever state dir under `state_root` runs it).
+/// (`<backend state dir>/.metrics/<pod id>.sock`, in whichever state dir under `state_root` runs it).
 pub fn dropped_output(state_root: &Path, pod_id: &str) -> Result<u64> {
     use std::io::{Read, Write};
     let socket = std::fs::read_dir(state_root)?
         .flatten()
-        .map(|backend| backend.path().join(pod_id).join("metrics.sock"))
+        .map(|backend| backend.path().join(".metrics").join(format!("{pod_id}.sock")))
         .find(|s| s.exists())
         .context("the pod's metrics socket")?;
     let mut stream = std::os::unix::net::UnixStream::connect(&socket)?;

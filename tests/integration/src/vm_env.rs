@@ -88,10 +88,5 @@ pub async fn nothing_left(state_dir: &Path) -> Result<()> {
     })
     .await?;
     eventually_nothing("mounts", within, || mounts_with(&state)).await?;
-    eventually_nothing("pod state", within, || {
-        std::fs::read_dir(state_dir)
-            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
-            .unwrap_or_default()
-    })
-    .await
+    eventually_nothing("pod state", within, || crate::host::state_left(state_dir)).await
 }

@@ -326,9 +326,7 @@ async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()>
     })
     .await?;
     bulkhead_integration::host::eventually_nothing("pod state", within, || {
-        std::fs::read_dir(state_dir.path())
-            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
-            .unwrap_or_default()
+        bulkhead_integration::host::state_left(state_dir.path())
     })
     .await
 }

@@ -280,12 +280,7 @@ async fn disk_fill(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> 
     .await?;
     eventually_nothing("mounts of the pod", within, || mounts_with(&state)).await?;
     eventually_nothing("loop devices on the volume's image", within, || loop_devices_of(&image)).await?;
-    eventually_nothing("pod state", within, || {
-        std::fs::read_dir(&env.state_dir)
-            .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
-            .unwrap_or_default()
-    })
-    .await?;
+    eventually_nothing("pod state", within, || bulkhead_integration::host::state_left(&env.state_dir)).await?;
     ensure!(image.is_file(), "the volume's image stays with kubelet's directory until kubelet removes it");
     // kubelet removes the pod's volume directory; then the node has its space back.
     std::fs::remove_dir_all(env.kubelet_root().join("pods").join(&uid))?;
@@ -451,11 +446,7 @@ async fn node_default_limits_unnamed_emptydirs_and_bad_annotations_are_refused()
     eventually_nothing("state of refused pods", Duration::from_secs(20), || {
         let mut left = mounts_with(&state);
         left.extend(processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")));
-        left.extend(
-            std::fs::read_dir(&env.state_dir)
-                .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect::<Vec<_>>())
-                .unwrap_or_default(),
-        );
+        left.extend(bulkhead_integration::host::state_left(&env.state_dir));
         left
     })
     .await

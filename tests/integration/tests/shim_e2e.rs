@@ -842,22 +842,31 @@ async fn the_shims_sockets_are_0600_whatever_the_umask() -> Result<()> {
         env.pod_with(&pod, &sleeper("umask", &unique("umask"))).await.with_context(|| env.fail_context())?;
     let task_api = bulkhead_integration::host::shim_socket(&env.containerd, &pod_id);
     let pod_dir = env.state_dir.path().join(&pod_id);
-    let metrics = pod_dir.join("metrics.sock");
+    let metrics = env.state_dir.path().join(".metrics").join(format!("{pod_id}.sock"));
     let agent = pod_dir.join("a.sock");
-    for socket in [&task_api, &metrics, &agent] {
+    for socket in [&task_api, &agent] {
         let mode = std::fs::metadata(socket).with_context(|| socket.display().to_string())?.permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "{} is {:o} under umask 000", socket.display(), mode & 0o777);
     }
+    // The metrics socket is the metrics group's too (the node exporter's), in a 0750 directory.
+    let mode = std::fs::metadata(&metrics).with_context(|| metrics.display().to_string())?.permissions().mode();
+    assert_eq!(mode & 0o777, 0o660, "{} is {:o} under umask 000", metrics.display(), mode & 0o777);
+    let mode = std::fs::metadata(metrics.parent().unwrap())?.permissions().mode();
+    assert_eq!(mode & 0o777, 0o750, "the metrics directory is {:o} under umask 000", mode & 0o777);
     let mode = std::fs::metadata(&pod_dir)?.permissions().mode();
     assert_eq!(mode & 0o777, 0o700, "the pod directory is {:o} under umask 000", mode & 0o777);
     // The state dir is open to everyone, as /run is: only the pod's own modes may stop a local user.
     std::fs::set_permissions(env.state_dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let (listed, connected) = as_nobody({
-        let (pod_dir, agent) = (pod_dir.clone(), agent.clone());
-        move || (std::fs::read_dir(&pod_dir).is_ok(), std::os::unix::net::UnixStream::connect(&agent).is_ok())
+    let (listed, connected, scraped) = as_nobody({
+        let (pod_dir, agent, metrics) = (pod_dir.clone(), agent.clone(), metrics.clone());
+        move || {
+            let connect = |s: &std::path::Path| std::os::unix::net::UnixStream::connect(s).is_ok();
+            (std::fs::read_dir(&pod_dir).is_ok(), connect(&agent), connect(&metrics))
+        }
     });
     assert!(!listed, "nobody lists the pod directory");
     assert!(!connected, "nobody connects to the agent, which holds CAP_SYS_ADMIN on the host");
+    assert!(!scraped, "nobody outside the metrics group connects to the pod's metrics");
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await
 }

@@ -181,12 +181,7 @@ impl VmEnv {
                 .collect()
         })
         .await?;
-        eventually_nothing("pod state", within, || {
-            std::fs::read_dir(self.state())
-                .map(|d| d.flatten().map(|e| e.path().display().to_string()).collect())
-                .unwrap_or_default()
-        })
-        .await?;
+        eventually_nothing("pod state", within, || bulkhead_integration::host::state_left(self.state())).await?;
         eventually_nothing("mounts", within, || mounts_with(&state)).await?;
         eventually_nothing("cgroups", within, || {
             cgroups::dirs(&self.cgroup_parent.0)
