@@ -423,6 +423,55 @@ async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
     env.remove_pod_and_check_nothing_left(&pod_id).await
 }
 
+/// The guest is root in its VM, and a privileged container there may create device nodes, but
+/// only on the guest's own filesystems: through virtio-fs they would be real nodes on the host's
+/// disk (here in the container's writable layer), which any host process that later opens them
+/// would take for the host's devices. virtiofsd runs without CAP_MKNOD, so the host refuses them;
+/// a FIFO needs no capability and still works. The VMM plays no part (virtiofsd serves the share
+/// the same for both), so this test has no `_on_bulkhead_vmm` twin.
+#[tokio::test]
+async fn a_guest_creates_no_device_node_on_the_hosts_disk() -> Result<()> {
+    let test = "a_guest_creates_no_device_node_on_the_hosts_disk";
+    let vmm = GuestVmm::QemuStandIn;
+    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+        return Ok(());
+    }
+    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    let cri = &env.cri;
+    let mut pod = pod_config("vm-mknod", &env.containerd.new_log_dir("vm-mknod")?);
+    pod.linux.as_mut().unwrap().security_context.as_mut().unwrap().privileged = true;
+    let pod_id = env.run_pod(&pod).await?;
+    let mut app = long_running("app", "true");
+    app.linux.as_mut().unwrap().security_context =
+        Some(cri::LinuxContainerSecurityContext { privileged: true, ..Default::default() });
+    let app = cri.create_container(&pod_id, &app, &pod).await.with_context(|| env.containerd.log_tail(40))?;
+    cri.start_container(&app).await?;
+    cri.wait_container(&app, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+
+    // In the guest's own /dev (a tmpfs of the guest's), a device node is the guest's business.
+    assert_eq!(sh_in(cri, &app, "mknod /dev/bh-guest-disk b 8 0 && echo made").await?, "made\n");
+    // On the rootfs, which the host serves, block and character devices are refused.
+    let script = "mknod /bh-disk b 8 0; echo disk=$?; mknod /bh-mem c 1 1; echo mem=$?; mkfifo /bh-fifo; echo fifo=$?";
+    let out = cri.exec_sync(&app, &["sh", "-c", script], 30).await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stdout.contains("disk=0") && !stdout.contains("mem=0"), "a device node was made: {stdout}{stderr}");
+    assert!(stdout.contains("fifo=0"), "a FIFO is not a device: {stdout}{stderr}");
+    assert!(stderr.contains("Operation not permitted"), "{stderr}");
+    // And the host's side of the share holds the FIFO, and no device node.
+    let pod_dir = env.state_dir.path().join(&pod_id);
+    let fifo = find_file(&pod_dir, "bh-fifo", 6).context("the FIFO is not in the pod's share on the host")?;
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::symlink_metadata(&fifo)?.file_type().is_fifo(), "{}", fifo.display());
+    for node in ["bh-disk", "bh-mem"] {
+        assert!(find_file(&pod_dir, node, 6).is_none(), "{node} exists on the host");
+    }
+
+    cri.stop_container(&app, 10).await?;
+    cri.remove_container(&app).await?;
+    env.remove_pod_and_check_nothing_left(&pod_id).await
+}
+
 /// `cmd` in container `id`; its output (stdout, then stderr) when it exits 0, else an error.
 async fn run_in(cri: &Cri, id: &str, cmd: &[&str]) -> Result<String> {
     let out = cri.exec_sync(id, cmd, 30).await?;

@@ -2,6 +2,16 @@
 //! own means (`--sandbox namespace`: new mount/pid/net namespaces with the shared directory as
 //! its root; `--seccomp kill`), serving only the pod's shared directory.
 //!
+//! As root, virtiofsd keeps only the capabilities a passthrough server needs once its sandbox
+//! is set up (CHOWN, DAC_OVERRIDE, FOWNER, FSETID, SETGID, SETUID, SETFCAP, and MKNOD), in its
+//! bounding set too. We take MKNOD away as well ([`MODCAPS`]): with it the guest could create
+//! real device nodes on the host's disk (in a container's writable layer, or a hostPath), where
+//! any host process that later opens them reaches the host's devices. A guest's device nodes
+//! belong on its own filesystems (its /dev); FIFOs and sockets need no capability and still work.
+//! A non-root uid would not narrow it further: every capability above overrides file ownership,
+//! and virtiofsd as non-root serves the share through a user namespace that maps only its own
+//! uid, which cannot serve a root-owned rootfs.
+//!
 //! Its socket is laid out as `vmm/README.md` ("virtio-fs in a jail") asks: the shim binds and
 //! listens at `<chroot>/run/fs0.sock` before either process starts, hands it to the jail's uid
 //! (owner, mode 0600) and passes the listener to virtiofsd with `--fd`. virtiofsd serves the one
@@ -23,6 +33,9 @@ pub fn listen(socket: &Path, uid: u32, gid: u32) -> std::io::Result<UnixListener
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
 }
+
+/// virtiofsd's `--modcaps`: its default set without CAP_MKNOD (module docs).
+pub const MODCAPS: &str = "-mknod";
 
 /// The arguments that identify a pod's virtiofsd (cleanup after a crash checks them).
 pub fn identity(shared_dir: &Path) -> [String; 2] {
@@ -49,6 +62,8 @@ pub fn command(
         "--cache",
         "auto",
     ]);
+    // One word: clap would take a separate "-mknod" for an option.
+    command.arg(format!("--modcaps={MODCAPS}"));
     // SAFETY: between fork and exec; fcntl is async-signal-safe and touches only this fd, which
     // stays open in the parent until the child has been spawned; join_self only opens, writes
     // and closes files whose paths were made before the fork.
@@ -91,5 +106,6 @@ mod tests {
         assert!(args.windows(2).any(|w| w == ["--shared-dir", "/run/b/p/shared"]), "{args:?}");
         assert!(args.windows(2).any(|w| w == ["--sandbox", "namespace"]), "{args:?}");
         assert!(args.windows(2).any(|w| w == ["--seccomp", "kill"]), "{args:?}");
+        assert!(args.iter().any(|a| a == "--modcaps=-mknod"), "{args:?}");
     }
 }
