@@ -8,6 +8,7 @@ mod container;
 mod dns;
 mod error;
 mod guest_init;
+mod host_view;
 mod mount;
 mod network;
 mod oom;

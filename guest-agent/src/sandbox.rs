@@ -21,6 +21,7 @@ use crate::{
     dns,
     error::{AgentError, Result},
     guest_init::{self, SandboxSettings},
+    host_view,
     mount::GuestMount,
     oom::OomEvents,
     privileges,
@@ -165,7 +166,9 @@ impl Sandbox {
         if self.mode == Mode::Namespace {
             let sysctls = spec.linux().as_ref().and_then(|l| l.sysctl().clone()).unwrap_or_default();
             guest_init::check_namespaced(sysctls.keys().map(String::as_str))?;
+            host_view::keep_proc_read_only(&mut spec);
         }
+        let seal_cgroups = self.mode == Mode::Namespace && host_view::wants_read_only_cgroups(&spec);
         let cgroup_path = self.cgroup_parent.join(&req.id);
         let rootfs = spec::adapt_to_sandbox(&mut spec, &req.rootfs_path, req.stdio.terminal, &cgroup_path)?;
         spec::fit_spec_hugepages(&mut spec, &spec::hugepage_sizes())?;
@@ -188,6 +191,13 @@ impl Sandbox {
         // A failed create may leave libcontainer state (and a waiting init) behind.
         undo.push(format!("delete libcontainer container {id}"), move || runtime.delete_blocking(&id, true));
         let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref()).await?;
+        if seal_cgroups {
+            // Before the container starts: its init waits for Start.
+            let sealed = tokio::task::spawn_blocking(move || host_view::seal_cgroup_mounts(pid))
+                .await
+                .map_err(|e| AgentError::Internal(format!("cgroup mounts: {e}")))??;
+            tracing::debug!(container = %req.id, sealed, "cgroup mounts made read-only");
+        }
         let io = self.io.finish(pending, &format!("{}/init", req.id)).await?;
         undo.disarm();
         let c = Container::new(

@@ -4,7 +4,7 @@
 //! no_new_privs unset; the shim's container mounts reach it read-only where asked; containers
 //! asking for more than containerd's default capabilities are refused by name; containers that
 //! ask for nothing special still run as before (setuid allowed, a non-root user, exec, a
-//! read-only rootfs).
+//! read-only rootfs); and no container can write a host sysctl, its cgroups, or open a host disk.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
@@ -24,6 +24,20 @@ const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
 /// container set (CHOWN, DAC_OVERRIDE, FSETID, FOWNER, MKNOD, NET_RAW, SETGID, SETUID, SETFCAP,
 /// SETPCAP, NET_BIND_SERVICE, SYS_CHROOT, KILL, AUDIT_WRITE) plus SYS_ADMIN and SYS_PTRACE.
 const AGENT_CAPS: &str = "00000000a82c25fb";
+/// A container trying what turns root in a container into root on the host, one `key=result`
+/// line each. Writing release_agent needs CAP_SYS_ADMIN in the host's user namespace and must
+/// fail; core_pattern is written its own value, so even a failing run changes nothing on the host.
+const ESCAPES: &str = "mknod /tmp/disk b 8 0; echo mknod=$?; \
+    echo open_disk=$(head -c 1 /tmp/disk 2>&1 >/dev/null); \
+    mkdir -p /tmp/m; mount -t tmpfs t /tmp/m 2>/dev/null; echo mount=$?; \
+    ra='none writable'; for f in /sys/fs/cgroup/*/release_agent /sys/fs/cgroup/release_agent; do \
+    [ -e $f ] && [ -w $f ] && { echo /bin/true > $f 2>/dev/null && ra=written; }; done; echo release_agent=$ra; \
+    v=$(cat /proc/sys/kernel/core_pattern); echo core_pattern=$(sh -c \"echo \\\"$v\\\" > /proc/sys/kernel/core_pattern\" 2>&1 && echo written); \
+    echo pids_max=$(sh -c 'echo 100 > /sys/fs/cgroup/pids/pids.max' 2>&1; sh -c 'echo 100 > /sys/fs/cgroup/pids.max' 2>&1); \
+    mkdir /sys/fs/cgroup/memory/x 2>/dev/null || mkdir /sys/fs/cgroup/x 2>/dev/null; echo cgroup_mkdir=$?; \
+    if [ -e /sys/fs/cgroup/systemd/cgroup.procs ]; then \
+    echo systemd_root=$(sh -c 'echo $$ > /sys/fs/cgroup/systemd/cgroup.procs' 2>&1); else echo systemd_root=absent; fi";
+
 /// containerd's default container set alone: what a container gets.
 const CONTAINER_CAPS: &str = "00000000a80425fb";
 
@@ -275,6 +289,20 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     let out = env.cri.exec_sync(&plain, &["sh", "-c", probe], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(text.contains(&format!("CapEff:\t{CONTAINER_CAPS}")) && text.contains("NoNewPrivs:\t0"), "{text}");
+    // What a container reaches for first to become host root without a VM: none of it works.
+    // (This harness's CRI requests carry no masked or read-only /proc paths, as kubelet's do: the
+    // agent adds containerd's defaults itself.)
+    let out = env.cri.exec_sync(&plain, &["sh", "-c", ESCAPES], 10).await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let said = |key: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{key}="))).unwrap_or("missing");
+    assert_eq!(said("mknod"), "0", "making a node is allowed, as with runc: {text}");
+    assert!(said("open_disk").contains("Operation not permitted"), "the devices cgroup refuses the disk: {text}");
+    assert_ne!(said("mount"), "0", "{text}");
+    assert_eq!(said("release_agent"), "none writable", "{text}");
+    assert!(said("core_pattern").contains("Read-only file system"), "/proc/sys is read-only: {text}");
+    assert!(said("pids_max").contains("Read-only file system"), "its own cgroup limits are read-only: {text}");
+    assert_ne!(said("cgroup_mkdir"), "0", "{text}");
+    assert!(said("systemd_root").contains("Read-only file system") || said("systemd_root") == "absent", "{text}");
     let mut nnp = sleeper("nnp");
     security(&mut nnp).no_new_privs = true;
     let nnp = env.run(&pod_id, &pod, &nnp).await?;
