@@ -33,6 +33,16 @@ pub enum Mode {
     Namespace,
 }
 
+/// Namespace mode: whose network namespace the pod is in. A host-network pod's is the node's,
+/// so its `net.*` sysctls would be the node's and are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PodNetwork {
+    /// A network namespace of the pod's own (CNI's), or the VM's.
+    Own,
+    /// The node's (`hostNetwork: true`).
+    Host,
+}
+
 impl Mode {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -50,6 +60,9 @@ pub struct AgentOpts {
     pub listen: Listen,
     #[arg(long, value_enum, default_value = "guest")]
     pub mode: Mode,
+    /// Namespace mode: `host` when the pod shares the node's network namespace.
+    #[arg(long, value_enum, default_value = "own")]
+    pub network: PodNetwork,
     /// Agent state: bundles, libcontainer state, console sockets.
     #[arg(long, default_value = "/run/bulkhead-agent")]
     pub state_dir: PathBuf,

@@ -16,7 +16,7 @@ use oci_spec::runtime::Spec;
 use crate::{
     bundle,
     cgroups::{self, Cgroup, Hierarchy},
-    cli::{AgentOpts, Mode},
+    cli::{AgentOpts, Mode, PodNetwork},
     container::{Container, Event, ExitRecord, NewContainer},
     dns,
     error::{AgentError, Result},
@@ -57,6 +57,8 @@ enum Identity {
 
 pub struct Sandbox {
     pub mode: Mode,
+    /// Whose network namespace the pod is in (namespace mode: the node's refuses `net.*` sysctls).
+    pub network: PodNetwork,
     /// Namespace mode in the minimal root with the capability drop (crate::privileges): every
     /// container and exec is checked against the capabilities containers may have.
     pub confined: bool,
@@ -95,6 +97,7 @@ impl Sandbox {
         let runtime = Runtime::new(opts.state_dir.join("libcontainer"), reaper.clone())?;
         Ok(Self {
             mode: opts.mode,
+            network: opts.network,
             confined: opts.confined(),
             state_dir: opts.state_dir.clone(),
             cgroup_parent: opts.cgroup_parent.clone(),
@@ -131,7 +134,7 @@ impl Sandbox {
             Path::new(cgroups::ROOT).join(self.cgroup_parent.strip_prefix("/").unwrap_or(&self.cgroup_parent));
         // Held throughout: a second SetupSandbox racing this one must not mount the share twice.
         let mut identity = lock(&self.identity);
-        guest_init::apply_setup(s, self.mode, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)?;
+        guest_init::apply_setup(s, self.mode, self.network, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)?;
         // Last, so that a failed setup leaves nothing mounted and can be tried again.
         if *identity == Identity::Awaited {
             crate::shared_fs::mount_shared_dir(self.mode, &self.sys, &crate::shared_fs::kernel_cmdline())
@@ -165,7 +168,7 @@ impl Sandbox {
         }
         if self.mode == Mode::Namespace {
             let sysctls = spec.linux().as_ref().and_then(|l| l.sysctl().clone()).unwrap_or_default();
-            guest_init::check_namespaced(sysctls.keys().map(String::as_str))?;
+            guest_init::check_namespaced(sysctls.keys().map(String::as_str), self.network)?;
             host_view::keep_proc_read_only(&mut spec);
         }
         let seal_cgroups = self.mode == Mode::Namespace && host_view::wants_read_only_cgroups(&spec);

@@ -3,7 +3,7 @@
 use std::path::{Component, Path, PathBuf};
 
 use crate::{
-    cli::Mode,
+    cli::{Mode, PodNetwork},
     error::{AgentError, Result},
     mount::GuestMount,
     syscall::Syscall,
@@ -33,6 +33,7 @@ const MAX_ENTROPY: usize = 4096;
 pub fn apply_setup(
     s: &SandboxSettings,
     mode: Mode,
+    network: PodNetwork,
     sys: &dyn Syscall,
     pod_dns_file: &Path,
     pod_cgroup_dir: &Path,
@@ -42,7 +43,7 @@ pub fn apply_setup(
         sys.sethostname(&s.hostname).map_err(|e| AgentError::internal("sethostname", e))?;
     }
     if mode == Mode::Namespace {
-        check_namespaced(s.sysctls.iter().map(|(k, _)| k.as_str()))?;
+        check_namespaced(s.sysctls.iter().map(|(k, _)| k.as_str()), network)?;
     }
     for (key, value) in &s.sysctls {
         let path = sysctl_path(key)?;
@@ -122,8 +123,9 @@ fn validate(s: &SandboxSettings) -> Result<()> {
 }
 
 /// Whether a sysctl belongs to a namespace the pod has of its own (IPC, network; the set
-/// Kubernetes calls namespaced). In namespace mode any other one would change the host's kernel.
-pub fn is_namespaced_sysctl(key: &str) -> bool {
+/// Kubernetes calls namespaced). In namespace mode any other one would change the host's kernel,
+/// and so would `net.*` in a pod on the node's network (as kubelet also refuses).
+pub fn is_namespaced_sysctl(key: &str, network: PodNetwork) -> bool {
     const IPC: [&str; 8] = [
         "kernel.shm_rmid_forced",
         "kernel.shmmax",
@@ -134,13 +136,16 @@ pub fn is_namespaced_sysctl(key: &str) -> bool {
         "kernel.msgmni",
         "kernel.sem",
     ];
-    IPC.contains(&key) || key.starts_with("fs.mqueue.") || key.starts_with("net.")
+    IPC.contains(&key) || key.starts_with("fs.mqueue.") || (key.starts_with("net.") && network == PodNetwork::Own)
 }
 
 /// Refuses, naming it, the first sysctl that is not namespaced (namespace mode only: a guest
 /// kernel is the pod's own).
-pub fn check_namespaced<'a>(keys: impl IntoIterator<Item = &'a str>) -> Result<()> {
-    match keys.into_iter().find(|k| !is_namespaced_sysctl(k)) {
+pub fn check_namespaced<'a>(keys: impl IntoIterator<Item = &'a str>, network: PodNetwork) -> Result<()> {
+    match keys.into_iter().find(|k| !is_namespaced_sysctl(k, network)) {
+        Some(key) if key.starts_with("net.") => Err(AgentError::InvalidArgument(format!(
+            "sysctl {key} is not allowed with host network: it would change the node's network (namespace backend)"
+        ))),
         Some(key) => Err(AgentError::InvalidArgument(format!(
             "sysctl {key} is not namespaced: without a VM it would change the host's kernel (namespace backend)"
         ))),
@@ -172,7 +177,7 @@ mod tests {
     const POD_CGROUP: &str = "/sys/fs/cgroup/bulkhead";
 
     fn apply_setup(s: &SandboxSettings, mode: Mode, sys: &dyn Syscall) -> Result<()> {
-        super::apply_setup(s, mode, sys, Path::new(POD_DNS), Path::new(POD_CGROUP))
+        super::apply_setup(s, mode, PodNetwork::Own, sys, Path::new(POD_DNS), Path::new(POD_CGROUP))
     }
 
     fn settings() -> SandboxSettings {
@@ -237,6 +242,20 @@ mod tests {
             // A guest kernel is the pod's own.
             apply_setup(&s, Mode::Guest, &RecordingSyscall::default()).unwrap();
         }
+    }
+
+    #[test]
+    fn a_host_network_pod_takes_no_net_sysctls_in_namespace_mode() {
+        let s = SandboxSettings { sysctls: vec![("net.ipv4.ip_forward".into(), "1".into())], ..Default::default() };
+        let sys = RecordingSyscall::default();
+        let host = PodNetwork::Host;
+        let err =
+            super::apply_setup(&s, Mode::Namespace, host, &sys, Path::new(POD_DNS), Path::new(POD_CGROUP)).unwrap_err();
+        assert!(err.to_string().contains("not allowed with host network"), "{err}");
+        assert!(sys.calls().is_empty(), "nothing applied before the refusal");
+        let ipc = SandboxSettings { sysctls: vec![("kernel.shmmax".into(), "1".into())], ..Default::default() };
+        let (dns, cg) = (Path::new(POD_DNS), Path::new(POD_CGROUP));
+        super::apply_setup(&ipc, Mode::Namespace, host, &RecordingSyscall::default(), dns, cg).unwrap();
     }
 
     #[test]

@@ -135,6 +135,9 @@ impl NamespaceSandbox {
                 listen_arg(&socket),
                 "--mode".into(),
                 "namespace".into(),
+                // A host-network pod's net.* sysctls would be the node's: the agent refuses them.
+                "--network".into(),
+                if req.netns.is_none() { "host" } else { "own" }.into(),
                 // Per pod, so a killed pod's leftovers are found and removed with it.
                 "--state-dir".into(),
                 paths.agent_state_dir().display().to_string(),

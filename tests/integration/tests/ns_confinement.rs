@@ -336,3 +336,34 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     })
     .await
 }
+
+/// A host-network pod's `net.*` sysctls would be the node's: RunPodSandbox refuses them, naming
+/// the sysctl, and leaves nothing behind. The value asked for is the node's own, so even a run
+/// that fails this test changes nothing on the host.
+#[tokio::test]
+async fn a_host_network_pod_cannot_set_the_nodes_net_sysctls() -> Result<()> {
+    let Some(env) = setup("a_host_network_pod_cannot_set_the_nodes_net_sysctls").await? else {
+        return Ok(());
+    };
+    let key = "net.ipv4.tcp_keepalive_time";
+    let now = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_keepalive_time")?.trim().to_string();
+    let mut pod = env.pod("host-net-sysctl")?;
+    let linux = pod.linux.as_mut().context("pod_config has linux")?;
+    assert_eq!(
+        linux.security_context.as_ref().and_then(|s| s.namespace_options.as_ref()).map(|n| n.network),
+        Some(cri::NamespaceMode::Node as i32),
+        "the pod is on the node's network"
+    );
+    linux.sysctls = [(key.to_string(), now)].into();
+    let err = env.cri.run_pod_sandbox(&pod, "bulkhead").await.err().context("the pod started")?;
+    let text = format!("{err:#}");
+    assert!(text.contains(key) && text.contains("host network"), "{text}");
+    let state = env.state_dir.path().display().to_string();
+    eventually_nothing("the refused pod's state", Duration::from_secs(15), || {
+        let mut left = mounts_with(&state);
+        left.extend(processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")));
+        left.extend(bulkhead_integration::host::state_left(env.state_dir.path()));
+        left
+    })
+    .await
+}
