@@ -104,9 +104,10 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// Connects to a hybrid-vsock Unix socket (the VMM's, or the agent's own in namespace
-/// mode) and performs the preamble for `port`. The whole dial is bounded by `timeout`.
+/// mode), never through a symlink ([`crate::unix`]), and performs the preamble for `port`. The
+/// whole dial is bounded by `timeout`.
 pub async fn dial_unix(path: impl AsRef<Path>, port: u32, timeout: Duration) -> Result<UnixStream, HandshakeError> {
-    let mut stream = tokio::time::timeout(timeout, UnixStream::connect(path.as_ref()))
+    let mut stream = tokio::time::timeout(timeout, crate::unix::connect_no_follow(path.as_ref()))
         .await
         .map_err(|_| HandshakeError::Timeout(timeout))??;
     connect(&mut stream, port, timeout).await?;

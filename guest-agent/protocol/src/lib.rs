@@ -7,6 +7,7 @@
 //! - [`ports`] and [`PROTOCOL_VERSION`]: the well-known numbers both sides agree on.
 //! - [`frame_guard`]: size and stall limits on incoming ttrpc frames, used by both sides.
 //! - [`guest`]: where the pod's shared directory is in a VM guest, and how the agent learns its tag.
+//! - [`unix`]: dialing a socket in a directory a less privileged process can write.
 //!
 //! This crate does no I/O policy of its own beyond bounded, timed reads of the
 //! preambles; it is the contract, not the runtime. It holds no unsafe code.
@@ -28,6 +29,7 @@ pub mod guest;
 pub mod handshake;
 pub mod ports;
 pub mod stream;
+pub mod unix;
 
 /// Version of the agent protocol. The shim sends it in `Version` and refuses an agent that
 /// answers with a different number; the agent refuses a shim likewise.

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bulkhead_vmm_api::api::{encode_line, parse_response, MessageError, Request, Response, VmInfo, MAX_RESPONSE_LINE};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -45,7 +44,8 @@ impl VmmApi {
 
     async fn exchange(&self, request: &Request) -> Result<Response, ApiError> {
         let io = |source| ApiError::Io { request: request.clone(), socket: self.socket.clone(), source };
-        let mut stream = UnixStream::connect(&self.socket).await.map_err(io)?;
+        // The VMM's run/ is the jail's: never dial through a link it put there.
+        let mut stream = bulkhead_protocol::unix::connect_no_follow(&self.socket).await.map_err(io)?;
         stream.write_all(&encode_line(request)).await.map_err(io)?;
         // One byte over the limit is enough to know the line is too long.
         let mut reader = BufReader::new(stream).take(MAX_RESPONSE_LINE as u64 + 1);
