@@ -31,6 +31,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bulkhead_benches::{unix_ns, vmm_binary};
+use bulkhead_vmm_api::command_line::{Start, VmmCommand};
 
 const RUNS: usize = 10;
 const MEMORY_VMS: usize = 10;
@@ -84,9 +85,9 @@ type Res<T> = Result<T, String>;
 struct Vmm(Child);
 
 impl Vmm {
-    fn spawn(vmm: &Path, args: &[&std::ffi::OsStr]) -> Res<Self> {
+    fn spawn(vmm: &Path, start: Start) -> Res<Self> {
         let child = Command::new(vmm)
-            .args(args)
+            .args(VmmCommand { start, jail: None, log_json: false }.to_args())
             .env("BULKHEAD_VMM_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -199,7 +200,7 @@ fn make_snapshot(vmm: &Path, dir: &Path, t: Template) -> Res<PathBuf> {
     }
     let cfg_path = dir.join(format!("{}.json", t.name));
     std::fs::write(&cfg_path, cfg.to_string()).map_err(|e| e.to_string())?;
-    let _vm = Vmm::spawn(vmm, &["--config".as_ref(), cfg_path.as_os_str()])?;
+    let _vm = Vmm::spawn(vmm, Start::Boot { config: cfg_path.clone() })?;
     wait_for("template guest data", WAIT, || serial_has(&serial, "R\n"))?;
     let snap = dir.join(format!("{}-snap", t.name));
     let v = Api::connect(&api)?.call(&serde_json::json!({"cmd": "snapshot", "dir": snap}))?;
@@ -255,7 +256,7 @@ fn phases_of(info: &serde_json::Value) -> Vec<(String, f64, bool)> {
 fn cold(vmm: &Path, snap: &Path, dir: &Path, t: Template, i: usize) -> Res<Sample> {
     let (cfg, api, _) = run_config(dir, &format!("{}-cold{i}", t.name), t)?;
     let t0 = unix_ns();
-    let _vm = Vmm::spawn(vmm, &["--restore".as_ref(), snap.as_os_str(), "--restore-config".as_ref(), cfg.as_os_str()])?;
+    let _vm = Vmm::spawn(vmm, Start::Restore { snapshot: snap.to_path_buf(), restore_config: cfg.to_path_buf() })?;
     let info = first_kvm_run(&api)?;
     let first = info["first_kvm_run_unix_ns"].as_u64().unwrap_or(0);
     let start = info["start_unix_ns"].as_u64().unwrap_or(0);
@@ -272,7 +273,7 @@ fn cold(vmm: &Path, snap: &Path, dir: &Path, t: Template, i: usize) -> Res<Sampl
 fn pooled(vmm: &Path, snap: &Path, dir: &Path, i: usize) -> Res<Sample> {
     let api = dir.join(format!("pool{i}.sock"));
     let serial = dir.join(format!("pool{i}.log"));
-    let _vm = Vmm::spawn(vmm, &["--prepare".as_ref(), snap.as_os_str(), "--api-socket".as_ref(), api.as_os_str()])?;
+    let _vm = Vmm::spawn(vmm, Start::Prepare { snapshot: snap.to_path_buf(), api_socket: api.to_path_buf() })?;
     wait_for("prepared API socket", WAIT, || api.exists())?;
     let mut conn = Api::connect_when_listening(&api)?;
     conn.call(&serde_json::json!({"cmd": "info"}))?;
@@ -344,8 +345,7 @@ fn memory(vmm: &Path, snap: &Path, dir: &Path, t: Template) -> Res<()> {
     let mut last = Vec::new();
     for i in 0..MEMORY_VMS {
         let (cfg, api, serial) = run_config(dir, &format!("{}-mem{i}", t.name), t)?;
-        let vm =
-            Vmm::spawn(vmm, &["--restore".as_ref(), snap.as_os_str(), "--restore-config".as_ref(), cfg.as_os_str()])?;
+        let vm = Vmm::spawn(vmm, Start::Restore { snapshot: snap.to_path_buf(), restore_config: cfg.to_path_buf() })?;
         wait_for("restored API socket", WAIT, || api.exists())?;
         wait_for("guest pass over its memory", WAIT, || serial_has(&serial, "P\n"))?;
         vms.push(vm);

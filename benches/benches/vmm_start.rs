@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use bulkhead_benches::phases::{median, print_table, Start};
 use bulkhead_benches::procmem::{mib, processes, Mem};
 use bulkhead_benches::{baselines, unix_ns, vmm_binary};
+use bulkhead_vmm_api::command_line::{self, VmmCommand};
 use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 
@@ -112,7 +113,7 @@ fn spawn_virtiofsd(bin: &Path, shared: &Path, listener: &UnixListener, procs: Ve
     cmd.arg(format!("--fd={fd}"))
         .arg("--shared-dir")
         .arg(shared)
-        .args(["--sandbox", "namespace", "--seccomp", "kill", "--cache", "auto"])
+        .args(["--sandbox", "namespace", "--seccomp", "kill", "--cache", "auto", "--modcaps=-mknod"])
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     // SAFETY: between fork and exec: fcntl, open, write and close only, on an fd this process
@@ -274,11 +275,11 @@ fn first_kvm_run(api: &Path) -> Res<serde_json::Value> {
 }
 
 /// Spawns `vmm` with its stderr in `err`; returns it and the time just before the spawn.
-fn spawn(vmm: &Path, args: &[&std::ffi::OsStr], err: &Path) -> Res<(Vmm, u64)> {
+fn spawn(vmm: &Path, command: VmmCommand, err: &Path) -> Res<(Vmm, u64)> {
     let stderr = std::fs::File::create(err).map_err(|e| format!("{}: {e}", err.display()))?;
     let t0 = unix_ns();
     let child = Command::new(vmm)
-        .args(args)
+        .args(command.to_args())
         .env("BULKHEAD_VMM_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(stderr)
@@ -301,14 +302,17 @@ fn one_run(vmm: &Path, shape: Shape, dir: &Path, pod: Option<&PodHost>, i: usize
             });
             let cfg_path = dir.join(format!("vm{i}.json"));
             std::fs::write(&cfg_path, cfg.to_string()).map_err(|e| e.to_string())?;
-            let (child, t0) = spawn(vmm, &["--config".as_ref(), cfg_path.as_os_str()], &err)?;
+            let boot =
+                VmmCommand { start: command_line::Start::Boot { config: cfg_path }, jail: None, log_json: false };
+            let (child, t0) = spawn(vmm, boot, &err)?;
             (child, t0, api)
         }
         (Shape::Pod, Some(pod)) => {
             let (vm, jail, api, fsd) = pod.lay_out(i)?;
             virtiofsd = Some(fsd);
-            let (child, t0) =
-                spawn(vmm, &["--config".as_ref(), vm.as_os_str(), "--jail".as_ref(), jail.as_os_str()], &err)?;
+            let boot =
+                VmmCommand { start: command_line::Start::Boot { config: vm }, jail: Some(jail), log_json: false };
+            let (child, t0) = spawn(vmm, boot, &err)?;
             (child, t0, api)
         }
         (Shape::Pod, None) => return Err("no pod host".into()),

@@ -24,6 +24,7 @@ use bulkhead_vmm::seccomp::{self, Filters, ThreadKind};
 use bulkhead_vmm::snapshot::SnapshotFiles;
 use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
+use bulkhead_vmm_api::command_line::{Start, VmmCommand};
 use bulkhead_vmm_api::jail::JailConfig;
 use bulkhead_vmm_api::restore::{restored_config, RestoreConfig};
 
@@ -118,25 +119,40 @@ enum Mode {
     Prepare { dir: PathBuf, api: PathBuf },
 }
 
-fn mode(args: &Args) -> anyhow::Result<Mode> {
-    if let Some(dir) = &args.prepare {
-        let api = args.api_socket.clone().context("--prepare needs --api-socket")?;
-        return Ok(Mode::Prepare { dir: dir.clone(), api });
+impl Args {
+    /// The typed command line the shim wrote (clap parses it for `--help` and its messages;
+    /// `tests::clap_reads_every_typed_command_line` keeps the two spellings one).
+    fn command(&self) -> anyhow::Result<VmmCommand> {
+        let start = if let Some(snapshot) = &self.prepare {
+            let api_socket = self.api_socket.clone().context("--prepare needs --api-socket")?;
+            Start::Prepare { snapshot: snapshot.clone(), api_socket }
+        } else if let Some(snapshot) = &self.restore {
+            let restore_config = self.restore_config.clone().context("--restore needs --restore-config")?;
+            Start::Restore { snapshot: snapshot.clone(), restore_config }
+        } else {
+            Start::Boot { config: self.config.clone().context("--config is required")? }
+        };
+        Ok(VmmCommand { start, jail: self.jail.clone(), log_json: self.log_json })
     }
-    if let Some(dir) = &args.restore {
-        let path = args.restore_config.as_ref().context("--restore needs --restore-config")?;
-        let run = RestoreConfig::from_file(path).context("invalid restore config")?;
-        return Ok(Mode::Restore { dir: dir.clone(), run });
-    }
-    let path = args.config.as_ref().context("--config is required")?;
-    Ok(Mode::Boot(VmConfig::from_file(path).context("invalid VM config")?))
+}
+
+fn mode(start: &Start) -> anyhow::Result<Mode> {
+    Ok(match start {
+        Start::Prepare { snapshot, api_socket } => Mode::Prepare { dir: snapshot.clone(), api: api_socket.clone() },
+        Start::Restore { snapshot, restore_config } => {
+            let run = RestoreConfig::from_file(restore_config).context("invalid restore config")?;
+            Mode::Restore { dir: snapshot.clone(), run }
+        }
+        Start::Boot { config } => Mode::Boot(VmConfig::from_file(config).context("invalid VM config")?),
+    })
 }
 
 fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
     let filters = Filters::compile().context("building the seccomp filters")?;
     phases.mark("seccomp filters", false);
+    let command = args.command()?;
     // Read on the host side; the paths inside are checked once jailed, where they must resolve.
-    let mode = mode(&args)?;
+    let mode = mode(&command.start)?;
     phases.mark("read config", false);
     // A snapshot's files are root's alone (the shim's template store): opened before the jail
     // drops privileges, by their paths inside it.
@@ -145,7 +161,7 @@ fn run(args: Args, start: u64, mut phases: Phases) -> anyhow::Result<i32> {
         Mode::Restore { dir, .. } | Mode::Prepare { dir, .. } => Some(dir.clone()),
     };
     let open_snapshot = || snapshot_dir.as_deref().map(SnapshotFiles::open).transpose();
-    let mut snapshot = match &args.jail {
+    let mut snapshot = match &command.jail {
         Some(jail_path) => {
             let jail = JailConfig::from_file(jail_path).context("invalid jail config")?;
             phases.mark("read jail config", false);
@@ -318,5 +334,33 @@ fn init_logging(json: bool) {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_vmm_api::command_line::Invocation;
+
+    /// Every command line the shim can write is one clap reads, to the same command.
+    #[test]
+    fn clap_reads_every_typed_command_line() {
+        let forms = [
+            Start::Boot { config: "/run/vm.json".into() },
+            Start::Restore { snapshot: "/snapshot".into(), restore_config: "/run/restore.json".into() },
+            Start::Prepare { snapshot: "/snapshot".into(), api_socket: "/run/api.sock".into() },
+        ];
+        for start in forms {
+            for jail in [None, Some(PathBuf::from("/a/jail.json"))] {
+                let typed = VmmCommand { start: start.clone(), jail, log_json: true };
+                let words = typed.to_args();
+                let args = Args::try_parse_from(std::iter::once("bulkhead-vmm".to_string()).chain(words.clone()))
+                    .unwrap_or_else(|e| panic!("{words:?}: {e}"));
+                assert_eq!(args.command().unwrap(), typed, "{words:?}");
+            }
+        }
+        let probe = Args::try_parse_from(["bulkhead-vmm", "--probe"]).unwrap();
+        assert!(probe.probe);
+        assert_eq!(VmmCommand::parse(&["--probe".to_string()]), Ok(Invocation::Probe));
     }
 }

@@ -9,7 +9,9 @@
 //! - [`restore`]: a snapshot directory's files, the per-run settings of a restore and how they
 //!   replace the snapshot's;
 //! - [`ifname`]: the one rule for interface (tap) names, which the shim and the VMM check too;
-//! - [`bounded`]: the one bounded read of a document from a file.
+//! - [`bounded`]: the one bounded read of a document from a file;
+//! - [`command_line`]: the VMM's command line, written by the shim and read by the VMM and the
+//!   QEMU stand-in.
 //!
 //! Boundaries: plain data, parsing and validation only, and no unsafe code. Building and running a
 //! VM is `bulkhead-vmm`'s.
@@ -17,6 +19,7 @@
 
 pub mod api;
 pub mod bounded;
+pub mod command_line;
 pub mod config;
 pub mod ifname;
 pub mod jail;

@@ -20,6 +20,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use bulkhead_protocol::guest::SHARED_FS_PARAM;
+use bulkhead_vmm_api::command_line::{self, Start, VmmCommand};
 use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 use bulkhead_vmm_api::restore::{RestoreConfig, MEMORY_FILE, STATE_FILE};
@@ -128,23 +129,17 @@ impl VmLayout {
     /// The arguments that start the VMM (after its path): booting `vm.json`, or restoring the
     /// template bound at `/snapshot` with `restore.json`.
     pub fn vmm_args(&self, plan: &VmPlan<'_>) -> Vec<String> {
-        let jail = ["--jail".to_string(), self.jail_json().display().to_string()];
-        let what = match plan.template {
-            None => vec!["--config".to_string(), self.vm_json().display().to_string()],
-            Some(_) => vec![
-                "--restore".to_string(),
-                SNAPSHOT_DIR.to_string(),
-                "--restore-config".to_string(),
-                self.restore_json().display().to_string(),
-            ],
+        let start = match plan.template {
+            None => Start::Boot { config: self.vm_json() },
+            Some(_) => Start::Restore { snapshot: SNAPSHOT_DIR.into(), restore_config: self.restore_json() },
         };
-        what.into_iter().chain(jail).collect()
+        VmmCommand { start, jail: Some(self.jail_json()), log_json: false }.to_args()
     }
 
     /// What `delete` recognises the pod's VMM waiter by on its command line, booted or restored:
     /// its jail document, which is the pod's alone.
     pub fn vmm_identity(&self) -> Vec<String> {
-        vec!["--jail".into(), self.jail_json().display().to_string()]
+        command_line::jail_identity(&self.jail_json()).to_vec()
     }
 
     /// A restored VM's settings: this pod's sockets and console in place of the template's.
@@ -234,6 +229,7 @@ impl VmLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bulkhead_vmm_api::command_line::Invocation;
     use bulkhead_vmm_api::config::LinkState;
     use std::os::unix::fs::MetadataExt;
 
@@ -312,7 +308,9 @@ mod tests {
         assert_eq!(meta.mode() & 0o022, 0);
         assert_eq!(std::fs::metadata(&layout.dir).unwrap().mode() & 0o777, 0o700);
         let args = layout.vmm_args(&plan);
-        assert!(args.starts_with(&["--config".into(), layout.vm_json().display().to_string()]), "{args:?}");
+        let Ok(Invocation::Run(command)) = VmmCommand::parse(&args) else { panic!("{args:?}") };
+        assert_eq!(command.start, Start::Boot { config: layout.vm_json() });
+        assert_eq!(command.jail, Some(layout.jail_json()));
         assert!(args.ends_with(&layout.vmm_identity()), "{args:?}");
         assert!(!layout.restore_json().exists(), "a cold start has no restore settings");
     }
@@ -337,8 +335,9 @@ mod tests {
         assert_eq!(jail.host_path(run.serial_log.as_deref().unwrap()), layout.console_log());
         assert_eq!(run.fs_sockets.iter().map(|s| jail.host_path(s)).collect::<Vec<_>>(), vec![layout.fs_socket()]);
         let args = layout.vmm_args(&plan);
-        let restore = ["--restore".to_string(), SNAPSHOT_DIR.into(), "--restore-config".into()];
-        assert!(args.starts_with(&restore), "{args:?}");
+        let Ok(Invocation::Run(command)) = VmmCommand::parse(&args) else { panic!("{args:?}") };
+        let restore = Start::Restore { snapshot: SNAPSHOT_DIR.into(), restore_config: layout.restore_json() };
+        assert_eq!(command.start, restore);
         assert!(args.ends_with(&layout.vmm_identity()), "delete finds a restored VMM as a booted one: {args:?}");
     }
 

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::standin::shutdown_watch::{self, Watched};
 use bulkhead_integration::standin::{api, cgroup, qemu, qmp::Qmp, vsock_gate, Plan};
+use bulkhead_vmm_api::command_line::{Invocation, Start, VmmCommand};
 use nix::sys::signal::{SigSet, Signal};
 
 /// How long `vhost-device-vsock` may take to create its vhost-user socket.
@@ -41,21 +42,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--config <vm.json> --jail <jail.json>`, in either order; nothing else.
+/// The VMM's command line ([`VmmCommand`]), of which the stand-in takes only a jailed boot:
+/// `--config <vm.json> --jail <jail.json>`.
 fn parse_args(args: &[String]) -> Result<(PathBuf, PathBuf)> {
-    let (mut config, mut jail) = (None, None);
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let slot = match flag.as_str() {
-            "--config" => &mut config,
-            "--jail" => &mut jail,
-            other => bail!("the QEMU stand-in takes only --config <vm.json> --jail <jail.json>, not {other:?}"),
-        };
-        *slot = Some(PathBuf::from(it.next().ok_or_else(|| anyhow!("{flag} needs a value"))?));
-    }
-    match (config, jail) {
-        (Some(c), Some(j)) => Ok((c, j)),
-        _ => bail!("usage: bulkhead-qemu-vmm --config <vm.json> --jail <jail.json>"),
+    const USAGE: &str = "the QEMU stand-in takes only --config <vm.json> --jail <jail.json>";
+    match VmmCommand::parse(args).map_err(|e| anyhow!("{e}; {USAGE}"))? {
+        Invocation::Run(VmmCommand { start: Start::Boot { config }, jail: Some(jail), .. }) => Ok((config, jail)),
+        Invocation::Probe => bail!("{USAGE}, not --probe"),
+        Invocation::Run(other) => bail!("{USAGE}, not {:?}", other.to_args()),
     }
 }
 
