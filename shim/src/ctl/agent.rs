@@ -4,7 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{pods, CtlError, Outcome};
+use super::error::{CtlError, Outcome};
+use super::pods;
 use crate::agent::{AgentClient, Timeouts};
 use crate::config::Config;
 

@@ -9,7 +9,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
 
-use super::{io_err, pods, CtlError, Outcome};
+use super::error::{io_err, CtlError, Outcome};
+use super::pods;
 use crate::sandbox::paths::PodPaths;
 use crate::sandbox::vm::console::open_log;
 use crate::sandbox::vm::pod_dirs::VmLayout;

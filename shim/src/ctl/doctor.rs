@@ -19,7 +19,8 @@ use serde::Serialize;
 use serde_json::Value;
 use tonic::transport::{Endpoint, Uri};
 
-use super::{default_config_path, Outcome};
+use super::default_config_path;
+use super::error::Outcome;
 use crate::config::{Backend, Config};
 use bulkhead_vmm_api::probe::KvmKind;
 

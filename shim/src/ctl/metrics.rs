@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, UnixStream};
 
-use super::{io_err, CtlError};
+use super::error::{io_err, CtlError};
 use crate::metrics::dir::{self, Entry};
 use crate::metrics::http;
 

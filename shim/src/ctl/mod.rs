@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod console;
 pub mod doctor;
+mod error;
 pub mod metrics;
 pub mod pods;
 pub mod ps;
@@ -22,28 +23,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
-use serde_json::Value;
 
-use crate::config::{Config, ConfigError};
-
-#[derive(Debug, thiserror::Error)]
-pub enum CtlError {
-    #[error("{0}")]
-    Config(#[from] ConfigError),
-    #[error("no pod matches {query:?} in {state_dir} (known: {known})")]
-    NoPod { query: String, state_dir: PathBuf, known: String },
-    #[error("{query:?} matches several pods: {matches}; give more of the id")]
-    Ambiguous { query: String, matches: String },
-    #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
-    #[error("{0}")]
-    Failed(String),
-}
-
-pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CtlError {
-    let what = what.into();
-    move |source| CtlError::Io { what, source }
-}
+use crate::config::Config;
+pub use error::{CtlError, Outcome};
 
 #[derive(Parser, Debug)]
 #[command(name = "bulkhead-ctl", version, about = "Inspect and debug the bulkhead pods of this node")]
@@ -132,13 +114,6 @@ enum TemplateCommand {
         #[arg(long)]
         all: bool,
     },
-}
-
-/// What a command found: JSON for `--json`, text otherwise; `ok` false makes the exit code 1.
-pub struct Outcome {
-    pub json: Value,
-    pub text: String,
-    pub ok: bool,
 }
 
 /// The config path to read when none was given: the one the shim reads without a `ConfigPath`.

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::{io_err, CtlError};
+use super::error::{io_err, CtlError};
 use crate::sandbox::paths::{PodPaths, PodRecord};
 
 /// One pod directory.

@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use super::error::{CtlError, Outcome};
 use super::pods::{self, Pod};
-use super::{CtlError, Outcome};
 use crate::procfs;
 
 /// The shim's executable name, to tell a live shim from a reused pid.

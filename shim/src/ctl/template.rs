@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::json;
 
-use super::{CtlError, Outcome};
+use super::error::{CtlError, Outcome};
 use crate::config::Config;
 use crate::sandbox::vm::template::{
     collect, KeyInputs, KeySources, Listed, Room, TemplateKey, TemplateStore, BUILD_TIMEOUT,

@@ -12,7 +12,7 @@ use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteProtocol, RouteType};
 use rtnetlink::{Handle, RouteMessageBuilder};
 
-use super::NetworkError;
+use super::error::NetworkError;
 
 /// A link of the namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]

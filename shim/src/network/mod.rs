@@ -49,6 +49,7 @@
 
 mod discover;
 pub mod dns;
+mod error;
 mod netns;
 pub mod placeholder;
 mod record;
@@ -56,7 +57,7 @@ mod tap;
 mod tc;
 
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use bulkhead_protocol::agent as pb;
@@ -66,40 +67,13 @@ use tracing::{info, warn};
 
 use crate::config::NetworkConfig;
 use discover::PodNic;
+pub use error::NetworkError;
 use netns::Netns;
 use record::{NetRecord, RecordedLink};
 use tc::Hook;
 
 /// Bound on one setup or teardown in the pod's namespace (a handful of netlink round trips).
 const LIMIT: Duration = Duration::from_secs(10);
-
-#[derive(Debug, thiserror::Error)]
-pub enum NetworkError {
-    #[error("network namespace {path}: {source}")]
-    Netns { path: PathBuf, source: std::io::Error },
-    #[error("netlink: {what}: {message}")]
-    Netlink { what: String, errno: Option<i32>, message: String },
-    #[error("tap {name}: {what}: {source}")]
-    Tap { name: String, what: &'static str, source: std::io::Error },
-    #[error("pod network: {0}")]
-    Unsupported(String),
-    #[error("network record {path}: {message}")]
-    Record { path: PathBuf, message: String },
-    #[error("pod network: {what}: not done within {limit:?}")]
-    Timeout { what: &'static str, limit: Duration },
-    #[error("pod network: {0}")]
-    Thread(String),
-}
-
-impl NetworkError {
-    fn netlink(what: String, e: rtnetlink::Error) -> Self {
-        let errno = match &e {
-            rtnetlink::Error::NetlinkError(m) => Some(-m.raw_code()),
-            _ => None,
-        };
-        Self::Netlink { what, errno, message: e.to_string() }
-    }
-}
 
 /// Whether the pod may reach the cloud metadata endpoint (`[network] allow_metadata`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@ use nix::sched::{setns, CloneFlags};
 use rtnetlink::Handle;
 use serde::{Deserialize, Serialize};
 
-use super::NetworkError;
+use super::error::NetworkError;
 
 /// Which namespace a path named when it was opened (device and inode of the nsfs file), so
 /// teardown after a crash never acts on a different namespace mounted at the same path.

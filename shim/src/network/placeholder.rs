@@ -17,8 +17,9 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 use rtnetlink::{LinkUnspec, LinkVeth};
 
+use super::error::NetworkError;
 use super::netns::Netns;
-use super::{link_index, NetworkError, LIMIT};
+use super::{link_index, LIMIT};
 
 /// Most placeholders (NICs) a template may have.
 pub const MAX_NICS: usize = 8;

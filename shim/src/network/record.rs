@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::error::NetworkError;
 use super::netns::NetnsId;
-use super::NetworkError;
 
 /// A record is a few hundred bytes; anything near this is not one.
 const MAX_RECORD_BYTES: u64 = 64 << 10;

@@ -8,7 +8,7 @@ use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
-use super::NetworkError;
+use super::error::NetworkError;
 
 /// Name of the tap for the pod interface at position `i` (a name a CNI plugin does not pick).
 pub fn name(i: usize) -> String {

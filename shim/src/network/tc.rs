@@ -16,7 +16,7 @@ use rtnetlink::packet_route::tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, Tc
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::Handle;
 
-use super::NetworkError;
+use super::error::NetworkError;
 
 /// `TC_H_CLSACT` (== `TC_H_INGRESS`): the parent of a clsact or ingress qdisc.
 const TC_H_CLSACT: u32 = 0xFFFF_FFF1;

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
 
-use super::{sys, JailError};
+use super::error::{sys, JailError};
 
 /// One mounted cgroup hierarchy.
 #[derive(Debug, PartialEq, Eq)]

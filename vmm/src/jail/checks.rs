@@ -10,7 +10,7 @@ use bulkhead_vmm_api::jail::{JailConfig, JailFile};
 use nix::fcntl::{open, openat, OFlag};
 use nix::sys::stat::{fstat, Mode, SFlag};
 
-use super::JailError;
+use super::error::JailError;
 
 pub const KVM_DEVICE: &str = "/dev/kvm";
 pub const TUN_DEVICE: &str = "/dev/net/tun";

@@ -23,40 +23,17 @@
 
 mod cgroup;
 mod checks;
+mod error;
 mod privileges;
 mod process;
 mod root;
-
-use std::path::PathBuf;
 
 use bulkhead_vmm_api::jail::JailConfig;
 
 use crate::phases::Phases;
 use crate::seccomp::{self, ThreadKind};
-
-#[derive(Debug, thiserror::Error)]
-pub enum JailError {
-    /// The host does not offer what the document asks for; nothing was changed.
-    #[error("jail refused: {0}")]
-    Refused(String),
-    #[error("jail path {path}: {reason}")]
-    Path { path: PathBuf, reason: String },
-    #[error("jail step failed: {what}: {source}")]
-    Sys { what: String, source: std::io::Error },
-    #[error("the waiter (jailed VMM's parent) is gone")]
-    ParentGone,
-    /// A privilege survived the drop; the VMM does not go on.
-    #[error("privileges not dropped: {0}")]
-    NotDropped(String),
-    #[error(transparent)]
-    Seccomp(#[from] seccomp::SeccompError),
-}
-
-/// `map_err` for a failed system call of step `what`.
-fn sys<E: Into<std::io::Error>>(what: impl Into<String>) -> impl FnOnce(E) -> JailError {
-    let what = what.into();
-    move |e| JailError::Sys { what, source: e.into() }
-}
+use error::sys;
+pub use error::JailError;
 
 /// Which process returns from [`enter`].
 #[derive(Debug, PartialEq, Eq)]

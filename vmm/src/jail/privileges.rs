@@ -3,7 +3,7 @@
 
 use nix::unistd::{getgroups, getresgid, getresuid, setgroups, setresgid, setresuid, Gid, Uid};
 
-use super::{sys, JailError};
+use super::error::{sys, JailError};
 
 /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
 const CAP_VERSION_3: u32 = 0x2008_0522;

@@ -12,7 +12,7 @@ use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, pipe2, ForkResult, Pid};
 
-use super::{sys, JailError};
+use super::error::{sys, JailError};
 
 /// Closes every fd above stderr but `keep`. Called before the jail opens anything, so all of them
 /// are inherited (`keep` lists the few the VMM made itself before, such as the panic hook's

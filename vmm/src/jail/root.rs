@@ -18,7 +18,7 @@ use nix::sys::stat::{fchmod, mkdirat, mknodat, umask, Mode, SFlag};
 use nix::unistd::{chdir, fchdir, fchown, fchownat, pivot_root, unlinkat, Gid, Uid, UnlinkatFlags};
 
 use super::checks::{open_read_only, HostFacts, ReadOnlyFile};
-use super::{sys, JailError};
+use super::error::{sys, JailError};
 
 const NONE: Option<&str> = None;
 

@@ -10,26 +10,11 @@
 //! from one keeps its open files. Last use is the time of a usage mark (`.used/<key>`, touched
 //! by each warm start), else the template's creation.
 
-use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::key::{KeyInputs, TemplateKey};
-use super::store::TemplateStore;
+use super::store::{Ceiling, TemplateStore};
 use super::TemplateError;
-
-/// What the store may hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ceiling {
-    pub max_templates: usize,
-    pub max_bytes: u64,
-    pub max_idle: Duration,
-}
-
-impl Default for Ceiling {
-    fn default() -> Self {
-        Self { max_templates: 32, max_bytes: 32 << 30, max_idle: Duration::from_secs(14 * 24 * 3600) }
-    }
-}
 
 /// Room a pass must leave for a template about to be built: one more template of about
 /// `bytes` (its guest memory: the memory file's upper bound).
@@ -157,12 +142,6 @@ fn remove(store: &TemplateStore, entry: &Entry, why: Why, collection: &mut Colle
         collection.removed.push(Removed { key: entry.key.clone(), bytes: entry.bytes, why });
     }
     Ok(true)
-}
-
-/// Disk use of the files in `dir` (allocated blocks), not following links.
-pub(super) fn allocated_bytes(dir: &std::path::Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-    entries.flatten().filter_map(|e| std::fs::symlink_metadata(e.path()).ok()).map(|m| m.blocks() * 512).sum()
 }
 
 #[cfg(test)]

@@ -19,10 +19,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use backoff::{BuildFailure, BACKOFF_BASE, BACKOFF_CAP};
-pub use collect::{collect, Ceiling, Collection, Room};
+pub use collect::{collect, Collection, Room};
 pub use flight::{build, build_unless, obtain, obtain_at, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
 pub use key::{memory_bucket_mib, KeyInputs, KeySources, TemplateKey};
-pub use store::{Listed, Lookup, Template, TemplateStore};
+pub use store::{Ceiling, Listed, Lookup, Template, TemplateStore};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {

@@ -24,12 +24,12 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg, RenameFlags};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::collect::Ceiling;
 use super::key::{KeyInputs, TemplateKey};
 use super::TemplateError;
 
@@ -137,6 +137,26 @@ impl Drop for Staging {
 #[derive(Debug, Clone)]
 pub struct KeyLock {
     _lock: std::sync::Arc<Flock<File>>,
+}
+
+/// What the store may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceiling {
+    pub max_templates: usize,
+    pub max_bytes: u64,
+    pub max_idle: Duration,
+}
+
+impl Default for Ceiling {
+    fn default() -> Self {
+        Self { max_templates: 32, max_bytes: 32 << 30, max_idle: Duration::from_secs(14 * 24 * 3600) }
+    }
+}
+
+/// Disk use of the files in `dir` (allocated blocks), not following links.
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries.flatten().filter_map(|e| std::fs::symlink_metadata(e.path()).ok()).map(|m| m.blocks() * 512).sum()
 }
 
 /// The template cache at one root.
@@ -374,7 +394,7 @@ impl TemplateStore {
 
     /// Disk use of `key`'s template (allocated blocks of its files).
     pub fn disk_bytes(&self, key: &TemplateKey) -> u64 {
-        super::collect::allocated_bytes(&self.root.join(key.as_str()))
+        allocated_bytes(&self.root.join(key.as_str()))
     }
 
     /// Records a warm start from `key`'s template now (best effort: collection falls back to the
