@@ -1,5 +1,5 @@
 //! Builds the `vm` backend's snapshot templates ([`TemplateBuilder`]). A template's VM is booted
-//! exactly as a pod's ([`super::launch`]: the jail, the pod's device set, a virtiofsd of its own
+//! exactly as a pod's ([`super::launch::launch`]: the jail, the pod's device set, a virtiofsd of its own
 //! over an empty share, and for a key with NICs, taps on placeholder links in a network
 //! namespace of its own: [`PlaceholderNetns`]), but with no pod: it runs until the agent says it listens
 //! (its console's [`READY_LINE`]), before any SetupSandbox, so the share is not mounted and no
@@ -23,11 +23,12 @@ use bulkhead_vmm_api::restore::{MEMORY_FILE, STATE_FILE};
 use tracing::info;
 
 use super::api::VmmApi;
+use super::cleanup;
 use super::console::open_log;
+use super::launch::{launch, start_failure, Launched, Origin, Started};
 use super::pod_dirs::VmLayout;
 use super::shape::VmShape;
 use super::template::{KeyInputs, TemplateBuilder};
-use super::{cleanup, launch, Launched, Origin, Started};
 use crate::config::Config;
 use crate::network::placeholder::PlaceholderNetns;
 use crate::sandbox::cgroups::PodCgroup;
@@ -133,7 +134,7 @@ async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
     let Launched { vmm, virtiofsd, layout, .. } = launched;
     let started = Instant::now();
     if let Err(why) = wait_ready(&layout.console_log(), vmm).await {
-        let err = super::start_failure(&why, vmm, virtiofsd, layout, None).await;
+        let err = start_failure(&why, vmm, virtiofsd, layout, None).await;
         return Err(format!("the template VM never got ready: {err}"));
     }
     let booted = started.elapsed();
@@ -144,7 +145,7 @@ async fn snapshot(launched: &Launched, dir: &Path) -> Result<(), String> {
             Some(exit) => format!("the VMM had exited with status {}{}", exit.status, vmm.said()),
             None => "the VMM was running".into(),
         };
-        let err = super::start_failure(&format!("snapshot: {e} ({vmm_state})"), vmm, virtiofsd, layout, None).await;
+        let err = start_failure(&format!("snapshot: {e} ({vmm_state})"), vmm, virtiofsd, layout, None).await;
         return Err(err.to_string());
     }
     let written = host_path(layout, JAIL_SNAPSHOT_DIR);
