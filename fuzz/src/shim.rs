@@ -5,6 +5,7 @@
 
 use bulkhead_protocol::agent as pb;
 use bulkhead_shim::config::{Backend, Config};
+use bulkhead_shim::sandbox::emptydir::size_limits;
 use bulkhead_shim::spec::{self, BundleSpec};
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use protobuf::Message;
@@ -97,7 +98,7 @@ fn emptydir_limits(spec: &BundleSpec) {
     use bulkhead_shim::sandbox::emptydir::{EmptyDirPolicy, Volume};
     if let Ok(limits) = spec.emptydir_size_limits(MAX_EMPTYDIR_BYTES) {
         assert!(limits.values().all(|b| (MIN_EMPTYDIR_BYTES..=MAX_EMPTYDIR_BYTES).contains(b)));
-        assert!(limits.keys().all(|name| spec::is_volume_name(name)));
+        assert!(limits.keys().all(|name| size_limits::is_volume_name(name)));
     }
     let Ok(policy) = EmptyDirPolicy::for_pod(&EmptyDirConfig::default(), spec) else { return };
     let mounts = spec.spec().mounts().iter().flatten();
@@ -105,7 +106,7 @@ fn emptydir_limits(spec: &BundleSpec) {
         if let Volume::EmptyDir { name } | Volume::SubPath { name, .. } = policy.classify(path) {
             let uid = spec.pod_uid().unwrap_or_default();
             let source = path.display().to_string();
-            assert!(source.contains(&format!("/pods/{uid}/")) && spec::is_volume_name(name), "{source}");
+            assert!(source.contains(&format!("/pods/{uid}/")) && size_limits::is_volume_name(name), "{source}");
         }
     }
 }

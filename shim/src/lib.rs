@@ -22,11 +22,13 @@
 //!   metadata block) and the pod's DNS config.
 //! - [`sandbox`]: the backend trait, `namespace` and `vm`; [`logrelay`] carries their helper
 //!   processes' output into the shim log.
+//! - [`annotations`]: the sandbox spec's annotations the shim reads, CRI's and bulkhead's.
 //! - For operators: [`metrics`] (per-pod Prometheus endpoint, RPC timing), [`observe`] (the pod
 //!   record), [`procfs`] (process usage), and [`ctl`], the library of the `bulkhead-ctl` binary,
 //!   which reads the same config and state.
 
 pub mod agent;
+pub mod annotations;
 pub mod config;
 pub mod container;
 pub mod ctl;

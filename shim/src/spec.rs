@@ -14,41 +14,12 @@ use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{Hooks, LinuxNamespace, LinuxNamespaceType, Process, Spec};
 
+use crate::annotations::{
+    CONTAINER_TYPE, EMPTYDIR_SIZE_LIMITS, SANDBOX_CPU_PERIOD, SANDBOX_CPU_QUOTA, SANDBOX_ID, SANDBOX_LOG_DIRECTORY,
+    SANDBOX_MEMORY, SANDBOX_NAME, SANDBOX_NAMESPACE, SANDBOX_UID,
+};
 use crate::config::Backend;
-
-/// CRI annotation: "sandbox" or "container".
-pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
-/// CRI annotation: the pod sandbox id of a container.
-pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
-/// CRI annotations: the Kubernetes name and namespace of the pod.
-pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
-pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
-
-/// CRI annotations of the pod's sandbox-level resources (containerd 1.6.7+; kubelet sums the
-/// containers' requests and limits): CFS quota and period in microseconds, memory in bytes.
-pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
-pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
-pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
-/// CRI annotation: the pod's log directory, where a sandbox may write logs of its own
-/// (kubelet removes it with the pod).
-pub const SANDBOX_LOG_DIRECTORY: &str = "io.kubernetes.cri.sandbox-log-directory";
-
-/// CRI annotation: the Kubernetes pod's UID (containerd 1.6+), which names the pod's directory
-/// under kubelet's root (`<root>/pods/<uid>/volumes/...`).
-pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
-
-/// Pod annotation: size limits of the pod's emptyDir volumes, `name=quantity` pairs separated
-/// by commas (`"scratch=1Gi, cache=500Mi"`), as an operator or a mutating webhook copies them
-/// from the volumes' `sizeLimit` (CRI carries no sizeLimit). One annotation for all volumes,
-/// not one per volume: containerd passes a pod annotation to the shim only when it matches the
-/// handler's `pod_annotations` with Go's `path.Match`, where `*` never matches `/`, so the
-/// installer's `bulkhead.io/*` admits `bulkhead.io/<name>` and nothing deeper; and a per-volume
-/// key `bulkhead.io/<prefix><volume>` would not fit every volume name (63 characters) into
-/// Kubernetes' 63-character name part.
-pub const EMPTYDIR_SIZE_LIMITS: &str = "bulkhead.io/emptydir-size-limits";
-/// Upper bounds of that annotation: its length and its number of volumes.
-const MAX_SIZE_LIMITS_BYTES: usize = 8 << 10;
-const MAX_SIZE_LIMITS_VOLUMES: usize = 128;
+use crate::sandbox::emptydir::size_limits::parse_size_limits;
 
 /// The pod's sandbox-level resources; `None` where containerd passes nothing (or zero: no limit).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -334,59 +305,6 @@ fn has_hooks(hooks: &Hooks) -> bool {
     ]
     .into_iter()
     .any(|list| list.as_ref().is_some_and(|l| !l.is_empty()))
-}
-
-/// Whether `name` is a Kubernetes volume name: a DNS-1123 label (1 to 63 of `a-z`, `0-9` and
-/// `-`, starting and ending alphanumeric). So it is also a safe file name.
-pub fn is_volume_name(name: &str) -> bool {
-    let alnum = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    let bytes = name.as_bytes();
-    (1..=63).contains(&bytes.len())
-        && bytes.iter().all(|b| alnum(b) || *b == b'-')
-        && bytes.first().is_some_and(alnum)
-        && bytes.last().is_some_and(alnum)
-}
-
-/// Parses [`EMPTYDIR_SIZE_LIMITS`]'s value: `name=quantity` pairs separated by commas, spaces
-/// allowed around a pair, each name a volume name at most once, each size a Kubernetes
-/// quantity between [`MIN_EMPTYDIR_BYTES`] and `max` (at most [`MAX_EMPTYDIR_BYTES`]).
-///
-/// [`MIN_EMPTYDIR_BYTES`]: crate::config::MIN_EMPTYDIR_BYTES
-/// [`MAX_EMPTYDIR_BYTES`]: crate::config::MAX_EMPTYDIR_BYTES
-pub fn parse_size_limits(value: &str, max: u64) -> Result<BTreeMap<String, u64>, String> {
-    use crate::config::{MAX_EMPTYDIR_BYTES, MIN_EMPTYDIR_BYTES};
-    use crate::quantity::{format_bytes, parse_bytes};
-    if value.len() > MAX_SIZE_LIMITS_BYTES {
-        return Err(format!("longer than {MAX_SIZE_LIMITS_BYTES} bytes"));
-    }
-    let max = max.min(MAX_EMPTYDIR_BYTES);
-    let mut limits = BTreeMap::new();
-    for (n, pair) in value.split(',').enumerate() {
-        let pair = pair.trim_matches(' ');
-        let Some((name, size)) = pair.split_once('=') else {
-            return Err(format!("entry {} {pair:?} is not name=size (e.g. \"scratch=1Gi, cache=500Mi\")", n + 1));
-        };
-        if !is_volume_name(name) {
-            return Err(format!(
-                "{name:?} is not a volume name (1-63 of a-z, 0-9 and '-', starting and ending alphanumeric)"
-            ));
-        }
-        let bytes = parse_bytes(size).map_err(|e| format!("volume {name}: {e}"))?;
-        if !(MIN_EMPTYDIR_BYTES..=max).contains(&bytes) {
-            return Err(format!(
-                "volume {name}: {size} is outside {}..={} (the node's emptydir.max_size_limit or bulkhead's bounds)",
-                format_bytes(MIN_EMPTYDIR_BYTES),
-                format_bytes(max)
-            ));
-        }
-        if limits.insert(name.to_string(), bytes).is_some() {
-            return Err(format!("volume {name} is named twice"));
-        }
-        if limits.len() > MAX_SIZE_LIMITS_VOLUMES {
-            return Err(format!("more than {MAX_SIZE_LIMITS_VOLUMES} volumes"));
-        }
-    }
-    Ok(limits)
 }
 
 /// The host's LSM labels, which name profiles and contexts of the host's AppArmor or SELinux
@@ -783,7 +701,6 @@ mod tests {
         // The node's ceiling: an annotation above it is refused, naming the ceiling.
         let err = parse_size_limits("scratch=2Gi", 1 << 30).unwrap_err();
         assert!(err.contains("outside 1Mi..=1Gi"), "{err}");
-        assert!(is_volume_name(&"a".repeat(63)) && !is_volume_name(&"a".repeat(64)));
     }
 
     #[test]

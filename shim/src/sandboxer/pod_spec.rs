@@ -11,7 +11,7 @@ use k8s_cri::v1::{DnsConfig, NamespaceMode, PodSandboxConfig};
 use oci_spec::runtime::{LinuxBuilder, LinuxNamespace, LinuxNamespaceBuilder, LinuxNamespaceType, Mount, Spec};
 use prost::Message as _;
 
-use crate::spec::{
+use crate::annotations::{
     CONTAINER_TYPE, SANDBOX_CPU_PERIOD, SANDBOX_CPU_QUOTA, SANDBOX_ID, SANDBOX_LOG_DIRECTORY, SANDBOX_MEMORY,
     SANDBOX_NAME, SANDBOX_NAMESPACE, SANDBOX_UID,
 };
@@ -240,7 +240,7 @@ mod tests {
         assert_eq!(spec.sysctls(), vec![("net.ipv4.ip_unprivileged_port_start".to_string(), "0".to_string())]);
         let resources = spec.pod_resources();
         assert_eq!((resources.cpus, resources.memory_bytes), (Some(2), Some(256 << 20)));
-        assert_eq!(spec.annotation(crate::spec::EMPTYDIR_SIZE_LIMITS), Some("scratch=1Gi"));
+        assert_eq!(spec.annotation(crate::annotations::EMPTYDIR_SIZE_LIMITS), Some("scratch=1Gi"));
         assert_eq!(spec.annotation("other.io/x"), None, "only bulkhead.io/ pod annotations pass, as the installer's");
         let netns = spec.validate_sandbox(Backend::Namespace).unwrap();
         assert_eq!(netns, Some("/var/run/netns/cni-1".into()));

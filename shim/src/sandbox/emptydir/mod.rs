@@ -7,7 +7,7 @@
 //! **Which mounts, which limits** ([`EmptyDirPolicy`]). CRI carries no sizeLimit, and an
 //! emptyDir reaches the shim as a bind mount of kubelet's directory
 //! `<kubelet root>/pods/<pod uid>/volumes/kubernetes.io~empty-dir/<volume name>`. The limits come
-//! from the pod annotation [`crate::spec::EMPTYDIR_SIZE_LIMITS`] (`scratch=1Gi, cache=500Mi`:
+//! from the pod annotation [`crate::annotations::EMPTYDIR_SIZE_LIMITS`] (`scratch=1Gi, cache=500Mi`:
 //! an operator or a mutating webhook copies the volumes' `sizeLimit` there; containerd passes it
 //! because the installer's handler allows `bulkhead.io/*`), else from the shim config's
 //! `emptydir.default_size_limit`; `emptydir.max_size_limit` caps both. A bind source is that
@@ -57,6 +57,7 @@
 
 pub mod image;
 pub mod loopdev;
+pub mod size_limits;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -71,10 +72,12 @@ use nix::unistd::{fchown, unlinkat, Gid, Uid, UnlinkatFlags};
 use oci_spec::runtime::Spec;
 use tracing::{info, warn};
 
+use self::size_limits::is_volume_name;
 use super::mounts::is_bind;
 use super::paths::PodPaths;
+use crate::annotations::EMPTYDIR_SIZE_LIMITS;
 use crate::config::{EmptyDirConfig, MAX_EMPTYDIR_BYTES};
-use crate::spec::{is_volume_name, BundleSpec, SpecError, EMPTYDIR_SIZE_LIMITS};
+use crate::spec::{BundleSpec, SpecError};
 
 /// kubelet's directory of a pod's emptyDir volumes, below `<root>/pods/<uid>/volumes/`.
 const EMPTY_DIR_PLUGIN: &str = "kubernetes.io~empty-dir";
@@ -391,7 +394,7 @@ mod tests {
     }
 
     fn policy(annotation: Option<&str>, default: Option<u64>) -> EmptyDirPolicy {
-        let mut annotations = json!({crate::spec::SANDBOX_UID: UID});
+        let mut annotations = json!({crate::annotations::SANDBOX_UID: UID});
         if let Some(value) = annotation {
             annotations[EMPTYDIR_SIZE_LIMITS] = json!(value);
         }
@@ -448,14 +451,17 @@ mod tests {
         let no_uid = bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi"}}));
         let err = EmptyDirPolicy::for_pod(&config, &no_uid).unwrap_err().to_string();
         assert!(err.contains(EMPTYDIR_SIZE_LIMITS) && err.contains("pod UID"), "{err}");
-        let bad_uid =
-            bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: "../x"}}));
+        let bad_uid = bundle(
+            json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::annotations::SANDBOX_UID: "../x"}}),
+        );
         assert!(EmptyDirPolicy::for_pod(&config, &bad_uid).is_err());
         // No annotation, no uid: nothing to enforce, nothing refused.
         let plain = bundle(json!({}));
         assert!(EmptyDirPolicy::for_pod(&config, &plain).unwrap().is_unlimited());
         let capped = EmptyDirConfig { max_size_limit: Some(ByteSize(16 << 20)), ..Default::default() };
-        let big = bundle(json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::spec::SANDBOX_UID: UID}}));
+        let big = bundle(
+            json!({"annotations": {EMPTYDIR_SIZE_LIMITS: "scratch=32Mi", crate::annotations::SANDBOX_UID: UID}}),
+        );
         let err = EmptyDirPolicy::for_pod(&capped, &big).unwrap_err().to_string();
         assert!(err.contains("outside 1Mi..=16Mi"), "{err}");
     }
