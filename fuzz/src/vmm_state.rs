@@ -5,52 +5,18 @@ use std::sync::Arc;
 
 use bulkhead_vmm::config::{BlockConfig, LinkState, NetConfig};
 use bulkhead_vmm::snapshot::file as state_file;
-use bulkhead_vmm::snapshot::state::{FpuState, KvmVmState, VcpuState, VmState, XSAVE_WORDS};
+use bulkhead_vmm::snapshot::state::VmState;
 
 use crate::*;
 
 /// This host's CPU as the snapshot decoder sees it in the `snapshot_state` target.
 const FUZZ_CPU: (&str, &[u8; 32]) = ("FuzzCPU", &[7; 32]);
 
-/// A small valid state (one vCPU, a serial port, no virtio devices), to mutate.
+/// The VMM's own small valid state (one vCPU, no virtio devices), as this host's CPU, to mutate.
 fn sample_state() -> VmState {
-    use bulkhead_vmm::config::{BootSource, RawFormat, RawGuestConfig, ValidConfig};
-    use bulkhead_vmm::device_manager::persist::DevicesState;
-    let config = ValidConfig {
-        boot: BootSource::Raw(RawGuestConfig { image: "/g".into(), format: RawFormat::Elf, load_addr: 0x10_0000 }),
-        vcpus: 1,
-        mem_bytes: 32 << 20,
-        serial_log: None,
-        vsock: None,
-        block: vec![],
-        fs: vec![],
-        net: vec![],
-        api_socket: None,
-        balloon: None,
-    };
-    let vcpu = VcpuState {
-        id: 0,
-        cpuid: vec![kvm_bindings::kvm_cpuid_entry2 { function: 1, ..Default::default() }],
-        mp_state: Default::default(),
-        regs: Default::default(),
-        sregs: Default::default(),
-        fpu: FpuState::default(),
-        xsave: vec![0; XSAVE_WORDS],
-        xcrs: None,
-        debugregs: Default::default(),
-        lapic: None,
-        msrs: vec![kvm_bindings::kvm_msr_entry { index: 0x10, ..Default::default() }],
-        vcpu_events: Default::default(),
-        tsc_khz: None,
-    };
-    VmState {
-        config,
-        host_cpu: "FuzzCPU".into(),
-        mem_file_bytes: 32 << 20,
-        vm: KvmVmState { irqchip: None, pit: None, clock: Default::default() },
-        vcpus: vec![vcpu],
-        devices: DevicesState { serial: Default::default(), i8042: Default::default(), virtio: vec![] },
-    }
+    let mut state = bulkhead_vmm::snapshot::sample::sample_state();
+    state.host_cpu = FUZZ_CPU.0.into();
+    state
 }
 
 /// The snapshot state-file decoder, three ways by the first byte: the input as a whole file

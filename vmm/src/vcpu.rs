@@ -474,7 +474,7 @@ mod tests {
             let c = c.clone();
             std::thread::spawn(move || {
                 c.park(0, |msrs| {
-                    let mut s = crate::snapshot::file::tests::sample_state().vcpus.remove(0);
+                    let mut s = crate::snapshot::sample::sample_state().vcpus.remove(0);
                     s.msrs.truncate(msrs.len());
                     Ok((s, vec![0x99]))
                 })

@@ -13,6 +13,8 @@
 pub mod cpu;
 pub mod file;
 pub mod kvm;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod sample;
 pub mod state;
 
 /// The two files of a snapshot directory.
