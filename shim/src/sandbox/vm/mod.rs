@@ -127,11 +127,13 @@ impl VmSandbox {
         cleanup(&paths).await;
         let mut started = Started::default();
         let mut phases = StartPhases::begin();
-        let template = warm::template_for(config, &req).await;
+        // Once per start: it keys the template and sizes the VM that boots or restores.
+        let shape = VmShape::for_pod(&config.vm, &req.resources).inspect_err(|e| warn!("{e}"))?;
+        let template = warm::template_for(config, &req, shape).await;
         phases.mark("template");
         let booted = match template {
             Some((store, template)) => {
-                match Self::boot(config, &req, &paths, &mut started, Some(&template.dir), &mut phases).await {
+                match Self::boot(config, &req, &paths, &mut started, shape, Some(&template.dir), &mut phases).await {
                     Err(BootFailure::Restore(e)) => {
                         // The VMM would not restore it, or its guest never answered: moved aside
                         // (the next pod rebuilds it), and this pod boots cold.
@@ -139,12 +141,12 @@ impl VmSandbox {
                         started.stop().await;
                         cleanup(&paths).await;
                         started = Started::default();
-                        Self::boot(config, &req, &paths, &mut started, None, &mut phases).await
+                        Self::boot(config, &req, &paths, &mut started, shape, None, &mut phases).await
                     }
                     other => other,
                 }
             }
-            None => Self::boot(config, &req, &paths, &mut started, None, &mut phases).await,
+            None => Self::boot(config, &req, &paths, &mut started, shape, None, &mut phases).await,
         };
         match booted.map_err(BootFailure::into_error) {
             Ok(Booted { agent, vmm, virtiofsd, network }) => {
@@ -180,10 +182,10 @@ impl VmSandbox {
         req: &SandboxRequest,
         paths: &PodPaths,
         started: &mut Started,
+        shape: VmShape,
         template: Option<&Path>,
         phases: &mut StartPhases,
     ) -> Result<Booted, BootFailure> {
-        let shape = VmShape::for_pod(&config.vm, &req.resources).map_err(BootFailure::Start)?;
         // From now, ahead of the VMM's and virtiofsd's joins of the pod's cgroups: see the module.
         let primer = CgroupPrimer::start();
         let Launched { vmm, virtiofsd: fsd, network, layout } =

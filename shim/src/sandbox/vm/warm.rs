@@ -24,9 +24,9 @@ use crate::sandbox::SandboxRequest;
 /// How long a pod waits for another pod's build of its template before it boots cold.
 const TEMPLATE_WAIT: Duration = Duration::from_secs(30);
 
-/// The template to restore `req`'s VM from, with its store; `None`: boot cold (the reason is
-/// logged).
-pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(TemplateStore, Template)> {
+/// The template to restore `req`'s VM of `shape` from, with its store; `None`: boot cold (the
+/// reason is logged).
+pub async fn template_for(config: &Config, req: &SandboxRequest, shape: VmShape) -> Option<(TemplateStore, Template)> {
     if !config.vm.start.warm_here() {
         return None;
     }
@@ -40,7 +40,6 @@ pub async fn template_for(config: &Config, req: &SandboxRequest) -> Option<(Temp
             }
         },
     };
-    let shape = VmShape::for_pod(&config.vm, &req.resources).ok()?;
     // A few shared shapes, not one template per distinct limit (key.rs).
     let memory_mib = memory_bucket_mib(shape.mem_mib, bulkhead_vmm_api::config::MAX_MEM_MIB)?;
     let vm = config.vm.clone();
