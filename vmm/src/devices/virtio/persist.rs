@@ -81,6 +81,53 @@ impl TryFrom<QueueState> for Queue {
     }
 }
 
+/// What every virtio device's saved state has in common: the features its driver acked, its
+/// live queues (empty while inactive) and whether it was broken. Each device's state keeps these
+/// fields where format 4 put them (the layout test pins the encoding) and lends them through its
+/// `common()`; [`VirtioCommonState::restore`] is the one restore rule they all go through.
+#[derive(Debug, Clone, Copy)]
+pub struct VirtioCommonState<'a> {
+    pub acked_features: u64,
+    pub queues: &'a [QueueState],
+    pub broken: bool,
+}
+
+/// What a device's common state comes back as.
+#[derive(Debug)]
+pub enum CommonRestore {
+    /// It was broken when the snapshot was taken, and stays so until the driver resets it.
+    Broken(DeviceError),
+    Inactive,
+    /// Its live queues, checked.
+    Active(Vec<Queue>),
+}
+
+impl VirtioCommonState<'_> {
+    /// The checked restore of untrusted saved state: the acked features must be among those the
+    /// device `offered`, else the restore is refused; a broken device stays broken; no queues
+    /// means inactive; otherwise one queue per `max_sizes` entry, each with exactly that maximum,
+    /// ready and inside guest memory ([`restore_active_queues`]).
+    pub fn restore(
+        &self,
+        offered: u64,
+        max_sizes: &[u16],
+        mem: &GuestMemoryMmap,
+    ) -> Result<CommonRestore, VirtioPersistError> {
+        if self.acked_features & !offered != 0 {
+            return Err(VirtioPersistError::Features { acked: self.acked_features, offered });
+        }
+        if self.broken {
+            return Ok(CommonRestore::Broken(DeviceError::Request(
+                "the device was broken when the snapshot was taken".into(),
+            )));
+        }
+        if self.queues.is_empty() {
+            return Ok(CommonRestore::Inactive);
+        }
+        restore_active_queues(self.queues, max_sizes, mem).map(CommonRestore::Active)
+    }
+}
+
 /// Rebuilds live queues from saved ones: one per queue the device has, each within the device's
 /// maximum, ready and inside guest memory.
 pub fn restore_active_queues(
@@ -203,6 +250,30 @@ impl Persist for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::chain::test_utils::{mem, TestQueue};
+
+    fn common(acked_features: u64, queues: &[QueueState], broken: bool) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features, queues, broken }
+    }
+
+    #[test]
+    fn the_common_restore_checks_features_breakage_and_every_queue() {
+        let mem = mem();
+        let live = [QueueState::from(&TestQueue::new(0x1000, 8).device_queue(256)); 2];
+        let refused = common(0b101, &live, false).restore(0b001, &[256, 256], &mem).unwrap_err();
+        assert_eq!(refused, VirtioPersistError::Features { acked: 0b101, offered: 0b001 });
+        assert!(matches!(common(1, &live, true).restore(1, &[256, 256], &mem), Ok(CommonRestore::Broken(_))));
+        assert!(matches!(common(1, &[], false).restore(1, &[256, 256], &mem), Ok(CommonRestore::Inactive)));
+        let Ok(CommonRestore::Active(queues)) = common(1, &live, false).restore(1, &[256, 256], &mem) else {
+            panic!("two good queues")
+        };
+        assert_eq!(queues.len(), 2);
+        // A saved maximum other than the device's, or a missing queue, is refused.
+        let err = common(1, &live, false).restore(1, &[256, 128], &mem).unwrap_err();
+        assert!(matches!(err, VirtioPersistError::Queue { index: 1, .. }), "{err}");
+        let err = common(1, &live[..1], false).restore(1, &[256, 256], &mem).unwrap_err();
+        assert_eq!(err, VirtioPersistError::QueueCount { expected: 2, got: 1 });
+    }
 
     #[test]
     fn queue_snapshot_roundtrips_through_json() {

@@ -10,8 +10,8 @@ use vm_memory::GuestMemoryMmap;
 use super::device::{Active, Balloon, QUEUE_SIZES, VIRTIO_BALLOON_F_REPORTING};
 use super::metrics::BalloonCounters;
 use crate::config::BalloonConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
-use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
+use crate::devices::virtio::persist::{CommonRestore, QueueState, VirtioCommonState, VirtioPersistError};
+use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -24,6 +24,12 @@ pub struct BalloonState {
     pub queues: Vec<QueueState>,
     pub broken: bool,
     pub counters: BalloonCounters,
+}
+
+impl BalloonState {
+    pub fn common(&self) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features: self.acked_features, queues: &self.queues, broken: self.broken }
+    }
 }
 
 /// What a restored balloon needs from the new process.
@@ -62,23 +68,16 @@ impl Persist for Balloon {
             )));
         }
         let mut dev = Balloon::new(&args.cfg).map_err(|e| VirtioPersistError::Backend(e.to_string()))?;
-        let offered = dev.avail_features();
-        if s.acked_features & !offered != 0 {
-            return Err(VirtioPersistError::Features { acked: s.acked_features, offered });
-        }
+        // A live device has exactly the queues its negotiated features call for.
+        let live = if s.acked_features & VIRTIO_BALLOON_F_REPORTING != 0 { 3 } else { 2 };
+        dev.state = match s.common().restore(dev.avail_features(), &QUEUE_SIZES[..live], &args.mem)? {
+            CommonRestore::Broken(e) => DeviceState::Broken(e),
+            CommonRestore::Inactive => DeviceState::Inactive,
+            CommonRestore::Active(queues) => DeviceState::Active(Active { mem: args.mem, queues, irq: args.irq }),
+        };
         dev.acked_features = s.acked_features;
         dev.actual = s.actual;
         dev.counters = s.counters;
-        dev.state = if s.broken {
-            DeviceState::Broken(DeviceError::Request("the device was broken when the snapshot was taken".into()))
-        } else if s.queues.is_empty() {
-            DeviceState::Inactive
-        } else {
-            // A live device has exactly the queues its negotiated features call for.
-            let live = if s.acked_features & VIRTIO_BALLOON_F_REPORTING != 0 { 3 } else { 2 };
-            let queues = restore_active_queues(&s.queues, &QUEUE_SIZES[..live], &args.mem)?;
-            DeviceState::Active(Active { mem: args.mem, queues, irq: args.irq })
-        };
         Ok(dev)
     }
 }

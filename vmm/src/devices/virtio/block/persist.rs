@@ -11,8 +11,8 @@ use vmm_sys_util::eventfd::EventFd;
 use super::device::{Active, Block, QUEUE_SIZES};
 use super::packet::SECTOR_SIZE;
 use crate::config::BlockConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
-use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
+use crate::devices::virtio::persist::{CommonRestore, QueueState, VirtioCommonState, VirtioPersistError};
+use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -24,6 +24,12 @@ pub struct BlockState {
     /// Empty while the device is inactive.
     pub queues: Vec<QueueState>,
     pub broken: bool,
+}
+
+impl BlockState {
+    pub fn common(&self) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features: self.acked_features, queues: &self.queues, broken: self.broken }
+    }
 }
 
 /// What a restored block device needs from the new process.
@@ -83,20 +89,15 @@ impl Persist for Block {
             state: DeviceState::Inactive,
             logs: Default::default(),
         };
-        let offered = dev.avail_features();
-        if s.acked_features & !offered != 0 {
-            return Err(VirtioPersistError::Features { acked: s.acked_features, offered });
-        }
-        dev.acked_features = s.acked_features;
-        dev.state = if s.broken {
-            DeviceState::Broken(DeviceError::Request("the device was broken when the snapshot was taken".into()))
-        } else if s.queues.is_empty() {
-            DeviceState::Inactive
-        } else {
-            let mut queues = restore_active_queues(&s.queues, &QUEUE_SIZES, &args.mem)?;
-            let queue = queues.pop().ok_or(VirtioPersistError::QueueCount { expected: 1, got: 0 })?;
-            DeviceState::Active(Active { mem: args.mem, queue, irq: args.irq })
+        dev.state = match s.common().restore(dev.avail_features(), &QUEUE_SIZES, &args.mem)? {
+            CommonRestore::Broken(e) => DeviceState::Broken(e),
+            CommonRestore::Inactive => DeviceState::Inactive,
+            CommonRestore::Active(mut queues) => {
+                let queue = queues.pop().ok_or(VirtioPersistError::QueueCount { expected: 1, got: 0 })?;
+                DeviceState::Active(Active { mem: args.mem, queue, irq: args.irq })
+            }
         };
+        dev.acked_features = s.acked_features;
         Ok(dev)
     }
 }

@@ -19,8 +19,9 @@ use vm_memory::GuestMemoryMmap;
 use super::device::Fs;
 use super::worker::BackendThreads;
 use super::AVAIL_FEATURES;
+use super::NUM_QUEUES;
 use crate::config::FsConfig;
-use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
+use crate::devices::virtio::persist::{CommonRestore, QueueState, VirtioCommonState, VirtioPersistError};
 use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
@@ -35,6 +36,12 @@ pub struct FsState {
     /// driver (the restored relay restarts there). Empty while inactive.
     pub vrings: Vec<QueueState>,
     pub broken: bool,
+}
+
+impl FsState {
+    pub fn common(&self) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features: self.acked_features, queues: &self.vrings, broken: self.broken }
+    }
 }
 
 /// What a restore needs besides the snapshot.
@@ -78,17 +85,18 @@ impl Persist for Fs {
                 state.tag, state.queue_size, args.cfg.tag, args.cfg.queue_size
             )));
         }
-        if state.acked_features & !AVAIL_FEATURES != 0 {
-            return Err(VirtioPersistError::Features { acked: state.acked_features, offered: AVAIL_FEATURES });
-        }
+        // Checked before the backend's threads start (the queue sizes are the config's, checked above).
+        let max_sizes = [state.queue_size; NUM_QUEUES];
+        let restored = state.common().restore(AVAIL_FEATURES, &max_sizes, &args.mem)?;
         let mut fs = Fs::new(&args.cfg, args.index, args.threads)
             .map_err(|e| VirtioPersistError::Backend(format!("backend threads: {e}")))?;
         fs.set_acked_features(state.acked_features);
-        if state.broken {
-            fs.mark_broken();
-        } else if !state.vrings.is_empty() {
-            let queues = restore_active_queues(&state.vrings, fs.queue_max_sizes(), &args.mem)?;
-            fs.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
+        match restored {
+            CommonRestore::Broken(_) => fs.mark_broken(),
+            CommonRestore::Inactive => {}
+            CommonRestore::Active(queues) => {
+                fs.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?
+            }
         }
         Ok(fs)
     }

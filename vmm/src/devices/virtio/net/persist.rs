@@ -10,7 +10,7 @@ use vm_memory::GuestMemoryMmap;
 use super::device::{format_mac, Net};
 use super::tap::FrameIo;
 use crate::config::{LinkState, NetConfig, NetRateLimiterConfig};
-use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
+use crate::devices::virtio::persist::{CommonRestore, QueueState, VirtioCommonState, VirtioPersistError};
 use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
@@ -25,6 +25,12 @@ pub struct NetState {
     /// rx, tx; empty while inactive.
     pub queues: Vec<QueueState>,
     pub broken: bool,
+}
+
+impl NetState {
+    pub fn common(&self) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features: self.acked_features, queues: &self.queues, broken: self.broken }
+    }
 }
 
 /// What a restore needs besides the snapshot.
@@ -81,17 +87,14 @@ impl Persist for Net {
         };
         let mut net = Net::with_backend(&cfg, args.index, args.backend)
             .map_err(|e| VirtioPersistError::Backend(format!("tap {}: {e}", args.tap)))?;
-        let offered = net.avail_features();
-        if state.acked_features & !offered != 0 {
-            return Err(VirtioPersistError::Features { acked: state.acked_features, offered });
-        }
+        let restored = state.common().restore(net.avail_features(), net.queue_max_sizes(), &args.mem)?;
         net.set_acked_features(state.acked_features);
-        if !state.queues.is_empty() {
-            let queues = restore_active_queues(&state.queues, net.queue_max_sizes(), &args.mem)?;
-            net.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?;
-        }
-        if state.broken {
-            net.mark_broken();
+        match restored {
+            CommonRestore::Broken(_) => net.mark_broken(),
+            CommonRestore::Inactive => {}
+            CommonRestore::Active(queues) => {
+                net.activate(args.mem, queues, args.irq).map_err(VirtioPersistError::Activate)?
+            }
         }
         net.restored_link(state.link);
         Ok(net)

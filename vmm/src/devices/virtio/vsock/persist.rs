@@ -9,8 +9,10 @@ use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
 
 use super::device::{Active, Vsock, QUEUE_SIZES};
-use crate::devices::virtio::persist::{restore_active_queues, QueueState, VirtioPersistError};
-use crate::devices::virtio::{DeviceError, DeviceState, IrqTrigger, VirtioDevice};
+use crate::devices::virtio::persist::{
+    restore_active_queues, CommonRestore, QueueState, VirtioCommonState, VirtioPersistError,
+};
+use crate::devices::virtio::{DeviceState, IrqTrigger, VirtioDevice};
 use crate::persist::Persist;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -21,6 +23,12 @@ pub struct VsockState {
     /// rx, tx, event; empty while inactive.
     pub queues: Vec<QueueState>,
     pub broken: bool,
+}
+
+impl VsockState {
+    pub fn common(&self) -> VirtioCommonState<'_> {
+        VirtioCommonState { acked_features: self.acked_features, queues: &self.queues, broken: self.broken }
+    }
 }
 
 /// What a restored vsock device needs from the new process.
@@ -56,23 +64,23 @@ impl Persist for Vsock {
         }
         let mut dev = Vsock::new(s.guest_cid, &args.uds_path)
             .map_err(|e| VirtioPersistError::Backend(format!("vsock {}: {e}", args.uds_path.display())))?;
-        let offered = dev.avail_features();
-        if s.acked_features & !offered != 0 {
-            return Err(VirtioPersistError::Features { acked: s.acked_features, offered });
-        }
+        // The event queue may be unused (not ready); rx and tx must be live.
+        let restored = s.common().restore(dev.avail_features(), &QUEUE_SIZES, &args.mem).or_else(|e| match e {
+            VirtioPersistError::Queue { index: 2, .. } => {
+                restore_unused_event_queue(&s.queues, &args.mem).map(CommonRestore::Active)
+            }
+            e => Err(e),
+        })?;
         dev.acked_features = s.acked_features;
-        if s.broken {
-            dev.state =
-                DeviceState::Broken(DeviceError::Request("the device was broken when the snapshot was taken".into()));
-        } else if !s.queues.is_empty() {
-            // The event queue may be unused (not ready); rx and tx must be live.
-            let queues = restore_active_queues(&s.queues, &QUEUE_SIZES, &args.mem).or_else(|e| match e {
-                VirtioPersistError::Queue { index: 2, .. } => restore_unused_event_queue(&s.queues, &args.mem),
-                e => Err(e),
-            })?;
-            dev.state = DeviceState::Active(Active { mem: args.mem, queues, irq: args.irq, reset_event_pending: true });
-            // Every connection the guest had is gone: tell it now, or once it posts an event buffer.
-            dev.process_events();
+        match restored {
+            CommonRestore::Broken(e) => dev.state = DeviceState::Broken(e),
+            CommonRestore::Inactive => {}
+            CommonRestore::Active(queues) => {
+                dev.state =
+                    DeviceState::Active(Active { mem: args.mem, queues, irq: args.irq, reset_event_pending: true });
+                // Every connection the guest had is gone: tell it now, or once it posts an event buffer.
+                dev.process_events();
+            }
         }
         Ok(dev)
     }
