@@ -345,12 +345,7 @@ mod tests {
     /// Every command line the shim can write is one clap reads, to the same command.
     #[test]
     fn clap_reads_every_typed_command_line() {
-        let forms = [
-            Start::Boot { config: "/run/vm.json".into() },
-            Start::Restore { snapshot: "/snapshot".into(), restore_config: "/run/restore.json".into() },
-            Start::Prepare { snapshot: "/snapshot".into(), api_socket: "/run/api.sock".into() },
-        ];
-        for start in forms {
+        for start in bulkhead_vmm_api::command_line::every_start_form() {
             for jail in [None, Some(PathBuf::from("/a/jail.json"))] {
                 let typed = VmmCommand { start: start.clone(), jail, log_json: true };
                 let words = typed.to_args();

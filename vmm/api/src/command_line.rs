@@ -137,6 +137,16 @@ impl VmmCommand {
     }
 }
 
+/// One of each start form, with sample paths: for tests that must cover every form (here, and
+/// the VMM's check that its clap parser reads what [`VmmCommand::to_args`] writes).
+pub fn every_start_form() -> [Start; 3] {
+    [
+        Start::Boot { config: "/run/vm.json".into() },
+        Start::Restore { snapshot: "/snapshot".into(), restore_config: "/run/restore.json".into() },
+        Start::Prepare { snapshot: "/snapshot".into(), api_socket: "/run/api.sock".into() },
+    ]
+}
+
 /// The part of a jailed VMM's command line that names its jail document: a pod's alone, so
 /// `delete` recognises the pod's VMM by it.
 pub fn jail_identity(jail: &Path) -> [String; 2] {
@@ -153,12 +163,7 @@ mod tests {
 
     #[test]
     fn every_form_reads_back_as_written() {
-        let forms = [
-            Start::Boot { config: "/run/vm.json".into() },
-            Start::Restore { snapshot: "/snapshot".into(), restore_config: "/run/restore.json".into() },
-            Start::Prepare { snapshot: "/snapshot".into(), api_socket: "/run/api.sock".into() },
-        ];
-        for start in forms {
+        for start in every_start_form() {
             for jail in [None, Some(PathBuf::from("/a/jail.json"))] {
                 for log_json in [false, true] {
                     let command = VmmCommand { start: start.clone(), jail: jail.clone(), log_json };

@@ -104,26 +104,13 @@ pub(super) fn malformed(e: &MessageError) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::exit::ExitSignal;
-    use crate::vcpu::VcpuControl;
     use std::os::unix::net::UnixStream;
-    use std::sync::Arc;
 
     #[test]
     fn request_lines_are_cut_bounded_and_every_line_gets_an_answer() {
         let mut lines = RequestLines::default();
         lines.push(b"{\"cmd\":\"info\"}\n\xff\n{\"cmd\":");
-        let c = VmController {
-            control: Arc::new(VcpuControl::new()),
-            exit: Arc::new(ExitSignal::new().unwrap()),
-            vcpus: 0,
-            mem_mib: 64,
-            irqchip: true,
-            start_unix_ns: 5,
-            snapshots: None,
-            restore: None,
-            boot: None,
-        };
+        let c = VmController::idle(0);
         let answers: Vec<Response> = std::iter::from_fn(|| lines.next_line())
             .map(|line| {
                 let (answer, stop) = c.answer_line(&line);

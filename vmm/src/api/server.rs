@@ -43,6 +43,22 @@ pub struct VmController {
 }
 
 impl VmController {
+    /// A controller of `vcpus` vCPUs that never ran and takes no snapshot, for tests.
+    #[cfg(test)]
+    pub(crate) fn idle(vcpus: u8) -> Self {
+        Self {
+            control: Arc::new(VcpuControl::new()),
+            exit: Arc::new(ExitSignal::new().expect("an eventfd")),
+            vcpus,
+            mem_mib: 64,
+            irqchip: true,
+            start_unix_ns: 5,
+            snapshots: None,
+            restore: None,
+            boot: None,
+        }
+    }
+
     /// The encoded answer to one request line (without its newline), and the stop it asks for.
     pub fn answer_line(&self, line: &[u8]) -> (Vec<u8>, Option<ExitReason>) {
         let (resp, stop) = match parse_request(line) {
@@ -259,17 +275,7 @@ mod tests {
 
     #[test]
     fn controller_shutdown_and_info() {
-        let c = VmController {
-            control: Arc::new(VcpuControl::new()),
-            exit: Arc::new(ExitSignal::new().unwrap()),
-            vcpus: 2,
-            mem_mib: 64,
-            irqchip: true,
-            start_unix_ns: 5,
-            snapshots: None,
-            restore: None,
-            boot: None,
-        };
+        let c = VmController::idle(2);
         let info = c.handle(Request::Info).0.info.unwrap();
         assert_eq!((info.state, info.vcpus, info.first_kvm_run_unix_ns), (RunState::Running, 2, None));
         assert!(!c.handle(Request::Snapshot { dir: "/tmp/x".into() }).0.ok, "no snapshotter here");
