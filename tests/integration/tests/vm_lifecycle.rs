@@ -411,7 +411,17 @@ async fn vm_pods_run_their_vmms_as_ids_of_their_own() -> Result<()> {
             .filter_map(|e| jailed_vmm(&processes_with(&e.path().join("vm").display().to_string())))
             .collect::<Vec<_>>();
         if Instant::now() > deadline {
-            bail!("two jailed VMMs never ran under {state}: {vmms:?}");
+            // Say why: what each pod's RunPodSandbox answered if it already has, and what runs.
+            let mut answers = Vec::new();
+            for run in runs.iter_mut().filter(|r| r.is_finished()) {
+                answers.push(format!("{:?}", run.await));
+            }
+            bail!(
+                "two jailed VMMs never ran under {state}: {vmms:?}; finished RunPodSandbox calls: {answers:?}; \
+                 processes: {:?}; containerd's log:\n{}",
+                processes_with(&state),
+                env.containerd.log_tail(60)
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
