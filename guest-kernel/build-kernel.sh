@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the guest vmlinux from Debian's linux-source-6.12 and bulkhead.config.
+# Builds the guest vmlinux from Debian's linux-source-6.12, our patches (patches/*.patch, applied
+# in name order; each says what it fixes) and bulkhead.config.
 # The result is cached outside the checkout, keyed by a hash of the source package version, the
-# config fragment, this script and the config check, so CI and later runs reuse it. Prints the
-# vmlinux path on stdout.
+# patches, the config fragment, this script and the config check, so CI and later runs reuse it.
+# Prints the vmlinux path on stdout.
 #
 #   build-kernel.sh                         build (or reuse) the kernel
 #   build-kernel.sh --check-only [FRAGMENT] only configure: tinyconfig + FRAGMENT (default
@@ -27,9 +28,16 @@ if ! dpkg-query -W -f='${Status}' "$src_pkg" 2>/dev/null | grep -q "install ok i
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     "$src_pkg" bc bison flex libelf-dev libssl-dev xz-utils >&2
 fi
+if ! command -v patch >/dev/null; then
+  log "installing patch"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends patch >&2
+fi
 tarball=$(ls /usr/src/linux-source-6.12*.tar.xz | head -n 1)
 version=$(dpkg-query -W -f='${Version}' "$src_pkg")
-key=$(printf '%s\n' "$src_pkg=$version" | cat - "$fragment" "$0" "$here/check-config.py" | sha256sum | cut -c1-16)
+patches=("$here"/patches/*.patch)
+[[ -e ${patches[0]} ]] || patches=()
+key=$(printf '%s\n' "$src_pkg=$version" | cat - "${patches[@]}" "$fragment" "$0" "$here/check-config.py" \
+  | sha256sum | cut -c1-16)
 out="$cache/kernel-$key"
 if ((!check_only)) && [[ -s "$out/vmlinux" ]]; then
   log "cached: $out/vmlinux"
@@ -47,6 +55,10 @@ fi
 log "unpacking $tarball"
 tar -C "$work" -xf "$tarball"
 cd "$work"/linux-source-*
+for p in "${patches[@]}"; do
+  log "applying $(basename "$p")"
+  patch -s -p1 --forward <"$p" >&2
+done
 make -s tinyconfig >&2
 scripts/kconfig/merge_config.sh -m .config "$fragment" >&2
 make -s olddefconfig >&2
