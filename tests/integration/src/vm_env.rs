@@ -79,6 +79,55 @@ impl VmEnv {
     }
 }
 
+/// Lines of each guest console a failing test prints.
+const CONSOLE_LINES_ON_FAILURE: usize = 80;
+
+impl Drop for VmEnv {
+    /// A test that fails by panicking prints the end of every guest console still under the state
+    /// dir: a guest kernel oops, or the agent's last words, says more than the assertion.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for (pod, tail) in console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE) {
+                println!("guest console of pod {pod}, its last {CONSOLE_LINES_ON_FAILURE} lines:\n{tail}");
+            }
+        }
+    }
+}
+
+/// The last `lines` lines of each pod's guest console under `state_dir`, by pod id.
+pub fn console_tails(state_dir: &Path, lines: usize) -> Vec<(String, String)> {
+    let Ok(pods) = std::fs::read_dir(state_dir) else { return vec![] };
+    let mut out = vec![];
+    for pod in pods.flatten() {
+        let Ok(text) = std::fs::read(pod.path().join("vm/root/run/console.log")) else { continue };
+        let text = String::from_utf8_lossy(&text);
+        let all: Vec<&str> = text.lines().collect();
+        let tail = all[all.len().saturating_sub(lines)..]
+            .iter()
+            .map(|l| l.chars().take(240).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n");
+        out.push((pod.file_name().to_string_lossy().into_owned(), tail));
+    }
+    out
+}
+
+/// What the guest kernel prints when it faults or finds its own state corrupt (an oops, a BUG, a
+/// poisoned busy inode): a pod whose console shows one is broken even if it still answers.
+pub const GUEST_KERNEL_FAULTS: [&str; 5] =
+    ["Busy inodes after unmount", "BUG:", "Oops:", "general protection fault", "Kernel panic"];
+
+/// The lines of pod `pod_id`'s guest console (under `state_dir`) that say its kernel faulted.
+pub fn guest_kernel_faults(state_dir: &Path, pod_id: &str) -> Result<Vec<String>> {
+    let path = state_dir.join(pod_id).join("vm/root/run/console.log");
+    let text = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
+    Ok(String::from_utf8_lossy(&text)
+        .lines()
+        .filter(|l| GUEST_KERNEL_FAULTS.iter().any(|f| l.contains(f)))
+        .map(str::to_string)
+        .collect())
+}
+
 /// No process, mount or state of a pod whose state lived in `state_dir` is left on the host.
 pub async fn nothing_left(state_dir: &Path) -> Result<()> {
     let state = state_dir.display().to_string();
