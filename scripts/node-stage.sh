@@ -76,7 +76,7 @@ for line in open(sys.argv[1], errors="replace"):
 print(p, f)
 EOF
 )
-say "ran ${passed:-0} tests in the emulated node on bulkhead-vmm: ${passed:-0} passed, ${failed:-0} failed, node status $status, $(( $(date +%s) - started )) s"
+say "ran $(( ${passed:-0} + ${failed:-0} )) tests in the emulated node on bulkhead-vmm: ${passed:-0} passed, ${failed:-0} failed, node status $status, $(( $(date +%s) - started )) s"
 if ((status != 0)) || [[ ${passed:-0} == 0 ]]; then
   exit 1
 fi

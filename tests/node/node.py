@@ -16,7 +16,9 @@ powers it off. `tests` runs libtest binaries there, one after the other, each wi
 Both stream the command's output as it comes, and leave in DIR: `output.log` (the command's
 stdout and stderr), `status` (its exit status), `console.log` (the node's serial console) and
 `qemu.log`. The exit status is the command's; 124 when a bound ran out; 125 when the node never
-ran the command (the console's tail says why).
+ran the command (the console's tail says why). When the node's own kernel panics during `tests`,
+a new node runs the test binaries that had not finished, once, and the first node's console is
+kept as `console-node-panicked.log`.
 
 Every step is bounded, and the node dies with this script (PR_SET_PDEATHSIG on QEMU, which is
 also stopped by its PID when this script ends): nothing is left running on the host.
@@ -366,21 +368,73 @@ def cmd_run(opts):
     return run_node(opts, shlex.join(["bash", "-c", " ".join(opts.command)]))
 
 
-def cmd_tests(opts):
-    if not opts.command:
-        sys.exit("node: tests wants BINARY[::FILTER] arguments after --")
+# How the node's own kernel says it died (its console); a guest's panic is in the guest's console file.
+NODE_PANIC = "Kernel panic - not syncing"
+
+
+def tests_command(specs, per_binary_timeout, progress):
+    """The node's script for `specs`: each binary under its bound, its exit status appended to
+    `progress` (a path inside the node) once it ended."""
     lines = []
-    for spec in opts.command:
+    for i, spec in enumerate(specs):
         binary, _, filt = spec.partition("::")
-        if not os.access(binary, os.X_OK):
-            sys.exit(f"node: {binary} is not an executable test binary")
         name = os.path.basename(binary)
         words = [binary, "--test-threads=1", "--show-output"] + ([filt] if filt else [])
         # cargo's own header, so the summary script attributes the tests to their binary.
         lines.append(f"echo '     Running {name} ({binary})'")
-        lines.append(f"timeout -k 10 {opts.per_binary_timeout} {shlex.join(words)} || failed=1")
-    command = "failed=0\n" + "\n".join(lines) + "\n(exit $failed)"
-    return run_node(opts, command)
+        lines.append(f"timeout -k 10 {per_binary_timeout} {shlex.join(words)}; rc=$?")
+        lines.append(f"echo \"{i} $rc\" >>{shlex.quote(progress)}; [ $rc = 0 ] || failed=1")
+    return "failed=0\n" + "\n".join(lines) + "\n(exit $failed)"
+
+
+def ended(progress):
+    """The exit statuses of the specs that ended, in order, from a progress file."""
+    try:
+        with open(progress, encoding="utf-8") as f:
+            return [int(line.split()[1]) for line in f if len(line.split()) == 2]
+    except FileNotFoundError:
+        return []
+
+
+def node_panicked(console):
+    try:
+        with open(console, "rb") as f:
+            return [l for l in f.read().decode(errors="replace").splitlines() if NODE_PANIC in l]
+    except FileNotFoundError:
+        return []
+
+
+def cmd_tests(opts):
+    if not opts.command:
+        sys.exit("node: tests wants BINARY[::FILTER] arguments after --")
+    specs = list(opts.command)
+    for spec in specs:
+        binary = spec.partition("::")[0]
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"node: {binary} is not an executable test binary")
+    out = os.path.abspath(opts.out)
+    progress = os.path.join(out, "progress")
+    if os.path.exists(progress):
+        os.remove(progress)
+    status = run_node(opts, tests_command(specs, opts.per_binary_timeout, f"{NODE_OUT}/progress"))
+    panic = node_panicked(os.path.join(out, "console.log")) if status == 125 else []
+    if not panic:
+        return status
+    # The node's own kernel died: on these hosts that is QEMU's emulation of AMD-V failing the
+    # node (its vCPU threads overflow their stacks; tests/node/README.md), not a test's result.
+    # The test binary it was running never finished, so it has no result: a fresh node runs it
+    # and the rest, once, and this says so loudly. The first node's console is kept.
+    statuses = ended(progress)
+    left = specs[len(statuses):]
+    crashed = os.path.join(out, "console-node-panicked.log")
+    os.replace(os.path.join(out, "console.log"), crashed)
+    os.replace(progress, os.path.join(out, "progress-node-panicked"))
+    log(f"THE NODE'S KERNEL PANICKED ({panic[-1].strip()}) after {len(statuses)} of {len(specs)} test "
+        f"binaries; its console is {crashed}. A new node runs the {len(left)} left, once.")
+    status = run_node(opts, tests_command(left, opts.per_binary_timeout, f"{NODE_OUT}/progress"))
+    if status == 0 and any(rc != 0 for rc in statuses):
+        status = 1
+    return status
 
 
 def main():
