@@ -1,10 +1,11 @@
-//! Bounded collection of a descriptor chain. Every guest-supplied (address, length) is checked
-//! against guest memory, the chain length is capped and a chain that loops or runs off the table
-//! is reported instead of being silently truncated.
+//! Taking the driver's chains: the one `pop` every device uses, and the one bounded walk of a
+//! chain. Every guest-supplied (address, length) a device will access is checked against guest
+//! memory, the chain length is capped and a chain that loops or runs off the table is reported
+//! instead of being silently truncated.
 
 use std::ops::Deref;
 
-use virtio_queue::DescriptorChain;
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap};
 
 /// Longest chain any device here accepts.
@@ -22,6 +23,8 @@ pub enum ChainError {
     TooManyBytes { total: u64, limit: u64 },
     #[error("empty chain")]
     Empty,
+    #[error("available ring index is corrupt")]
+    AvailRing,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,22 +81,51 @@ where
     M: Deref,
     M::Target: GuestMemory,
 {
-    let mut out = Vec::new();
     let mut total = 0u64;
+    walk(chain, max_descs, |d| {
+        total += u64::from(d.len);
+        if total > max_bytes {
+            return Err(ChainError::TooManyBytes { total, limit: max_bytes });
+        }
+        if !GuestMemoryBackend::check_range(mem, d.addr, d.len as usize) {
+            return Err(ChainError::OutOfRange { addr: d.addr.0, len: d.len });
+        }
+        Ok(())
+    })
+}
+
+/// Walks a chain whose descriptors name guest memory instead of carrying bytes the device
+/// accesses (the balloon's free page reports): what they name is the device's own business to
+/// check, so only the walk is bounded here.
+pub fn collect_names<M>(chain: DescriptorChain<M>) -> Result<Vec<Desc>, ChainError>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    walk(chain, MAX_CHAIN_DESCRIPTORS, |_| Ok(()))
+}
+
+/// The one walk: at most `max_descs` descriptors, each passed to `check` as it comes, and the
+/// chain must end and carry at least one.
+fn walk<M>(
+    chain: DescriptorChain<M>,
+    max_descs: usize,
+    mut check: impl FnMut(&Desc) -> Result<(), ChainError>,
+) -> Result<Vec<Desc>, ChainError>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    let mut out = Vec::new();
     let mut last_has_next = false;
     for d in chain {
         if out.len() >= max_descs {
             return Err(ChainError::TooLong(max_descs));
         }
-        total += u64::from(d.len());
-        if total > max_bytes {
-            return Err(ChainError::TooManyBytes { total, limit: max_bytes });
-        }
-        if !GuestMemoryBackend::check_range(mem, d.addr(), d.len() as usize) {
-            return Err(ChainError::OutOfRange { addr: d.addr().0, len: d.len() });
-        }
+        let desc = Desc { addr: d.addr(), len: d.len(), writable: d.is_write_only() };
+        check(&desc)?;
         last_has_next = d.has_next();
-        out.push(Desc { addr: d.addr(), len: d.len(), writable: d.is_write_only() });
+        out.push(desc);
     }
     if last_has_next {
         return Err(ChainError::Unterminated);
@@ -102,6 +134,16 @@ where
         return Err(ChainError::Empty);
     }
     Ok(out)
+}
+
+/// The driver's next chain on `q`, if it posted one. An avail index more than the queue's size
+/// ahead is a fatal guest error, not "nothing yet".
+pub fn pop<'m>(
+    q: &mut Queue,
+    mem: &'m GuestMemoryMmap,
+) -> Result<Option<DescriptorChain<&'m GuestMemoryMmap>>, ChainError> {
+    let mut it = q.iter(mem).map_err(|_| ChainError::AvailRing)?;
+    Ok(it.next())
 }
 
 #[cfg(test)]

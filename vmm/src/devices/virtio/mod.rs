@@ -87,10 +87,20 @@ pub enum DeviceError {
     Request(String),
     #[error("guest memory access failed: {0}")]
     Memory(String),
-    #[error("available ring index is corrupt")]
-    AvailRing,
     #[error("vhost-user backend failed: {0}")]
     Backend(String),
+}
+
+impl DeviceError {
+    /// A guest memory access failed (for `map_err`).
+    pub fn memory(e: impl std::fmt::Display) -> Self {
+        Self::Memory(e.to_string())
+    }
+
+    /// The driver's request broke the device's rules (for `map_err`).
+    pub fn request(e: impl std::fmt::Display) -> Self {
+        Self::Request(e.to_string())
+    }
 }
 
 /// What a virtio device must offer the transport.

@@ -13,13 +13,13 @@
 //! What the guest reports goes back to the host (`discard.rs`) before the buffer is used: the
 //! driver may reuse the pages as soon as it sees the buffer come back (spec 5.5.6.5).
 
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::discard::discard;
 use super::metrics::BalloonCounters;
-use super::packet::{parse_pfns, parse_report, walk, Pages, MAX_PFN_CHAIN_BYTES};
+use super::packet::{parse_pfns, parse_report, Pages, MAX_PFN_CHAIN_BYTES};
 use crate::config::BalloonConfig;
 use crate::devices::virtio::chain;
 use crate::devices::virtio::{
@@ -142,19 +142,6 @@ impl Balloon {
     }
 }
 
-fn mem_err(e: impl std::fmt::Display) -> DeviceError {
-    DeviceError::Memory(e.to_string())
-}
-
-/// The next available chain, if any. A corrupt avail index is a fatal guest error.
-fn pop<'m>(
-    q: &mut Queue,
-    mem: &'m GuestMemoryMmap,
-) -> Result<Option<DescriptorChain<&'m GuestMemoryMmap>>, DeviceError> {
-    let mut it = q.iter(mem).map_err(|_| DeviceError::AvailRing)?;
-    Ok(it.next())
-}
-
 fn serve(
     a: &mut Active,
     queue: usize,
@@ -165,12 +152,12 @@ fn serve(
     let q = &mut a.queues[queue];
     let mut pass = Pass::default();
     for _ in 0..MAX_CHAINS_PER_PASS {
-        let Some(chain) = pop(q, &mem)? else { return Ok(pass) };
+        let Some(chain) = chain::pop(q, &mem)? else { return Ok(pass) };
         let head = chain.head_index();
         match queue {
             INFLATEQ => {
                 let descs = chain::collect(chain, &mem, MAX_PFN_CHAIN_BYTES)?;
-                let pages = parse_pfns(&descs, &mem).map_err(mem_err)?;
+                let pages = parse_pfns(&descs, &mem).map_err(DeviceError::memory)?;
                 counters.inflated_pages += pages.bytes() / super::packet::PAGE_SIZE;
                 give_back(&mem, &pages, counters, logs);
             }
@@ -181,7 +168,7 @@ fn serve(
                 counters.deflate_buffers += 1;
             }
             _ => {
-                let pages = parse_report(&walk(chain)?, &mem);
+                let pages = parse_report(&chain::collect_names(chain)?, &mem);
                 counters.reports += 1;
                 counters.reported_bytes = counters.reported_bytes.saturating_add(pages.named_bytes);
                 give_back(&mem, &pages, counters, logs);
@@ -201,7 +188,7 @@ fn serve(
             }
         }
         // The device writes nothing into these buffers.
-        q.add_used(&mem, head, 0).map_err(mem_err)?;
+        q.add_used(&mem, head, 0).map_err(DeviceError::memory)?;
         pass.used = true;
     }
     pass.more = true;

@@ -9,12 +9,9 @@
 //!
 //! Boundaries: no syscalls here; `discard.rs` gives the ranges back to the host.
 
-use std::ops::Deref;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use virtio_queue::DescriptorChain;
-use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
-
-use crate::devices::virtio::chain::{ChainError, Desc, MAX_CHAIN_DESCRIPTORS};
+use crate::devices::virtio::chain::Desc;
 
 /// The unit of everything the balloon gives back. x86-64 hosts and guests both use 4 KiB base
 /// pages, and balloon PFNs are 4 KiB units whatever the guest's page size (spec 5.5.6).
@@ -166,37 +163,11 @@ pub fn parse_pfns(descs: &[Desc], mem: &GuestMemoryMmap) -> Result<Pages, vm_mem
     Ok(pages)
 }
 
-/// Walks a report chain without reading what its descriptors point at: a report names memory
-/// to drop, not a buffer the device accesses, so an address outside guest RAM is a rejected
-/// range (`parse_report`), not a malformed chain. Only the walk itself is bounded here: at most
-/// [`MAX_CHAIN_DESCRIPTORS`], and it must end.
-pub fn walk<M>(chain: DescriptorChain<M>) -> Result<Vec<Desc>, ChainError>
-where
-    M: Deref,
-    M::Target: GuestMemory,
-{
-    let mut out = Vec::new();
-    let mut last_has_next = false;
-    for d in chain {
-        if out.len() >= MAX_CHAIN_DESCRIPTORS {
-            return Err(ChainError::TooLong(MAX_CHAIN_DESCRIPTORS));
-        }
-        last_has_next = d.has_next();
-        out.push(Desc { addr: d.addr(), len: d.len(), writable: d.is_write_only() });
-    }
-    if last_has_next {
-        return Err(ChainError::Unterminated);
-    }
-    if out.is_empty() {
-        return Err(ChainError::Empty);
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::devices::virtio::chain::test_utils::{desc as d, mem, TestQueue, F_NEXT, F_WRITE};
+    use crate::devices::virtio::chain::{ChainError, MAX_CHAIN_DESCRIPTORS};
     use virtio_queue::QueueOwnedT;
 
     const MIB: u64 = 1 << 20;
@@ -351,7 +322,7 @@ mod tests {
     fn walked(m: &GuestMemoryMmap, tq: &TestQueue) -> Result<Vec<Desc>, ChainError> {
         let mut q = tq.queue();
         let chain = q.iter(m).unwrap().next().unwrap();
-        walk(chain)
+        crate::devices::virtio::chain::collect_names(chain)
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -87,19 +87,16 @@ fn serve(a: &mut Active, file: &File, read_only: bool, capacity: u64) -> Result<
     let mut done = 0;
     // Bounded by the queue size: the avail index check rejects more than `size` pending chains.
     for _ in 0..=a.queue.size() {
-        let chain = {
-            let mut it = a.queue.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
-            match it.next() {
-                Some(c) => c,
-                None => return Ok(done),
-            }
+        let chain = match chain::pop(&mut a.queue, &mem)? {
+            Some(c) => c,
+            None => return Ok(done),
         };
         let head = chain.head_index();
         let descs = chain::collect(chain, &mem, MAX_REQUEST_BYTES + 17)?;
-        let req = Request::parse(&descs, &mem).map_err(|e| DeviceError::Request(e.to_string()))?;
+        let req = Request::parse(&descs, &mem).map_err(DeviceError::request)?;
         let (status, written) = execute(&req, &mem, file, read_only, capacity)?;
-        mem.write_obj(status, req.status_addr).map_err(|e| DeviceError::Memory(e.to_string()))?;
-        a.queue.add_used(&mem, head, written + 1).map_err(|e| DeviceError::Memory(e.to_string()))?;
+        mem.write_obj(status, req.status_addr).map_err(DeviceError::memory)?;
+        a.queue.add_used(&mem, head, written + 1).map_err(DeviceError::memory)?;
         done += 1;
     }
     Ok(done)

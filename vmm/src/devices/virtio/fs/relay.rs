@@ -25,7 +25,7 @@
 use std::sync::atomic::{fence, Ordering};
 
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
-use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::NUM_QUEUES;
@@ -66,8 +66,6 @@ pub enum RelayError {
     Order { head: u16 },
     #[error("chain {head} carries no bytes")]
     Empty { head: u16 },
-    #[error("available ring index is corrupt")]
-    AvailRing,
     #[error("guest memory access failed: {0}")]
     Guest(String),
     #[error("the backend published used index {published}, {ahead} entries past the last one seen")]
@@ -368,13 +366,7 @@ impl Relay {
 
 /// Pops the driver's next chain and checks it: bounded descriptors and bytes, readable first.
 fn next_chain(queue: &mut Queue, mem: &GuestMemoryMmap, max_bytes: u64) -> Result<Option<Taken>, RelayError> {
-    let chain = {
-        let mut it = queue.iter(mem).map_err(|_| RelayError::AvailRing)?;
-        match it.next() {
-            Some(c) => c,
-            None => return Ok(None),
-        }
-    };
+    let Some(chain) = chain::pop(queue, mem)? else { return Ok(None) };
     let head = chain.head_index();
     let descs = chain::collect_up_to(chain, mem, max_bytes, MAX_CHAIN_DESCS)?;
     let split = descs.iter().position(|d| d.writable).unwrap_or(descs.len());

@@ -10,7 +10,7 @@ use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MTU, VIRTIO_NET_F_STATUS,
     VIRTIO_NET_S_LINK_UP,
 };
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -279,23 +279,6 @@ fn note_drop(name: &str, drops: &mut LogThrottle, why: &'static str, error: Opti
 
 type DropFn<'a> = dyn FnMut(&'static str, Option<&io::Error>) + 'a;
 
-fn mem_err(e: impl std::fmt::Display) -> DeviceError {
-    DeviceError::Memory(e.to_string())
-}
-
-fn req_err(e: impl std::fmt::Display) -> DeviceError {
-    DeviceError::Request(e.to_string())
-}
-
-/// The next available chain, if any. A corrupt avail index is a fatal guest error.
-fn pop<'m>(
-    q: &mut Queue,
-    mem: &'m GuestMemoryMmap,
-) -> Result<Option<DescriptorChain<&'m GuestMemoryMmap>>, DeviceError> {
-    let mut it = q.iter(mem).map_err(|_| DeviceError::AvailRing)?;
-    Ok(it.next())
-}
-
 fn drain_tx(
     a: &mut Active,
     io: &mut dyn FrameIo,
@@ -310,10 +293,10 @@ fn drain_tx(
         if limiter.is_blocked() {
             return Ok(pass);
         }
-        let Some(chain) = pop(&mut a.tx, &mem)? else { return Ok(pass) };
+        let Some(chain) = chain::pop(&mut a.tx, &mem)? else { return Ok(pass) };
         let head = chain.head_index();
         let descs = chain::collect(chain, &mem, MAX_BUFFER_LEN as u64)?;
-        read_tx(&descs, &mem, offloads, buf).map_err(req_err)?;
+        read_tx(&descs, &mem, offloads, buf).map_err(DeviceError::request)?;
         if !limiter.consume((buf.len() - VNET_HDR_LEN) as u64) {
             a.tx.go_to_previous_position();
             return Ok(pass);
@@ -321,7 +304,7 @@ fn drain_tx(
         if let Err(e) = io.write_frame(buf) {
             drop("tap refused a guest frame", Some(&e));
         }
-        a.tx.add_used(&mem, head, 0).map_err(mem_err)?;
+        a.tx.add_used(&mem, head, 0).map_err(DeviceError::memory)?;
         pass.used = true;
     }
     pass.more = true;
@@ -363,7 +346,7 @@ fn fill_rx(
                 }
             },
         };
-        let Some(chain) = pop(&mut a.rx, &mem)? else {
+        let Some(chain) = chain::pop(&mut a.rx, &mem)? else {
             // Backpressure: keep the frame, leave the rest in the tap until the guest posts
             // buffers (its RX notify brings us back).
             *pending = Some(len);
@@ -371,7 +354,7 @@ fn fill_rx(
         };
         let head = chain.head_index();
         let descs = chain::collect(chain, &mem, MAX_RX_CHAIN_LEN)?;
-        if rx_capacity(&descs).map_err(req_err)? < len {
+        if rx_capacity(&descs).map_err(DeviceError::request)? < len {
             drop("guest RX buffer smaller than the frame", None);
             a.rx.go_to_previous_position();
             continue;
@@ -381,8 +364,8 @@ fn fill_rx(
             *pending = Some(len);
             return Ok(pass);
         }
-        let written = write_rx(&descs, &mem, &buf[..len]).map_err(req_err)?;
-        a.rx.add_used(&mem, head, written).map_err(mem_err)?;
+        let written = write_rx(&descs, &mem, &buf[..len]).map_err(DeviceError::request)?;
+        a.rx.add_used(&mem, head, written).map_err(DeviceError::memory)?;
         pass.used = true;
     }
     pass.more = true;

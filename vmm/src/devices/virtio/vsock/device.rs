@@ -111,17 +111,14 @@ fn drain_tx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError>
     let q = &mut a.queues[TXQ];
     let mut used = false;
     for _ in 0..=q.size() {
-        let chain = {
-            let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
-            match it.next() {
-                Some(c) => c,
-                None => break,
-            }
+        let chain = match chain::pop(q, &mem)? {
+            Some(c) => c,
+            None => break,
         };
         let head = chain.head_index();
         let descs = chain::collect(chain, &mem, MAX_CHAIN_BYTES)?;
-        let pkt = TxPacket::parse(&descs, &mem).map_err(|e| DeviceError::Request(e.to_string()))?;
-        q.add_used(&mem, head, 0).map_err(|e| DeviceError::Memory(e.to_string()))?;
+        let pkt = TxPacket::parse(&descs, &mem).map_err(DeviceError::request)?;
+        q.add_used(&mem, head, 0).map_err(DeviceError::memory)?;
         used = true;
         muxer.send_from_guest(pkt);
     }
@@ -135,21 +132,17 @@ fn post_event(a: &mut Active, _: &mut VsockMuxer) -> Result<bool, DeviceError> {
         return Ok(false);
     }
     let mem = a.mem.clone();
-    let chain = {
-        let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
-        match it.next() {
-            Some(c) => c,
-            None => return Ok(false), // no buffer yet: wait for the guest's notify
-        }
+    let chain = match chain::pop(q, &mem)? {
+        Some(c) => c,
+        None => return Ok(false), // no buffer yet: wait for the guest's notify
     };
     let head = chain.head_index();
     let descs = chain::collect(chain, &mem, MAX_EVENT_CHAIN_BYTES)?;
     if descs.iter().any(|d| !d.writable) || chain::total_len(&descs) < EVENT_LEN as u64 {
         return Err(DeviceError::Request("event buffer is not a writable 4-byte buffer".into()));
     }
-    chain::scatter(&VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes(), &descs, &mem)
-        .map_err(|e| DeviceError::Memory(e.to_string()))?;
-    q.add_used(&mem, head, EVENT_LEN).map_err(|e| DeviceError::Memory(e.to_string()))?;
+    chain::scatter(&VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes(), &descs, &mem).map_err(DeviceError::memory)?;
+    q.add_used(&mem, head, EVENT_LEN).map_err(DeviceError::memory)?;
     a.reset_event_pending = false;
     tracing::info!(device = "vsock", "guest told that the transport was reset");
     Ok(true)
@@ -163,20 +156,17 @@ fn fill_rx(a: &mut Active, muxer: &mut VsockMuxer) -> Result<bool, DeviceError> 
         if !muxer.has_rx() {
             break;
         }
-        let chain = {
-            let mut it = q.iter(&mem).map_err(|_| DeviceError::AvailRing)?;
-            match it.next() {
-                Some(c) => c,
-                None => break, // no buffers: wait for the guest's RX notify
-            }
+        let chain = match chain::pop(q, &mem)? {
+            Some(c) => c,
+            None => break, // no buffers: wait for the guest's RX notify
         };
         let head = chain.head_index();
         let descs = chain::collect(chain, &mem, MAX_CHAIN_BYTES)?;
-        let room = rx_capacity(&descs).map_err(|e| DeviceError::Request(e.to_string()))?;
+        let room = rx_capacity(&descs).map_err(DeviceError::request)?;
         match muxer.next_rx(room) {
             Some((hdr, data)) => {
-                let n = write_rx(&descs, &mem, &hdr, &data).map_err(|e| DeviceError::Request(e.to_string()))?;
-                q.add_used(&mem, head, n).map_err(|e| DeviceError::Memory(e.to_string()))?;
+                let n = write_rx(&descs, &mem, &hdr, &data).map_err(DeviceError::request)?;
+                q.add_used(&mem, head, n).map_err(DeviceError::memory)?;
                 used = true;
             }
             None => {
