@@ -18,7 +18,7 @@ use bulkhead_protocol::{ports, PROTOCOL_VERSION};
 use tokio::net::UnixStream;
 
 #[derive(Debug, thiserror::Error)]
-pub enum AgentError {
+pub enum AgentClientError {
     #[error("agent at {socket}: connect: {source}")]
     Dial { socket: PathBuf, source: HandshakeError },
     #[error("agent speaks protocol version {agent}, the shim speaks {PROTOCOL_VERSION}")]
@@ -34,14 +34,14 @@ pub enum AgentError {
 /// Longest error text of the agent's that the shim passes on (containerd logs it, CRI shows it).
 pub const MAX_AGENT_ERROR: usize = 4096;
 
-impl AgentError {
+impl AgentClientError {
     /// The ttrpc status code the agent answered with, if it answered at all, and if it is one
     /// the agent may use: a guest cannot make containerd believe the shim is unimplemented,
     /// unauthenticated or out of resources on the host, nor send a code out of range.
     pub fn code(&self) -> Option<ttrpc::Code> {
         use ttrpc::Code;
         match self {
-            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => Some(match status.code() {
+            AgentClientError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => Some(match status.code() {
                 code @ (Code::CANCELLED
                 | Code::INVALID_ARGUMENT
                 | Code::DEADLINE_EXCEEDED
@@ -62,16 +62,16 @@ impl AgentError {
     /// then beyond the shim's reach through this agent.
     pub fn is_transport(&self) -> bool {
         match self {
-            AgentError::Rpc { source, .. } => !matches!(source, ttrpc::Error::RpcStatus(_)),
-            AgentError::Dial { .. } | AgentError::Stream { .. } => true,
-            AgentError::Version { .. } | AgentError::BadReply { .. } => false,
+            AgentClientError::Rpc { source, .. } => !matches!(source, ttrpc::Error::RpcStatus(_)),
+            AgentClientError::Dial { .. } | AgentClientError::Stream { .. } => true,
+            AgentClientError::Version { .. } | AgentClientError::BadReply { .. } => false,
         }
     }
 
     /// The agent's own words for an RPC error, else the whole error.
     pub fn message(&self) -> String {
         match self {
-            AgentError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => status.message().to_string(),
+            AgentClientError::Rpc { source: ttrpc::Error::RpcStatus(status), .. } => status.message().to_string(),
             other => other.to_string(),
         }
     }
@@ -96,8 +96,8 @@ pub struct AgentExit {
 
 /// Checks the agent's exit report: an exit status 0..=255, or 128+signal. (Public for the fuzz
 /// crate's `agent_reply` target, as the other checks of guest-made replies here.)
-pub fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentError> {
-    let bad = |what: String| AgentError::BadReply { method: "WaitProcess", what };
+pub fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, AgentClientError> {
+    let bad = |what: String| AgentClientError::BadReply { method: "WaitProcess", what };
     let code = u32::try_from(reply.exit_code).map_err(|_| bad(format!("negative exit code {}", reply.exit_code)))?;
     if code > 255 {
         return Err(bad(format!("exit code {code} out of range")));
@@ -109,9 +109,9 @@ pub fn exit_from_reply(reply: &pb::WaitProcessResponse) -> Result<AgentExit, Age
 }
 
 /// An OOM event must at least name a well-formed container id.
-pub fn check_oom_event(event: pb::OomEvent) -> Result<pb::OomEvent, AgentError> {
+pub fn check_oom_event(event: pb::OomEvent) -> Result<pb::OomEvent, AgentClientError> {
     bulkhead_protocol::stream::validate_id(&event.container_id)
-        .map_err(|e| AgentError::BadReply { method: "GetOomEvent", what: format!("container id: {e}") })?;
+        .map_err(|e| AgentClientError::BadReply { method: "GetOomEvent", what: format!("container id: {e}") })?;
     Ok(event)
 }
 
@@ -126,7 +126,7 @@ pub struct AgentClient {
 
 /// Wraps an RPC failure; an agent's error text is cut at [`MAX_AGENT_ERROR`] bytes here, once,
 /// so no log line, event or CRI answer carries more of it.
-fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentError {
+fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentClientError {
     move |source| {
         let source = match source {
             ttrpc::Error::RpcStatus(mut status) if status.message.len() > MAX_AGENT_ERROR => {
@@ -135,7 +135,7 @@ fn rpc_err(method: &'static str) -> impl FnOnce(ttrpc::Error) -> AgentError {
             }
             other => other,
         };
-        AgentError::Rpc { method, source }
+        AgentClientError::Rpc { method, source }
     }
 }
 
@@ -153,10 +153,10 @@ pub fn bounded_text(text: &str, max: usize) -> String {
 
 impl AgentClient {
     /// Dials the agent's ttrpc port over its hybrid-vsock socket and checks the version.
-    pub async fn connect(socket: &Path, timeouts: Timeouts) -> Result<Self, AgentError> {
+    pub async fn connect(socket: &Path, timeouts: Timeouts) -> Result<Self, AgentClientError> {
         let stream = handshake::dial_unix(socket, ports::AGENT_TTRPC, timeouts.connect)
             .await
-            .map_err(|source| AgentError::Dial { socket: socket.into(), source })?;
+            .map_err(|source| AgentClientError::Dial { socket: socket.into(), source })?;
         // A reply frame that declares too much or stalls half-way fails the connection instead of
         // blocking every RPC on it (ttrpc alone waits forever for the rest of a frame).
         let stream = FrameGuard::new(stream, HOST_FRAME_STALL);
@@ -174,14 +174,14 @@ impl AgentClient {
             .await
             .map_err(rpc_err("Version"))?;
         if reply.protocol_version != PROTOCOL_VERSION {
-            return Err(AgentError::Version { agent: reply.protocol_version });
+            return Err(AgentClientError::Version { agent: reply.protocol_version });
         }
         Ok(Self { raw, socket: socket.into(), timeouts, agent_version: reply.agent_version, mode: reply.mode })
     }
 
     /// A Version call on the open connection: the agent still answers (metrics, health).
     /// Returns the output bytes the agent has dropped so far.
-    pub async fn ping(&self) -> Result<u64, AgentError> {
+    pub async fn ping(&self) -> Result<u64, AgentClientError> {
         let req = pb::VersionRequest {
             protocol_version: PROTOCOL_VERSION,
             client: format!("containerd-shim-bulkhead-v2 {}", env!("CARGO_PKG_VERSION")),
@@ -189,7 +189,7 @@ impl AgentClient {
         };
         let reply = self.raw.version(self.ctx(), &req).await.map_err(rpc_err("Version"))?;
         if reply.protocol_version != PROTOCOL_VERSION {
-            return Err(AgentError::Version { agent: reply.protocol_version });
+            return Err(AgentClientError::Version { agent: reply.protocol_version });
         }
         Ok(reply.dropped_output_bytes)
     }
@@ -198,12 +198,12 @@ impl AgentClient {
         ttrpc::context::with_timeout(self.timeouts.rpc.as_nanos() as i64)
     }
 
-    pub async fn setup_sandbox(&self, req: pb::SetupSandboxRequest) -> Result<(), AgentError> {
+    pub async fn setup_sandbox(&self, req: pb::SetupSandboxRequest) -> Result<(), AgentClientError> {
         self.raw.setup_sandbox(self.ctx(), &req).await.map_err(rpc_err("SetupSandbox"))?;
         Ok(())
     }
 
-    pub async fn destroy_sandbox(&self, grace: Duration) -> Result<(), AgentError> {
+    pub async fn destroy_sandbox(&self, grace: Duration) -> Result<(), AgentClientError> {
         let req = pb::DestroySandboxRequest {
             timeout_ms: grace.as_millis().min(u32::MAX as u128) as u32,
             ..Default::default()
@@ -214,24 +214,24 @@ impl AgentClient {
         Ok(())
     }
 
-    pub async fn create_container(&self, req: pb::CreateContainerRequest) -> Result<u32, AgentError> {
+    pub async fn create_container(&self, req: pb::CreateContainerRequest) -> Result<u32, AgentClientError> {
         let reply = self.raw.create_container(self.ctx(), &req).await.map_err(rpc_err("CreateContainer"))?;
         Ok(reply.pid)
     }
 
-    pub async fn start_container(&self, container_id: &str) -> Result<u32, AgentError> {
+    pub async fn start_container(&self, container_id: &str) -> Result<u32, AgentClientError> {
         let req = pb::StartContainerRequest { container_id: container_id.into(), ..Default::default() };
         let reply = self.raw.start_container(self.ctx(), &req).await.map_err(rpc_err("StartContainer"))?;
         Ok(reply.pid)
     }
 
-    pub async fn remove_container(&self, container_id: &str, force: bool) -> Result<(), AgentError> {
+    pub async fn remove_container(&self, container_id: &str, force: bool) -> Result<(), AgentClientError> {
         let req = pb::RemoveContainerRequest { container_id: container_id.into(), force, ..Default::default() };
         self.raw.remove_container(self.ctx(), &req).await.map_err(rpc_err("RemoveContainer"))?;
         Ok(())
     }
 
-    pub async fn exec_process(&self, req: pb::ExecProcessRequest) -> Result<u32, AgentError> {
+    pub async fn exec_process(&self, req: pb::ExecProcessRequest) -> Result<u32, AgentClientError> {
         let reply = self.raw.exec_process(self.ctx(), &req).await.map_err(rpc_err("ExecProcess"))?;
         Ok(reply.pid)
     }
@@ -242,7 +242,7 @@ impl AgentClient {
         exec_id: Option<&str>,
         signal: u32,
         all: bool,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), AgentClientError> {
         let req = pb::SignalProcessRequest {
             container_id: container_id.into(),
             exec_id: exec_id.unwrap_or_default().into(),
@@ -255,7 +255,7 @@ impl AgentClient {
     }
 
     /// Waits for a process to exit; no deadline (a workload may run for months).
-    pub async fn wait_process(&self, container_id: &str, exec_id: Option<&str>) -> Result<AgentExit, AgentError> {
+    pub async fn wait_process(&self, container_id: &str, exec_id: Option<&str>) -> Result<AgentExit, AgentClientError> {
         let req = pb::WaitProcessRequest {
             container_id: container_id.into(),
             exec_id: exec_id.unwrap_or_default().into(),
@@ -272,7 +272,7 @@ impl AgentClient {
         exec_id: Option<&str>,
         cols: u32,
         rows: u32,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), AgentClientError> {
         let req = pb::ResizePtyRequest {
             container_id: container_id.into(),
             exec_id: exec_id.unwrap_or_default().into(),
@@ -284,7 +284,7 @@ impl AgentClient {
         Ok(())
     }
 
-    pub async fn close_stdin(&self, container_id: &str, exec_id: Option<&str>) -> Result<(), AgentError> {
+    pub async fn close_stdin(&self, container_id: &str, exec_id: Option<&str>) -> Result<(), AgentClientError> {
         let req = pb::CloseStdinRequest {
             container_id: container_id.into(),
             exec_id: exec_id.unwrap_or_default().into(),
@@ -294,7 +294,7 @@ impl AgentClient {
         Ok(())
     }
 
-    pub async fn stats(&self, container_id: &str) -> Result<pb::StatsResponse, AgentError> {
+    pub async fn stats(&self, container_id: &str) -> Result<pb::StatsResponse, AgentClientError> {
         let req = pb::StatsRequest { container_id: container_id.into(), ..Default::default() };
         self.raw.stats(self.ctx(), &req).await.map_err(rpc_err("Stats"))
     }
@@ -303,7 +303,7 @@ impl AgentClient {
         pb::ContainerRequest { container_id: container_id.into(), ..Default::default() }
     }
 
-    pub async fn pause_container(&self, container_id: &str) -> Result<(), AgentError> {
+    pub async fn pause_container(&self, container_id: &str) -> Result<(), AgentClientError> {
         self.raw
             .pause_container(self.ctx(), &Self::container_req(container_id))
             .await
@@ -311,7 +311,7 @@ impl AgentClient {
         Ok(())
     }
 
-    pub async fn resume_container(&self, container_id: &str) -> Result<(), AgentError> {
+    pub async fn resume_container(&self, container_id: &str) -> Result<(), AgentClientError> {
         self.raw
             .resume_container(self.ctx(), &Self::container_req(container_id))
             .await
@@ -319,21 +319,25 @@ impl AgentClient {
         Ok(())
     }
 
-    pub async fn update_container(&self, container_id: &str, resources_json: Vec<u8>) -> Result<(), AgentError> {
+    pub async fn update_container(&self, container_id: &str, resources_json: Vec<u8>) -> Result<(), AgentClientError> {
         let req =
             pb::UpdateContainerRequest { container_id: container_id.into(), resources_json, ..Default::default() };
         self.raw.update_container(self.ctx(), &req).await.map_err(rpc_err("UpdateContainer"))?;
         Ok(())
     }
 
-    pub async fn list_pids(&self, container_id: &str) -> Result<Vec<u32>, AgentError> {
+    pub async fn list_pids(&self, container_id: &str) -> Result<Vec<u32>, AgentClientError> {
         let reply =
             self.raw.list_pids(self.ctx(), &Self::container_req(container_id)).await.map_err(rpc_err("ListPids"))?;
         Ok(reply.pids)
     }
 
     /// One OOM long-poll: the first event after `after_seq`, or `None` after `wait`.
-    pub async fn next_oom_event(&self, after_seq: u64, wait: Duration) -> Result<Option<pb::OomEvent>, AgentError> {
+    pub async fn next_oom_event(
+        &self,
+        after_seq: u64,
+        wait: Duration,
+    ) -> Result<Option<pb::OomEvent>, AgentClientError> {
         let req = pb::GetOomEventRequest {
             after_seq,
             wait_ms: wait.as_millis().min(u32::MAX as u128) as u32,
@@ -350,18 +354,18 @@ impl AgentClient {
         container_id: &str,
         exec_id: Option<&str>,
         kind: StreamKind,
-    ) -> Result<UnixStream, AgentError> {
+    ) -> Result<UnixStream, AgentClientError> {
         let id = match exec_id {
             Some(exec) => format!("{container_id}/{exec}"),
             None => container_id.to_string(),
         };
         let mut stream = handshake::dial_unix(&self.socket, ports::AGENT_STREAMS, self.timeouts.connect)
             .await
-            .map_err(|source| AgentError::Dial { socket: self.socket.clone(), source })?;
+            .map_err(|source| AgentClientError::Dial { socket: self.socket.clone(), source })?;
         StreamHeader::new(container_id, exec_id, kind)
             .open(&mut stream, self.timeouts.connect)
             .await
-            .map_err(|source| AgentError::Stream { kind, id, source })?;
+            .map_err(|source| AgentClientError::Stream { kind, id, source })?;
         Ok(stream)
     }
 }
@@ -374,7 +378,7 @@ mod tests {
         pb::WaitProcessResponse { exit_code, exited_at_unix_nanos: at, ..Default::default() }
     }
 
-    fn rpc_status(code: ttrpc::Code, message: String) -> AgentError {
+    fn rpc_status(code: ttrpc::Code, message: String) -> AgentClientError {
         rpc_err("Test")(ttrpc::Error::RpcStatus(ttrpc::get_status(code, message)))
     }
 

@@ -83,7 +83,7 @@ pub struct Config {
     #[serde(default)]
     pub namespace: NamespaceConfig,
     #[serde(default)]
-    pub vm: VmConfig,
+    pub vm: VmSettings,
     #[serde(default)]
     pub network: NetworkConfig,
     #[serde(default)]
@@ -113,7 +113,7 @@ pub struct NamespaceConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct VmConfig {
+pub struct VmSettings {
     /// The `bulkhead-vmm` binary, started as root; it jails itself.
     #[serde(default = "default_vmm_path")]
     pub vmm_path: PathBuf,
@@ -163,7 +163,7 @@ pub struct VmConfig {
     pub start: VmStart,
 }
 
-/// [`VmConfig::start`].
+/// [`VmSettings::start`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VmStart {
@@ -328,7 +328,7 @@ impl Default for NamespaceConfig {
         Self { agent_path: default_agent_path() }
     }
 }
-impl Default for VmConfig {
+impl Default for VmSettings {
     fn default() -> Self {
         Self {
             vmm_path: default_vmm_path(),
@@ -539,7 +539,7 @@ mod tests {
         assert_eq!(config.backend, Backend::Namespace);
         assert!(!config.network.allow_metadata);
         assert_eq!(config.vm.start, VmStart::Auto);
-        assert_eq!(config.vm, VmConfig { kernel_path: config.vm.kernel_path.clone(), ..VmConfig::default() });
+        assert_eq!(config.vm, VmSettings { kernel_path: config.vm.kernel_path.clone(), ..VmSettings::default() });
     }
 
     #[test]

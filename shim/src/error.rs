@@ -1,7 +1,7 @@
 //! The Task service's error vocabulary, below every module that fails a Task RPC. How each
 //! error reaches containerd (code and text) is decided in [`crate::trans`].
 
-use crate::agent::AgentError;
+use crate::agent::AgentClientError;
 use crate::config::ConfigError;
 use crate::io::IoError;
 use crate::sandbox::SandboxError;
@@ -24,7 +24,7 @@ pub enum TaskError {
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
-    Agent(#[from] AgentError),
+    Agent(#[from] AgentClientError),
     #[error(transparent)]
     Io(#[from] IoError),
     /// What bulkhead does not do, and why: never a silent success.

@@ -38,7 +38,7 @@ const FINISH_CAP: Duration = Duration::from_secs(10);
 /// Bytes of the pod's output the shim dropped (added to the agent's in the pod's metrics).
 pub type OutputDrops = Arc<AtomicU64>;
 
-use crate::agent::{AgentClient, AgentError};
+use crate::agent::{AgentClient, AgentClientError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
@@ -47,7 +47,7 @@ pub enum IoError {
     #[error("stdio target {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
     #[error(transparent)]
-    Agent(#[from] AgentError),
+    Agent(#[from] AgentClientError),
 }
 
 /// What containerd asked for, verbatim from Create/Exec.

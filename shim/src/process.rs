@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use tokio::sync::watch;
 
-use crate::agent::{AgentClient, AgentError};
+use crate::agent::{AgentClient, AgentClientError};
 use crate::error::TaskError;
 pub use crate::exit::ExitInfo;
 use crate::io::{IoSession, Stdio};
@@ -212,7 +212,7 @@ pub trait Process: Send + Sync {
 /// are beyond the shim's reach, so the sandbox is ended (its processes die with the agent) and
 /// the kill counts as done. Without this a broken or hostile agent leaves a pod that can never
 /// be stopped.
-pub async fn end_unreachable_pod(sandbox: &Arc<dyn Sandbox>, cause: &AgentError) -> Result<(), TaskError> {
+pub async fn end_unreachable_pod(sandbox: &Arc<dyn Sandbox>, cause: &AgentClientError) -> Result<(), TaskError> {
     tracing::error!("the agent is unreachable ({cause}); ending the pod's sandbox so its processes stop");
     sandbox.signal(libc::SIGKILL as u32).await?;
     Ok(())

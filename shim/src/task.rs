@@ -378,7 +378,7 @@ impl TaskService {
     /// The agent is unreachable: the pod ends (its processes report 137), and the caller's error
     /// goes back only once their exits are out, so containerd learns of the pod's end from
     /// its own exit handling before it learns of the failure that caused it.
-    async fn end_unreachable_pod(&self, cause: &crate::agent::AgentError) {
+    async fn end_unreachable_pod(&self, cause: &crate::agent::AgentClientError) {
         let Some(sandbox) = self.running_sandbox().await else { return };
         if let Err(e) = crate::process::end_unreachable_pod(&sandbox, cause).await {
             warn!("end the sandbox: {e}");

@@ -28,7 +28,7 @@ use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
 use oci_spec::runtime::Spec;
 
-use crate::agent::{AgentClient, AgentError};
+use crate::agent::{AgentClient, AgentClientError};
 use crate::config::{Backend, Config};
 use crate::exit::ExitInfo;
 use crate::spec::PodResources;
@@ -56,7 +56,7 @@ pub enum SandboxError {
     #[error("size-limited emptyDir: {0}")]
     EmptyDir(Box<emptydir::EmptyDirError>),
     #[error(transparent)]
-    Agent(#[from] AgentError),
+    Agent(#[from] AgentClientError),
     #[error(transparent)]
     Network(#[from] crate::network::NetworkError),
 }

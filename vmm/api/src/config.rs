@@ -27,7 +27,7 @@ pub use crate::ifname::MAX_IFNAME_LEN;
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
+pub enum VmConfigError {
     #[error("cannot read config {path}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("config is larger than {MAX_CONFIG_BYTES} bytes")]
@@ -222,19 +222,19 @@ pub struct TokenBucketConfig {
 pub const MAX_REFILL_TIME_MS: u64 = 3_600_000;
 
 impl TokenBucketConfig {
-    fn check(&self, what: &str) -> Result<(), ConfigError> {
+    fn check(&self, what: &str) -> Result<(), VmConfigError> {
         if self.size == 0 {
-            return Err(ConfigError::Net(format!("{what}: size must be at least 1")));
+            return Err(VmConfigError::Net(format!("{what}: size must be at least 1")));
         }
         if !(1..=MAX_REFILL_TIME_MS).contains(&self.refill_time_ms) {
-            return Err(ConfigError::Net(format!("{what}: refill_time_ms must be 1..={MAX_REFILL_TIME_MS}")));
+            return Err(VmConfigError::Net(format!("{what}: refill_time_ms must be 1..={MAX_REFILL_TIME_MS}")));
         }
         Ok(())
     }
 }
 
 impl NetRateLimiterConfig {
-    fn check(&self) -> Result<(), ConfigError> {
+    fn check(&self) -> Result<(), VmConfigError> {
         for (dir, limiter) in [("rx", &self.rx), ("tx", &self.tx)] {
             let Some(l) = limiter else { continue };
             for (kind, bucket) in [("bandwidth", &l.bandwidth), ("ops", &l.ops)] {
@@ -305,28 +305,28 @@ pub struct ValidConfig {
 }
 
 impl VmConfig {
-    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+    pub fn from_json(text: &str) -> Result<Self, VmConfigError> {
         if text.len() as u64 > MAX_CONFIG_BYTES {
-            return Err(ConfigError::TooLarge);
+            return Err(VmConfigError::TooLarge);
         }
         Ok(serde_json::from_str(text)?)
     }
 
-    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+    pub fn from_file(path: &Path) -> Result<Self, VmConfigError> {
         Self::from_json(&read_document(path)?)
     }
 
-    pub fn validate(self) -> Result<ValidConfig, ConfigError> {
+    pub fn validate(self) -> Result<ValidConfig, VmConfigError> {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
-            return Err(ConfigError::Vcpus(self.vcpus));
+            return Err(VmConfigError::Vcpus(self.vcpus));
         }
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
-            return Err(ConfigError::Memory(self.mem_mib));
+            return Err(VmConfigError::Memory(self.mem_mib));
         }
         let mem_bytes = self.mem_mib << 20;
         let boot = match (self.kernel, self.raw_guest) {
-            (None, None) => return Err(ConfigError::NoBootSource),
-            (Some(_), Some(_)) => return Err(ConfigError::TwoBootSources),
+            (None, None) => return Err(VmConfigError::NoBootSource),
+            (Some(_), Some(_)) => return Err(VmConfigError::TwoBootSources),
             (Some(kernel), None) => {
                 readable_file("kernel", &kernel)?;
                 if let Some(initrd) = &self.initramfs {
@@ -334,58 +334,64 @@ impl VmConfig {
                 }
                 let cmdline = self.cmdline.unwrap_or_else(|| DEFAULT_CMDLINE.to_string());
                 if cmdline.len() > MAX_CMDLINE_LEN {
-                    return Err(ConfigError::CmdlineTooLong);
+                    return Err(VmConfigError::CmdlineTooLong);
                 }
                 BootSource::Linux { kernel, initramfs: self.initramfs, cmdline }
             }
             (None, Some(raw)) => {
                 if self.initramfs.is_some() || self.cmdline.is_some() {
-                    return Err(ConfigError::LinuxOnlyField);
+                    return Err(VmConfigError::LinuxOnlyField);
                 }
                 readable_file("raw_guest image", &raw.image)?;
                 if raw.load_addr < 0x10_0000 || raw.load_addr >= mem_bytes {
-                    return Err(ConfigError::RawLoadAddr(raw.load_addr));
+                    return Err(VmConfigError::RawLoadAddr(raw.load_addr));
                 }
                 BootSource::Raw(raw)
             }
         };
         if let Some(v) = &self.vsock {
             if v.guest_cid < 3 || v.guest_cid >= u64::from(u32::MAX) {
-                return Err(ConfigError::GuestCid(v.guest_cid));
+                return Err(VmConfigError::GuestCid(v.guest_cid));
             }
             parent_dir_exists("vsock uds_path", &v.uds_path)?;
         }
         if self.block.len() > MAX_BLOCK_DEVICES {
-            return Err(ConfigError::TooManyBlock(self.block.len()));
+            return Err(VmConfigError::TooManyBlock(self.block.len()));
         }
         for b in &self.block {
             readable_file("block device", &b.path)?;
         }
         if self.fs.len() > MAX_FS_DEVICES {
-            return Err(ConfigError::Fs(format!("at most {MAX_FS_DEVICES} devices, got {}", self.fs.len())));
+            return Err(VmConfigError::Fs(format!("at most {MAX_FS_DEVICES} devices, got {}", self.fs.len())));
         }
         for f in &self.fs {
             if f.tag.is_empty() || f.tag.len() > MAX_FS_TAG_LEN {
-                return Err(ConfigError::Fs(format!("tag {:?} must be 1..={MAX_FS_TAG_LEN} bytes", f.tag)));
+                return Err(VmConfigError::Fs(format!("tag {:?} must be 1..={MAX_FS_TAG_LEN} bytes", f.tag)));
             }
             if !f.queue_size.is_power_of_two() || f.queue_size > 32768 {
-                return Err(ConfigError::Fs(format!("queue_size {} must be a power of two up to 32768", f.queue_size)));
+                return Err(VmConfigError::Fs(format!(
+                    "queue_size {} must be a power of two up to 32768",
+                    f.queue_size
+                )));
             }
             parent_dir_exists("fs socket", &f.socket)?;
         }
         if self.net.len() > MAX_NET_DEVICES {
-            return Err(ConfigError::Net(format!("at most {MAX_NET_DEVICES} devices, got {}", self.net.len())));
+            return Err(VmConfigError::Net(format!("at most {MAX_NET_DEVICES} devices, got {}", self.net.len())));
         }
         for n in &self.net {
             check_tap_name(&n.tap)?;
             match parse_mac(&n.mac) {
                 Some(mac) if mac[0] & 1 == 0 => {}
                 _ => {
-                    return Err(ConfigError::Net(format!("mac {:?} is not a unicast aa:bb:cc:dd:ee:ff address", n.mac)))
+                    return Err(VmConfigError::Net(format!(
+                        "mac {:?} is not a unicast aa:bb:cc:dd:ee:ff address",
+                        n.mac
+                    )))
                 }
             }
             if n.mtu.is_some_and(|m| !(68..=65535).contains(&m)) {
-                return Err(ConfigError::Net(format!("mtu {:?} must be 68..=65535", n.mtu)));
+                return Err(VmConfigError::Net(format!("mtu {:?} must be 68..=65535", n.mtu)));
             }
             if let Some(r) = &n.rate_limiter {
                 r.check()?;
@@ -415,20 +421,20 @@ impl VmConfig {
 
 /// A config document's text (the VM config, a restore's run settings), at most
 /// [`MAX_CONFIG_BYTES`].
-pub(crate) fn read_document(path: &Path) -> Result<String, ConfigError> {
+pub(crate) fn read_document(path: &Path) -> Result<String, VmConfigError> {
     read_bounded(path, MAX_CONFIG_BYTES).map_err(|e| match e {
-        BoundedReadError::Io(source) => ConfigError::Read { path: path.to_owned(), source },
-        BoundedReadError::TooLarge { .. } => ConfigError::TooLarge,
+        BoundedReadError::Io(source) => VmConfigError::Read { path: path.to_owned(), source },
+        BoundedReadError::TooLarge { .. } => VmConfigError::TooLarge,
     })
 }
 
 /// A tap's name, by the one rule for interface names ([`check_ifname`]).
-pub(crate) fn check_tap_name(tap: &str) -> Result<(), ConfigError> {
-    check_ifname(tap).map_err(|e| ConfigError::Net(format!("tap name {tap:?} is not a valid interface name: it {e}")))
+pub(crate) fn check_tap_name(tap: &str) -> Result<(), VmConfigError> {
+    check_ifname(tap).map_err(|e| VmConfigError::Net(format!("tap name {tap:?} is not a valid interface name: it {e}")))
 }
 
-pub(crate) fn readable_file(what: &'static str, path: &Path) -> Result<(), ConfigError> {
-    let err = |reason: String| ConfigError::Path { what, path: path.to_owned(), reason };
+pub(crate) fn readable_file(what: &'static str, path: &Path) -> Result<(), VmConfigError> {
+    let err = |reason: String| VmConfigError::Path { what, path: path.to_owned(), reason };
     let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
     if !meta.is_file() {
         return Err(err("is not a regular file".into()));
@@ -436,10 +442,10 @@ pub(crate) fn readable_file(what: &'static str, path: &Path) -> Result<(), Confi
     Ok(())
 }
 
-pub(crate) fn parent_dir_exists(what: &'static str, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn parent_dir_exists(what: &'static str, path: &Path) -> Result<(), VmConfigError> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
-        return Err(ConfigError::Path {
+        return Err(VmConfigError::Path {
             what,
             path: path.to_owned(),
             reason: "parent directory does not exist".into(),
@@ -573,11 +579,11 @@ mod tests {
     #[test]
     fn oversized_config_is_rejected() {
         let big = format!(r#"{{"cmdline":"{}"}}"#, "x".repeat(MAX_CONFIG_BYTES as usize));
-        assert!(matches!(VmConfig::from_json(&big), Err(ConfigError::TooLarge)));
+        assert!(matches!(VmConfig::from_json(&big), Err(VmConfigError::TooLarge)));
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("vm.json");
         std::fs::write(&file, &big).unwrap();
-        assert!(matches!(VmConfig::from_file(&file), Err(ConfigError::TooLarge)));
-        assert!(matches!(VmConfig::from_file(&dir.path().join("none")), Err(ConfigError::Read { .. })));
+        assert!(matches!(VmConfig::from_file(&file), Err(VmConfigError::TooLarge)));
+        assert!(matches!(VmConfig::from_file(&dir.path().join("none")), Err(VmConfigError::Read { .. })));
     }
 }

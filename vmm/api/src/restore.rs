@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{
-    BlockConfig, ConfigError, FsConfig, LinkState, ValidConfig, VsockConfig, MAX_BLOCK_DEVICES, MAX_CONFIG_BYTES,
+    BlockConfig, FsConfig, LinkState, ValidConfig, VmConfigError, VsockConfig, MAX_BLOCK_DEVICES, MAX_CONFIG_BYTES,
     MAX_FS_DEVICES, MAX_NET_DEVICES,
 };
 
@@ -56,19 +56,19 @@ pub struct RestoreConfig {
 }
 
 impl RestoreConfig {
-    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+    pub fn from_json(text: &str) -> Result<Self, VmConfigError> {
         if text.len() as u64 > MAX_CONFIG_BYTES {
-            return Err(ConfigError::TooLarge);
+            return Err(VmConfigError::TooLarge);
         }
         Ok(serde_json::from_str(text)?)
     }
 
-    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+    pub fn from_file(path: &Path) -> Result<Self, VmConfigError> {
         Self::from_json(&crate::config::read_document(path)?)
     }
 
     /// Checks what can be checked without the snapshot: paths and counts.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), VmConfigError> {
         for (what, p) in [
             ("api_socket", &self.api_socket),
             ("serial_log", &self.serial_log),
@@ -79,19 +79,19 @@ impl RestoreConfig {
             }
         }
         if self.block.len() > MAX_BLOCK_DEVICES {
-            return Err(ConfigError::TooManyBlock(self.block.len()));
+            return Err(VmConfigError::TooManyBlock(self.block.len()));
         }
         for b in &self.block {
             crate::config::readable_file("block device", &b.path)?;
         }
         if self.net_taps.len() > MAX_NET_DEVICES {
-            return Err(ConfigError::Net(format!("at most {MAX_NET_DEVICES} taps, got {}", self.net_taps.len())));
+            return Err(VmConfigError::Net(format!("at most {MAX_NET_DEVICES} taps, got {}", self.net_taps.len())));
         }
         for tap in &self.net_taps {
             crate::config::check_tap_name(tap)?;
         }
         if self.fs_sockets.len() > MAX_FS_DEVICES {
-            return Err(ConfigError::Fs(format!("at most {MAX_FS_DEVICES} sockets, got {}", self.fs_sockets.len())));
+            return Err(VmConfigError::Fs(format!("at most {MAX_FS_DEVICES} sockets, got {}", self.fs_sockets.len())));
         }
         for socket in &self.fs_sockets {
             crate::config::parent_dir_exists("fs socket", socket)?;

@@ -5,7 +5,7 @@
 use bulkhead_vmm_api::config::{MAX_MEM_MIB, MAX_VCPUS};
 
 use super::super::SandboxError;
-use crate::config::VmConfig;
+use crate::config::VmSettings;
 use crate::spec::PodResources;
 
 const MIB: u64 = 1 << 20;
@@ -20,7 +20,7 @@ impl VmShape {
     /// vCPUs: ceil(the pod's CPU limit), else `config.vcpus`. Memory: the pod's memory limit
     /// plus `config.memory_mib` (what the guest kernel and agent use beyond the containers),
     /// else `config.memory_mib`. A pod larger than a VM can be is refused, never shrunk.
-    pub fn for_pod(config: &VmConfig, pod: &PodResources) -> Result<Self, SandboxError> {
+    pub fn for_pod(config: &VmSettings, pod: &PodResources) -> Result<Self, SandboxError> {
         let too_big = |what: String| SandboxError::Setup(format!("the pod asks for {what}"));
         let vcpus = match pod.cpus {
             Some(cpus) => u8::try_from(cpus)
@@ -45,8 +45,8 @@ impl VmShape {
 mod tests {
     use super::*;
 
-    fn config() -> VmConfig {
-        VmConfig { vcpus: 1, memory_mib: 256, ..Default::default() }
+    fn config() -> VmSettings {
+        VmSettings { vcpus: 1, memory_mib: 256, ..Default::default() }
     }
 
     #[test]

@@ -18,7 +18,7 @@ use super::template::{
     memory_bucket_mib, obtain, Ceiling, KeyInputs, KeySources, Obtained, Template, TemplateError, TemplateStore,
 };
 use super::template_builder::VmTemplateBuilder;
-use crate::config::{Config, VmConfig};
+use crate::config::{Config, VmSettings};
 use crate::sandbox::SandboxRequest;
 
 /// How long a pod waits for another pod's build of its template before it boots cold.
@@ -93,7 +93,7 @@ pub async fn template_for(config: &Config, req: &SandboxRequest, shape: VmShape)
 }
 
 /// The node's template store, kept within the config's ceiling.
-pub fn open_store(vm: &VmConfig) -> Result<TemplateStore, TemplateError> {
+pub fn open_store(vm: &VmSettings) -> Result<TemplateStore, TemplateError> {
     let ceiling = Ceiling {
         max_templates: vm.template_max_count as usize,
         max_bytes: vm.template_max_size.0,

@@ -118,7 +118,7 @@ pub struct KeySources<'a> {
 
 impl<'a> KeySources<'a> {
     /// The node's files as the shim config names them, with a VM shape.
-    pub fn of_config(vm: &'a crate::config::VmConfig, vcpus: u8, memory_mib: u32, nic_mtus: &'a [u16]) -> Self {
+    pub fn of_config(vm: &'a crate::config::VmSettings, vcpus: u8, memory_mib: u32, nic_mtus: &'a [u16]) -> Self {
         Self { kernel: &vm.kernel_path, initramfs: &vm.initramfs_path, vmm: &vm.vmm_path, vcpus, memory_mib, nic_mtus }
     }
 }
