@@ -22,15 +22,15 @@ if [[ ${1:-} == --check-only ]]; then
 fi
 
 src_pkg=linux-source-6.12
+need=()
 if ! dpkg-query -W -f='${Status}' "$src_pkg" 2>/dev/null | grep -q "install ok installed"; then
-  log "installing $src_pkg"
-  apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-    "$src_pkg" bc bison flex libelf-dev libssl-dev xz-utils >&2
+  need+=("$src_pkg" bc bison flex libelf-dev libssl-dev xz-utils)
 fi
-if ! command -v patch >/dev/null; then
-  log "installing patch"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends patch >&2
+command -v patch >/dev/null || need+=(patch)
+if ((${#need[@]})); then
+  log "installing ${need[*]}"
+  apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >&2
 fi
 tarball=$(ls /usr/src/linux-source-6.12*.tar.xz | head -n 1)
 version=$(dpkg-query -W -f='${Version}' "$src_pkg")
