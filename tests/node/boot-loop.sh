@@ -6,7 +6,8 @@
 #
 # Each boot is bounded (BOOT_BUDGET s, default 60, of the node's time); a boot that did not reach /init
 # keeps its serial log and the VMM's stderr in $OUT (default target/node-boot-loop). Extra node.py
-# options (--cpu, --smp, --accel) go in NODE_ARGS. Exit status 0 only when every boot reached /init.
+# options (--cpu, --smp, --accel) go in NODE_ARGS, extra guest kernel command-line words in EXTRA_CMDLINE.
+# Exit status 0 only when every boot reached /init.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 n=${1:-30} par=${2:-2}
@@ -20,7 +21,7 @@ if [[ ${BULKHEAD_IN_NODE:-} != 1 ]]; then
   # shellcheck disable=SC2086 # NODE_ARGS is a list of options
   exec python3 tests/node/node.py run --out "$out" --timeout $((n * 120 + 300)) ${NODE_ARGS:-} \
     --env "GUEST_KERNEL=$kernel" --env "GUEST_INITRAMFS=$PWD/guest-kernel/build/initramfs.cpio.gz" \
-    --env "BOOT_BUDGET=${BOOT_BUDGET:-60}" -- tests/node/boot-loop.sh "$n" "$par"
+    --env "BOOT_BUDGET=${BOOT_BUDGET:-60}" --env "EXTRA_CMDLINE=${EXTRA_CMDLINE:-}" -- tests/node/boot-loop.sh "$n" "$par"
 fi
 
 # In the node: its output directory is /bulkhead-node (node.py).
@@ -31,7 +32,7 @@ one() {
   rm -rf "$d" && mkdir -p "$d"
   cat >"$d/vm.json" <<EOF
 {"kernel": "$GUEST_KERNEL", "initramfs": "$GUEST_INITRAMFS",
- "cmdline": "console=ttyS0 reboot=k panic=1 i8042.noaux no_timer_check",
+ "cmdline": "console=ttyS0 reboot=k panic=1 i8042.noaux no_timer_check ${EXTRA_CMDLINE:-}",
  "mem_mib": 512, "vcpus": 2, "serial_log": "$d/serial.log",
  "vsock": {"uds_path": "$d/v.sock", "guest_cid": 3}}
 EOF

@@ -14,8 +14,10 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 # Modules in dependency order (node.py writes the list).
-while read -r ko; do
-  insmod "/modules/$ko" || fail "insmod $ko failed"
+# Each line: the module's file, then its parameters, if any.
+while read -r ko params; do
+  # shellcheck disable=SC2086 # the parameters are words
+  insmod "/modules/$ko" $params || fail "insmod $ko $params failed"
 done </modules/order
 opts=trans=virtio,version=9p2000.L,msize=262144
 mount -t 9p -o "$opts,cache=none" out /out || fail "cannot mount the output share"

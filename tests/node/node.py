@@ -52,6 +52,8 @@ BUSYBOX = "/bin/busybox"
 # Modules the node's first init loads to reach its root, and that the node needs before
 # anything could autoload them; their dependencies come from modules.dep.
 BOOT_MODULES = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "kvm-amd", "dummy"]
+# Parameters of those modules, by file name (BULKHEAD_NODE_KVM_AMD: kvm-amd's, for experiments).
+MODULE_PARAMS = {"kvm-amd.ko": os.environ.get("BULKHEAD_NODE_KVM_AMD", "")}
 # Where the output share appears inside the node (init.sh moves it there).
 NODE_OUT = "/bulkhead-node"
 # The command unit: systemd runs it once and powers the node off whatever its result.
@@ -172,7 +174,9 @@ def prepare(out, command, env, upper_mib):
     files = {
         "init": (0o755, read(os.path.join(HERE, "init.sh"))),
         "bin/busybox": (0o755, read(BUSYBOX)),
-        "modules/order": (0o644, "".join(f"{os.path.basename(p)}\n" for p in order).encode()),
+        "modules/order": (0o644, "".join(
+            f"{os.path.basename(p)} {MODULE_PARAMS.get(os.path.basename(p), '')}".strip() + "\n"
+            for p in order).encode()),
         "node/kernel_version": (0o644, version.encode()),
         "node/modules_dir": (0o644, moddir.encode()),
         "node/upper_size": (0o644, f"{upper_mib}m".encode()),
