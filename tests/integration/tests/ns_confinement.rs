@@ -79,7 +79,13 @@ impl Env {
     }
 
     fn fail_context(&self) -> String {
-        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+        format!("containerd log tail:\n{}", self.containerd.log_tail(80))
+    }
+
+    /// ExecSync of `cmd` in container `id`; a failure (an exec that never answers among them: one
+    /// did once in CI, in the no_new_privs container) carries containerd's log, the shim's lines in it.
+    async fn exec(&self, id: &str, cmd: &[&str], timeout_s: i64) -> Result<cri::ExecSyncResponse> {
+        self.cri.exec_sync(id, cmd, timeout_s).await.with_context(|| self.fail_context())
     }
 
     /// Creates and starts `ctr` in `pod_id`, waiting until it runs.
@@ -223,10 +229,10 @@ async fn the_agent_sees_neither_the_hosts_files_nor_another_pod() -> Result<()> 
     assert!(ok && text == "from-the-host\n", "{text}");
 
     // From inside the container: no host file, the read-only volume read-only, the rw one written.
-    let out = env.cri.exec_sync(&ctr_a, &["sh", "-c", "cat /etc/shadow; cat /proc/1/root/etc/shadow"], 10).await?;
+    let out = env.exec(&ctr_a, &["sh", "-c", "cat /etc/shadow; cat /proc/1/root/etc/shadow"], 10).await?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.exit_code != 0 && !text.contains(&shadow_line), "{text}");
-    let out = env.cri.exec_sync(&ctr_a, &["sh", "-c", "touch /ro/x || echo refused; echo w > /data/f"], 10).await?;
+    let out = env.exec(&ctr_a, &["sh", "-c", "touch /ro/x || echo refused; echo w > /data/f"], 10).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "refused\n");
     assert_eq!(std::fs::read_to_string(rw.path().join("f"))?, "w\n");
     assert!(!ro.path().join("x").exists());
@@ -286,13 +292,13 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     // raise privileges (no_new_privs unset) unless the container asks for no_new_privs.
     let probe = "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status";
     let plain = env.run(&pod_id, &pod, &sleeper("plain")).await?;
-    let out = env.cri.exec_sync(&plain, &["sh", "-c", probe], 10).await?;
+    let out = env.exec(&plain, &["sh", "-c", probe], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(text.contains(&format!("CapEff:\t{CONTAINER_CAPS}")) && text.contains("NoNewPrivs:\t0"), "{text}");
     // What a container reaches for first to become host root without a VM: none of it works.
     // (This harness's CRI requests carry no masked or read-only /proc paths, as kubelet's do: the
     // agent adds containerd's defaults itself.)
-    let out = env.cri.exec_sync(&plain, &["sh", "-c", ESCAPES], 10).await?;
+    let out = env.exec(&plain, &["sh", "-c", ESCAPES], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let said = |key: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{key}="))).unwrap_or("missing");
     assert_eq!(said("mknod"), "0", "making a node is allowed, as with runc: {text}");
@@ -306,7 +312,7 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     let mut nnp = sleeper("nnp");
     security(&mut nnp).no_new_privs = true;
     let nnp = env.run(&pod_id, &pod, &nnp).await?;
-    let out = env.cri.exec_sync(&nnp, &["sh", "-c", probe], 10).await?;
+    let out = env.exec(&nnp, &["sh", "-c", probe], 10).await?;
     assert!(String::from_utf8_lossy(&out.stdout).contains("NoNewPrivs:\t1"), "{out:?}");
 
     // A non-root container: it runs, and exec into it works (the agent needs its
@@ -314,13 +320,13 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     let mut user = sleeper("user");
     security(&mut user).run_as_user = Some(cri::Int64Value { value: 1000 });
     let user = env.run(&pod_id, &pod, &user).await?;
-    let out = env.cri.exec_sync(&user, &["id", "-u"], 10).await?;
+    let out = env.exec(&user, &["id", "-u"], 10).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "1000\n", "{out:?}");
     // A read-only rootfs (made read-only by libcontainer in the container, over the shim's mount).
     let mut read_only = sleeper("readonly");
     security(&mut read_only).readonly_rootfs = true;
     let read_only = env.run(&pod_id, &pod, &read_only).await?;
-    let out = env.cri.exec_sync(&read_only, &["sh", "-c", "touch /x 2>&1; touch /tmp/y 2>&1"], 10).await?;
+    let out = env.exec(&read_only, &["sh", "-c", "touch /x 2>&1; touch /tmp/y 2>&1"], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(text.matches("Read-only file system").count() == 2, "{text}");
 
