@@ -79,6 +79,11 @@ impl VmEnv {
     }
 }
 
+/// Where pod `pod_id`'s guest console log lives under the shim's `state_dir` (the VMM writes it).
+pub fn console_log(state_dir: &Path, pod_id: &str) -> std::path::PathBuf {
+    state_dir.join(pod_id).join("vm/root/run/console.log")
+}
+
 /// Lines of each guest console a failing test prints.
 const CONSOLE_LINES_ON_FAILURE: usize = 80;
 
@@ -99,7 +104,8 @@ pub fn console_tails(state_dir: &Path, lines: usize) -> Vec<(String, String)> {
     let Ok(pods) = std::fs::read_dir(state_dir) else { return vec![] };
     let mut out = vec![];
     for pod in pods.flatten() {
-        let Ok(text) = std::fs::read(pod.path().join("vm/root/run/console.log")) else { continue };
+        let pod_id = pod.file_name().to_string_lossy().into_owned();
+        let Ok(text) = std::fs::read(console_log(state_dir, &pod_id)) else { continue };
         let text = String::from_utf8_lossy(&text);
         let all: Vec<&str> = text.lines().collect();
         let tail = all[all.len().saturating_sub(lines)..]
@@ -107,7 +113,7 @@ pub fn console_tails(state_dir: &Path, lines: usize) -> Vec<(String, String)> {
             .map(|l| l.chars().take(240).collect::<String>())
             .collect::<Vec<_>>()
             .join("\n");
-        out.push((pod.file_name().to_string_lossy().into_owned(), tail));
+        out.push((pod_id, tail));
     }
     out
 }
@@ -119,7 +125,7 @@ pub const GUEST_KERNEL_FAULTS: [&str; 5] =
 
 /// The lines of pod `pod_id`'s guest console (under `state_dir`) that say its kernel faulted.
 pub fn guest_kernel_faults(state_dir: &Path, pod_id: &str) -> Result<Vec<String>> {
-    let path = state_dir.join(pod_id).join("vm/root/run/console.log");
+    let path = console_log(state_dir, pod_id);
     let text = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
     Ok(String::from_utf8_lossy(&text)
         .lines()

@@ -137,7 +137,7 @@ impl Stand {
         std::fs::read_dir(self.state_dir.path())
             .ok()?
             .flatten()
-            .map(|backend| backend.path().join(pod_id).join("vm/root/run/console.log"))
+            .map(|backend| bulkhead_integration::vm_env::console_log(&backend.path(), pod_id))
             .find(|c| c.is_file())
     }
 

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::{self, GuestVmm};
 use bulkhead_integration::host::processes_with;
 use bulkhead_integration::images::{self, CONFORMANCE_BIN};
-use bulkhead_integration::vm_env::{guest_kernel_faults, nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
+use bulkhead_integration::vm_env::{console_log, guest_kernel_faults, nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
 use bulkhead_integration::{
     container_config, pod_config, skip_if_unready_on, Containerd, ContainerdConfig, ContainerdVersion, Cri,
     RuntimeHandler,
@@ -96,7 +96,7 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs() as i64;
     assert!((guest_now - host_now).abs() < 120, "guest clock {guest_now}, host clock {host_now}");
     // The guest's boot phases as its console shows them (diagnosis only: TCG is not KVM).
-    let console = env.state_dir.path().join(&pod_id).join("vm/root/run/console.log");
+    let console = console_log(env.state_dir.path(), &pod_id);
     let console = std::fs::read_to_string(&console).unwrap_or_default();
     for mark in ["Linux version", "Run /init", "left the initramfs", "listening (vsock)", "shared directory mounted"] {
         if let Some(line) = console.lines().find(|l| l.contains(mark)) {
