@@ -88,13 +88,13 @@ pub fn console_log(state_dir: &Path, pod_id: &str) -> std::path::PathBuf {
 const CONSOLE_LINES_ON_FAILURE: usize = 80;
 
 impl Drop for VmEnv {
-    /// A test that fails by panicking prints the end of every guest console still under the state
-    /// dir: a guest kernel oops, or the agent's last words, says more than the assertion.
+    /// A test that fails prints the end of every guest console still under the state dir: a guest
+    /// kernel oops, or the agent's last words, says more than the assertion. A test fails by
+    /// panicking, or by returning an error with its pod still up (a passing test removes its pods,
+    /// and their consoles with them).
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            for (pod, tail) in console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE) {
-                println!("guest console of pod {pod}, its last {CONSOLE_LINES_ON_FAILURE} lines:\n{tail}");
-            }
+        for (pod, tail) in console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE) {
+            println!("guest console of pod {pod}, its last {CONSOLE_LINES_ON_FAILURE} lines:\n{tail}");
         }
     }
 }
