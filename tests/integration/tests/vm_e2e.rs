@@ -36,6 +36,16 @@ fn long_running(name: &str, first: &str) -> cri::ContainerConfig {
     container_config(name, &["sh", "-c", &script])
 }
 
+/// Host directory `dir` at /data in a container, as kubelet passes an emptyDir.
+fn data_volume(dir: &Path, read_only: bool) -> cri::Mount {
+    cri::Mount {
+        container_path: "/data".into(),
+        host_path: dir.display().to_string(),
+        readonly: read_only,
+        ..Default::default()
+    }
+}
+
 #[tokio::test]
 async fn vm_backend_pod_runs_and_execs() -> Result<()> {
     pod_runs_and_execs("vm_backend_pod_runs_and_execs", GuestVmm::QemuStandIn).await
@@ -62,12 +72,7 @@ async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
     // mount, as kubelet's are on a systemd node.
     let empty_dir = bulkhead_integration::host::SharedDir::new()?;
     std::fs::create_dir(empty_dir.path().join("later"))?;
-    let volume = |read_only| cri::Mount {
-        container_path: "/data".into(),
-        host_path: empty_dir.path().display().to_string(),
-        readonly: read_only,
-        ..Default::default()
-    };
+    let volume = |read_only| data_volume(empty_dir.path(), read_only);
     let mut writer = long_running("writer", "echo out-line; echo err-line >&2; echo from-writer > /data/f");
     writer.mounts = vec![volume(false)];
     let mut reader = long_running("reader", "true");
@@ -239,11 +244,7 @@ async fn conformance_checks(env: &VmEnv) -> Result<()> {
 
     // An init container that exits, then the app container, which sees what it left.
     let empty_dir = tempfile::tempdir()?;
-    let data = cri::Mount {
-        container_path: "/data".into(),
-        host_path: empty_dir.path().display().to_string(),
-        ..Default::default()
-    };
+    let data = data_volume(empty_dir.path(), false);
     let mut init = container_config("init", &["sh", "-c", "echo from-init > /data/init"]);
     init.mounts = vec![data.clone()];
     let init = cri.create_container(&pod_id, &init, &pod).await.with_context(|| env.containerd.log_tail(40))?;
@@ -456,12 +457,7 @@ async fn containers_come_and_go(test: &str, vmm: GuestVmm) -> Result<()> {
         let mut ids = vec![];
         for (name, read_only) in [("a", false), ("b", true)] {
             let mut c = long_running(&format!("churn-{name}-{i}"), "cat /bin/bulkhead-conformance >/dev/null");
-            c.mounts = vec![cri::Mount {
-                container_path: "/data".into(),
-                host_path: empty_dir.path().display().to_string(),
-                readonly: read_only,
-                ..Default::default()
-            }];
+            c.mounts = vec![data_volume(empty_dir.path(), read_only)];
             let id = cri.create_container(&pod_id, &c, &pod).await?;
             cri.start_container(&id).await?;
             ids.push(id);
