@@ -212,7 +212,9 @@ mod tests {
         assert_eq!(c.peer_credit(), 0);
         c.update_peer_credit(&VsockHeader { buf_alloc: 4, fwd_cnt: 4, ..Default::default() });
         assert_eq!(c.read_from_host(2), HostRead::Data(b"45".to_vec()));
-        drop(peer);
+        // shutdown, not drop: another test thread may fork while `peer` is open, and its child
+        // holds the socket (until exec) so a close alone would not reach us as EOF.
+        peer.shutdown(std::net::Shutdown::Both).unwrap();
         c.update_peer_credit(&VsockHeader { buf_alloc: 100, fwd_cnt: 6, ..Default::default() });
         assert_eq!(c.read_from_host(100), HostRead::Data(b"6789".to_vec()));
         assert_eq!(c.read_from_host(100), HostRead::Eof);

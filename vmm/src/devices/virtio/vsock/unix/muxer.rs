@@ -624,7 +624,8 @@ mod tests {
         host.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"pong");
 
-        drop(host);
+        // shutdown, not drop: a forking test thread's child may hold the socket open.
+        host.shutdown(std::net::Shutdown::Both).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         let (sd, _) = m.next_rx(4096).expect("SHUTDOWN");
         assert_eq!(sd.op, OP_SHUTDOWN);
