@@ -15,6 +15,25 @@ use tonic::transport::{Channel, Endpoint, Uri};
 /// Upper bound for one CRI call; container stop adds its grace period on top.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Whether a failed RunPodSandbox is tried once more: only in the emulated AMD-V node
+/// (tests/node), and only when the guest triple-faulted before its agent answered. QEMU's
+/// emulation of nested SVM does that to a few cold boots in a hundred, at random points early in
+/// the boot, with either guest kernel, and never on the stand-in (tests/node/README.md); anywhere
+/// else a triple fault fails the test.
+fn retry_in_emulated_node(error: &str) -> bool {
+    let in_node = std::env::var("BULKHEAD_IN_NODE").is_ok_and(|v| v == "1");
+    in_node && a_triple_fault_at_boot(error)
+}
+
+fn a_triple_fault_at_boot(error: &str) -> bool {
+    error.contains("GuestTripleFault") && error.contains("before the agent answered")
+}
+
+/// The first 400 characters of an error chain, on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    format!("{e:#}").replace('\n', " | ").chars().take(400).collect()
+}
+
 /// A connected CRI client (runtime and image services on one channel).
 #[derive(Clone)]
 pub struct Cri {
@@ -80,7 +99,15 @@ impl Cri {
         extra: Duration,
     ) -> Result<String> {
         let req = cri::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: handler.into() };
-        Ok(call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
+        let first = call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req.clone())).await;
+        match first {
+            Err(e) if retry_in_emulated_node(&format!("{e:#}")) => {
+                // Counted and repeated at the end of the run by scripts/test-summary.py.
+                println!("RETRIED: RunPodSandbox, after the emulated node's guest triple fault: {}", one_line(&e));
+                Ok(call("RunPodSandbox", extra, self.runtime.clone().run_pod_sandbox(req)).await?.pod_sandbox_id)
+            }
+            other => Ok(other?.pod_sandbox_id),
+        }
     }
 
     pub async fn pod_sandbox_status(&self, pod_id: &str) -> Result<cri::PodSandboxStatus> {
@@ -271,5 +298,26 @@ pub fn container_config(name: &str, command: &[&str]) -> cri::ContainerConfig {
         log_path: format!("{name}.log"),
         linux: Some(cri::LinuxContainerConfig::default()),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_triple_fault_before_the_agent_answered_is_tried_again() {
+        // containerd's error text as CI at aeb5538 printed it, shortened.
+        let fault = "CRI RunPodSandbox: failed to create containerd task: failed to create shim task: VM did not \
+                     start: bulkhead-vmm (pid 320): it exited with status 1 before the agent answered: it said \
+                     'ERROR bulkhead_vmm: VM failed reason=GuestTripleFault' (last dial: ...)";
+        assert!(a_triple_fault_at_boot(fault));
+        for other in [
+            "CRI RunPodSandbox: VM did not start: it exited with status 1 before the agent answered: it said 'out of memory'",
+            "CRI ExecSync: the guest's VM failed reason=GuestTripleFault",
+            "CRI RunPodSandbox: no answer within 60s",
+        ] {
+            assert!(!a_triple_fault_at_boot(other), "{other}");
+        }
     }
 }
