@@ -9,9 +9,12 @@
 //!   it back: the agent's side is read on, and the oldest bytes go, counted in
 //!   [`OutputDrops`], never the stream. [`IoSession::finish`] lets the exit path drain them
 //!   before TaskExit.
+//! - An output FIFO is opened for writing once containerd's reader is there ([`fifo`]).
 //! - stdin (or the TTY's input) is copied until containerd's CloseIO, which half-closes the
-//!   agent stream. FIFOs are opened read-write so opening never blocks and containerd's
+//!   agent stream. Its FIFO is opened read-write so opening never blocks and containerd's
 //!   reopening never yields a spurious EOF.
+
+mod fifo;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -133,11 +136,10 @@ async fn open_writer(target: &Target) -> Result<Option<Box<dyn AsyncWrite + Send
     match target {
         Target::None => Ok(None),
         Target::Fifo(path) => {
-            let sender = tokio::net::unix::pipe::OpenOptions::new()
-                .read_write(true)
-                .open_sender(path)
+            let writer = fifo::FifoWriter::open(path, fifo::READER_WAIT)
+                .await
                 .map_err(|source| IoError::Open { path: path.clone(), source })?;
-            Ok(Some(Box::new(sender)))
+            Ok(Some(Box::new(writer)))
         }
         Target::File(path) => {
             let file = tokio::fs::OpenOptions::new()
