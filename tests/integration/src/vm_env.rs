@@ -11,33 +11,38 @@ use k8s_cri::v1 as cri;
 
 use crate::guests::{self, GuestVmm};
 use crate::host::{eventually_nothing, mounts_with, processes_with};
-use crate::{Containerd, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler};
+use crate::shim_env::{Setup, ShimEnv};
+use crate::{ContainerdConfig, ContainerdVersion, RuntimeHandler};
 
 /// How long the shim waits for the agent: TCG boots in seconds, but a loaded CI host is slow.
 /// Below the harness's 60 s CRI deadline, so a guest that never answers fails with the shim's
 /// own error and console tail.
 pub const CONNECT_TIMEOUT_MS: u64 = 45_000;
 
-/// A private containerd whose `bulkhead` handler runs the real guest on a VMM, with pod state in
-/// a fresh directory under /run.
+/// A private containerd whose `bulkhead` handler runs the real guest on a VMM (a [`ShimEnv`]:
+/// `env.cri`, `env.containerd` and `env.state_dir`, the shim's, are its).
 pub struct VmEnv {
-    pub containerd: Containerd,
-    pub cri: Cri,
-    /// The shim's `state_dir`: each pod's state, VM root and console log live below it.
-    pub state_dir: tempfile::TempDir,
-    _cfg_dir: tempfile::TempDir,
+    shim: ShimEnv,
+}
+
+impl std::ops::Deref for VmEnv {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
 }
 
 impl VmEnv {
     /// Starts containerd `version` with the handler's guest on `vmm`, the shim waiting
     /// [`CONNECT_TIMEOUT_MS`] for each guest's agent. `base_spec` becomes the handler's
-    /// `base_runtime_spec`.
+    /// `base_runtime_spec`. `None`, after one `SKIPPED` line, when `test` cannot run here.
     pub async fn start(
         test: &str,
         version: ContainerdVersion,
         vmm: GuestVmm,
         base_spec: Option<serde_json::Value>,
-    ) -> Result<Self> {
+    ) -> Result<Option<Self>> {
         Self::start_with(test, version, vmm, base_spec, CONNECT_TIMEOUT_MS).await
     }
 
@@ -48,22 +53,21 @@ impl VmEnv {
         vmm: GuestVmm,
         base_spec: Option<serde_json::Value>,
         connect_timeout_ms: u64,
-    ) -> Result<Self> {
+    ) -> Result<Option<Self>> {
+        let Some(setup) = Setup::new(test, version, &["containerd-shim-bulkhead-v2"])? else { return Ok(None) };
+        if vmm.skip(test) {
+            return Ok(None);
+        }
         println!("{test}: the guest runs on {}", vmm.name());
-        let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
-        let cfg_dir = tempfile::tempdir()?;
-        let cfg = cfg_dir.path().join("bulkhead.toml");
-        std::fs::write(&cfg, guests::real_vm_config(state_dir.path(), connect_timeout_ms, vmm)?)?;
+        let cfg =
+            setup.write_config("bulkhead.toml", &guests::real_vm_config(setup.state(), connect_timeout_ms, vmm)?)?;
         let mut handler = RuntimeHandler::bulkhead(Some(&cfg));
         if let Some(spec) = base_spec {
-            let path = cfg_dir.path().join("base-spec.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&spec)?)?;
-            handler.base_runtime_spec = Some(path);
+            handler.base_runtime_spec =
+                Some(setup.write_config("base-spec.json", &serde_json::to_string_pretty(&spec)?)?);
         }
-        let containerd =
-            Containerd::start(ContainerdConfig { handlers: vec![handler], version, ..Default::default() }).await?;
-        let cri = containerd.cri().await?;
-        Ok(Self { containerd, cri, state_dir, _cfg_dir: cfg_dir })
+        let shim = setup.start(ContainerdConfig { handlers: vec![handler], ..Default::default() }).await?;
+        Ok(Some(Self { shim }))
     }
 
     /// RunPodSandbox on the `bulkhead` handler; a failure carries containerd's log tail.

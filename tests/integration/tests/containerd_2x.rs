@@ -21,18 +21,29 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
-    ContainerdVersion, Cri, RuntimeHandler,
+    container_config, workspace_bin, Containerd, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv,
 };
 
 const VERSION: ContainerdVersion = ContainerdVersion::V2_1;
 
+/// containerd 2.1 with `bulkhead` (the namespace backend, its config at `config`) and the test's handlers.
 struct Env {
-    containerd: Containerd,
-    cri: Cri,
+    shim: ShimEnv,
     config: std::path::PathBuf,
-    _state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
+}
+
+impl std::ops::DerefMut for Env {
+    fn deref_mut(&mut self) -> &mut ShimEnv {
+        &mut self.shim
+    }
 }
 
 /// `bulkhead` as a second handler, `bulkhead-sandboxer`, whose 2.x `sandboxer` is the shim itself. It has no runtime
@@ -68,40 +79,15 @@ async fn setup_with(
     more: impl Fn(RuntimeHandler) -> Vec<RuntimeHandler>,
     cni_bridge: bool,
 ) -> Result<Option<Env>> {
-    if skip_if_unready_on(test, VERSION) {
-        return Ok(None);
-    }
-    for bin in ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"] {
-        let path = workspace_bin(bin);
-        if !path.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", path.display()),
-            );
-            return Ok(None);
-        }
-    }
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        bulkhead_integration::guests::namespace_config(state_dir.path(), &workspace_bin("bulkhead-agent")),
-    )?;
+    let bins = ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"];
+    let Some(setup) = Setup::new(test, VERSION, &bins)? else { return Ok(None) };
+    let config = setup.namespace_config("bulkhead.toml", setup.state())?;
     let bulkhead = RuntimeHandler::bulkhead(Some(&config));
     let mut handlers = vec![bulkhead.clone()];
     handlers.extend(more(bulkhead));
     let extra_toml = shim_env(&config);
-    let containerd = Containerd::start(ContainerdConfig {
-        handlers,
-        cni_bridge,
-        extra_toml,
-        version: VERSION,
-        ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, config, _state_dir: state_dir, _config_dir: config_dir }))
+    let shim = setup.start(ContainerdConfig { handlers, cni_bridge, extra_toml, ..Default::default() }).await?;
+    Ok(Some(Env { shim, config }))
 }
 
 /// containerd's log lines `connecting to shim <id>` (with the address, protocol and bootstrap version it uses).
@@ -118,7 +104,7 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 async fn containerd_2_reaches_the_pods_one_shim_through_the_version_2_bootstrap() -> Result<()> {
     let test = "containerd_2_reaches_the_pods_one_shim_through_the_version_2_bootstrap";
     let Some(env) = setup(test, |_| vec![]).await? else { return Ok(()) };
-    let pod = pod_config("bootstrap", &env.containerd.new_log_dir("bootstrap")?);
+    let pod = env.pod("bootstrap")?;
     let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(40))?;
     let script = "trap 'exit 0' TERM; while true; do sleep 0.2; done";
     let ctr = env.cri.create_container(&pod_id, &container_config("c", &["sh", "-c", script]), &pod).await?;
@@ -207,7 +193,7 @@ async fn a_pod_runs_through_the_sandbox_api_with_no_pause_container() -> Result<
     let test = "a_pod_runs_through_the_sandbox_api_with_no_pause_container";
     let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
     println!("containerd {}", env.containerd.runtime_version());
-    let mut pod = pod_config("sandboxer", &env.containerd.new_log_dir("sandboxer")?);
+    let mut pod = env.pod("sandboxer")?;
     pod.hostname = "sandboxer-host".into();
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
@@ -278,24 +264,23 @@ async fn a_vm_pod_runs_through_the_sandbox_api_on_bulkhead_vmm() -> Result<()> {
 /// The vm backend (the real guest) through the shim sandboxer: RunPodSandbox starts the VM, a container runs on the
 /// guest kernel with the pod config's hostname, and stop and remove leave no process, mount or state.
 async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, VERSION) || vmm.skip(test) {
+    let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(()) };
+    if vmm.skip(test) {
         return Ok(());
     }
     println!("{test}: containerd {}, the guest runs on {}", VERSION.line(), vmm.name());
-    let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(&config, bulkhead_integration::guests::real_vm_config(state_dir.path(), 45_000, vmm)?)?;
-    let containerd = Containerd::start(ContainerdConfig {
-        handlers: with_sandboxer(RuntimeHandler::bulkhead(Some(&config))),
-        cni_bridge: true,
-        extra_toml: shim_env(&config),
-        version: VERSION,
-        ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
-    let mut pod = pod_config("vm-sandboxer", &containerd.new_log_dir("vm-sandboxer")?);
+    let config = setup
+        .write_config("bulkhead.toml", &bulkhead_integration::guests::real_vm_config(setup.state(), 45_000, vmm)?)?;
+    let env = setup
+        .start(ContainerdConfig {
+            handlers: with_sandboxer(RuntimeHandler::bulkhead(Some(&config))),
+            cni_bridge: true,
+            extra_toml: shim_env(&config),
+            ..Default::default()
+        })
+        .await?;
+    let (cri, containerd, state_dir) = (&env.cri, &env.containerd, &env.state_dir);
+    let mut pod = env.pod("vm-sandboxer")?;
     pod.hostname = "vm-sandboxer".into();
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
@@ -335,7 +320,7 @@ async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()>
 async fn a_sandbox_api_pod_outlives_a_containerd_restart() -> Result<()> {
     let test = "a_sandbox_api_pod_outlives_a_containerd_restart";
     let Some(mut env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
-    let mut pod = pod_config("restart", &env.containerd.new_log_dir("restart")?);
+    let mut pod = env.pod("restart")?;
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
     let pod_id =
@@ -367,7 +352,7 @@ async fn a_sandbox_api_pod_outlives_a_containerd_restart() -> Result<()> {
 async fn a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly() -> Result<()> {
     let test = "a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly";
     let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
-    let mut pod = pod_config("crash", &env.containerd.new_log_dir("crash")?);
+    let mut pod = env.pod("crash")?;
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     ns.context("namespace options")?.network = k8s_cri::v1::NamespaceMode::Pod as i32;
     let pod_id =
@@ -417,7 +402,7 @@ async fn a_sandbox_api_pods_shim_killed_leaves_a_notready_pod_that_goes_cleanly(
 async fn a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing() -> Result<()> {
     let test = "a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing";
     let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
-    let mut pod = pod_config("hostpid", &env.containerd.new_log_dir("hostpid")?);
+    let mut pod = env.pod("hostpid")?;
     let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
     let ns = ns.context("namespace options")?;
     ns.network = k8s_cri::v1::NamespaceMode::Pod as i32;

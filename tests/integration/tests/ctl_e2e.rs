@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
-    ContainerdVersion, Cri, RuntimeHandler,
+    container_config, workspace_bin, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv,
 };
 use prometheus_parse::{LineInfo, Scrape, Value};
 use serde_json::Value as Json;
@@ -23,40 +22,27 @@ fn containerd_version() -> ContainerdVersion {
     ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
 }
 
+/// `runc` and `bulkhead` (the namespace backend, its config at `config`) on a private containerd.
 struct Env {
-    containerd: Containerd,
-    cri: Cri,
+    shim: ShimEnv,
     config: PathBuf,
-    state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
 }
 
 async fn setup(test: &str) -> Result<Option<Env>> {
-    if skip_if_unready_on(test, containerd_version()) {
-        return Ok(None);
-    }
-    for bin in ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"] {
-        let path = workspace_bin(bin);
-        if !path.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", path.display()),
-            );
-            return Ok(None);
-        }
-    }
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        bulkhead_integration::guests::namespace_config(state_dir.path(), &workspace_bin("bulkhead-agent")),
-    )?;
+    let bins = ["bulkhead-agent", "containerd-shim-bulkhead-v2", "bulkhead-ctl"];
+    let Some(setup) = Setup::new(test, containerd_version(), &bins)? else { return Ok(None) };
+    let config = setup.namespace_config("bulkhead.toml", setup.state())?;
     let handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
-    let containerd =
-        Containerd::start(ContainerdConfig { handlers, version: containerd_version(), ..Default::default() }).await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, config, state_dir, _config_dir: config_dir }))
+    let shim = setup.start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    Ok(Some(Env { shim, config }))
 }
 
 /// What one `bulkhead-ctl` run printed.
@@ -112,7 +98,7 @@ async fn remove_pod(env: &Env, pod_id: &str, ctr: &str) -> Result<()> {
 #[tokio::test]
 async fn ctl_commands_report_a_namespace_pod() -> Result<()> {
     let Some(env) = setup("ctl_commands_report_a_namespace_pod").await? else { return Ok(()) };
-    let pod = pod_config("ctlpod", &env.containerd.new_log_dir("ctlpod")?);
+    let pod = env.pod("ctlpod")?;
     let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await?;
     let ctr = env.cri.create_container(&pod_id, &sleeper("c"), &pod).await?;
     env.cri.start_container(&ctr).await?;
@@ -178,7 +164,7 @@ async fn ctl_commands_report_a_namespace_pod() -> Result<()> {
     assert!(line["detail"].as_str().unwrap().starts_with(&version), "{line}");
 
     // doctor on a broken shim config: a failing line naming the bad key, and exit code 1.
-    let broken = env._config_dir.path().join("broken.toml");
+    let broken = env.config_dir.path().join("broken.toml");
     std::fs::write(&broken, "backend = \"namespace\"\nvcpus = 2\n")?;
     let doctor = ctl(&broken, &["doctor", "--json", "--containerd-socket", &socket]);
     assert!(!doctor.ok);
@@ -342,7 +328,7 @@ async fn metrics_endpoint_follows_a_pods_life() -> Result<()> {
     let before = parse(&exporter.scrape()?);
     assert!(before.samples.is_empty(), "no pods, no samples: {:?}", before.samples);
 
-    let pod = pod_config("metricspod", &env.containerd.new_log_dir("metricspod")?);
+    let pod = env.pod("metricspod")?;
     let pod_id = env.cri.run_pod_sandbox(&pod, "bulkhead").await?;
     let ctr = env.cri.create_container(&pod_id, &sleeper("m"), &pod).await?;
     env.cri.start_container(&ctr).await?;

@@ -26,8 +26,8 @@ use bulkhead_integration::containerd::unmount_under;
 use bulkhead_integration::guests::{self, GuestVmm};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    container_config, skip, skip_if_unready, workspace_bin, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup,
+    ShimEnv,
 };
 use k8s_cri::v1 as cri;
 
@@ -56,7 +56,7 @@ struct NodeDisk {
 impl NodeDisk {
     fn new(size: u64) -> Result<Self> {
         // Short: the VM's sockets live below the shim's state dir on this disk.
-        let dir = tempfile::Builder::new().prefix("bed").tempdir_in("/run")?;
+        let dir = tempfile::Builder::new().prefix("bd").rand_bytes(4).tempdir_in("/run")?;
         // One per disk (the tests of this file run in parallel), named after its mount point.
         let name = dir.path().file_name().unwrap_or_default().to_string_lossy().into_owned();
         let image = PathBuf::from(format!("/var/tmp/bulkhead-emptydir-e2e-{name}.ext4"));
@@ -130,29 +130,33 @@ fn with_volume(name: &str, host_dir: &Path) -> cri::ContainerConfig {
 }
 
 struct Env {
-    containerd: Containerd,
-    cri: Cri,
-    state_dir: PathBuf,
-    _cfg_dir: tempfile::TempDir,
-    /// Last: dropped after containerd (and so the pods) are gone.
+    shim: ShimEnv,
+    /// Last: unmounted after containerd (and so the pods) and the shim's state on it are gone.
     disk: NodeDisk,
+}
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
 }
 
 impl Env {
     /// A containerd whose `bulkhead` handler passes `bulkhead.io/*` to the shim, configured by
-    /// `config(state_dir)`, with the shim's state on a fresh node disk.
-    async fn start(config: impl FnOnce(&Path) -> Result<String>) -> Result<Self> {
+    /// `config(state_dir)`, with the shim's state on a fresh node disk. `None` (after one
+    /// `SKIPPED` line) when `test` cannot run here.
+    async fn start(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> Result<Option<Self>> {
         let disk = NodeDisk::new(512 * MIB)?;
-        let state_dir = disk.path().join("s");
-        std::fs::create_dir(&state_dir)?;
-        let cfg_dir = tempfile::tempdir()?;
-        let cfg = cfg_dir.path().join("bulkhead.toml");
-        std::fs::write(&cfg, config(&state_dir)?)?;
+        let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+        let bins = ["bulkhead-agent", "containerd-shim-bulkhead-v2"];
+        let Some(setup) = Setup::new_in(test, version, &bins, disk.path())? else { return Ok(None) };
+        let cfg = setup.write_config("bulkhead.toml", &config(setup.state())?)?;
         let mut handler = RuntimeHandler::bulkhead(Some(&cfg));
         handler.pod_annotations = vec![INSTALLER_GLOB.into()];
-        let containerd = Containerd::start(ContainerdConfig { handlers: vec![handler], ..Default::default() }).await?;
-        let cri = containerd.cri().await?;
-        Ok(Self { containerd, cri, state_dir, _cfg_dir: cfg_dir, disk })
+        let shim = setup.start(ContainerdConfig { handlers: vec![handler], ..Default::default() }).await?;
+        Ok(Some(Self { shim, disk }))
     }
 
     fn kubelet_root(&self) -> PathBuf {
@@ -161,7 +165,7 @@ impl Env {
 
     /// A pod config whose annotation sets `limits`.
     fn pod(&self, name: &str, limits: &str) -> Result<cri::PodSandboxConfig> {
-        let mut pod = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let mut pod = self.shim.pod(name)?;
         pod.annotations.insert(ANNOTATION.into(), limits.into());
         Ok(pod)
     }
@@ -181,7 +185,7 @@ async fn fill(test: &str, env: &Env, pod_id: &str, id: &str, host_dir: &Path, li
     let file = "fill";
     // Counted on the node's disk, not in page caches: the volume's own filesystem (where the
     // shim mounts it on the host) flushed into its image, then the node's disk.
-    let volume = env.state_dir.join(pod_id).join("emptydir").join(host_dir.file_name().unwrap_or_default());
+    let volume = env.state_dir.path().join(pod_id).join("emptydir").join(host_dir.file_name().unwrap_or_default());
     let flush = || -> Result<()> {
         for fs in [volume.as_path(), env.disk.path()] {
             let dir = std::fs::File::open(fs).with_context(|| {
@@ -229,7 +233,7 @@ async fn fill(test: &str, env: &Env, pod_id: &str, id: &str, host_dir: &Path, li
 
 /// The whole story on one backend (module docs); `config` is the shim's config for `state_dir`.
 async fn disk_fill(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> Result<()> {
-    let env = Env::start(config).await?;
+    let Some(env) = Env::start(test, config).await? else { return Ok(()) };
     let free_at_start = env.disk.free()?;
     let pod = env.pod("emptydir-fill", "scratch=32Mi")?;
     let uid = pod.metadata.as_ref().map(|m| m.uid.clone()).unwrap_or_default();
@@ -272,7 +276,7 @@ async fn disk_fill(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> 
     // Stop and remove: nothing of the pod stays but the volume's image in kubelet's directory.
     env.cri.stop_pod_sandbox(&pod_id).await?;
     env.cri.remove_pod_sandbox(&pod_id).await?;
-    let state = env.state_dir.display().to_string();
+    let state = env.state_dir.path().display().to_string();
     let within = Duration::from_secs(20);
     eventually_nothing("the pod's processes", within, || {
         processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
@@ -280,7 +284,7 @@ async fn disk_fill(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> 
     .await?;
     eventually_nothing("mounts of the pod", within, || mounts_with(&state)).await?;
     eventually_nothing("loop devices on the volume's image", within, || loop_devices_of(&image)).await?;
-    eventually_nothing("pod state", within, || bulkhead_integration::host::state_left(&env.state_dir)).await?;
+    eventually_nothing("pod state", within, || bulkhead_integration::host::state_left(env.state_dir.path())).await?;
     ensure!(image.is_file(), "the volume's image stays with kubelet's directory until kubelet removes it");
     // kubelet removes the pod's volume directory; then the node has its space back.
     std::fs::remove_dir_all(env.kubelet_root().join("pods").join(&uid))?;
@@ -341,7 +345,7 @@ async fn namespace_pod_fills_its_emptydir_to_the_limit_and_no_further() -> Resul
 /// finds the volume's data again (the image stays in kubelet's directory, as a plain emptyDir's
 /// files would).
 async fn shim_crash(test: &str, config: impl FnOnce(&Path) -> Result<String>) -> Result<()> {
-    let env = Env::start(config).await?;
+    let Some(env) = Env::start(test, config).await? else { return Ok(()) };
     let mut pod = env.pod("emptydir-crash", "scratch=8Mi")?;
     let uid = pod.metadata.as_ref().map(|m| m.uid.clone()).unwrap_or_default();
     let host_dir = kubelet_emptydir(&env.kubelet_root(), &uid, "scratch")?;
@@ -362,7 +366,7 @@ async fn shim_crash(test: &str, config: impl FnOnce(&Path) -> Result<String>) ->
     ensure!(shims.len() == 1, "one shim serves the pod: {shims:?}");
     // The shim is a descendant of the containerd this test started; signalled by PID only.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(shims[0] as i32), nix::sys::signal::Signal::SIGKILL)?;
-    let state = env.state_dir.display().to_string();
+    let state = env.state_dir.path().display().to_string();
     let within = Duration::from_secs(30);
     eventually_nothing("loop devices on the volume's image after the shim died", within, || loop_devices_of(&image))
         .await?;
@@ -416,9 +420,8 @@ async fn node_default_limits_unnamed_emptydirs_and_bad_annotations_are_refused()
     if skip_if_unready(test) || skip_without_disk_tools(test) {
         return Ok(());
     }
-    let env =
-        Env::start(|s| namespace_config(s, "[emptydir]\ndefault_size_limit = \"16Mi\"\nmax_size_limit = \"1Gi\""))
-            .await?;
+    let limits = "[emptydir]\ndefault_size_limit = \"16Mi\"\nmax_size_limit = \"1Gi\"";
+    let Some(env) = Env::start(test, |s| namespace_config(s, limits)).await? else { return Ok(()) };
 
     let pod = env.pod("emptydir-default", "scratch=32Mi")?;
     let uid = pod.metadata.as_ref().map(|m| m.uid.clone()).unwrap_or_default();
@@ -442,11 +445,11 @@ async fn node_default_limits_unnamed_emptydirs_and_bad_annotations_are_refused()
         ensure!(err.contains(ANNOTATION) && err.contains(fault), "{limits:?}: {err}");
         println!("{test}: {limits:?} refused: {}", err.lines().next().unwrap_or_default());
     }
-    let state = env.state_dir.display().to_string();
+    let state = env.state_dir.path().display().to_string();
     eventually_nothing("state of refused pods", Duration::from_secs(20), || {
         let mut left = mounts_with(&state);
         left.extend(processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")));
-        left.extend(bulkhead_integration::host::state_left(&env.state_dir));
+        left.extend(bulkhead_integration::host::state_left(env.state_dir.path()));
         left
     })
     .await

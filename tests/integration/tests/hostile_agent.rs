@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::processes_with;
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    container_config, workspace_bin, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv,
 };
 use k8s_cri::v1 as cri;
 
@@ -23,43 +22,32 @@ const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
 const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
 const FAULTS: [&str; 7] = ["stall", "huge-length", "wrong-type", "big-error", "close", "oom-flood", "stdout-flood"];
 
-struct Env {
-    containerd: Containerd,
-    cri: Cri,
-    _state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+/// One private containerd: `bulkhead` with the real agent, and `bh-<fault>` per fault.
+struct Env(ShimEnv);
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.0
+    }
 }
 
-/// One containerd: `bulkhead` with the real agent, and `bh-<fault>` per fault.
 async fn setup(test: &str) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
-        return Ok(None);
-    }
-    let agent = workspace_bin("bulkhead-agent");
-    let hostile = workspace_bin("bulkhead-hostile-agent");
-    for bin in [&agent, &hostile, &workspace_bin("containerd-shim-bulkhead-v2")] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
-            );
-            return Ok(None);
-        }
-    }
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = |name: &str, agent_path: &Path| -> Result<std::path::PathBuf> {
-        let path = config_dir.path().join(format!("{name}.toml"));
-        std::fs::write(&path, bulkhead_integration::guests::namespace_config(state_dir.path(), agent_path))?;
-        Ok(path)
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let bins = ["bulkhead-agent", "bulkhead-hostile-agent", "containerd-shim-bulkhead-v2"];
+    let Some(setup) = Setup::new(test, version, &bins)? else { return Ok(None) };
+    let (agent, hostile) = (workspace_bin("bulkhead-agent"), workspace_bin("bulkhead-hostile-agent"));
+    let config = |name: &str, agent_path: &Path| {
+        let text = bulkhead_integration::guests::namespace_config(setup.state(), agent_path);
+        setup.write_config(&format!("{name}.toml"), &text)
     };
     let mut handlers = vec![RuntimeHandler::bulkhead(Some(&config("bulkhead", &agent)?))];
     for fault in FAULTS {
         let on = if fault == "oom-flood" { "GetOomEvent" } else { "ExecProcess" };
-        let wrapper = config_dir.path().join(format!("agent-{fault}"));
-        std::fs::write(
-            &wrapper,
-            format!(
+        let wrapper = setup.write_config(
+            &format!("agent-{fault}"),
+            &format!(
                 "#!/bin/sh\nexec {} --fault {fault} --on {on} --real {} -- \"$@\"\n",
                 hostile.display(),
                 agent.display()
@@ -70,9 +58,7 @@ async fn setup(test: &str) -> Result<Option<Env>> {
         handlers
             .push(RuntimeHandler { name: name.clone(), ..RuntimeHandler::bulkhead(Some(&config(&name, &wrapper)?)) });
     }
-    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, _state_dir: state_dir, _config_dir: config_dir }))
+    Ok(Some(Env(setup.start(ContainerdConfig { handlers, ..Default::default() }).await?)))
 }
 
 fn sleeper(name: &str) -> cri::ContainerConfig {
@@ -82,7 +68,7 @@ fn sleeper(name: &str) -> cri::ContainerConfig {
 impl Env {
     /// A pod with one running sleeper under `handler`: (pod id, container id).
     async fn pod(&self, name: &str, handler: &str) -> Result<(String, String, cri::PodSandboxConfig)> {
-        let pod = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let pod = self.0.pod(name)?;
         let pod_id = self.cri.run_pod_sandbox(&pod, handler).await.with_context(|| self.fail_context())?;
         let ctr = self.cri.create_container(&pod_id, &sleeper(name), &pod).await?;
         self.cri.start_container(&ctr).await.with_context(|| self.fail_context())?;
@@ -99,7 +85,7 @@ impl Env {
     }
 
     fn fail_context(&self) -> String {
-        format!("containerd log tail:\n{}", self.containerd.log_tail(80))
+        self.log_context(80)
     }
 
     /// Whether any shim logged a panic (the shim's panic hook logs it as "panic: ...").
@@ -217,7 +203,7 @@ async fn kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing() -> Res
             processes_with(&pod_id).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
         })
         .await?;
-        let state = env._state_dir.path().join(&pod_id);
+        let state = env.state_dir.path().join(&pod_id);
         assert!(!state.exists(), "{} is left", state.display());
     }
     Ok(())

@@ -20,8 +20,7 @@ use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::host::{dropped_output, eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::images::FORKBOMB_BIN;
 use bulkhead_integration::{
-    cgroups, container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    cgroups, container_config, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler, Setup, ShimEnv,
 };
 use k8s_cri::v1 as cri;
 
@@ -53,38 +52,33 @@ enum Kind {
 /// A private containerd with a handler per backend this host runs, each starting containers from
 /// containerd's default spec with a pids limit of [`CONTAINER_PIDS`].
 struct Stand {
-    containerd: Containerd,
-    cri: Cri,
+    shim: ShimEnv,
     backends: Vec<Backend>,
-    state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for Stand {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
 }
 
 impl Stand {
     async fn start(test: &str) -> Result<Option<Self>> {
-        if skip_if_unready(test) {
+        let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+        let Some(setup) = Setup::new(test, version, &["bulkhead-agent", "containerd-shim-bulkhead-v2"])? else {
             return Ok(None);
-        }
-        let agent = workspace_bin("bulkhead-agent");
-        if !agent.is_file() {
-            skip::missing_prerequisite(test, &format!("{} is not built", agent.display()));
-            return Ok(None);
-        }
-        let state_dir = tempfile::Builder::new().prefix("bl").tempdir_in("/run")?;
-        let config_dir = tempfile::tempdir()?;
-        let base_spec = config_dir.path().join("base-spec.json");
-        std::fs::write(&base_spec, serde_json::to_vec_pretty(&base_spec_with_pids_limit()?)?)?;
+        };
+        let base_spec =
+            setup.write_config("base-spec.json", &serde_json::to_string_pretty(&base_spec_with_pids_limit()?)?)?;
         let handler = |name: &str, config: &Path| RuntimeHandler {
             name: name.into(),
             base_runtime_spec: Some(base_spec.clone()),
             ..RuntimeHandler::bulkhead(Some(config))
         };
 
-        let ns_config = config_dir.path().join("namespace.toml");
-        std::fs::write(
-            &ns_config,
-            bulkhead_integration::guests::namespace_config(&state_dir.path().join("ns"), &agent),
-        )?;
+        let ns_config = setup.namespace_config("namespace.toml", &setup.state().join("ns"))?;
         let runc = RuntimeHandler { base_runtime_spec: Some(base_spec.clone()), ..RuntimeHandler::runc() };
         let mut handlers = vec![runc, handler("bulkhead", &ns_config)];
         let mut backends = vec![
@@ -96,16 +90,15 @@ impl Stand {
                 println!("{test}: not on {}: {why:?}", vmm.name());
                 continue;
             }
-            let path = config_dir.path().join(format!("vm{i}.toml"));
-            let vm_state = state_dir.path().join(format!("vm{i}"));
-            std::fs::write(&path, bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, vmm)?)?;
+            let vm_state = setup.state().join(format!("vm{i}"));
+            let text = bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, vmm)?;
+            let path = setup.write_config(&format!("vm{i}.toml"), &text)?;
             let name = format!("bulkhead-vm{i}");
             handlers.push(handler(&name, &path));
             backends.push(Backend { handler: name, label: format!("vm on {}", vmm.name()), kind: Kind::Vm });
         }
-        let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
-        let cri = containerd.cri().await?;
-        Ok(Some(Self { containerd, cri, backends, state_dir, _config_dir: config_dir }))
+        let shim = setup.start(ContainerdConfig { handlers, ..Default::default() }).await?;
+        Ok(Some(Self { shim, backends }))
     }
 
     /// Runs a pod named `name` on `backend`, under `cgroup_parent` when given.
@@ -115,7 +108,7 @@ impl Stand {
         name: &str,
         cgroup_parent: Option<&str>,
     ) -> Result<(String, cri::PodSandboxConfig)> {
-        let mut config = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let mut config = self.shim.pod(name)?;
         if let (Some(parent), Some(linux)) = (cgroup_parent, config.linux.as_mut()) {
             linux.cgroup_parent = parent.into();
         }

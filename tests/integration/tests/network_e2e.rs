@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready_on, workspace_bin, CniNetwork, CniRoute, Containerd,
-    ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler,
+    container_config, workspace_bin, CniNetwork, CniRoute, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup,
+    ShimEnv,
 };
 use k8s_cri::v1 as cri;
 
@@ -42,11 +42,14 @@ fn containerd_version() -> ContainerdVersion {
     ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"))
 }
 
-struct Env {
-    containerd: Containerd,
-    cri: Cri,
-    _state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+struct Env(ShimEnv);
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.0
+    }
 }
 
 /// Handlers `runc`, `bulkhead` (metadata blocked, the default) and `bulkhead-md`
@@ -58,60 +61,42 @@ async fn setup(test: &str, vm: Option<GuestVmm>) -> Result<Option<Env>> {
 
 /// [`setup`], with `more_vm(config dir)` added to `bulkhead-vm`'s `[vm]` table.
 async fn setup_with(test: &str, vm: Option<GuestVmm>, more_vm: impl Fn(&Path) -> String) -> Result<Option<Env>> {
-    if skip_if_unready_on(test, containerd_version()) {
+    let bins = ["bulkhead-agent", "containerd-shim-bulkhead-v2"];
+    let Some(setup) = Setup::new(test, containerd_version(), &bins)? else { return Ok(None) };
+    if vm.is_some_and(|vmm| vmm.skip(test)) {
         return Ok(None);
     }
-    let agent = workspace_bin("bulkhead-agent");
-    let shim = workspace_bin("containerd-shim-bulkhead-v2");
-    for bin in [&agent, &shim] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
-            );
-            return Ok(None);
-        }
-    }
     assert!(bulkhead_integration::which("ip").is_some(), "ip (iproute2) is not installed: run `make setup`");
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let base = bulkhead_integration::guests::namespace_config(state_dir.path(), &agent);
-    let blocked = config_dir.path().join("bulkhead.toml");
-    std::fs::write(&blocked, &base)?;
-    let allowed = config_dir.path().join("bulkhead-md.toml");
-    std::fs::write(&allowed, format!("{base}[network]\nallow_metadata = true\n"))?;
+    let base = bulkhead_integration::guests::namespace_config(setup.state(), &workspace_bin("bulkhead-agent"));
+    let blocked = setup.write_config("bulkhead.toml", &base)?;
+    let allowed = setup.write_config("bulkhead-md.toml", &format!("{base}[network]\nallow_metadata = true\n"))?;
     let mut handlers = vec![
         RuntimeHandler::runc(),
         RuntimeHandler::bulkhead(Some(&blocked)),
         RuntimeHandler { name: "bulkhead-md".into(), ..RuntimeHandler::bulkhead(Some(&allowed)) },
     ];
     if let Some(vmm) = vm {
-        let vm_config = config_dir.path().join("bulkhead-vm.toml");
-        let vm_state = state_dir.path().join("vm");
         // Below the harness's 60 s CRI deadline, so a slow boot fails with the shim's own error.
-        let text = bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, vmm)?;
-        let more = more_vm(config_dir.path());
+        let text = bulkhead_integration::guests::real_vm_config(&setup.state().join("vm"), 45_000, vmm)?;
+        let more = more_vm(setup.config_dir());
         // A test that says how its pods start replaces the harness's cold start.
         let text = if more.contains("start =") { text.replace(bulkhead_integration::guests::COLD, "") } else { text };
-        std::fs::write(&vm_config, format!("{text}{more}"))?;
+        let vm_config = setup.write_config("bulkhead-vm.toml", &format!("{text}{more}"))?;
         handlers.push(RuntimeHandler { name: "bulkhead-vm".into(), ..RuntimeHandler::bulkhead(Some(&vm_config)) });
     }
-    let containerd = Containerd::start(ContainerdConfig {
+    let config = ContainerdConfig {
         handlers,
         cni_bridge: true,
         cni_routes: vec![CniRoute { dst: format!("{METADATA_IP}/32"), gateway_host: STANDIN_HOST }],
-        version: containerd_version(),
         ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, _state_dir: state_dir, _config_dir: config_dir }))
+    };
+    Ok(Some(Env(setup.start(config).await?)))
 }
 
 impl Env {
     /// A pod-network pod config named `name`.
     fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
-        let mut pod = pod_config(name, &self.containerd.new_log_dir(name)?);
+        let mut pod = self.0.pod(name)?;
         bulkhead_integration::cri::use_pod_network(&mut pod)?;
         pod.hostname = name.into();
         Ok(pod)
@@ -245,11 +230,8 @@ async fn vm_pod_is_on_the_pod_network_and_metadata_is_blocked_on_bulkhead_vmm() 
 }
 
 async fn vm_pod_network(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
-        return Ok(());
-    }
-    println!("{test}: the guest runs on {}", vmm.name());
     let Some(env) = setup(test, Some(vmm)).await? else { return Ok(()) };
+    println!("{test}: the guest runs on {}", vmm.name());
     let want = format!("{STANDIN_REPLY}\n");
     let (_, control, _) = env.run(&env.pod("vmnet-control")?, "runc", &strs(&server("r"))).await?;
     let standin = MetadataStandIn::start(env.containerd.cni_network().context("CNI bridge")?)?;
@@ -275,9 +257,6 @@ async fn vm_pod_network(test: &str, vmm: GuestVmm) -> Result<()> {
 async fn restored_vm_pods_are_each_their_own_on_bulkhead_vmm() -> Result<()> {
     let test = "restored_vm_pods_are_each_their_own_on_bulkhead_vmm";
     let vmm = GuestVmm::Bulkhead;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
-        return Ok(());
-    }
     let warm = |dir: &Path| format!("start = \"warm\"\ntemplate_dir = \"{}\"\n", dir.join("templates").display());
     let Some(env) = setup_with(test, Some(vmm), warm).await? else { return Ok(()) };
     let (_, control, _) = env.run(&env.pod("warm-control")?, "runc", &strs(&server("r"))).await?;

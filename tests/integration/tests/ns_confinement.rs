@@ -12,10 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
-use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
-};
+use bulkhead_integration::{container_config, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv};
 use k8s_cri::v1 as cri;
 
 const RUNNING: i32 = cri::ContainerState::ContainerRunning as i32;
@@ -41,45 +38,30 @@ const ESCAPES: &str = "mknod /tmp/disk b 8 0; echo mknod=$?; \
 /// containerd's default container set alone: what a container gets.
 const CONTAINER_CAPS: &str = "00000000a80425fb";
 
-struct Env {
-    containerd: Containerd,
-    cri: Cri,
-    state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+/// The `bulkhead` handler on the namespace backend, on a private containerd.
+struct Env(ShimEnv);
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.0
+    }
 }
 
 async fn setup(test: &str) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let Some(setup) = Setup::new(test, version, &["bulkhead-agent", "containerd-shim-bulkhead-v2"])? else {
         return Ok(None);
-    }
-    let agent = workspace_bin("bulkhead-agent");
-    let shim = workspace_bin("containerd-shim-bulkhead-v2");
-    for bin in [&agent, &shim] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
-            );
-            return Ok(None);
-        }
-    }
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(&config, bulkhead_integration::guests::namespace_config(state_dir.path(), &agent))?;
+    };
+    let config = setup.namespace_config("bulkhead.toml", setup.state())?;
     let handlers = vec![RuntimeHandler::bulkhead(Some(&config))];
-    let containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
+    Ok(Some(Env(setup.start(ContainerdConfig { handlers, ..Default::default() }).await?)))
 }
 
 impl Env {
-    fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
-        Ok(pod_config(name, &self.containerd.new_log_dir(name)?))
-    }
-
     fn fail_context(&self) -> String {
-        format!("containerd log tail:\n{}", self.containerd.log_tail(80))
+        self.log_context(80)
     }
 
     /// ExecSync of `cmd` in container `id`; a failure (an exec that never answers among them: one

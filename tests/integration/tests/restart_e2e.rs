@@ -12,8 +12,7 @@ use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::host::{dropped_output, eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
-    container_config, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
-    RuntimeHandler,
+    container_config, pod_config, skip, Containerd, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler, Setup,
 };
 use k8s_cri::v1 as cri;
 
@@ -58,18 +57,11 @@ async fn start_pod(cri: &Cri, containerd: &Containerd, handler: &str, name: &str
 #[tokio::test]
 async fn pods_outlive_a_containerd_restart() -> Result<()> {
     let test = "pods_outlive_a_containerd_restart";
-    if skip_if_unready(test) {
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let Some(setup) = Setup::new(test, version, &["bulkhead-agent", "containerd-shim-bulkhead-v2"])? else {
         return Ok(());
-    }
-    let agent = workspace_bin("bulkhead-agent");
-    if !agent.is_file() {
-        skip::missing_prerequisite(test, &format!("{} is not built", agent.display()));
-        return Ok(());
-    }
-    let state_dir = tempfile::Builder::new().prefix("br").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let ns_config = config_dir.path().join("namespace.toml");
-    std::fs::write(&ns_config, bulkhead_integration::guests::namespace_config(&state_dir.path().join("ns"), &agent))?;
+    };
+    let ns_config = setup.namespace_config("namespace.toml", &setup.state().join("ns"))?;
     let mut handlers = vec![RuntimeHandler::bulkhead(Some(&ns_config))];
     let vmms: Vec<GuestVmm> = [GuestVmm::QemuStandIn, GuestVmm::Bulkhead]
         .into_iter()
@@ -86,18 +78,18 @@ async fn pods_outlive_a_containerd_restart() -> Result<()> {
         return Ok(());
     }
     for (i, vmm) in vmms.iter().enumerate() {
-        let path = config_dir.path().join(format!("vm{i}.toml"));
-        let vm_state = state_dir.path().join(format!("vm{i}"));
-        std::fs::write(&path, bulkhead_integration::guests::real_vm_config(&vm_state, 45_000, *vmm)?)?;
+        let text = bulkhead_integration::guests::real_vm_config(&setup.state().join(format!("vm{i}")), 45_000, *vmm)?;
+        let path = setup.write_config(&format!("vm{i}.toml"), &text)?;
         handlers.push(RuntimeHandler { name: format!("bulkhead-vm{i}"), ..RuntimeHandler::bulkhead(Some(&path)) });
     }
-    let mut containerd = Containerd::start(ContainerdConfig { handlers, ..Default::default() }).await?;
-    let cri = containerd.cri().await?;
+    let mut env = setup.start(ContainerdConfig { handlers, ..Default::default() }).await?;
+    let cri = env.cri.clone();
+    let containerd = &mut env.containerd;
 
-    let mut pods = vec![start_pod(&cri, &containerd, "bulkhead", "ns-pod").await?];
+    let mut pods = vec![start_pod(&cri, containerd, "bulkhead", "ns-pod").await?];
     for (i, vmm) in vmms.iter().enumerate() {
         println!("{test}: a vm pod on {}", vmm.name());
-        pods.push(start_pod(&cri, &containerd, &format!("bulkhead-vm{i}"), &format!("vm{i}-pod")).await?);
+        pods.push(start_pod(&cri, containerd, &format!("bulkhead-vm{i}"), &format!("vm{i}-pod")).await?);
     }
     // The counters run; what they have written so far.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -149,7 +141,7 @@ async fn pods_outlive_a_containerd_restart() -> Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         let holes: Vec<(u64, u64)> = seen.windows(2).filter(|w| w[1] != w[0] + 1).map(|w| (w[0], w[1])).collect();
-        let dropped = dropped_output(state_dir.path(), &pod.id)?;
+        let dropped = dropped_output(env.state_dir.path(), &pod.id)?;
         println!(
             "{test}: {name}: counter at {last_before} before the gap, log continues to {}; holes {holes:?}",
             seen.last().unwrap_or(&0)
@@ -161,7 +153,7 @@ async fn pods_outlive_a_containerd_restart() -> Result<()> {
         cri.stop_pod_sandbox(&pod.id).await?;
         cri.remove_pod_sandbox(&pod.id).await?;
     }
-    let state = state_dir.path().display().to_string();
+    let state = env.state_dir.path().display().to_string();
     let within = Duration::from_secs(30);
     eventually_nothing("the pods' processes", within, || {
         processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()

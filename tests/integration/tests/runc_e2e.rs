@@ -2,20 +2,16 @@
 //! CRI on a private containerd, and ExecSync inside it.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
-use bulkhead_integration::{
-    container_config, pod_config, skip_if_unready, Containerd, ContainerdConfig, RuntimeHandler,
-};
+use bulkhead_integration::{container_config, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup};
 
 #[tokio::test]
 async fn runc_pod_exec_sync_echo() -> anyhow::Result<()> {
-    if skip_if_unready("runc_pod_exec_sync_echo") {
-        return Ok(());
-    }
-    let containerd =
-        Containerd::start(ContainerdConfig { handlers: vec![RuntimeHandler::runc()], ..Default::default() }).await?;
-    let cri = containerd.cri().await?;
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let Some(setup) = Setup::new("runc_pod_exec_sync_echo", version, &[])? else { return Ok(()) };
+    let env = setup.start(ContainerdConfig { handlers: vec![RuntimeHandler::runc()], ..Default::default() }).await?;
+    let cri = &env.cri;
 
-    let pod = pod_config("runc-echo", &containerd.new_log_dir("runc-echo")?);
+    let pod = env.pod("runc-echo")?;
     let pod_id = cri.run_pod_sandbox(&pod, "runc").await?;
     let ctr = cri.create_container(&pod_id, &container_config("sleeper", &["sleep", "3600"]), &pod).await?;
     cri.start_container(&ctr).await?;

@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
-    cgroups, container_config, pod_config, skip, skip_if_unready_on, workspace_bin, Containerd, ContainerdConfig,
-    ContainerdVersion, Cri, RuntimeHandler,
+    cgroups, container_config, workspace_bin, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv,
 };
 use k8s_cri::v1 as cri;
 
@@ -25,12 +24,14 @@ fn containerd_version() -> ContainerdVersion {
 }
 
 /// A private containerd with the bulkhead handler on the namespace backend.
-struct Env {
-    containerd: Containerd,
-    cri: Cri,
-    /// The shim's `state_dir` (short: it holds the agent's Unix socket).
-    state_dir: tempfile::TempDir,
-    _config_dir: tempfile::TempDir,
+struct Env(ShimEnv);
+
+impl std::ops::Deref for Env {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.0
+    }
 }
 
 fn write_config(dir: &Path, name: &str, text: &str) -> Result<PathBuf> {
@@ -70,50 +71,23 @@ async fn setup_full(
     config_extra: &str,
     umask: Option<u32>,
 ) -> Result<Option<Env>> {
-    if skip_if_unready_on(test, containerd_version()) {
-        return Ok(None);
-    }
-    let agent = workspace_bin("bulkhead-agent");
-    let shim = workspace_bin("containerd-shim-bulkhead-v2");
-    for bin in [&agent, &shim] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
-            );
-            return Ok(None);
-        }
-    }
-    let state_dir = tempfile::Builder::new().prefix("bh").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
-    let config = write_config(
-        config_dir.path(),
+    let bins = ["bulkhead-agent", "containerd-shim-bulkhead-v2"];
+    let Some(setup) = Setup::new(test, containerd_version(), &bins)? else { return Ok(None) };
+    let config = setup.write_config(
         "bulkhead.toml",
         &format!(
             "backend = \"namespace\"\nstate_dir = \"{}\"\n{config_extra}\n[namespace]\nagent_path = \"{}\"\n",
-            state_dir.path().display(),
-            agent.display()
+            setup.state().display(),
+            workspace_bin("bulkhead-agent").display()
         ),
     )?;
     let mut handlers = vec![RuntimeHandler::runc(), RuntimeHandler::bulkhead(Some(&config))];
     handlers.extend(extra);
-    let containerd = Containerd::start(ContainerdConfig {
-        handlers,
-        cni_bridge,
-        umask,
-        version: containerd_version(),
-        ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
-    Ok(Some(Env { containerd, cri, state_dir, _config_dir: config_dir }))
+    let config = ContainerdConfig { handlers, cni_bridge, umask, ..Default::default() };
+    Ok(Some(Env(setup.start(config).await?)))
 }
 
 impl Env {
-    fn pod(&self, name: &str) -> Result<cri::PodSandboxConfig> {
-        Ok(pod_config(name, &self.containerd.new_log_dir(name)?))
-    }
-
     /// Runs a pod with one started container; returns (pod id, container id).
     async fn pod_with(&self, pod: &cri::PodSandboxConfig, ctr: &cri::ContainerConfig) -> Result<(String, String)> {
         let pod_id = self.cri.run_pod_sandbox(pod, "bulkhead").await?;
@@ -123,7 +97,7 @@ impl Env {
     }
 
     fn fail_context(&self) -> String {
-        format!("containerd log tail:\n{}", self.containerd.log_tail(40))
+        self.log_context(40)
     }
 }
 
@@ -879,7 +853,7 @@ async fn a_pods_containers_keep_the_config_its_sandbox_started_with() -> Result<
     let (pod_id, _) =
         env.pod_with(&pod, &sleeper("first", &unique("first"))).await.with_context(|| env.fail_context())?;
     // An update lands a config this release cannot read (a newer release's key, say).
-    let config = env._config_dir.path().join("bulkhead.toml");
+    let config = env.config_dir.path().join("bulkhead.toml");
     let original = std::fs::read_to_string(&config)?;
     std::fs::write(&config, format!("{original}\nkey_of_a_newer_release = true\n"))?;
     // The running pod's next container still starts, on the config its sandbox had.

@@ -13,24 +13,30 @@ use std::time::Duration;
 
 use anyhow::Result;
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
-use bulkhead_integration::{guests, skip, skip_if_unready, workspace_bin};
+use bulkhead_integration::{guests, skip, workspace_bin, ContainerdVersion, Setup};
 
 /// The VMM identities of this binary's builds (apart from the other test binaries').
 const JAIL_IDS: u32 = 40_400;
 
+/// The checks and directories of the one e2e setup; `bulkhead-ctl` drives the shim's config
+/// without a containerd.
 struct Env {
+    setup: Setup,
     config: PathBuf,
-    state_dir: tempfile::TempDir,
     templates: PathBuf,
-    _dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn state(&self) -> &Path {
+        self.setup.state()
+    }
 }
 
 /// A config whose VM boots the test guest `guest`; `None` (with a SKIPPED line) when this host
 /// lacks a prerequisite.
 fn setup(test: &str, guest: &str) -> Result<Option<Env>> {
-    if skip_if_unready(test) {
-        return Ok(None);
-    }
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let Some(setup) = Setup::new(test, version, &["bulkhead-vmm", "bulkhead-ctl"])? else { return Ok(None) };
     if let Err(why) = bulkhead_vmm_api::probe::kvm_device_usable() {
         skip::missing_prerequisite(test, &why);
         return Ok(None);
@@ -42,34 +48,28 @@ fn setup(test: &str, guest: &str) -> Result<Option<Env>> {
             return Ok(None);
         }
     };
-    let (vmm, virtiofsd) = (workspace_bin("bulkhead-vmm"), bulkhead_integration::virtiofsd_path());
-    for bin in [&vmm, &workspace_bin("bulkhead-ctl"), &virtiofsd] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(test, &format!("{} is missing (make setup, cargo build)", bin.display()));
-            return Ok(None);
-        }
+    let virtiofsd = bulkhead_integration::virtiofsd_path();
+    if !virtiofsd.is_file() {
+        skip::missing_prerequisite(test, &format!("{} is missing (make setup, cargo build)", virtiofsd.display()));
+        return Ok(None);
     }
-    let state_dir = tempfile::Builder::new().prefix("bt").tempdir_in("/run")?;
-    let dir = tempfile::tempdir()?;
-    let initramfs = dir.path().join("initramfs.cpio.gz");
-    std::fs::write(&initramfs, b"not read by the test guest")?;
-    let templates = dir.path().join("templates");
-    let config = dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let initramfs = setup.write_config("initramfs.cpio.gz", "not read by the test guest")?;
+    let templates = setup.config_dir().join("templates");
+    let config = setup.write_config(
+        "bulkhead.toml",
+        &format!(
             "backend = \"vm\"\nstate_dir = \"{}\"\n\n[vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\n\
              initramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\nmemory_mib = 64\ntemplate_dir = \"{}\"\n\
              jail_id_first = {JAIL_IDS}\njail_id_count = 4\n",
-            state_dir.path().display(),
-            vmm.display(),
+            setup.state().display(),
+            workspace_bin("bulkhead-vmm").display(),
             guest.display(),
             initramfs.display(),
             virtiofsd.display(),
             templates.display(),
         ),
     )?;
-    Ok(Some(Env { config, state_dir, templates, _dir: dir }))
+    Ok(Some(Env { setup, config, templates }))
 }
 
 /// `bulkhead-ctl --config <env> <args> --json`: success, the JSON document, stderr.
@@ -87,14 +87,14 @@ fn ctl(env: &Env, args: &[&str]) -> (bool, serde_json::Value, String) {
 
 /// No process, mount or state of the build VM is left, and no build of it stays staged.
 async fn nothing_left(env: &Env) -> Result<()> {
-    let state = env.state_dir.path().display().to_string();
+    let state = env.state().display().to_string();
     let within = Duration::from_secs(20);
     eventually_nothing("the build's VMM and virtiofsd", within, || {
         processes_with(&state).into_iter().map(|(p, c)| format!("{p} {c}")).collect()
     })
     .await?;
     eventually_nothing("mounts", within, || mounts_with(&state)).await?;
-    eventually_nothing("the build VM's state", within, || entries(env.state_dir.path())).await?;
+    eventually_nothing("the build VM's state", within, || entries(env.state())).await?;
     eventually_nothing("staged builds", within, || {
         entries(&env.templates).into_iter().filter(|e| e.contains(".staging-")).collect()
     })
@@ -173,7 +173,7 @@ async fn sigterm_during_a_build_ends_it_and_leaves_nothing() -> Result<()> {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    let state = env.state_dir.path().display().to_string();
+    let state = env.state().display().to_string();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     // The build's VMM runs and has joined its cgroup.
     let cgroup = loop {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use bulkhead_integration::guests::GuestVmm;
 use bulkhead_integration::vm_env::{nothing_left, VmEnv};
-use bulkhead_integration::{pod_config, skip_if_unready_on, ContainerdVersion};
+use bulkhead_integration::ContainerdVersion;
 use k8s_cri::v1 as cri;
 
 /// This run's containerd (`BULKHEAD_CONTAINERD`, default 1.6); no `_on_containerd_*` twin runs the burst.
@@ -31,14 +31,13 @@ async fn twenty_vm_pods_started_at_once_all_start() -> Result<()> {
     const BURST_EXTRA: Duration = Duration::from_secs(300);
     let test = "twenty_vm_pods_started_at_once_all_start";
     let vmm = GuestVmm::QemuStandIn;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start_with(test, containerd_version(), vmm, None, BURST_CONNECT_TIMEOUT_MS).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start_with(test, containerd_version(), vmm, None, BURST_CONNECT_TIMEOUT_MS).await?;
+    };
     let mut runs = tokio::task::JoinSet::new();
     for i in 0..PODS {
         let name = format!("vm-burst-{i}");
-        let pod = pod_config(&name, &env.containerd.new_log_dir(&name)?);
+        let pod = env.pod(&name)?;
         let cri = env.cri.clone();
         runs.spawn(async move {
             let started = Instant::now();

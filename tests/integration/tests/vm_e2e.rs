@@ -13,10 +13,7 @@ use bulkhead_integration::guests::{self, GuestVmm};
 use bulkhead_integration::host::processes_with;
 use bulkhead_integration::images::{self, CONFORMANCE_BIN};
 use bulkhead_integration::vm_env::{console_log, guest_kernel_faults, nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
-use bulkhead_integration::{
-    container_config, pod_config, skip_if_unready_on, Containerd, ContainerdConfig, ContainerdVersion, Cri,
-    RuntimeHandler,
-};
+use bulkhead_integration::{container_config, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler, Setup};
 use k8s_cri::v1 as cri;
 
 const EXITED: i32 = cri::ContainerState::ContainerExited as i32;
@@ -57,12 +54,11 @@ async fn vm_backend_pod_runs_and_execs_on_bulkhead_vmm() -> Result<()> {
 }
 
 async fn pod_runs_and_execs(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    };
     let cri = &env.cri;
-    let pod = pod_config("vm-e2e", &env.containerd.new_log_dir("vm-e2e")?);
+    let pod = env.pod("vm-e2e")?;
     let started = Instant::now();
     let pod_id = env.run_pod(&pod).await?;
     println!("{test}: RunPodSandbox took {:?}", started.elapsed());
@@ -218,10 +214,9 @@ async fn vm_guest_runs_what_ordinary_pods_need_on_bulkhead_vmm() -> Result<()> {
 
 /// What kubelet and ordinary programs expect of a pod, in a container of a vm pod.
 async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, Some(base_spec_of_an_ordinary_node()?)).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, Some(base_spec_of_an_ordinary_node()?)).await?;
+    };
     // Many steps, any of which may fail far from the shim's reason: the log comes with the error.
     let checked = conformance_checks(&env).await;
     checked.with_context(|| format!("containerd's log (with the shim's), last lines:\n{}", env.containerd.log_tail(80)))
@@ -229,7 +224,7 @@ async fn guest_conformance(test: &str, vmm: GuestVmm) -> Result<()> {
 
 async fn conformance_checks(env: &VmEnv) -> Result<()> {
     let cri = &env.cri;
-    let mut pod = pod_config("vm-conformance", &env.containerd.new_log_dir("vm-conformance")?);
+    let mut pod = env.pod("vm-conformance")?;
     // One pod sysctl from each namespaced group: IPC (kernel.shm*, kernel.msg*, kernel.sem),
     // POSIX message queues (fs.mqueue.*), network (net.*).
     let sysctls = [
@@ -324,17 +319,16 @@ async fn vm_pod_lives_in_kubelets_systemd_slice_on_bulkhead_vmm() -> Result<()> 
 /// transient unit in kubelet's slice, as runc's systemd driver leaves it.
 async fn systemd_slice(test: &str, vmm: GuestVmm) -> Result<()> {
     use bulkhead_integration::cgroups;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    };
     let uid = format!("vm{}x{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
     let kubelet = cgroups::KubeletPodCgroup::systemd_slice(&uid)?;
     let limit = 2u64 << 30;
     for file in ["memory.limit_in_bytes", "memory.max"] {
         kubelet.set(file, &limit.to_string())?;
     }
-    let mut pod = pod_config("vm-slice", &env.containerd.new_log_dir("vm-slice")?);
+    let mut pod = env.pod("vm-slice")?;
     pod.linux.as_mut().unwrap().cgroup_parent = kubelet.cri_parent.clone();
     let pod_id = env.run_pod(&pod).await?;
     let scope = format!("{}/cri-containerd-{pod_id}.scope", kubelet.path);
@@ -381,12 +375,11 @@ async fn vm_container_sees_its_own_cgroup_and_memory_limit_on_bulkhead_vmm() -> 
 /// cgroup is the root of what it sees, and /sys/fs/cgroup shows its own limits, which follow an
 /// UpdateContainerResources. Runtimes that size themselves from `memory.max` need both.
 async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    };
     let cri = &env.cri;
-    let pod = pod_config("vm-cgroup", &env.containerd.new_log_dir("vm-cgroup")?);
+    let pod = env.pod("vm-cgroup")?;
     let pod_id = env.run_pod(&pod).await?;
 
     // The container's own process writes what it sees, so not only execs are checked.
@@ -443,12 +436,11 @@ async fn vm_containers_come_and_go_cycle_after_cycle_on_bulkhead_vmm() -> Result
 /// test above). The guest kernel must say nothing of it and the pod must still serve.
 async fn containers_come_and_go(test: &str, vmm: GuestVmm) -> Result<()> {
     const CYCLES: usize = 3;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    };
     let cri = &env.cri;
-    let pod = pod_config("vm-churn", &env.containerd.new_log_dir("vm-churn")?);
+    let pod = env.pod("vm-churn")?;
     let pod_id = env.run_pod(&pod).await?;
     let keeper = cri.create_container(&pod_id, &long_running("keeper", "true"), &pod).await?;
     cri.start_container(&keeper).await?;
@@ -494,12 +486,11 @@ async fn containers_come_and_go(test: &str, vmm: GuestVmm) -> Result<()> {
 async fn a_guest_creates_no_device_node_on_the_hosts_disk() -> Result<()> {
     let test = "a_guest_creates_no_device_node_on_the_hosts_disk";
     let vmm = GuestVmm::QemuStandIn;
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
-    }
-    let env = VmEnv::start(test, containerd_version(), vmm, None).await?;
+    };
     let cri = &env.cri;
-    let mut pod = pod_config("vm-mknod", &env.containerd.new_log_dir("vm-mknod")?);
+    let mut pod = env.pod("vm-mknod")?;
     pod.linux.as_mut().unwrap().security_context.as_mut().unwrap().privileged = true;
     let pod_id = env.run_pod(&pod).await?;
     let mut app = long_running("app", "true");
@@ -558,25 +549,36 @@ enum Meddling {
     StopVsockBackendAfter(&'static str),
 }
 
-/// RunPodSandbox with a guest whose `/init` is `init`, on `vmm`: must fail with the VM's exit (not
-/// the agent's connect timeout), quoting the console, and the VMM must say `vmm_says`.
-/// Returns the error text.
-async fn failed_boot(test: &str, vmm: GuestVmm, init: &Path, meddling: Meddling, vmm_says: &str) -> Result<String> {
+/// RunPodSandbox with a guest whose `/init` is what `init` writes (into the directory it is
+/// given), on `vmm`: must fail with the VM's exit (not the agent's connect timeout), quoting the
+/// console, and the VMM must say `vmm_says`. Returns the error text; `None` (after one `SKIPPED`
+/// line) when `test` cannot run here.
+async fn failed_boot(
+    test: &str,
+    vmm: GuestVmm,
+    init: impl FnOnce(&Path) -> Result<PathBuf>,
+    meddling: Meddling,
+    vmm_says: &str,
+) -> Result<Option<String>> {
+    let Some(setup) = Setup::new(test, containerd_version(), &["containerd-shim-bulkhead-v2"])? else {
+        return Ok(None);
+    };
+    if vmm.skip(test) {
+        return Ok(None);
+    }
     let (kernel, _) = guests::kernel_and_initramfs()?;
-    let dir = tempfile::tempdir()?;
-    let initramfs = dir.path().join("initramfs.cpio.gz");
-    guests::initramfs_with(init, &initramfs)?;
-    let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
-    let cfg = dir.path().join("bulkhead.toml");
-    std::fs::write(&cfg, guests::vm_config(state_dir.path(), CONNECT_TIMEOUT_MS, vmm, &kernel, &initramfs))?;
-    let containerd = Containerd::start(ContainerdConfig {
-        handlers: vec![RuntimeHandler::bulkhead(Some(&cfg))],
-        version: containerd_version(),
-        ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
-    let pod = pod_config(test, &containerd.new_log_dir(test)?);
+    let init = init(setup.config_dir())?;
+    let initramfs = setup.config_dir().join("initramfs.cpio.gz");
+    guests::initramfs_with(&init, &initramfs)?;
+    let cfg = setup.write_config(
+        "bulkhead.toml",
+        &guests::vm_config(setup.state(), CONNECT_TIMEOUT_MS, vmm, &kernel, &initramfs),
+    )?;
+    let env = setup
+        .start(ContainerdConfig { handlers: vec![RuntimeHandler::bulkhead(Some(&cfg))], ..Default::default() })
+        .await?;
+    let (cri, containerd, state_dir) = (&env.cri, &env.containerd, &env.state_dir);
+    let pod = env.pod(test)?;
     let started = Instant::now();
     let (ran, meddled) = tokio::join!(cri.run_pod_sandbox(&pod, "bulkhead"), meddle(state_dir.path(), meddling));
     let err = match ran {
@@ -604,7 +606,7 @@ async fn failed_boot(test: &str, vmm: GuestVmm, init: &Path, meddling: Meddling,
     let log = containerd.log_tail(400);
     println!("{test}: {}", log.lines().find(|l| l.contains(vmm_says)).unwrap_or_default());
     nothing_left(state_dir.path()).await?;
-    Ok(err)
+    Ok(Some(err))
 }
 
 /// Does what `meddling` says to the VM under `state_dir`, within the connect timeout.
@@ -670,14 +672,15 @@ async fn a_guest_kernel_that_panics_at_boot_fails_the_pod_with_the_console_tail_
 }
 
 async fn kernel_panic(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
-        return Ok(());
-    }
     // An /init that is no program: the kernel finds no working init and panics.
-    let dir = tempfile::tempdir()?;
-    let init = dir.path().join("not-a-program");
-    std::fs::write(&init, b"this is not an executable\n")?;
-    let err = failed_boot(test, vmm, &init, Meddling::None, guest_reset_line(vmm)).await?;
+    let not_a_program = |dir: &Path| {
+        let init = dir.join("not-a-program");
+        std::fs::write(&init, b"this is not an executable\n")?;
+        Ok(init)
+    };
+    let Some(err) = failed_boot(test, vmm, not_a_program, Meddling::None, guest_reset_line(vmm)).await? else {
+        return Ok(());
+    };
     assert!(err.contains("VM did not start"), "{err}");
     assert!(err.contains("Kernel panic") && err.contains("No working init found"), "no console tail in: {err}");
     Ok(())
@@ -695,12 +698,10 @@ async fn an_agent_that_exits_early_fails_the_pod_with_the_console_tail_on_bulkhe
 }
 
 async fn early_exit(test: &str, vmm: GuestVmm) -> Result<()> {
-    if skip_if_unready_on(test, containerd_version()) || vmm.skip(test) {
+    let init = |dir: &Path| images::early_exit_init(dir);
+    let Some(err) = failed_boot(test, vmm, init, Meddling::None, guest_reset_line(vmm)).await? else {
         return Ok(());
-    }
-    let dir = tempfile::tempdir()?;
-    let init: PathBuf = images::early_exit_init(dir.path())?;
-    let err = failed_boot(test, vmm, &init, Meddling::None, guest_reset_line(vmm)).await?;
+    };
     assert!(err.contains("VM did not start"), "{err}");
     assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
@@ -712,21 +713,13 @@ async fn early_exit(test: &str, vmm: GuestVmm) -> Result<()> {
 #[tokio::test]
 async fn a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends() -> Result<()> {
     let test = "a_stand_in_whose_qemu_hangs_after_the_guest_reset_still_ends";
-    if skip_if_unready_on(test, containerd_version()) || GuestVmm::QemuStandIn.skip(test) {
-        return Ok(());
-    }
-    let dir = tempfile::tempdir()?;
     // Long enough after its line for the backend to be stopped before the reset.
-    let init = images::late_exit_init(dir.path(), 3)?;
+    let init = |dir: &Path| images::late_exit_init(dir, 3);
     let meddling = Meddling::StopVsockBackendAfter(images::EARLY_EXIT_LINE);
-    let err = failed_boot(
-        test,
-        GuestVmm::QemuStandIn,
-        &init,
-        meddling,
-        "did not exit within 5s of its guest's shutdown; killed",
-    )
-    .await?;
+    let says = "did not exit within 5s of its guest's shutdown; killed";
+    let Some(err) = failed_boot(test, GuestVmm::QemuStandIn, init, meddling, says).await? else {
+        return Ok(());
+    };
     assert!(err.contains(images::EARLY_EXIT_LINE), "the agent's last words are missing: {err}");
     Ok(())
 }

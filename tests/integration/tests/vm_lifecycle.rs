@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
 use bulkhead_integration::{
-    cgroups, pod_config, skip, skip_if_unready, workspace_bin, Containerd, ContainerdConfig, Cri,
+    cgroups, pod_config, skip, workspace_bin, ContainerdConfig, ContainerdVersion, Setup, ShimEnv,
 };
 use bulkhead_integration::{guests, RuntimeHandler};
 use k8s_cri::v1 as cri;
@@ -31,15 +31,21 @@ const JAIL_ID_COUNT: u32 = 16;
 
 /// A private containerd whose `bulkhead` handler runs the `vm` backend with `guest` as kernel.
 struct VmEnv {
-    containerd: Containerd,
-    cri: Cri,
-    state_dir: tempfile::TempDir,
+    /// Its containerd goes first: the pods' cgroups are removable only then.
+    shim: ShimEnv,
     connect_timeout: Duration,
     /// The shim's config (for `bulkhead-ctl`).
     config: PathBuf,
-    _config_dir: tempfile::TempDir,
     /// The pods' cgroup parent (kubelet's role here); removed after containerd is gone.
     cgroup_parent: CgroupParent,
+}
+
+impl std::ops::Deref for VmEnv {
+    type Target = ShimEnv;
+
+    fn deref(&self) -> &ShimEnv {
+        &self.shim
+    }
 }
 
 struct CgroupParent(String);
@@ -79,9 +85,10 @@ async fn setup_with(
     more_vm: &str,
     cni_bridge: bool,
 ) -> Result<Option<VmEnv>> {
-    if skip_if_unready(test) {
+    let version = ContainerdVersion::for_test_binary(env!("CARGO_CRATE_NAME"));
+    let Some(setup) = Setup::new(test, version, &["bulkhead-vmm", "containerd-shim-bulkhead-v2"])? else {
         return Ok(None);
-    }
+    };
     if let Err(why) = bulkhead_vmm_api::probe::kvm_device_usable() {
         skip::missing_prerequisite(test, &why);
         return Ok(None);
@@ -93,52 +100,33 @@ async fn setup_with(
             return Ok(None);
         }
     };
-    let vmm = workspace_bin("bulkhead-vmm");
-    for bin in [&vmm, &workspace_bin("containerd-shim-bulkhead-v2")] {
-        if !bin.is_file() {
-            skip::missing_prerequisite(
-                test,
-                &format!("{} is not built (run `cargo build --workspace`)", bin.display()),
-            );
-            return Ok(None);
-        }
-    }
     let virtiofsd = bulkhead_integration::virtiofsd_path();
     if !virtiofsd.is_file() {
         skip::missing_prerequisite(test, &format!("{} is missing (run `make setup`)", virtiofsd.display()));
         return Ok(None);
     }
-    let state_dir = tempfile::Builder::new().prefix("bv").tempdir_in("/run")?;
-    let config_dir = tempfile::tempdir()?;
     // The test guest ignores it, but the VM has one, as a pod's would.
-    let initramfs = config_dir.path().join("initramfs.cpio.gz");
-    std::fs::write(&initramfs, b"not read by the test guest")?;
-    let config = config_dir.path().join("bulkhead.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let initramfs = setup.write_config("initramfs.cpio.gz", "not read by the test guest")?;
+    let config = setup.write_config(
+        "bulkhead.toml",
+        &format!(
             "backend = \"vm\"\nstate_dir = \"{}\"\n\n[agent]\nconnect_timeout_ms = {}\n\n\
              [vm]\nvmm_path = \"{}\"\nkernel_path = \"{}\"\ninitramfs_path = \"{}\"\nvirtiofsd_path = \"{}\"\n\
              memory_mib = 64\njail_id_first = {JAIL_IDS}\njail_id_count = {jail_ids}\n{more_vm}",
-            state_dir.path().display(),
+            setup.state().display(),
             connect_timeout.as_millis(),
-            vmm.display(),
+            workspace_bin("bulkhead-vmm").display(),
             guest.display(),
             initramfs.display(),
             virtiofsd.display(),
         ),
     )?;
-    let containerd = Containerd::start(ContainerdConfig {
-        handlers: vec![RuntimeHandler::bulkhead(Some(&config))],
-        cni_bridge,
-        ..Default::default()
-    })
-    .await?;
-    let cri = containerd.cri().await?;
+    let handlers = vec![RuntimeHandler::bulkhead(Some(&config))];
+    let shim = setup.start(ContainerdConfig { handlers, cni_bridge, ..Default::default() }).await?;
     static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let cgroup_parent = CgroupParent(format!("/bhtest-vm-{}-{seq}", std::process::id()));
-    Ok(Some(VmEnv { containerd, cri, state_dir, connect_timeout, config, _config_dir: config_dir, cgroup_parent }))
+    Ok(Some(VmEnv { shim, connect_timeout, config, cgroup_parent }))
 }
 
 impl VmEnv {
