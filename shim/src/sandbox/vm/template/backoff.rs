@@ -19,9 +19,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::key::TemplateKey;
+use super::error::TemplateError;
+use super::id::TemplateKey;
 use super::store::{KeyLock, TemplateStore};
-use super::TemplateError;
 
 /// How long builds of a key are held off after its first failure in a row.
 pub const BACKOFF_BASE: Duration = Duration::from_secs(30);

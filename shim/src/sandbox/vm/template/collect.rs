@@ -12,9 +12,10 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::key::{KeyInputs, TemplateKey};
+use super::error::TemplateError;
+use super::id::TemplateKey;
+use super::key::KeyInputs;
 use super::store::{Ceiling, TemplateStore};
-use super::TemplateError;
 
 /// Room a pass must leave for a template about to be built: one more template of about
 /// `bytes` (its guest memory: the memory file's upper bound).

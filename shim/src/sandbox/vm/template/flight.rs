@@ -19,9 +19,9 @@ use async_trait::async_trait;
 
 use super::backoff;
 use super::collect::{collect, Room};
+use super::error::TemplateError;
 use super::key::KeyInputs;
 use super::store::{KeyLock, Lookup, Template, TemplateStore};
-use super::TemplateError;
 
 /// How often a waiting shim looks at the lock.
 const POLL: Duration = Duration::from_millis(25);
@@ -185,7 +185,7 @@ async fn make_room(store: &TemplateStore, inputs: &KeyInputs) -> Result<(), Temp
 }
 
 /// Why to boot cold while an earlier failed build of `key` holds builds off at `now`.
-fn backing_off(store: &TemplateStore, key: &super::key::TemplateKey, now: SystemTime) -> Option<ColdReason> {
+fn backing_off(store: &TemplateStore, key: &super::id::TemplateKey, now: SystemTime) -> Option<ColdReason> {
     let failure = backoff::last(store, key)?;
     let held = failure.held_off(now)?;
     Some(ColdReason::BackingOff {
@@ -196,7 +196,7 @@ fn backing_off(store: &TemplateStore, key: &super::key::TemplateKey, now: System
     })
 }
 
-fn set_aside(store: &TemplateStore, key: &super::key::TemplateKey, lock: &KeyLock) {
+fn set_aside(store: &TemplateStore, key: &super::id::TemplateKey, lock: &KeyLock) {
     if let Lookup::Unusable { reason } = store.lookup(key) {
         if let Err(e) = store.quarantine(key, &reason, lock) {
             tracing::warn!(template = %key, error = %e, "template: unusable template not moved aside");

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::TemplateError;
+use super::error::TemplateError;
+use super::id::TemplateKey;
 
 /// Bumped when what a key covers changes.
 const KEY_SCHEME: &str = "bulkhead-template-key-v2";
@@ -26,50 +27,6 @@ const KEY_SCHEME: &str = "bulkhead-template-key-v2";
 const MAX_MEMO_BYTES: u64 = 1024;
 /// Files whose ctime is younger than this are hashed every time.
 const RACY_WINDOW: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// A template key: 64 lowercase hex digits (SHA-256 of the [`KeyInputs`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct TemplateKey(String);
-
-impl TemplateKey {
-    /// Parses a key as written in a directory name, a manifest or on the command line.
-    pub fn parse(text: &str) -> Result<Self, TemplateError> {
-        if text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-            Ok(Self(text.to_string()))
-        } else {
-            Err(TemplateError::BadKey(text.chars().take(80).collect()))
-        }
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// The first 12 digits, for logs and listings.
-    pub fn short(&self) -> &str {
-        &self.0[..12]
-    }
-}
-
-impl std::fmt::Display for TemplateKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl TryFrom<String> for TemplateKey {
-    type Error = TemplateError;
-    fn try_from(text: String) -> Result<Self, TemplateError> {
-        Self::parse(&text)
-    }
-}
-
-impl From<TemplateKey> for String {
-    fn from(key: TemplateKey) -> String {
-        key.0
-    }
-}
 
 /// The guest memory of the template a pod needing `exact` MiB restores: the next step of a fixed
 /// ladder, so that pods whose limits differ a little share one template instead of each

@@ -30,8 +30,9 @@ use nix::fcntl::{Flock, FlockArg, RenameFlags};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::key::{KeyInputs, TemplateKey};
-use super::TemplateError;
+use super::error::TemplateError;
+use super::id::TemplateKey;
+use super::key::KeyInputs;
 
 /// The manifest's name in a template directory.
 pub const MANIFEST: &str = "template.json";
