@@ -10,6 +10,7 @@
 pub mod cgroup_primer;
 pub mod cgroup_stats;
 pub mod cgroups;
+pub mod container_tree;
 pub mod emptydir;
 pub mod launcher;
 pub mod mounts;

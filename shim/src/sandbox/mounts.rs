@@ -2,9 +2,10 @@
 //! (teardown and `delete` after a crash). Never wider than the directory asked for.
 //!
 //! Also the rules both backends follow when they mount a container's rootfs and volumes on the
-//! host ([`super::namespace_mounts`], [`super::vm::share`]): what counts as a bind mount in an
-//! OCI spec and which host path it names, fstab-style options as mount flags, containerd's
-//! rootfs mounts, mount points made without following links, their removal, and the errors.
+//! host (the one skeleton, [`super::container_tree`], with their ways of binding in
+//! [`super::namespace_mounts`] and [`super::vm::share`]): what counts as a bind mount in an OCI
+//! spec and which host path it names, fstab-style options as mount flags, containerd's rootfs
+//! mounts, mount points made without following links, their removal, and the errors.
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};

@@ -35,20 +35,16 @@
 //! made.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use containerd_shim::protos::types::mount::Mount;
 use nix::errno::Errno;
-use nix::mount::{mount, MsFlags};
+use nix::mount::MsFlags;
 use nix::NixPath;
 use oci_spec::runtime::Spec;
-use tracing::warn;
 
-use super::mounts::{
-    bind_propagation, bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below,
-    options_of, remove_mount_points, unmount_all, MountError,
-};
+use super::container_tree::{Binder, ContainerTree, Volume};
+use super::mounts::{bind_propagation, mount_err, mount_rootfs, MountError};
 use super::paths::PodPaths;
 
 /// A path as the C string the mount system calls take.
@@ -113,51 +109,59 @@ fn attach_clone(
     Errno::result(rc).map(drop)
 }
 
-/// The pod's container mounts on the host (module docs).
+/// How the namespace backend binds: detached clones, born with their flags.
+struct CloneBinder;
+
+impl Binder for CloneBinder {
+    fn rootfs(
+        &self,
+        _id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        _spec: &Spec,
+        rootfs: &Path,
+    ) -> Result<(), MountError> {
+        if mounts.is_empty() {
+            // Private: not in the bundle's peer group (module docs, "Propagation").
+            attach_clone(bundle_rootfs, rootfs, true, false, MsFlags::MS_PRIVATE)
+                .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), rootfs))?;
+        }
+        mount_rootfs(mounts, rootfs)
+    }
+
+    fn volume(&self, _id: &str, v: &Volume<'_>) -> Result<(), MountError> {
+        let recursive = v.options.iter().any(|o| o == "rbind");
+        let read_only = v.options.iter().any(|o| o == "ro");
+        attach_clone(v.source, v.target, recursive, read_only, bind_propagation(v.options))
+            .map_err(mount_err(format!("volume {}", v.source.display()), v.target))
+    }
+}
+
+/// The pod's container mounts on the host (module docs): `<pod>/rootfs`, seen by the agent as
+/// `<pod>/view`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodMounts {
-    /// Host-only: where the shim mounts (`<pod>/rootfs`).
-    mounts: PathBuf,
-    /// The agent's read-only view of `mounts` (`<pod>/view`).
-    view: PathBuf,
+    tree: ContainerTree,
 }
 
 impl PodMounts {
     pub fn new(paths: &PodPaths) -> Self {
-        Self { mounts: paths.rootfs_dir(), view: paths.dir.join("view") }
+        Self { tree: ContainerTree::new(paths.rootfs_dir(), paths.dir.join("view")) }
     }
 
     /// The directory the agent's minimal root keeps (its `--share-dir`).
     pub fn view(&self) -> &Path {
-        &self.view
+        self.tree.view()
     }
 
     /// Makes both directories and their mounts (module docs). Before the launcher starts, so
-    /// the agent's copy of `view` receives what is mounted later.
+    /// the agent's copy of the view receives what is mounted later.
     pub fn create(&self) -> Result<(), MountError> {
-        for (dir, mode) in [(&self.mounts, 0o700), (&self.view, 0o755)] {
-            std::fs::DirBuilder::new().mode(mode).create(dir).map_err(io("create", dir))?;
-        }
-        mount(Some(&self.mounts), &self.mounts, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .map_err(mount_err("bind onto itself", &self.mounts))?;
-        flags_only(&self.mounts, MsFlags::MS_PRIVATE, "private")?;
-        flags_only(&self.mounts, MsFlags::MS_SHARED, "shared")?;
-        mount(Some(&self.mounts), &self.view, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .map_err(mount_err(format!("bind {}", self.mounts.display()), &self.view))?;
-        let read_only = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY;
-        flags_only(&self.view, read_only | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, "read-only")?;
-        flags_only(&self.view, MsFlags::MS_SLAVE, "slave")
+        self.tree.create()
     }
 
-    fn container_dir(&self, id: &str) -> Result<PathBuf, MountError> {
-        bulkhead_protocol::stream::validate_id(id).map_err(|_| MountError::Id(id.to_string()))?;
-        Ok(self.mounts.join(id))
-    }
-
-    /// Mounts container `id`'s rootfs from containerd's `mounts` (or a bind of `bundle_rootfs`
-    /// when there are none) and the sources of its spec's bind mounts, whose sources `spec` then
-    /// names in the view. Returns the rootfs's path in the view (the agent's rootfs path). On
-    /// failure, whatever was done is undone.
+    /// Mounts container `id`'s rootfs and volume sources ([`ContainerTree::prepare`]); the
+    /// view is at the same path on both sides. Returns the agent's rootfs path.
     pub fn prepare(
         &self,
         id: &str,
@@ -165,70 +169,20 @@ impl PodMounts {
         mounts: &[Mount],
         spec: &mut Spec,
     ) -> Result<PathBuf, MountError> {
-        let dir = self.container_dir(id)?;
-        let result = self.prepare_in(&dir, id, bundle_rootfs, mounts, spec);
-        if result.is_err() {
-            self.release(id);
-        }
-        result
+        self.tree.prepare(&CloneBinder, id, bundle_rootfs, mounts, spec, self.tree.view())
     }
 
-    fn prepare_in(
-        &self,
-        dir: &Path,
-        id: &str,
-        bundle_rootfs: &Path,
-        mounts: &[Mount],
-        spec: &mut Spec,
-    ) -> Result<PathBuf, MountError> {
-        let seen = self.view.join(id);
-        let rootfs = dir.join("rootfs");
-        let volumes = dir.join("volumes");
-        for d in [dir, &rootfs, &volumes] {
-            make_point(d, false)?;
-        }
-        if mounts.is_empty() {
-            // Private: not in the bundle's peer group (module docs, "Propagation").
-            attach_clone(bundle_rootfs, &rootfs, true, false, MsFlags::MS_PRIVATE)
-                .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), &rootfs))?;
-        }
-        mount_rootfs(mounts, &rootfs)?;
-
-        for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
-            if !is_bind(m) {
-                continue;
-            }
-            let (source, is_dir) = bind_source(index, m)?;
-            let target = volumes.join(index.to_string());
-            make_point(&target, !is_dir)?;
-            let options = options_of(m);
-            let recursive = options.iter().any(|o| o == "rbind");
-            let read_only = options.iter().any(|o| o == "ro");
-            attach_clone(&source, &target, recursive, read_only, bind_propagation(options))
-                .map_err(mount_err(format!("volume {}", source.display()), &target))?;
-            m.set_source(Some(seen.join("volumes").join(index.to_string())));
-        }
-        Ok(seen.join("rootfs"))
-    }
-
-    /// Unmounts what [`PodMounts::prepare`] mounted for `id` (its copies in the view and in the
-    /// agent go with it) and removes its mount points; idempotent. Never removes anything below
-    /// a mount that stayed.
+    /// Unmounts container `id`'s mounts (their copies in the view and the agent go with them).
     pub fn release(&self, id: &str) {
-        let Ok(dir) = self.container_dir(id) else { return };
-        unmount_all(&dir);
-        let left = mounts_below(&dir);
-        if !left.is_empty() {
-            warn!(container = id, mounts = ?left, "container mounts stayed; leaving their mount points");
-            return;
-        }
-        remove_mount_points(&dir);
+        self.tree.release(&CloneBinder, id)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::mounts::{mounts_below, unmount_all};
     use super::*;
+    use nix::mount::mount;
     use serde_json::json;
 
     #[test]
@@ -236,9 +190,9 @@ mod tests {
         let paths = PodPaths::new(Path::new("/run/bh"), "pod1").unwrap();
         let pod = PodMounts::new(&paths);
         assert_eq!(pod.view(), Path::new("/run/bh/pod1/view"));
-        assert_eq!(pod.container_dir("c1").unwrap(), Path::new("/run/bh/pod1/rootfs/c1"));
+        assert_eq!(pod.tree.container_dir("c1").unwrap(), Path::new("/run/bh/pod1/rootfs/c1"));
         for bad in ["", "..", "a/b", "/x"] {
-            assert!(matches!(pod.container_dir(bad), Err(MountError::Id(_))), "{bad:?}");
+            assert!(matches!(pod.tree.container_dir(bad), Err(MountError::Id(_))), "{bad:?}");
         }
     }
 

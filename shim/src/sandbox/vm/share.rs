@@ -41,9 +41,10 @@ use nix::sys::stat::{mkdirat, Mode};
 use oci_spec::runtime::{Mount as SpecMount, Spec};
 use tracing::warn;
 
+use super::super::container_tree::{Binder, ContainerTree, Volume};
 use super::super::mounts::{
-    bind_propagation, bind_source, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below,
-    options_of, remove_mount_points, unmount_all, MountError,
+    bind_propagation, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, remove_mount_points,
+    unmount_all, MountError,
 };
 
 /// Makes `target` (a bind mount, and every mount below it) read-only, keeping its other flags.
@@ -123,13 +124,17 @@ const POD_SHM: &str = "/dev/shm";
 /// The pod's shared directory and the two host-only directories behind it (module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedDir {
-    /// What virtiofsd serves: a read-only view of `mounts`.
+    /// What virtiofsd serves: a read-only view of `<dir>.mounts`, where the shim mounts.
     pub dir: PathBuf,
-    /// Where the shim makes mount points and mounts: `<dir>.mounts`.
-    mounts: PathBuf,
-    /// Where read-only mounts are made read-only before they move into `mounts`: `<dir>.staging`.
-    staging: PathBuf,
+    tree: ContainerTree,
+    /// Where every bind is finished before it moves into the tree: `<dir>.staging`.
+    staging: Staging,
 }
+
+/// How the vm backend binds: in the private staging directory, where a mount gets its
+/// propagation and read-only flag, then moved into the tree (module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Staging(PathBuf);
 
 /// `dir` with `suffix` appended to its last component.
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {
@@ -142,85 +147,34 @@ fn bind(source: &Path, target: &Path, flags: MsFlags, what: String) -> Result<()
     mount(Some(source), target, None::<&str>, MsFlags::MS_BIND | flags, None::<&str>).map_err(mount_err(what, target))
 }
 
-/// Moves the mount at `from` (below the private staging dir) to `to` (below `mounts`), where it
+/// Moves the mount at `from` (below the private staging dir) to `to` (below the tree), where it
 /// propagates to the shared view and virtiofsd with the flags it has now.
 fn move_mount(from: &Path, to: &Path) -> Result<(), MountError> {
     mount(Some(from), to, None::<&str>, MsFlags::MS_MOVE, None::<&str>)
         .map_err(mount_err(format!("move {}", from.display()), to))
 }
 
-impl SharedDir {
-    pub fn new(dir: PathBuf) -> Self {
-        Self { mounts: sibling(&dir, ".mounts"), staging: sibling(&dir, ".staging"), dir }
-    }
-
-    /// Makes the three directories and their mounts (module docs): `mounts` a peer group of its
-    /// own, `staging` private, and `dir` a read-only slave view of `mounts`. Before virtiofsd
-    /// starts, so its copy of `dir` receives what is mounted later.
-    pub fn create(&self) -> Result<(), MountError> {
-        for (d, mode) in [(&self.mounts, 0o700), (&self.staging, 0o700), (&self.dir, 0o755)] {
-            std::fs::DirBuilder::new().mode(mode).create(d).map_err(io("create", d))?;
-        }
-        bind(&self.mounts, &self.mounts, MsFlags::empty(), "bind onto itself".into())?;
-        flags_only(&self.mounts, MsFlags::MS_PRIVATE, "private")?;
-        flags_only(&self.mounts, MsFlags::MS_SHARED, "shared")?;
-        bind(&self.staging, &self.staging, MsFlags::empty(), "bind onto itself".into())?;
-        flags_only(&self.staging, MsFlags::MS_PRIVATE, "private")?;
-        bind(&self.mounts, &self.dir, MsFlags::empty(), format!("bind {}", self.mounts.display()))?;
-        let read_only = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY;
-        flags_only(&self.dir, read_only | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, "read-only")?;
-        flags_only(&self.dir, MsFlags::MS_SLAVE, "slave")
-    }
-
-    fn container_dir(&self, id: &str) -> Result<PathBuf, MountError> {
-        bulkhead_protocol::stream::validate_id(id).map_err(|_| MountError::Id(id.to_string()))?;
-        Ok(self.mounts.join(id))
-    }
-
-    /// Where container `id`'s read-only mount `what` is staged.
+impl Staging {
+    /// Where container `id`'s mount `what` is staged.
     fn staged(&self, id: &str, what: &str) -> PathBuf {
-        self.staging.join(format!("{id}.{what}"))
+        self.0.join(format!("{id}.{what}"))
     }
+}
 
-    /// Shares container `id`: its rootfs from containerd's `mounts` (or a bind of
-    /// `bundle_rootfs` when there are none) and the sources of its spec's bind mounts, whose
-    /// sources `spec` then names in the guest. Returns the rootfs's path in the guest. On
-    /// failure, whatever was done is undone.
-    pub fn prepare(
+impl Binder for Staging {
+    fn rootfs(
         &self,
         id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
-        spec: &mut Spec,
-    ) -> Result<String, MountError> {
-        let dir = self.container_dir(id)?;
-        let result = self.prepare_in(&dir, id, bundle_rootfs, mounts, spec);
-        if result.is_err() {
-            self.release(id);
-        }
-        result
-    }
-
-    fn prepare_in(
-        &self,
-        dir: &Path,
-        id: &str,
-        bundle_rootfs: &Path,
-        mounts: &[Mount],
-        spec: &mut Spec,
-    ) -> Result<String, MountError> {
-        let guest = Path::new(SHARED_DIR).join(id);
-        let rootfs = dir.join("rootfs");
-        let volumes = dir.join("volumes");
-        for d in [dir, &rootfs, &volumes] {
-            make_point(d, false)?;
-        }
-
-        // The rootfs: where it is read-only or a bind of the host's, mounted and finished in
-        // staging, then moved (a fresh overlay has no peer group to leave).
+        spec: &Spec,
+        rootfs: &Path,
+    ) -> Result<(), MountError> {
+        // Where it is read-only or a bind of the host's, mounted and finished in staging, then
+        // moved (a fresh overlay has no peer group to leave).
         let read_only_root = spec.root().as_ref().and_then(|r| r.readonly()) == Some(true);
         let staged_root = read_only_root || mounts.is_empty();
-        let root_at = if staged_root { self.staged(id, "rootfs") } else { rootfs.clone() };
+        let root_at = if staged_root { self.staged(id, "rootfs") } else { rootfs.to_path_buf() };
         if staged_root {
             make_point(&root_at, false)?;
         }
@@ -240,46 +194,36 @@ impl SharedDir {
             remount_read_only(&root_at)?;
         }
         if staged_root {
-            move_mount(&root_at, &rootfs)?;
+            move_mount(&root_at, rootfs)?;
         }
+        Ok(())
+    }
 
-        for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
-            if !is_bind(m) {
-                continue;
-            }
-            if is_pod_shm(m) {
-                // The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
-                // containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would
-                // be neither a tmpfs to the container nor memory of the guest.
-                m.set_source(Some(POD_SHM.into()));
-                continue;
-            }
-            let (source, is_dir) = bind_source(index, m)?;
-            let target = volumes.join(index.to_string());
-            make_point(&target, !is_dir)?;
-            let options = options_of(m);
-            let recursive = if options.iter().any(|o| o == "rbind") { MsFlags::MS_REC } else { MsFlags::empty() };
-            let what = format!("volume {}", source.display());
-            // Bound, cut from (or made a slave of) its source's peer group and finished in
-            // staging, then moved (module docs).
-            let staged = self.staged(id, &format!("volume-{index}"));
-            make_point(&staged, !is_dir)?;
-            bind(&source, &staged, recursive, what)?;
-            flags_only(&staged, bind_propagation(options), "volume propagation")?;
-            if options.iter().any(|o| o == "ro") {
-                remount_read_only(&staged)?;
-            }
-            move_mount(&staged, &target)?;
-            m.set_source(Some(guest.join("volumes").join(index.to_string())));
+    fn volume(&self, id: &str, v: &Volume<'_>) -> Result<(), MountError> {
+        let recursive = if v.options.iter().any(|o| o == "rbind") { MsFlags::MS_REC } else { MsFlags::empty() };
+        // Bound, cut from (or made a slave of) its source's peer group and finished in staging,
+        // then moved (module docs).
+        let staged = self.staged(id, &format!("volume-{}", v.index));
+        make_point(&staged, !v.is_dir)?;
+        bind(v.source, &staged, recursive, format!("volume {}", v.source.display()))?;
+        flags_only(&staged, bind_propagation(v.options), "volume propagation")?;
+        if v.options.iter().any(|o| o == "ro") {
+            remount_read_only(&staged)?;
         }
-        self.clear_staging(id);
-        Ok(guest.join("rootfs").display().to_string())
+        move_mount(&staged, v.target)
+    }
+
+    /// The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
+    /// containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would be neither a
+    /// tmpfs to the container nor memory of the guest.
+    fn own_source(&self, m: &SpecMount) -> Option<PathBuf> {
+        is_pod_shm(m).then(|| POD_SHM.into())
     }
 
     /// Removes container `id`'s staging entries (mount points a move emptied, or leftovers of a
     /// failed prepare, unmounted first).
-    fn clear_staging(&self, id: &str) {
-        let Ok(entries) = std::fs::read_dir(&self.staging) else { return };
+    fn clear(&self, id: &str) {
+        let Ok(entries) = std::fs::read_dir(&self.0) else { return };
         let prefix = format!("{id}.");
         for entry in entries.flatten() {
             if entry.file_name().to_string_lossy().starts_with(&prefix) {
@@ -295,19 +239,42 @@ impl SharedDir {
             }
         }
     }
+}
+
+impl SharedDir {
+    pub fn new(dir: PathBuf) -> Self {
+        let tree = ContainerTree::new(sibling(&dir, ".mounts"), dir.clone());
+        Self { tree, staging: Staging(sibling(&dir, ".staging")), dir }
+    }
+
+    /// Makes the three directories and their mounts (module docs): the tree a peer group of its
+    /// own, staging private, and `dir` a read-only slave view of the tree. Before virtiofsd
+    /// starts, so its copy of `dir` receives what is mounted later.
+    pub fn create(&self) -> Result<(), MountError> {
+        let staging = &self.staging.0;
+        std::fs::DirBuilder::new().mode(0o700).create(staging).map_err(io("create", staging))?;
+        bind(staging, staging, MsFlags::empty(), "bind onto itself".into())?;
+        flags_only(staging, MsFlags::MS_PRIVATE, "private")?;
+        self.tree.create()
+    }
+
+    /// Shares container `id` ([`ContainerTree::prepare`]): its spec's sources then name the
+    /// guest's paths. Returns the rootfs's path in the guest.
+    pub fn prepare(
+        &self,
+        id: &str,
+        bundle_rootfs: &Path,
+        mounts: &[Mount],
+        spec: &mut Spec,
+    ) -> Result<String, MountError> {
+        let rootfs = self.tree.prepare(&self.staging, id, bundle_rootfs, mounts, spec, Path::new(SHARED_DIR))?;
+        Ok(rootfs.display().to_string())
+    }
 
     /// Unmounts what [`SharedDir::prepare`] mounted for `id` and removes its mount points;
     /// idempotent. Never removes anything below a mount that stayed.
     pub fn release(&self, id: &str) {
-        let Ok(dir) = self.container_dir(id) else { return };
-        self.clear_staging(id);
-        unmount_all(&dir);
-        let left = mounts_below(&dir);
-        if !left.is_empty() {
-            warn!(container = id, mounts = ?left, "shared mounts stayed; leaving the container's shared dir");
-            return;
-        }
-        remove_mount_points(&dir);
+        self.tree.release(&self.staging, id)
     }
 }
 
