@@ -35,6 +35,7 @@ use bulkhead_benches::{baselines, unix_ns, vmm_binary};
 use bulkhead_vmm_api::command_line::{self, VmmCommand};
 use bulkhead_vmm_api::config::{BalloonConfig, FsConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::{JailConfig, JailFile};
+use bulkhead_vmm_api::memory::Mib;
 
 const RUNS: usize = 20;
 const GOAL_START_MS: f64 = 5.0;
@@ -201,7 +202,7 @@ impl PodHost {
             cmdline: Some(format!("{DEFAULT_CMDLINE} bulkhead.shared=bulkhead")),
             raw_guest: None,
             vcpus: 1,
-            mem_mib: 256,
+            mem_mib: Mib(256),
             serial_log: Some("/run/console.log".into()),
             vsock: Some(VsockConfig { uds_path: "/run/vsock.sock".into(), guest_cid: 3 }),
             block: Vec::new(),

@@ -87,7 +87,7 @@ pub fn api_request(data: &[u8]) {
         control: Arc::new(VcpuControl::new()),
         exit: Arc::new(exit),
         vcpus: 0,
-        mem_mib: 32,
+        mem_mib: bulkhead_vmm_api::memory::Mib(32),
         irqchip: true,
         start_unix_ns: 1,
         snapshots: None,

@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use bulkhead_vmm_api::memory::Mib;
 use serde::{Deserialize, Serialize};
 
 /// Where the config lives when containerd passes no `ConfigPath` and nothing else names one.
@@ -132,7 +133,7 @@ pub struct VmSettings {
     /// Guest memory of a pod that sets no memory limit; for a pod that does, what the guest
     /// kernel and agent get on top of it.
     #[serde(default = "default_memory_mib")]
-    pub memory_mib: u32,
+    pub memory_mib: Mib,
     /// The ids pods' VMMs run as: each pod's VMM gets a uid and gid (the same number) of its own
     /// from `jail_id_first` .. `jail_id_first + jail_id_count`, so one that escaped its jail
     /// cannot signal or trace another's. Keep the range clear of the node's users and of
@@ -308,8 +309,8 @@ fn default_virtiofsd_path() -> PathBuf {
 fn default_vcpus() -> u8 {
     1
 }
-fn default_memory_mib() -> u32 {
-    256
+fn default_memory_mib() -> Mib {
+    Mib(256)
 }
 fn default_jail_id_first() -> u32 {
     1_900_000_000
@@ -391,7 +392,7 @@ impl Config {
         if !self.namespace.agent_path.is_absolute() {
             return Err(invalid("namespace.agent_path", "must be an absolute path"));
         }
-        use bulkhead_vmm_api::config::{MAX_MEM_MIB, MAX_VCPUS};
+        use bulkhead_vmm_api::config::{MAX_MEM, MAX_VCPUS};
         for (field, path) in [
             ("vm.vmm_path", &self.vm.vmm_path),
             ("vm.kernel_path", &self.vm.kernel_path),
@@ -406,8 +407,8 @@ impl Config {
         if self.vm.vcpus == 0 || self.vm.vcpus > MAX_VCPUS {
             return Err(invalid("vm.vcpus", &format!("must be between 1 and {MAX_VCPUS}")));
         }
-        if self.vm.memory_mib < 64 || u64::from(self.vm.memory_mib) > MAX_MEM_MIB {
-            return Err(invalid("vm.memory_mib", &format!("must be between 64 and {MAX_MEM_MIB}")));
+        if self.vm.memory_mib < Mib(64) || self.vm.memory_mib > MAX_MEM {
+            return Err(invalid("vm.memory_mib", &format!("must be between 64 and {}", MAX_MEM.get())));
         }
         if self.vm.template_max_count == 0 || self.vm.template_max_count > 10_000 {
             return Err(invalid("vm.template_max_count", "must be between 1 and 10000"));

@@ -17,6 +17,7 @@ use bulkhead_shim::sandbox::vm::template::{
     backoff, build, build_unless, obtain, obtain_at, ColdReason, KeyInputs, KeySources, Listed, Lookup, Obtained,
     TemplateBuilder, TemplateStore, BACKOFF_BASE, BUILD_TIMEOUT,
 };
+use bulkhead_vmm_api::memory::Mib;
 
 /// Larger than what a lookup hashes, as guest memory is.
 const MEMORY_BYTES: usize = 5 << 20;
@@ -41,7 +42,8 @@ impl FakeBuilder {
 impl TemplateBuilder for FakeBuilder {
     async fn build(&self, inputs: &KeyInputs, dir: &Path) -> Result<(), String> {
         self.builds.fetch_add(1, Ordering::SeqCst);
-        std::fs::write(dir.join("state"), format!("vcpus={} memory={}", inputs.vcpus, inputs.memory_mib)).unwrap();
+        std::fs::write(dir.join("state"), format!("vcpus={} memory={}", inputs.vcpus, inputs.memory_mib.get()))
+            .unwrap();
         tokio::time::sleep(self.delay).await;
         if self.fail {
             return Err("the VM did not reach agent-ready".into());
@@ -70,7 +72,7 @@ fn fixture() -> Fixture {
         initramfs: &dir.path().join("initramfs"),
         vmm: &dir.path().join("bulkhead-vmm"),
         vcpus: 1,
-        memory_mib: 256,
+        memory_mib: Mib(256),
         nic_mtus: &[],
     };
     let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).unwrap();
@@ -433,7 +435,7 @@ async fn a_template_of_other_inputs_is_not_restored() {
     let Obtained::Built(t) = obtain(&f.store, &f.inputs, builder.as_ref(), WAIT).await else { panic!() };
     // Another shape's key: the first template is not it.
     let mut bigger = f.inputs.clone();
-    bigger.memory_mib = 512;
+    bigger.memory_mib = Mib(512);
     assert!(matches!(f.store.lookup(&bigger.key()), Lookup::Missing));
     // A template directory renamed to another key fails its manifest check.
     std::fs::rename(&t.dir, f.store.root().join(bigger.key().as_str())).unwrap();

@@ -26,6 +26,7 @@ use bulkhead_vmm::vmm;
 use bulkhead_vmm_api::api::{encode_line, Response};
 use bulkhead_vmm_api::command_line::{Start, VmmCommand};
 use bulkhead_vmm_api::jail::JailConfig;
+use bulkhead_vmm_api::memory::Mib;
 use bulkhead_vmm_api::restore::{restored_config, RestoreConfig};
 
 #[derive(Parser)]
@@ -232,8 +233,13 @@ fn prepared(
     let prepared =
         builder::prepare(files, phases).with_context(|| format!("cannot prepare the snapshot in {}", dir.display()))?;
     let listener = bind_api_socket(api_path).with_context(|| format!("api socket {}", api_path.display()))?;
-    let info =
-        prepared_info(prepared.vcpus(), prepared.mem_bytes() >> 20, prepared.irqchip(), start, prepared.report());
+    let info = prepared_info(
+        prepared.vcpus(),
+        Mib::holding(prepared.mem_bytes()),
+        prepared.irqchip(),
+        start,
+        prepared.report(),
+    );
     let saved = prepared.saved_config().clone();
     let check = move |run: &RestoreConfig| restored_config(&saved, run).map(drop).map_err(|e| e.to_string());
     let filter = filters.api().clone();

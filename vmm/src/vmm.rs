@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use bulkhead_vmm_api::api::BootReport;
+use bulkhead_vmm_api::memory::Mib;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::epoll::EventSet;
 
@@ -137,7 +138,7 @@ pub fn run(
             control: control.clone(),
             exit: exit.clone(),
             vcpus: config.vcpus,
-            mem_mib: config.mem_bytes >> 20,
+            mem_mib: Mib::holding(config.mem_bytes),
             irqchip,
             start_unix_ns,
             snapshots: Some(snapshots),

@@ -96,7 +96,7 @@ enum TemplateCommand {
         vcpus: Option<u8>,
         /// Guest memory in MiB (default: the config's `vm.memory_mib`).
         #[arg(long)]
-        memory_mib: Option<u32>,
+        memory_mib: Option<u64>,
         /// A NIC of this MTU, for pods with a network (repeat for more NICs; none: the template
         /// of host-network pods). Pods use a template whose NICs match their CNI interfaces'.
         #[arg(long = "nic-mtu")]

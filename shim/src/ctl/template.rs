@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use bulkhead_vmm_api::memory::Mib;
 use serde_json::json;
 
 use super::error::{CtlError, Outcome};
@@ -68,9 +69,10 @@ pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
             Listed::Ready { key, bytes, created_unix, vcpus, memory_mib, nic_mtus } => {
                 let nics = nic_mtus.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
                 format!(
-                    "{:<14} {:<9} {vcpus:>5} {memory_mib:>8} {:>10} {:>10.1}  created {created_unix}\n",
+                    "{:<14} {:<9} {vcpus:>5} {:>8} {:>10} {:>10.1}  created {created_unix}\n",
                     key.short(),
                     "ready",
+                    memory_mib.get(),
                     if nics.is_empty() { "-" } else { &nics },
                     *bytes as f64 / (1 << 20) as f64
                 )
@@ -107,19 +109,19 @@ pub fn ls(config: &Config) -> Result<Outcome, CtlError> {
 pub async fn build(
     config: Config,
     vcpus: Option<u8>,
-    memory_mib: Option<u32>,
+    memory_mib: Option<u64>,
     nic_mtus: &[u16],
 ) -> Result<Outcome, CtlError> {
     let failed = |e: &dyn std::fmt::Display| CtlError::Failed(e.to_string());
     let store = open(&config)?;
-    let (vcpus, memory_mib) = (vcpus.unwrap_or(config.vm.vcpus), memory_mib.unwrap_or(config.vm.memory_mib));
-    if vcpus == 0 || memory_mib == 0 {
+    let (vcpus, memory) = (vcpus.unwrap_or(config.vm.vcpus), memory_mib.map_or(config.vm.memory_mib, Mib));
+    if vcpus == 0 || memory == Mib(0) {
         return Err(CtlError::Failed("a template VM needs at least one vCPU and 1 MiB of memory".into()));
     }
     if let Some(bad) = nic_mtus.iter().find(|m| **m < 68) {
         return Err(CtlError::Failed(format!("NIC MTU {bad}: a guest NIC takes 68..=65535")));
     }
-    let sources = KeySources::of_config(&config.vm, vcpus, memory_mib, nic_mtus);
+    let sources = KeySources::of_config(&config.vm, vcpus, memory, nic_mtus);
     let inputs = KeyInputs::of(&sources, Some(&store.digests_dir())).map_err(|e| failed(&e))?;
     let started = Instant::now();
     let builder = VmTemplateBuilder::new(std::sync::Arc::new(config));
@@ -134,8 +136,9 @@ pub async fn build(
         mtus => format!("NIC MTUs {}", mtus.iter().map(u16::to_string).collect::<Vec<_>>().join(",")),
     };
     let text = format!(
-        "template {} ({vcpus} vCPUs, {memory_mib} MiB, {nics}): {} MiB in {} ({:.1} s)\n",
+        "template {} ({vcpus} vCPUs, {} MiB, {nics}): {} MiB in {} ({:.1} s)\n",
         template.key,
+        memory.get(),
         template.bytes() >> 20,
         template.dir.display(),
         started.elapsed().as_secs_f64()
@@ -144,7 +147,7 @@ pub async fn build(
         "key": template.key,
         "dir": template.dir,
         "vcpus": vcpus,
-        "memory_mib": memory_mib,
+        "memory_mib": memory,
         "nic_mtus": nic_mtus,
         "bytes": template.bytes(),
         "created_unix": template.manifest.created_unix,
@@ -256,14 +259,14 @@ mod tests {
         async fn discard(&self, _: &KeyInputs) {}
     }
 
-    fn inputs(memory_mib: u32) -> KeyInputs {
+    fn inputs(memory_mib: u64) -> KeyInputs {
         let digest = "0".repeat(64);
         KeyInputs {
             kernel_sha256: digest.clone(),
             initramfs_sha256: digest.clone(),
             vmm_sha256: digest,
             vcpus: 1,
-            memory_mib,
+            memory_mib: Mib(memory_mib),
             nic_mtus: if memory_mib == 512 { vec![1500] } else { vec![] },
             agent_protocol: 1,
         }

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::memory::Mib;
 use crate::restore::RestoreConfig;
 
 /// Longest request line the VMM reads; longer input closes the connection.
@@ -49,7 +50,7 @@ pub struct VmInfo {
     pub state: RunState,
     pub pid: u32,
     pub vcpus: u8,
-    pub mem_mib: u64,
+    pub mem_mib: Mib,
     pub irqchip: bool,
     /// Wall-clock ns when the VMM process started its `main`.
     pub start_unix_ns: u64,
@@ -196,7 +197,7 @@ mod tests {
             state: RunState::Paused,
             pid: 7,
             vcpus: 2,
-            mem_mib: 256,
+            mem_mib: Mib(256),
             irqchip: true,
             start_unix_ns: 1,
             first_kvm_run_unix_ns: None,

@@ -10,11 +10,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::bounded::{read_bounded, BoundedReadError};
 use crate::ifname::check_ifname;
+use crate::memory::Mib;
 
 /// Upper bounds that keep a bad config from asking for absurd resources.
 pub const MAX_VCPUS: u8 = 32;
-pub const MIN_MEM_MIB: u64 = 8;
-pub const MAX_MEM_MIB: u64 = 64 * 1024;
+pub const MIN_MEM: Mib = Mib(8);
+pub const MAX_MEM: Mib = Mib(64 * 1024);
 pub const MAX_BLOCK_DEVICES: usize = 8;
 pub const MAX_CMDLINE_LEN: usize = 2048;
 pub const MAX_FS_DEVICES: usize = 4;
@@ -42,8 +43,8 @@ pub enum VmConfigError {
     LinuxOnlyField,
     #[error("vcpus must be 1..={MAX_VCPUS}, got {0}")]
     Vcpus(u8),
-    #[error("mem_mib must be {MIN_MEM_MIB}..={MAX_MEM_MIB}, got {0}")]
-    Memory(u64),
+    #[error("mem_mib must be {}..={}, got {}", MIN_MEM.0, MAX_MEM.0, .0.0)]
+    Memory(Mib),
     #[error("{what} {path}: {reason}")]
     Path { what: &'static str, path: PathBuf, reason: String },
     #[error("vsock guest_cid must be >= 3 and < 2^32-1, got {0}")]
@@ -76,7 +77,7 @@ pub struct VmConfig {
     #[serde(default = "default_vcpus")]
     pub vcpus: u8,
     #[serde(default = "default_mem")]
-    pub mem_mib: u64,
+    pub mem_mib: Mib,
     /// Where the 8250 output goes; without it, serial output is dropped.
     #[serde(default)]
     pub serial_log: Option<PathBuf>,
@@ -268,8 +269,8 @@ pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
 fn default_vcpus() -> u8 {
     1
 }
-fn default_mem() -> u64 {
-    128
+fn default_mem() -> Mib {
+    Mib(128)
 }
 fn default_raw_load() -> u64 {
     0x10_0000
@@ -320,10 +321,10 @@ impl VmConfig {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(VmConfigError::Vcpus(self.vcpus));
         }
-        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
-            return Err(VmConfigError::Memory(self.mem_mib));
-        }
-        let mem_bytes = self.mem_mib << 20;
+        let mem_bytes = match self.mem_mib.bytes() {
+            Some(bytes) if (MIN_MEM..=MAX_MEM).contains(&self.mem_mib) => bytes,
+            _ => return Err(VmConfigError::Memory(self.mem_mib)),
+        };
         let boot = match (self.kernel, self.raw_guest) {
             (None, None) => return Err(VmConfigError::NoBootSource),
             (Some(_), Some(_)) => return Err(VmConfigError::TwoBootSources),

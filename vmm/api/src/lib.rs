@@ -10,6 +10,7 @@
 //!   replace the snapshot's;
 //! - [`ifname`]: the one rule for interface (tap) names, which the shim and the VMM check too;
 //! - [`bounded`]: the one bounded read of a document from a file;
+//! - [`memory`]: guest memory sizes in MiB, one type from the shim's pod shape to the config;
 //! - [`command_line`]: the VMM's command line, written by the shim and read by the VMM and the
 //!   QEMU stand-in.
 //!
@@ -23,5 +24,6 @@ pub mod command_line;
 pub mod config;
 pub mod ifname;
 pub mod jail;
+pub mod memory;
 pub mod probe;
 pub mod restore;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{encode_line, parse_request, Request, Response, RestoreReport, RunState, VmInfo};
+use bulkhead_vmm_api::memory::Mib;
 use bulkhead_vmm_api::restore::RestoreConfig;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -219,7 +220,7 @@ impl<C: Fn(&RestoreConfig) -> Result<(), String>> PreparedServer<C> {
 }
 
 /// What `info` says about a prepared VMM.
-pub fn prepared_info(vcpus: u8, mem_mib: u64, irqchip: bool, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
+pub fn prepared_info(vcpus: u8, mem_mib: Mib, irqchip: bool, start_unix_ns: u64, restore: RestoreReport) -> VmInfo {
     VmInfo {
         state: RunState::Prepared,
         pid: std::process::id(),
@@ -264,7 +265,7 @@ mod tests {
     fn a_prepared_api_answers_checks_and_hands_a_taken_restore_over() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("api.sock");
-        let info = prepared_info(1, 32, true, 7, RestoreReport::default());
+        let info = prepared_info(1, Mib(32), true, 7, RestoreReport::default());
         let check = |run: &RestoreConfig| if run.vsock_uds_path.is_some() { Ok(()) } else { Err("no vsock".into()) };
         let api = spawn_prepared(bind_api_socket(&path).unwrap(), info, check, unconfined()).unwrap();
         let mut client = UnixStream::connect(&path).unwrap();
@@ -298,7 +299,7 @@ mod tests {
     fn a_prepared_api_stops_on_shutdown() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("api.sock");
-        let info = prepared_info(1, 32, true, 7, RestoreReport::default());
+        let info = prepared_info(1, Mib(32), true, 7, RestoreReport::default());
         let api = spawn_prepared(bind_api_socket(&path).unwrap(), info, |_| Ok(()), unconfined()).unwrap();
         let mut client = UnixStream::connect(&path).unwrap();
         assert!(call(&mut client, r#"{"cmd":"shutdown"}"#).ok);

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use bulkhead_vmm_api::api::{
     encode_line, parse_request, BootReport, Request, Response, RestoreReport, SnapshotReport, VmInfo,
 };
+use bulkhead_vmm_api::memory::Mib;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use seccompiler::BpfProgram;
 use vmm_sys_util::epoll::EventSet;
@@ -31,7 +32,7 @@ pub struct VmController {
     pub control: Arc<VcpuControl>,
     pub exit: Arc<ExitSignal>,
     pub vcpus: u8,
-    pub mem_mib: u64,
+    pub mem_mib: Mib,
     pub irqchip: bool,
     pub start_unix_ns: u64,
     /// Where snapshots are taken (the event loop); absent only in tests without a VM.
@@ -50,7 +51,7 @@ impl VmController {
             control: Arc::new(VcpuControl::new()),
             exit: Arc::new(ExitSignal::new().expect("an eventfd")),
             vcpus,
-            mem_mib: 64,
+            mem_mib: Mib(64),
             irqchip: true,
             start_unix_ns: 5,
             snapshots: None,

@@ -8,9 +8,7 @@ use kvm_bindings::{
     kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
 };
 
-use crate::config::{
-    ValidConfig, MAX_BLOCK_DEVICES, MAX_FS_DEVICES, MAX_MEM_MIB, MAX_NET_DEVICES, MAX_VCPUS, MIN_MEM_MIB,
-};
+use crate::config::{ValidConfig, MAX_BLOCK_DEVICES, MAX_FS_DEVICES, MAX_MEM, MAX_NET_DEVICES, MAX_VCPUS, MIN_MEM};
 use crate::device_manager::persist::DevicesState;
 
 /// More MSRs or CPUID entries than KVM can ever report means a corrupt file.
@@ -146,7 +144,7 @@ impl VmState {
         if c.vcpus == 0 || c.vcpus > MAX_VCPUS || self.vcpus.len() != usize::from(c.vcpus) {
             return bad(format!("{} vCPU states for a VM of {} vCPUs", self.vcpus.len(), c.vcpus));
         }
-        if !(MIN_MEM_MIB << 20..=MAX_MEM_MIB << 20).contains(&c.mem_bytes) || !c.mem_bytes.is_multiple_of(1 << 20) {
+        if !(MIN_MEM.get() << 20..=MAX_MEM.get() << 20).contains(&c.mem_bytes) || !c.mem_bytes.is_multiple_of(1 << 20) {
             return bad(format!("guest memory of {} bytes", c.mem_bytes));
         }
         if self.mem_file_bytes != c.mem_bytes {

@@ -147,7 +147,7 @@ mod tests {
                     state: RunState::Running,
                     pid: 1,
                     vcpus: 1,
-                    mem_mib: 256,
+                    mem_mib: bulkhead_vmm_api::memory::Mib(256),
                     irqchip: true,
                     start_unix_ns: 10,
                     first_kvm_run_unix_ns: Some(20),

@@ -205,7 +205,7 @@ pub(super) async fn launch(
     tokio::spawn(watch_virtiofsd(fsd.clone(), vmm.clone()).instrument(life_span));
     info!(
         sandbox = %req.sandbox_id, pid = vmm.pid, virtiofsd = fsd.pid, jail_id, vcpus = shape.vcpus,
-        mem_mib = shape.mem_mib, netns = ?req.netns, cgroup = %plan.cgroup.display(),
+        mem_mib = shape.mem.get(), netns = ?req.netns, cgroup = %plan.cgroup.display(),
         template = ?template, "VMM started"
     );
     Ok(Launched { vmm, virtiofsd: fsd, network, layout })

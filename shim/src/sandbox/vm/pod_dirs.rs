@@ -187,7 +187,7 @@ impl VmLayout {
             cmdline: Some(format!("{DEFAULT_CMDLINE} {SHARED_FS_PARAM}={FS_TAG}")),
             raw_guest: None,
             vcpus: plan.shape.vcpus,
-            mem_mib: plan.shape.mem_mib,
+            mem_mib: plan.shape.mem,
             serial_log: Some(CONSOLE.into()),
             vsock: Some(VsockConfig { uds_path: VSOCK.into(), guest_cid: GUEST_CID }),
             block: Vec::new(),
@@ -231,6 +231,7 @@ mod tests {
     use super::*;
     use bulkhead_vmm_api::command_line::Invocation;
     use bulkhead_vmm_api::config::LinkState;
+    use bulkhead_vmm_api::memory::Mib;
     use std::os::unix::fs::MetadataExt;
 
     fn plan<'a>(kernel: &'a Path, initramfs: &'a Path) -> VmPlan<'a> {
@@ -242,7 +243,7 @@ mod tests {
             gid: 40_001,
             cgroup: "/bulkhead/sb1/sb1".into(),
             netns: Some("/var/run/netns/cni-1".into()),
-            shape: VmShape { vcpus: 2, mem_mib: 512 },
+            shape: VmShape { vcpus: 2, mem: Mib(512) },
             net: Vec::new(),
             template: None,
         }
@@ -284,7 +285,7 @@ mod tests {
         assert_eq!(jail.read_only[0].host, PathBuf::from("/usr/share/bulkhead/vmlinux"));
 
         let vm = VmConfig::from_file(&layout.vm_json()).unwrap();
-        assert_eq!((vm.vcpus, vm.mem_mib), (2, 512));
+        assert_eq!((vm.vcpus, vm.mem_mib), (2, Mib(512)));
         assert_eq!(vm.kernel.as_deref(), Some(Path::new(KERNEL)));
         assert_eq!(jail.host_path(vm.serial_log.as_deref().unwrap()), layout.console_log());
         assert_eq!(jail.host_path(vm.api_socket.as_deref().unwrap()), layout.api_socket());

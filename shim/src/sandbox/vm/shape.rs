@@ -2,18 +2,17 @@
 //! containerd passes them, else the configured defaults. Containers' own limits are the agent's
 //! cgroups inside the guest; the shape only has to hold them.
 
-use bulkhead_vmm_api::config::{MAX_MEM_MIB, MAX_VCPUS};
+use bulkhead_vmm_api::config::{MAX_MEM, MAX_VCPUS};
+use bulkhead_vmm_api::memory::Mib;
 
 use super::super::SandboxError;
 use crate::config::VmSettings;
 use crate::spec::PodResources;
 
-const MIB: u64 = 1 << 20;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmShape {
     pub vcpus: u8,
-    pub mem_mib: u64,
+    pub mem: Mib,
 }
 
 impl VmShape {
@@ -29,15 +28,16 @@ impl VmShape {
                 .ok_or_else(|| too_big(format!("{cpus} CPUs; a VM has at most {MAX_VCPUS}")))?,
             None => config.vcpus,
         };
-        let base = u64::from(config.memory_mib);
-        let mem_mib = match pod.memory_bytes {
-            Some(bytes) => bytes.div_ceil(MIB).saturating_add(base),
+        let base = config.memory_mib;
+        let mem = match pod.memory_bytes {
+            Some(bytes) => Mib::holding(bytes).saturating_add(base),
             None => base,
         };
-        if mem_mib > MAX_MEM_MIB {
-            return Err(too_big(format!("{mem_mib} MiB of VM memory (limit + {base} MiB); at most {MAX_MEM_MIB}")));
+        if mem > MAX_MEM {
+            let (mem, base, max) = (mem.get(), base.get(), MAX_MEM.get());
+            return Err(too_big(format!("{mem} MiB of VM memory (limit + {base} MiB); at most {max}")));
         }
-        Ok(Self { vcpus, mem_mib })
+        Ok(Self { vcpus, mem })
     }
 }
 
@@ -46,18 +46,18 @@ mod tests {
     use super::*;
 
     fn config() -> VmSettings {
-        VmSettings { vcpus: 1, memory_mib: 256, ..Default::default() }
+        VmSettings { vcpus: 1, memory_mib: Mib(256), ..Default::default() }
     }
 
     #[test]
     fn defaults_without_pod_resources() {
-        assert_eq!(VmShape::for_pod(&config(), &PodResources::default()).unwrap(), VmShape { vcpus: 1, mem_mib: 256 });
+        assert_eq!(VmShape::for_pod(&config(), &PodResources::default()).unwrap(), VmShape { vcpus: 1, mem: Mib(256) });
     }
 
     #[test]
     fn pod_limits_shape_the_vm() {
         let pod = PodResources { cpus: Some(3), memory_bytes: Some((512 << 20) + 1) };
-        assert_eq!(VmShape::for_pod(&config(), &pod).unwrap(), VmShape { vcpus: 3, mem_mib: 513 + 256 });
+        assert_eq!(VmShape::for_pod(&config(), &pod).unwrap(), VmShape { vcpus: 3, mem: Mib(513 + 256) });
     }
 
     #[test]

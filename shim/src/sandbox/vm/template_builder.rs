@@ -87,7 +87,7 @@ impl TemplateBuilder for VmTemplateBuilder {
             log_dir: None,
             emptydirs: Default::default(),
         };
-        let shape = VmShape { vcpus: inputs.vcpus, mem_mib: u64::from(inputs.memory_mib) };
+        let shape = VmShape { vcpus: inputs.vcpus, mem: inputs.memory_mib };
         let mut started = Started::default();
         let result = match launch(&self.config, &req, &paths, &mut started, shape, Origin::Template).await {
             Ok(launched) => snapshot(&launched, dir).await,

@@ -15,7 +15,7 @@ use tracing::{info, warn, Instrument};
 
 use super::shape::VmShape;
 use super::template::{
-    memory_bucket_mib, obtain, Ceiling, KeyInputs, KeySources, Obtained, Template, TemplateError, TemplateStore,
+    memory_bucket, obtain, Ceiling, KeyInputs, KeySources, Obtained, Template, TemplateError, TemplateStore,
 };
 use super::template_builder::VmTemplateBuilder;
 use crate::config::{Config, VmSettings};
@@ -41,12 +41,12 @@ pub async fn template_for(config: &Config, req: &SandboxRequest, shape: VmShape)
         },
     };
     // A few shared shapes, not one template per distinct limit (key.rs).
-    let memory_mib = memory_bucket_mib(shape.mem_mib, bulkhead_vmm_api::config::MAX_MEM_MIB)?;
+    let memory = memory_bucket(shape.mem, bulkhead_vmm_api::config::MAX_MEM)?;
     let vm = config.vm.clone();
     // Hashing the kernel, initramfs and VMM (memoised after the first time) is file I/O.
     let found = tokio::task::spawn_blocking(move || {
         let store = open_store(&vm)?;
-        let sources = KeySources::of_config(&vm, shape.vcpus, memory_mib, &nic_mtus);
+        let sources = KeySources::of_config(&vm, shape.vcpus, memory, &nic_mtus);
         let inputs = KeyInputs::of(&sources, Some(&store.digests_dir()))?;
         Ok::<_, super::template::TemplateError>((store, inputs))
     })

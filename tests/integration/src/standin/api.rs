@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bulkhead_vmm_api::api::{encode_line, parse_request, Request, Response, RunState, VmInfo, MAX_REQUEST_LINE};
+use bulkhead_vmm_api::memory::Mib;
 
 use super::qmp::Qmp;
 
@@ -21,7 +22,7 @@ const MAX_REQUESTS: usize = 16;
 #[derive(Debug, Clone)]
 pub struct Shape {
     pub vcpus: u8,
-    pub mem_mib: u64,
+    pub mem_mib: Mib,
     pub start_unix_ns: u64,
 }
 
@@ -124,7 +125,8 @@ mod tests {
     #[test]
     fn what_the_stand_in_cannot_do_is_refused_and_a_missing_qemu_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let api = Api { qmp: dir.path().join("none.sock"), shape: Shape { vcpus: 1, mem_mib: 256, start_unix_ns: 0 } };
+        let api =
+            Api { qmp: dir.path().join("none.sock"), shape: Shape { vcpus: 1, mem_mib: Mib(256), start_unix_ns: 0 } };
         let (r, stop) = api.answer(Request::Snapshot { dir: "/x".into() });
         assert!(!r.ok && r.error.unwrap().contains("no snapshots"));
         assert!(!stop);

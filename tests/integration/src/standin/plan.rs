@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use bulkhead_vmm_api::config::{LinkState, NetConfig, VmConfig, DEFAULT_CMDLINE};
 use bulkhead_vmm_api::jail::JailConfig;
+use bulkhead_vmm_api::memory::Mib;
 
 /// A virtio-fs device: the tag the guest mounts and the vhost-user backend's socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,7 +30,7 @@ pub struct Plan {
     pub initramfs: Option<PathBuf>,
     pub cmdline: String,
     pub vcpus: u8,
-    pub mem_mib: u64,
+    pub mem_mib: Mib,
     pub console: Option<PathBuf>,
     pub vsock: Option<Vsock>,
     pub fs: Vec<FsDevice>,
@@ -194,7 +195,7 @@ mod tests {
         );
         assert_eq!(plan.api_socket, Some(PathBuf::from("/s/pod1/vm/root/run/api.sock")));
         assert_eq!(plan.run_dir, PathBuf::from("/s/pod1/vm/root/run"));
-        assert_eq!((plan.vcpus, plan.mem_mib), (2, 512));
+        assert_eq!((plan.vcpus, plan.mem_mib), (2, Mib(512)));
         assert_eq!(plan.cgroup.as_deref(), Some(Path::new("/bulkhead/pod1")));
     }
 

@@ -29,7 +29,7 @@ const GUEST_RESET: &str = "reboot=t";
 pub fn args(plan: &Plan, qmp: &Path, events: &Path, vhost_vsock: Option<&Path>) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
-    let mem = format!("{}M", plan.mem_mib);
+    let mem = format!("{}M", plan.mem_mib.get());
     push(&["-name", &format!("bulkhead-{}", plan.id)]);
     push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
     push(&["-M", "microvm,acpi=off,rtc=off,memory-backend=mem"]);
@@ -93,6 +93,7 @@ mod tests {
     use super::super::plan::{FsDevice, Vsock};
     use super::*;
     use bulkhead_vmm_api::config::{LinkState, NetConfig};
+    use bulkhead_vmm_api::memory::Mib;
 
     fn plan() -> Plan {
         Plan {
@@ -101,7 +102,7 @@ mod tests {
             initramfs: Some("/cache/initramfs.cpio.gz".into()),
             cmdline: "console=ttyS0 bulkhead.shared_fs=bulkhead".into(),
             vcpus: 2,
-            mem_mib: 512,
+            mem_mib: Mib(512),
             console: Some("/s/run/console.log".into()),
             vsock: Some(Vsock { uds_path: "/s/run/v.sock".into(), guest_cid: 3 }),
             fs: vec![FsDevice { tag: "bulkhead".into(), socket: "/s/run/fs0.sock".into(), queue_size: 1024 }],

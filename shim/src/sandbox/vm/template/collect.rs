@@ -159,13 +159,13 @@ mod tests {
         store.publish(inputs, staging, &lock).unwrap()
     }
 
-    fn inputs(memory_mib: u32, vmm: &str) -> KeyInputs {
+    fn inputs(memory_mib: u64, vmm: &str) -> KeyInputs {
         KeyInputs {
             kernel_sha256: "k".repeat(64),
             initramfs_sha256: "i".repeat(64),
             vmm_sha256: vmm.repeat(64),
             vcpus: 1,
-            memory_mib,
+            memory_mib: bulkhead_vmm_api::memory::Mib(memory_mib),
             nic_mtus: vec![],
             agent_protocol: bulkhead_protocol::PROTOCOL_VERSION,
         }
@@ -182,7 +182,7 @@ mod tests {
         let now = SystemTime::now();
         // Four of the current build, used 4, 3, 2 and 1 hours ago; one of an older VMM; one idle.
         let mut current = Vec::new();
-        for (i, mib) in [384u32, 448, 512, 576].into_iter().enumerate() {
+        for (i, mib) in [384u64, 448, 512, 576].into_iter().enumerate() {
             let t = publish_fake(&store, &inputs(mib, "v"), 4096);
             store.mark_used_at(&t.key, now - Duration::from_secs(3600 * (4 - i as u64))).unwrap();
             current.push(t.key);

@@ -167,7 +167,7 @@ pub async fn obtain_at(
 /// error if the store stays over its ceiling (what is kept is busy or recent enough).
 async fn make_room(store: &TemplateStore, inputs: &KeyInputs) -> Result<(), TemplateError> {
     let key = inputs.key();
-    let room = Room { templates: 1, bytes: u64::from(inputs.memory_mib) << 20 };
+    let room = Room { templates: 1, bytes: inputs.memory_mib.bytes().unwrap_or(u64::MAX) };
     let (owned_store, owned_inputs) = (store.clone(), inputs.clone());
     let pass = tokio::task::spawn_blocking(move || {
         let ceiling = *owned_store.ceiling();
@@ -289,7 +289,7 @@ async fn build_and_publish(
     store.sweep_staging(&key, lock);
     let staging = store.stage(&key, lock)?;
     let started = Instant::now();
-    tracing::info!(template = %key, vcpus = inputs.vcpus, memory_mib = inputs.memory_mib, "template: building");
+    tracing::info!(template = %key, vcpus = inputs.vcpus, memory_mib = inputs.memory_mib.get(), "template: building");
     let cut_short = tokio::select! {
         built = tokio::time::timeout(BUILD_TIMEOUT, builder.build(inputs, staging.path())) => match built {
             Ok(Ok(())) => None,

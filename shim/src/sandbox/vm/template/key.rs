@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::error::TemplateError;
+use bulkhead_vmm_api::memory::Mib;
+
 use super::id::TemplateKey;
 
 /// Bumped when what a key covers changes.
@@ -34,17 +36,18 @@ const RACY_WINDOW: std::time::Duration = std::time::Duration::from_secs(2);
 /// pod). Steps: 64 MiB up to 1 GiB, 256 MiB up to 4 GiB, 1 GiB above. The pod's own limits
 /// still hold inside the guest (its containers' cgroups); what the bucket adds is memory the
 /// guest has but no container may use, and that costs the host nothing until touched (the
-/// restored memory is mapped copy-on-write). `None` when the step would pass `max_mib` and
-/// `exact` does too; a step above `max_mib` is cut to it.
-pub fn memory_bucket_mib(exact: u64, max_mib: u64) -> Option<u32> {
+/// restored memory is mapped copy-on-write). `None` when the step would pass `max` and
+/// `exact` does too; a step above `max` is cut to it.
+pub fn memory_bucket(exact: Mib, max: Mib) -> Option<Mib> {
+    let (exact, max) = (exact.get(), max.get());
     let step = match exact {
         0..=1024 => 64,
         1025..=4096 => 256,
         _ => 1024,
     };
     let bucket = exact.max(1).div_ceil(step) * step;
-    let bucket = if bucket > max_mib && exact <= max_mib { max_mib } else { bucket };
-    (bucket <= max_mib).then_some(bucket).and_then(|b| u32::try_from(b).ok())
+    let bucket = if bucket > max && exact <= max { max } else { bucket };
+    (bucket <= max).then_some(Mib(bucket))
 }
 
 /// What a template is built from; its [`TemplateKey`] is their hash.
@@ -55,7 +58,7 @@ pub struct KeyInputs {
     pub initramfs_sha256: String,
     pub vmm_sha256: String,
     pub vcpus: u8,
-    pub memory_mib: u32,
+    pub memory_mib: Mib,
     /// One per NIC, in order (empty: a host-network pod's VM, with none).
     #[serde(default)]
     pub nic_mtus: Vec<u16>,
@@ -69,13 +72,13 @@ pub struct KeySources<'a> {
     pub initramfs: &'a Path,
     pub vmm: &'a Path,
     pub vcpus: u8,
-    pub memory_mib: u32,
+    pub memory_mib: Mib,
     pub nic_mtus: &'a [u16],
 }
 
 impl<'a> KeySources<'a> {
     /// The node's files as the shim config names them, with a VM shape.
-    pub fn of_config(vm: &'a crate::config::VmSettings, vcpus: u8, memory_mib: u32, nic_mtus: &'a [u16]) -> Self {
+    pub fn of_config(vm: &'a crate::config::VmSettings, vcpus: u8, memory_mib: Mib, nic_mtus: &'a [u16]) -> Self {
         Self { kernel: &vm.kernel_path, initramfs: &vm.initramfs_path, vmm: &vm.vmm_path, vcpus, memory_mib, nic_mtus }
     }
 }
@@ -103,7 +106,7 @@ impl KeyInputs {
             self.initramfs_sha256,
             self.vmm_sha256,
             self.vcpus,
-            self.memory_mib,
+            self.memory_mib.get(),
             nics.join(","),
             self.agent_protocol
         );
@@ -237,19 +240,20 @@ mod tests {
     fn pods_of_nearby_limits_share_a_few_memory_buckets() {
         let max = 1 << 20;
         // 50 pods of 100..149 MiB on 256 MiB of guest overhead: two templates, not fifty.
-        let buckets: std::collections::BTreeSet<u32> =
-            (100..150).map(|limit| memory_bucket_mib(limit + 256, max).unwrap()).collect();
+        let bucket_of = |exact: u64, max: u64| memory_bucket(Mib(exact), Mib(max)).map(Mib::get);
+        let buckets: std::collections::BTreeSet<u64> =
+            (100..150).map(|limit| bucket_of(limit + 256, max).unwrap()).collect();
         assert_eq!(buckets.into_iter().collect::<Vec<_>>(), [384, 448]);
         for (exact, bucket) in [(1, 64), (256, 256), (257, 320), (1024, 1024), (1025, 1280), (4097, 5120)] {
-            assert_eq!(memory_bucket_mib(exact, max), Some(bucket), "{exact} MiB");
-            assert!(u64::from(memory_bucket_mib(exact, max).unwrap()) >= exact, "never smaller than the pod");
+            assert_eq!(bucket_of(exact, max), Some(bucket), "{exact} MiB");
+            assert!(bucket_of(exact, max).unwrap() >= exact, "never smaller than the pod");
         }
         // Near the largest VM, the bucket is cut to it; beyond it there is none.
-        assert_eq!(memory_bucket_mib(1000, 1010), Some(1010));
-        assert_eq!(memory_bucket_mib(1011, 1010), None);
+        assert_eq!(bucket_of(1000, 1010), Some(1010));
+        assert_eq!(bucket_of(1011, 1010), None);
     }
 
-    fn inputs(k: &Path, i: &Path, v: &Path, vcpus: u8, memory_mib: u32, memo: Option<&Path>) -> KeyInputs {
+    fn inputs(k: &Path, i: &Path, v: &Path, vcpus: u8, memory_mib: u64, memo: Option<&Path>) -> KeyInputs {
         with_nics(k, i, v, vcpus, memory_mib, &[], memo)
     }
 
@@ -258,10 +262,11 @@ mod tests {
         i: &Path,
         v: &Path,
         vcpus: u8,
-        memory_mib: u32,
+        memory_mib: u64,
         nic_mtus: &[u16],
         memo: Option<&Path>,
     ) -> KeyInputs {
+        let memory_mib = Mib(memory_mib);
         KeyInputs::of(&KeySources { kernel: k, initramfs: i, vmm: v, vcpus, memory_mib, nic_mtus }, memo).unwrap()
     }
 

@@ -22,5 +22,5 @@ pub use collect::{collect, Collection, Room};
 pub use error::TemplateError;
 pub use flight::{build, build_unless, obtain, obtain_at, ColdReason, Obtained, TemplateBuilder, BUILD_TIMEOUT};
 pub use id::{BadKey, TemplateKey};
-pub use key::{memory_bucket_mib, KeyInputs, KeySources};
+pub use key::{memory_bucket, KeyInputs, KeySources};
 pub use store::{Ceiling, Listed, Lookup, Template, TemplateStore};

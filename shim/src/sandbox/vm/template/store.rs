@@ -26,6 +26,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsE
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use bulkhead_vmm_api::memory::Mib;
 use nix::fcntl::{Flock, FlockArg, RenameFlags};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -104,7 +105,7 @@ pub enum Lookup {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "state", rename_all = "lowercase")]
 pub enum Listed {
-    Ready { key: TemplateKey, bytes: u64, created_unix: u64, vcpus: u8, memory_mib: u32, nic_mtus: Vec<u16> },
+    Ready { key: TemplateKey, bytes: u64, created_unix: u64, vcpus: u8, memory_mib: Mib, nic_mtus: Vec<u16> },
     Unusable { name: String, reason: String },
     Building { key: String, pid: u32 },
 }
