@@ -38,7 +38,8 @@ pub mod template_builder;
 pub mod virtiofsd;
 pub(crate) mod warm;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -88,6 +89,10 @@ pub struct VmSandbox {
     /// The guest's NICs and routes (none for a host-network pod).
     network: Option<VmNetwork>,
     state: Mutex<SandboxState>,
+    /// The pod's log directory, where a VM that ended on its own leaves its console.
+    log_dir: Option<PathBuf>,
+    /// Whether the shim has told the VM to stop (a signal): an end before that was the VM's own.
+    stop_asked: AtomicBool,
 }
 
 /// What a successful boot hands the sandbox.
@@ -164,6 +169,8 @@ impl VmSandbox {
                     virtiofsd,
                     network,
                     cgroup: req.cgroup,
+                    log_dir: req.log_dir,
+                    stop_asked: AtomicBool::new(false),
                 }))
             }
             Err(e) => {
@@ -228,6 +235,23 @@ impl VmSandbox {
 }
 
 impl VmSandbox {
+    /// The VM ended while its pod ran, before the shim asked (a guest kernel panic or reset, a
+    /// triple fault, the VMM killed): the pod's state goes now, so the console stays with the
+    /// pod's logs, and the shim's log says how it ended.
+    fn report_own_end(&self, exit: ExitInfo) {
+        let console = VmLayout::new(&self.paths).console_log();
+        let tail = console::tail(&console);
+        let kept = self.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
+        let kept = kept.map(|p| p.display().to_string()).unwrap_or_else(|| "not kept (no log directory)".into());
+        warn!(
+            status = exit.status,
+            console = %kept,
+            "the VM ended on its own while the pod ran; bulkhead-vmm (pid {}){}; its console{tail}",
+            self.vmm.pid,
+            self.vmm.said()
+        );
+    }
+
     fn current(&self) -> SandboxState {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let (SandboxState::Running { pid }, Some(exit)) = (*state, self.vmm.exit()) {
@@ -336,6 +360,7 @@ impl Sandbox for VmSandbox {
         };
         let sig = Signal::try_from(signal as i32)
             .map_err(|source| SandboxError::Sys { what: format!("signal {signal} to sandbox {}", self.id), source })?;
+        self.stop_asked.store(true, Ordering::SeqCst);
         // The waiter relays SIGTERM/SIGINT to the VMM; any other signal ends the waiter, and the
         // VMM with it (its parent-death signal).
         self.vmm.signal(sig)
@@ -358,6 +383,9 @@ impl Sandbox for VmSandbox {
     }
 
     async fn destroy(&self) -> Result<(), SandboxError> {
+        if let Some(exit) = self.vmm.exit().filter(|_| !self.stop_asked.load(Ordering::SeqCst)) {
+            self.report_own_end(exit);
+        }
         // The VM first: virtiofsd then sees its one connection close.
         if !self.vmm.stop(STOP_GRACE).await {
             warn!(pid = self.vmm.pid, "the VMM did not exit after SIGKILL");
