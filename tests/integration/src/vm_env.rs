@@ -92,13 +92,21 @@ pub fn console_log(state_dir: &Path, pod_id: &str) -> std::path::PathBuf {
 const CONSOLE_LINES_ON_FAILURE: usize = 80;
 
 impl Drop for VmEnv {
-    /// A test that fails prints the end of every guest console still under the state dir: a guest
-    /// kernel oops, or the agent's last words, says more than the assertion. A test fails by
-    /// panicking, or by returning an error with its pod still up (a passing test removes its pods,
-    /// and their consoles with them).
+    /// A test that fails prints the end of every guest console still under the state dir (a guest
+    /// kernel oops, or the agent's last words, says more than the assertion), and containerd's
+    /// log. A test fails by panicking, or by returning an error with its pod still up (a passing
+    /// test removes its pods, and their consoles with them).
     fn drop(&mut self) {
-        for (pod, tail) in console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE) {
+        let tails = console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE);
+        for (pod, tail) in &tails {
             println!("guest console of pod {pod}, its last {CONSOLE_LINES_ON_FAILURE} lines:\n{tail}");
+        }
+        // A pod whose VM ended has no console left here (the shim keeps it with the pod's logs
+        // and says so in its log), so a failing test prints containerd's log too.
+        if std::thread::panicking() || !tails.is_empty() {
+            let lines = CONSOLE_LINES_ON_FAILURE;
+            println!("containerd's log (the shim's and VMM's lines in it), its last {lines} lines:");
+            println!("{}", self.containerd.log_tail(lines));
         }
     }
 }

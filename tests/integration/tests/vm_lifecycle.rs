@@ -325,6 +325,51 @@ async fn vm_virtiofsd_killed_under_a_running_vm_ends_it() -> Result<()> {
     env.assert_nothing_left().await
 }
 
+/// A VM that ends while its pod runs (here its VMM is killed; a guest kernel panic or triple fault
+/// ends it the same way) leaves its console with the pod's logs once the pod goes, and the shim's
+/// log says how it ended: the pod's own state, the console in it, does not outlive the pod.
+#[tokio::test]
+async fn a_vm_that_ends_while_its_pod_runs_leaves_its_console_with_the_pods_logs() -> Result<()> {
+    let test = "a_vm_that_ends_while_its_pod_runs_leaves_its_console_with_the_pods_logs";
+    let Some(env) = setup(test, "agent_stub", Duration::from_secs(20)).await? else { return Ok(()) };
+    const SAID: &str = "the VM ended on its own while the pod ran";
+    // A pod stopped as kubelet stops it is not one.
+    let (pod, stopped_logs) = env.pod("stopped")?;
+    let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
+    env.cri.stop_pod_sandbox(&id).await?;
+    env.cri.remove_pod_sandbox(&id).await?;
+    assert!(!std::fs::read_to_string(env.containerd.log_path())?.contains(SAID));
+    assert!(!stopped_logs.join("bulkhead-vm-console.log").exists());
+
+    let (pod, log_dir) = env.pod("ends-alone")?;
+    let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
+    let vm_dir = env.state().join(&id).join("vm").display().to_string();
+    let vmms: Vec<u32> =
+        processes_with(&vm_dir).into_iter().filter(|(_, c)| c.contains("bulkhead-vmm")).map(|(p, _)| p).collect();
+    assert!(!vmms.is_empty(), "the pod's VMM runs");
+    // Children of the shim this test's containerd started; signalled by PID only.
+    for pid in vmms {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+    }
+    let not_ready = cri::PodSandboxState::SandboxNotready as i32;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while env.cri.pod_sandbox_status(&id).await?.state != not_ready {
+        if Instant::now() >= deadline {
+            bail!("the pod stayed ready after its VM ended\n{}", env.containerd.log_tail(60));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    env.cri.stop_pod_sandbox(&id).await?;
+    env.cri.remove_pod_sandbox(&id).await?;
+    let kept = log_dir.join("bulkhead-vm-console.log");
+    assert!(kept.is_file(), "no console kept at {}\n{}", kept.display(), env.containerd.log_tail(60));
+    let log = std::fs::read_to_string(env.containerd.log_path())?;
+    let said = log.lines().find(|l| l.contains(SAID)).unwrap_or_default();
+    println!("{test}: {said}");
+    assert!(said.contains(&kept.display().to_string()), "the shim's log names the kept console: {said:?}");
+    env.assert_nothing_left().await
+}
+
 #[tokio::test]
 async fn vm_shim_kill9_then_delete_leaves_nothing() -> Result<()> {
     let test = "vm_shim_kill9_then_delete_leaves_nothing";
