@@ -214,7 +214,7 @@ pub trait Process: Send + Sync {
 /// be stopped.
 pub async fn end_unreachable_pod(sandbox: &Arc<dyn Sandbox>, cause: &AgentClientError) -> Result<(), TaskError> {
     tracing::error!("the agent is unreachable ({cause}); ending the pod's sandbox so its processes stop");
-    sandbox.signal(libc::SIGKILL as u32).await?;
+    sandbox.end_unreachable().await?;
     Ok(())
 }
 

@@ -153,6 +153,12 @@ pub trait Sandbox: Send + Sync {
     /// Sends a signal to the sandbox as a whole (SIGKILL ends the pod).
     async fn signal(&self, signal: u32) -> Result<(), SandboxError>;
 
+    /// Ends the sandbox because its agent cannot be reached (its processes are beyond the
+    /// shim's reach): SIGKILL, which a backend may note first, to report that end at teardown.
+    async fn end_unreachable(&self) -> Result<(), SandboxError> {
+        self.signal(libc::SIGKILL as u32).await
+    }
+
     /// Pauses the whole sandbox (every container with it), or says the backend cannot.
     async fn pause(&self) -> Result<(), SandboxError>;
 

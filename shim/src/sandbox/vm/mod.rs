@@ -39,7 +39,6 @@ pub mod virtiofsd;
 pub(crate) mod warm;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -91,8 +90,20 @@ pub struct VmSandbox {
     state: Mutex<SandboxState>,
     /// The pod's log directory, where a VM that ended on its own leaves its console.
     log_dir: Option<PathBuf>,
-    /// Whether the shim has told the VM to stop (a signal): an end before that was the VM's own.
-    stop_asked: AtomicBool,
+    /// How the VM's end came about, as far as the shim knows: what its teardown reports.
+    ending: Mutex<Ending>,
+}
+
+/// Why a VM ends, as the shim sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Nobody asked: if the VM ends, it ended on its own (a guest kernel panic or reset, a
+    /// triple fault, the VMM killed).
+    Unasked,
+    /// containerd asked (a signal to the sandbox task): a pod's ordinary end.
+    Asked,
+    /// The shim ended it because its agent could not be reached.
+    AgentLost,
 }
 
 /// What a successful boot hands the sandbox.
@@ -170,7 +181,7 @@ impl VmSandbox {
                     network,
                     cgroup: req.cgroup,
                     log_dir: req.log_dir,
-                    stop_asked: AtomicBool::new(false),
+                    ending: Mutex::new(Ending::Unasked),
                 }))
             }
             Err(e) => {
@@ -235,18 +246,27 @@ impl VmSandbox {
 }
 
 impl VmSandbox {
-    /// The VM ended while its pod ran, before the shim asked (a guest kernel panic or reset, a
-    /// triple fault, the VMM killed): the pod's state goes now, so the console stays with the
-    /// pod's logs, and the shim's log says how it ended.
-    fn report_own_end(&self, exit: ExitInfo) {
+    /// The first note wins over a later one: a pod whose agent was lost and that containerd
+    /// then stops still ended for that reason.
+    fn note_end(&self, why: Ending) {
+        let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
+        if *ending == Ending::Unasked {
+            *ending = why;
+        }
+    }
+
+    /// The VM did not end as a pod ordinarily does: the pod's state goes now, so the console
+    /// stays with the pod's logs, and the shim's log says how it ended.
+    fn report_end(&self, what: &str, exit: Option<ExitInfo>) {
         let console = VmLayout::new(&self.paths).console_log();
         let tail = console::tail(&console);
         let kept = self.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
         let kept = kept.map(|p| p.display().to_string()).unwrap_or_else(|| "not kept (no log directory)".into());
+        let status = exit.map(|e| e.status.to_string()).unwrap_or_else(|| "running".into());
         warn!(
-            status = exit.status,
+            status = %status,
             console = %kept,
-            "the VM ended on its own while the pod ran; bulkhead-vmm (pid {}){}; its console{tail}",
+            "{what}; bulkhead-vmm (pid {}){}; its console{tail}",
             self.vmm.pid,
             self.vmm.said()
         );
@@ -360,7 +380,7 @@ impl Sandbox for VmSandbox {
         };
         let sig = Signal::try_from(signal as i32)
             .map_err(|source| SandboxError::Sys { what: format!("signal {signal} to sandbox {}", self.id), source })?;
-        self.stop_asked.store(true, Ordering::SeqCst);
+        self.note_end(Ending::Asked);
         // The waiter relays SIGTERM/SIGINT to the VMM; any other signal ends the waiter, and the
         // VMM with it (its parent-death signal).
         self.vmm.signal(sig)
@@ -382,9 +402,19 @@ impl Sandbox for VmSandbox {
         self.vmm.wait().await
     }
 
+    async fn end_unreachable(&self) -> Result<(), SandboxError> {
+        self.note_end(Ending::AgentLost);
+        self.signal(libc::SIGKILL as u32).await
+    }
+
     async fn destroy(&self) -> Result<(), SandboxError> {
-        if let Some(exit) = self.vmm.exit().filter(|_| !self.stop_asked.load(Ordering::SeqCst)) {
-            self.report_own_end(exit);
+        let ending = *self.ending.lock().unwrap_or_else(|p| p.into_inner());
+        match (ending, self.vmm.exit()) {
+            (Ending::Unasked, Some(exit)) => self.report_end("the VM ended on its own while the pod ran", Some(exit)),
+            (Ending::AgentLost, exit) => {
+                self.report_end("the VM was ended because its agent could not be reached", exit)
+            }
+            _ => {}
         }
         // The VM first: virtiofsd then sees its one connection close.
         if !self.vmm.stop(STOP_GRACE).await {
