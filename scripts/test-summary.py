@@ -20,8 +20,12 @@ import sys
 RUNNING = re.compile(r"^\s*Running (?:unittests )?\S+ \((?:.*/)?([^/()]+?)(?:-[0-9a-f]{16})?\)$")
 RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed;")
 BLOCK = re.compile(r"^---- (\S+) stdout ----$")
-# How much of a failed test's output the summary repeats.
-FAILURE_TAIL = 25
+# How much of a failed test's output the summary repeats: its last lines, then its last warnings and
+# errors (the shim's and VMM's lines in containerd's log, which a failing VmEnv test prints, and a
+# guest kernel's fault), which are often further up than the tail reaches.
+FAILURE_TAIL = 14
+FAILURE_NOTABLE = 8
+NOTABLE = re.compile(r"  (WARN|ERROR) |level=error|Kernel panic|BUG:|Oops:|TripleFault|ended on its own")
 # anyhow's and std's backtraces: a header, then indented frames and `at` lines.
 BACKTRACE_HEAD = re.compile(r"^(Stack backtrace:|stack backtrace:)$")
 BACKTRACE_BODY = re.compile(r"^(\s+\S|\s*note: )")
@@ -123,8 +127,14 @@ def main():
     # failures' output in the middle of a long log, before the other test binaries run.
     for binary, test, output in failures:
         print(f"\nfailed: {binary}::{test} (its last {FAILURE_TAIL} lines at most, backtraces left out)")
-        for line in [l for l in without_backtraces(output) if l.strip()][-FAILURE_TAIL:]:
+        kept = [l for l in without_backtraces(output) if l.strip()]
+        for line in kept[-FAILURE_TAIL:]:
             print(f"  {line[:1000]}")
+        notable = [l for l in kept[:-FAILURE_TAIL] if NOTABLE.search(l)][-FAILURE_NOTABLE:]
+        if notable:
+            print(f"  its last {FAILURE_NOTABLE} warnings and errors at most, from further up:")
+            for line in notable:
+                print(f"    {line[:400]}")
     # The emulated node's kernel, where it reported trouble (tests/node/node.py): repeated too.
     for line in [l.rstrip("\n") for l in lines if l.startswith("node: kernel: ")][-20:]:
         print(line[:1000])

@@ -95,16 +95,23 @@ impl Drop for VmEnv {
     /// A test that fails prints the end of every guest console still under the state dir (a guest
     /// kernel oops, or the agent's last words, says more than the assertion), and containerd's
     /// log. A test fails by panicking, or by returning an error with its pod still up (a passing
-    /// test removes its pods, and their consoles with them).
+    /// test removes its pods, and their consoles with them). A VM that ended while its pod ran has
+    /// its console kept with the pod's logs instead: that is printed too, whether the test goes on
+    /// to fail by a panic or by an error (which Drop cannot tell from a pass).
     fn drop(&mut self) {
-        let tails = console_tails(self.state_dir.path(), CONSOLE_LINES_ON_FAILURE);
+        let lines = CONSOLE_LINES_ON_FAILURE;
+        let tails = console_tails(self.state_dir.path(), lines);
         for (pod, tail) in &tails {
-            println!("guest console of pod {pod}, its last {CONSOLE_LINES_ON_FAILURE} lines:\n{tail}");
+            println!("guest console of pod {pod}, its last {lines} lines:\n{tail}");
         }
-        // A pod whose VM ended has no console left here (the shim keeps it with the pod's logs
-        // and says so in its log), so a failing test prints containerd's log too.
-        if std::thread::panicking() || !tails.is_empty() {
-            let lines = CONSOLE_LINES_ON_FAILURE;
+        let kept = kept_consoles(&self.containerd.dir().join("logs"), lines);
+        for (path, tail) in &kept {
+            println!(
+                "a VM ended while its pod ran; its console, kept at {}, its last {lines} lines:\n{tail}",
+                path.display()
+            );
+        }
+        if std::thread::panicking() || !tails.is_empty() || !kept.is_empty() {
             println!("containerd's log (the shim's and VMM's lines in it), its last {lines} lines:");
             println!("{}", self.containerd.log_tail(lines));
         }
@@ -114,20 +121,40 @@ impl Drop for VmEnv {
 /// The last `lines` lines of each pod's guest console under `state_dir`, by pod id.
 pub fn console_tails(state_dir: &Path, lines: usize) -> Vec<(String, String)> {
     let Ok(pods) = std::fs::read_dir(state_dir) else { return vec![] };
-    let mut out = vec![];
-    for pod in pods.flatten() {
-        let pod_id = pod.file_name().to_string_lossy().into_owned();
-        let Ok(text) = std::fs::read(console_log(state_dir, &pod_id)) else { continue };
-        let text = String::from_utf8_lossy(&text);
-        let all: Vec<&str> = text.lines().collect();
-        let tail = all[all.len().saturating_sub(lines)..]
+    pods.flatten()
+        .filter_map(|pod| {
+            let pod_id = pod.file_name().to_string_lossy().into_owned();
+            Some((pod_id.clone(), file_tail(&console_log(state_dir, &pod_id), lines)?))
+        })
+        .collect()
+}
+
+/// The consoles the shim kept in pod log directories under `logs` (one directory per pod) for VMs
+/// that ended while their pods ran, with their last `lines` lines.
+pub fn kept_consoles(logs: &Path, lines: usize) -> Vec<(std::path::PathBuf, String)> {
+    let Ok(dirs) = std::fs::read_dir(logs) else { return vec![] };
+    dirs.flatten()
+        .map(|dir| dir.path().join(KEPT_CONSOLE))
+        .filter_map(|path| Some((path.clone(), file_tail(&path, lines)?)))
+        .collect()
+}
+
+/// What the shim calls a VM's console kept in its pod's log directory when the VM ended on its own
+/// (shim/src/sandbox/vm/console.rs).
+pub const KEPT_CONSOLE: &str = "bulkhead-vm-console.log";
+
+/// The last `lines` lines of `path`, each cut at 240 characters; `None` if it cannot be read.
+fn file_tail(path: &Path, lines: usize) -> Option<String> {
+    let text = std::fs::read(path).ok()?;
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    Some(
+        all[all.len().saturating_sub(lines)..]
             .iter()
             .map(|l| l.chars().take(240).collect::<String>())
             .collect::<Vec<_>>()
-            .join("\n");
-        out.push((pod_id, tail));
-    }
-    out
+            .join("\n"),
+    )
 }
 
 /// What the guest kernel prints when it faults or finds its own state corrupt (an oops, a BUG, a

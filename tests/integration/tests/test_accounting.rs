@@ -107,6 +107,26 @@ fn a_failure_is_repeated_with_its_error_and_without_its_backtrace() {
     assert!(run.out.ends_with("tests: 0 passed, 1 failed, 0 skipped\n"), "{}", run.out);
 }
 
+/// The shim's warning far up a failing test's output (containerd's log, printed by the test's
+/// environment) is repeated after the tail, which is too short to reach it.
+#[test]
+fn a_failures_warnings_from_further_up_are_repeated() {
+    let mut text = String::from(
+        "     Running tests/vm_e2e.rs (target/debug/deps/vm_e2e-0123456789abcdef)\n\n\
+         running 1 test\ntest execs ... FAILED\n\nfailures:\n\n---- execs stdout ----\n\
+         2026-12-04T01:02:03.000000Z  WARN sandbox{id=ab}: bulkhead_shim::sandbox::vm: the VM ended on its own\n",
+    );
+    for n in 0..40 {
+        text.push_str(&format!("time=\"t{n}\" level=info msg=\"filler {n}\"\n"));
+    }
+    text.push_str("Error: CRI ExecSync: timeout 30s exceeded\n\nfailures:\n    execs\n\n");
+    text.push_str("test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n");
+    let run = summarize(&text, "", "pvm", 101);
+    assert!(run.out.contains("Error: CRI ExecSync: timeout 30s exceeded"), "{}", run.out);
+    assert!(run.out.contains("the VM ended on its own"), "the warning was not repeated: {}", run.out);
+    assert!(!run.out.contains("filler 0\""), "{}", run.out);
+}
+
 #[test]
 fn a_build_failure_is_a_failure() {
     let run = summarize("error[E0425]: cannot find value\n", "", "pvm", 101);

@@ -16,14 +16,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::vm_env::KEPT_CONSOLE;
 use bulkhead_integration::{
     cgroups, pod_config, skip, workspace_bin, ContainerdConfig, ContainerdVersion, Setup, ShimEnv,
 };
 use bulkhead_integration::{guests, RuntimeHandler};
 use k8s_cri::v1 as cri;
 
-/// What the console copy kept with the pod's logs is called (shim/src/sandbox/vm/console.rs).
-const KEPT_CONSOLE: &str = "bulkhead-vm-console.log";
 /// The VMM's user and group in these tests (not `nobody`, so the checks mean something).
 /// The VMM identities of the test's pods: `jail_id_first` and, by default, `jail_id_count`.
 const JAIL_IDS: u32 = 40_200;
@@ -339,7 +338,7 @@ async fn a_vm_that_ends_while_its_pod_runs_leaves_its_console_with_the_pods_logs
     env.cri.stop_pod_sandbox(&id).await?;
     env.cri.remove_pod_sandbox(&id).await?;
     assert!(!std::fs::read_to_string(env.containerd.log_path())?.contains(SAID));
-    assert!(!stopped_logs.join("bulkhead-vm-console.log").exists());
+    assert!(!stopped_logs.join(KEPT_CONSOLE).exists());
 
     let (pod, log_dir) = env.pod("ends-alone")?;
     let id = env.cri.run_pod_sandbox(&pod, "bulkhead").await.with_context(|| env.containerd.log_tail(60))?;
@@ -361,7 +360,7 @@ async fn a_vm_that_ends_while_its_pod_runs_leaves_its_console_with_the_pods_logs
     }
     env.cri.stop_pod_sandbox(&id).await?;
     env.cri.remove_pod_sandbox(&id).await?;
-    let kept = log_dir.join("bulkhead-vm-console.log");
+    let kept = log_dir.join(KEPT_CONSOLE);
     assert!(kept.is_file(), "no console kept at {}\n{}", kept.display(), env.containerd.log_tail(60));
     let log = std::fs::read_to_string(env.containerd.log_path())?;
     let said = log.lines().find(|l| l.contains(SAID)).unwrap_or_default();
