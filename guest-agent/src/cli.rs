@@ -70,7 +70,10 @@ pub struct AgentOpts {
     #[arg(long, default_value = "/bulkhead")]
     pub cgroup_parent: PathBuf,
     /// A ttrpc frame in progress that makes no progress for this long closes its connection.
-    #[arg(long, default_value = "500", value_parser = parse_millis)]
+    /// As long as the shim's RPC deadline: a frame split across vsock packets waits on the host
+    /// (a loaded node, a throttled VMM thread), and cutting it first ends the whole pod. 500 ms
+    /// did, in the emulated node.
+    #[arg(long, default_value = "10000", value_parser = parse_millis)]
     pub frame_stall_ms: Duration,
     /// An attached stdio reader that accepts no bytes for this long is disconnected, so the
     /// process is never blocked on its output for longer.

@@ -36,7 +36,8 @@ async fn garbage_truncated_and_oversized_frames_are_cut_off() {
     if !can_run("garbage_truncated_and_oversized_frames_are_cut_off") {
         return;
     }
-    let agent = Agent::start("hostile").await;
+    // A stall bound below LIMIT (the default is the shim's RPC deadline, 10 s).
+    let agent = Agent::start_with_flags("hostile", &["--frame-stall-ms", "300"]).await;
 
     probe(&agent, "garbage", b"GET / HTTP/1.1\r\nHost: agent\r\n\r\n\x00\xff\xfe garbage").await;
 

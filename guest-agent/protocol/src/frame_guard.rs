@@ -62,6 +62,11 @@ impl<S> FrameGuard<S> {
                     if *n == HEADER_LEN {
                         let len = u32::from_be_bytes(*len_bytes) as usize;
                         if len > HARD_MAX_FRAME {
+                            tracing::warn!(
+                                declared = len,
+                                limit = HARD_MAX_FRAME,
+                                "ttrpc frame too large; closing the connection"
+                            );
                             return Err(io::Error::new(
                                 io::ErrorKind::InvalidData,
                                 format!("frame of {len} bytes exceeds {HARD_MAX_FRAME}"),
@@ -110,6 +115,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
             Poll::Pending => {
                 if let Some(d) = this.deadline.as_mut() {
                     if d.as_mut().poll(cx).is_ready() {
+                        // ttrpc drops the connection on this error without a word: say why here.
+                        tracing::warn!(stall = ?this.stall, frame = ?this.state, "ttrpc frame stalled mid-way; closing the connection");
                         return Poll::Ready(Err(io::Error::new(
                             io::ErrorKind::TimedOut,
                             "ttrpc frame stalled mid-way",

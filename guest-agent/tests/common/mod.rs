@@ -76,22 +76,27 @@ impl Agent {
     /// namespace). Its state and socket live under the target dir, since the agent mounts
     /// fresh tmpfs on /tmp and /run.
     pub async fn start_guest_mode(name: &str) -> Agent {
-        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest", true).await
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "guest", true, &[]).await
     }
 
     /// Namespace mode, confined as the shim runs it: the agent's minimal root keeps the test's
     /// directory (`--share-dir`), where the tests put rootfs and volumes.
     async fn start_full(name: &str, bin: &Path, listen: Option<&str>) -> Agent {
-        Self::start_inner(name, bin, listen, "namespace", false).await
+        Self::start_inner(name, bin, listen, "namespace", false, &[]).await
+    }
+
+    /// Namespace mode with more agent flags (`--frame-stall-ms 300`, say).
+    pub async fn start_with_flags(name: &str, flags: &[&str]) -> Agent {
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "namespace", false, flags).await
     }
 
     /// Namespace mode in a fresh network namespace too (for the network setup test), unconfined:
     /// configuring links takes the CAP_NET_ADMIN a confined agent drops.
     pub async fn start_netns(name: &str) -> Agent {
-        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "namespace", true).await
+        Self::start_inner(name, Path::new(env!("CARGO_BIN_EXE_bulkhead-agent")), None, "namespace", true, &[]).await
     }
 
-    async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str, net: bool) -> Agent {
+    async fn start_inner(name: &str, bin: &Path, listen: Option<&str>, mode: &str, net: bool, flags: &[&str]) -> Agent {
         let parent = if mode == "guest" {
             // Guest mode mounts fresh /tmp, /run, /dev, /sys and /proc over the host's, so the
             // socket must live elsewhere; the checkout itself may be under /tmp (CI clones).
@@ -120,6 +125,7 @@ impl Agent {
             .arg(dir.path().join("state"))
             .args(["--cgroup-parent", &cgroup_parent])
             .args(&confinement)
+            .args(flags)
             .env("BULKHEAD_AGENT_LOG", "info")
             .env("BULKHEAD_HELPER_LOG", std::env::var("BULKHEAD_HELPER_LOG").unwrap_or_else(|_| "error".into()))
             .stdin(Stdio::null())
