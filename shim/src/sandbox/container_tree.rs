@@ -118,47 +118,37 @@ impl ContainerTree {
         seen: &Path,
     ) -> Result<PathBuf, MountError> {
         let dir = self.container_dir(id)?;
-        let result = self.prepare_in(binder, &dir, id, bundle_rootfs, mounts, spec, &seen.join(id));
+        let seen = seen.join(id);
+        // Run once, so that any failure on the way is undone below.
+        let result = (|| {
+            let rootfs = dir.join("rootfs");
+            let volumes = dir.join("volumes");
+            for d in [&dir, &rootfs, &volumes] {
+                make_point(d, false)?;
+            }
+            binder.rootfs(id, bundle_rootfs, mounts, spec, &rootfs)?;
+            for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
+                if !is_bind(m) {
+                    continue;
+                }
+                if let Some(own) = binder.own_source(m) {
+                    m.set_source(Some(own));
+                    continue;
+                }
+                let (source, is_dir) = bind_source(index, m)?;
+                let target = volumes.join(index.to_string());
+                make_point(&target, !is_dir)?;
+                let volume = Volume { index, source: &source, is_dir, target: &target, options: options_of(m) };
+                binder.volume(id, &volume)?;
+                m.set_source(Some(seen.join("volumes").join(index.to_string())));
+            }
+            Ok(seen.join("rootfs"))
+        })();
         binder.clear(id);
         if result.is_err() {
             self.release(binder, id);
         }
         result
-    }
-
-    #[allow(clippy::too_many_arguments)] // prepare's, plus the container's two places
-    fn prepare_in(
-        &self,
-        binder: &impl Binder,
-        dir: &Path,
-        id: &str,
-        bundle_rootfs: &Path,
-        mounts: &[RootfsMount],
-        spec: &mut Spec,
-        seen: &Path,
-    ) -> Result<PathBuf, MountError> {
-        let rootfs = dir.join("rootfs");
-        let volumes = dir.join("volumes");
-        for d in [dir, &rootfs, &volumes] {
-            make_point(d, false)?;
-        }
-        binder.rootfs(id, bundle_rootfs, mounts, spec, &rootfs)?;
-        for (index, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
-            if !is_bind(m) {
-                continue;
-            }
-            if let Some(own) = binder.own_source(m) {
-                m.set_source(Some(own));
-                continue;
-            }
-            let (source, is_dir) = bind_source(index, m)?;
-            let target = volumes.join(index.to_string());
-            make_point(&target, !is_dir)?;
-            let volume = Volume { index, source: &source, is_dir, target: &target, options: options_of(m) };
-            binder.volume(id, &volume)?;
-            m.set_source(Some(seen.join("volumes").join(index.to_string())));
-        }
-        Ok(seen.join("rootfs"))
     }
 
     /// Unmounts what [`ContainerTree::prepare`] mounted for `id` (its copies on the agent's side
