@@ -339,7 +339,7 @@ def run_node(opts, command):
         log(f"timed out after {took:.0f} s; the console's tail:\n{tail(os.path.join(out, 'console.log'), 30)}")
         return 124
     if status is None:
-        log(f"the node ended after {took:.0f} s without running the command; the console's tail:\n"
+        log(f"the node ended after {took:.0f} s without its command's exit status; the console's tail:\n"
             f"{tail(os.path.join(out, 'console.log'), 40)}\nQEMU said:\n{tail(os.path.join(out, 'qemu.log'), 10)}")
         return 125
     log(f"the command exited {status}; the node ran {took:.0f} s")
@@ -408,6 +408,18 @@ def node_panicked(console):
         return []
 
 
+def set_aside_panicked_node(out, progress):
+    """Keeps a panicked node's console (and its progress file, if a binary had ended) under names of their own, for
+    the next node's run. Returns the exit statuses of the binaries that ended, and where the console went."""
+    statuses = ended(progress)
+    crashed = os.path.join(out, "console-node-panicked.log")
+    os.replace(os.path.join(out, "console.log"), crashed)
+    # A node that died in its first binary never wrote one.
+    if os.path.exists(progress):
+        os.replace(progress, os.path.join(out, "progress-node-panicked"))
+    return statuses, crashed
+
+
 def cmd_tests(opts):
     if not opts.command:
         sys.exit("node: tests wants BINARY[::FILTER] arguments after --")
@@ -428,11 +440,8 @@ def cmd_tests(opts):
     # node (its vCPU threads overflow their stacks; tests/node/README.md), not a test's result.
     # The test binary it was running never finished, so it has no result: a fresh node runs it
     # and the rest, once, and this says so loudly. The first node's console is kept.
-    statuses = ended(progress)
+    statuses, crashed = set_aside_panicked_node(out, progress)
     left = specs[len(statuses):]
-    crashed = os.path.join(out, "console-node-panicked.log")
-    os.replace(os.path.join(out, "console.log"), crashed)
-    os.replace(progress, os.path.join(out, "progress-node-panicked"))
     log(f"THE NODE'S KERNEL PANICKED ({panic[-1].strip()}) after {len(statuses)} of {len(specs)} test "
         f"binaries; its console is {crashed}. A new node runs the {len(left)} left, once.")
     status = run_node(opts, tests_command(left, opts.per_binary_timeout, f"{NODE_OUT}/progress"))

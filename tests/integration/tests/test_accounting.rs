@@ -1,6 +1,7 @@
 //! scripts/test-summary.py, the suite's accounting (issue 14): skips must be listed in the
 //! ledger for the host kind, a skip that then failed counts as failed, and the summary line
-//! says what ran. Driven with synthetic `cargo test -- --show-output` logs.
+//! says what ran. Driven with synthetic `cargo test -- --show-output` logs. Also the emulated
+//! node's own accounting when its kernel dies (tests/node/node.py).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
 use std::path::{Path, PathBuf};
@@ -140,4 +141,29 @@ fn the_checked_in_ledger_parses() {
     let text = std::fs::read_to_string(&ledger).unwrap();
     let run = summarize("", &text, "pvm", 0);
     assert_eq!(run.code, 0, "{}", run.out);
+}
+
+/// A node whose kernel died in its first test binary has no progress file: node.py keeps its
+/// console and reports no binary ended, so a new node runs them all (CI at 37ad684 crashed here
+/// instead, and lost the stage).
+#[test]
+fn a_node_that_died_in_its_first_binary_is_set_aside_for_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("console.log"), "Kernel panic - not syncing\n").unwrap();
+    let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("../node");
+    let code = "import sys, os; sys.path.insert(0, sys.argv[1]); import node; \
+                out = sys.argv[2]; s, c = node.set_aside_panicked_node(out, os.path.join(out, 'progress')); \
+                print(s, os.path.basename(c))";
+    let out = Command::new("python3").args(["-B", "-c", code]).arg(&node).arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "[] console-node-panicked.log\n");
+    assert!(dir.path().join("console-node-panicked.log").is_file());
+
+    // One binary had ended (status 0) before the node died: its status is kept, and so is the file.
+    std::fs::write(dir.path().join("console.log"), "Kernel panic - not syncing\n").unwrap();
+    std::fs::write(dir.path().join("progress"), "0 0\n").unwrap();
+    let out = Command::new("python3").args(["-B", "-c", code]).arg(&node).arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "[0] console-node-panicked.log\n");
+    assert!(dir.path().join("progress-node-panicked").is_file());
 }
