@@ -63,9 +63,24 @@ fn open_rw(path: &Path) -> std::io::Result<File> {
     std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path)
 }
 
+/// How many times making the directory or a file in it is tried while releases elsewhere keep
+/// removing the (empty) directory.
+const TRIES: usize = 8;
+
 /// Makes the ids directory, 0700 whatever the umask: whoever could delete an id file there could
-/// give two pods one VMM identity.
+/// give two pods one VMM identity. The last release on the node removes it at any moment, even
+/// between the two steps here: then it is made again.
 fn create_dir(dir: &Path) -> std::io::Result<()> {
+    let mut tries = 1;
+    loop {
+        match make_dir(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < TRIES => tries += 1,
+            other => return other,
+        }
+    }
+}
+
+fn make_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
@@ -85,7 +100,7 @@ fn create_dir(dir: &Path) -> std::io::Result<()> {
 /// removes (and may remove again between the two steps: then the next try makes it again).
 fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let mut tries = 0;
+    let mut tries = 1;
     loop {
         let opened = std::fs::OpenOptions::new()
             .write(true)
@@ -94,7 +109,7 @@ fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path);
         match opened {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 3 => {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < TRIES => {
                 tries += 1;
                 if let Some(dir) = path.parent() {
                     create_dir(dir)?;
@@ -210,6 +225,38 @@ mod tests {
 
     fn pod_dir(state: &Path, pod: &str) {
         std::fs::create_dir_all(state.join(pod)).unwrap();
+    }
+
+    /// Pods come and go on other shims while one allocates: the last release removes the empty
+    /// directory, even between allocate's steps (CI at 37ad684: "VMM identities in .../.ids: No
+    /// such file or directory" for one of twenty pods started at once).
+    #[test]
+    fn an_allocate_survives_releases_that_remove_the_directory() {
+        let state = tempfile::tempdir().unwrap();
+        let range = IdRange { first: 1000, count: 64 };
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let (state, stop) = (state.path().to_path_buf(), stop.clone());
+            std::thread::spawn(move || {
+                pod_dir(&state, "churn");
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    allocate(&state, "churn", range).unwrap();
+                    release(&state, "churn");
+                }
+            })
+        };
+        for i in 0..3000 {
+            let pod = format!("pod{i}");
+            pod_dir(state.path(), &pod);
+            let got = allocate(state.path(), &pod, range);
+            release(state.path(), &pod);
+            if let Err(e) = got {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                panic!("allocate {i}: {e}");
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
     }
 
     #[test]
