@@ -228,7 +228,7 @@ mod tests {
     }
 
     /// Pods come and go on other shims while one allocates: the last release removes the empty
-    /// directory, even between allocate's steps (CI at 37ad684: "VMM identities in .../.ids: No
+    /// directory, even between allocate's steps (CI at 8bb35af: "VMM identities in .../.ids: No
     /// such file or directory" for one of twenty pods started at once).
     #[test]
     fn an_allocate_survives_releases_that_remove_the_directory() {
