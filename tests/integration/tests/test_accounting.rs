@@ -154,16 +154,17 @@ fn a_node_that_died_in_its_first_binary_is_set_aside_for_a_new_one() {
     let code = "import sys, os; sys.path.insert(0, sys.argv[1]); import node; \
                 out = sys.argv[2]; s, c = node.set_aside_panicked_node(out, os.path.join(out, 'progress')); \
                 print(s, os.path.basename(c))";
-    let out = Command::new("python3").args(["-B", "-c", code]).arg(&node).arg(dir.path()).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "[] console-node-panicked.log\n");
+    let set_aside = || {
+        let out = Command::new("python3").args(["-B", "-c", code]).arg(&node).arg(dir.path()).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(set_aside(), "[] console-node-panicked.log\n");
     assert!(dir.path().join("console-node-panicked.log").is_file());
 
     // One binary had ended (status 0) before the node died: its status is kept, and so is the file.
     std::fs::write(dir.path().join("console.log"), "Kernel panic - not syncing\n").unwrap();
     std::fs::write(dir.path().join("progress"), "0 0\n").unwrap();
-    let out = Command::new("python3").args(["-B", "-c", code]).arg(&node).arg(dir.path()).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "[0] console-node-panicked.log\n");
+    assert_eq!(set_aside(), "[0] console-node-panicked.log\n");
     assert!(dir.path().join("progress-node-panicked").is_file());
 }
