@@ -11,6 +11,11 @@
 //!   move any host process); with them a container could lift its own limits. Once the container
 //!   is created and before it starts, [`seal_cgroup_mounts`] remounts everything at and below
 //!   /sys/fs/cgroup read-only in its mount namespace, as the spec asks.
+//! - **/sys**: an agent in a user namespace of its own (cgroup v2: `guest_init::user_ns`) may not
+//!   mount a sysfs (the pod's network namespace belongs to the host's user namespace), so
+//!   [`bind_sysfs`] makes the spec's sysfs mount a read-only bind of the one the agent's root keeps
+//!   for them (`minimal_root::CONTAINER_SYSFS`), mounted in the pod's network namespace, read-only
+//!   and locked so, with nothing mounted below it.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +23,7 @@ use nix::mount::MsFlags;
 use oci_spec::runtime::Spec;
 
 use crate::error::{AgentError, Result};
+use crate::guest_init::minimal_root::CONTAINER_SYSFS;
 
 /// containerd's default masked paths (`oci.populateDefaultUnixSpec`).
 const MASKED: [&str; 12] = [
@@ -54,6 +60,21 @@ pub fn keep_proc_read_only(spec: &mut Spec) {
     linux.set_masked_paths(union(linux.masked_paths().clone(), &MASKED));
     linux.set_readonly_paths(union(linux.readonly_paths().clone(), &READ_ONLY));
     spec.set_linux(Some(linux));
+}
+
+/// Turns each sysfs mount of the spec into a read-only bind of the sysfs the agent keeps for
+/// containers (module docs). Returns how many it changed.
+pub fn bind_sysfs(spec: &mut Spec) -> usize {
+    let Some(mounts) = spec.mounts_mut().as_mut() else { return 0 };
+    let mut changed = 0;
+    for m in mounts.iter_mut().filter(|m| m.typ().as_deref() == Some("sysfs")) {
+        m.set_typ(Some("bind".into()));
+        m.set_source(Some(PathBuf::from(CONTAINER_SYSFS)));
+        let options = ["bind", "ro", "nosuid", "nodev", "noexec"].map(String::from).to_vec();
+        m.set_options(Some(options));
+        changed += 1;
+    }
+    changed
 }
 
 /// Whether the spec mounts the cgroup hierarchies read-only (every container but a privileged
@@ -191,5 +212,20 @@ bad line
             ]
         );
         assert_eq!(unescape("a\\040b\\"), "a b\\");
+    }
+
+    #[test]
+    fn a_sysfs_mount_becomes_a_read_only_bind_of_the_agents_sys() {
+        let mut s = spec(serde_json::json!({"ociVersion": "1.0.2", "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "rw"]}]}));
+        assert_eq!(bind_sysfs(&mut s), 1);
+        let mounts = s.mounts().clone().unwrap();
+        assert_eq!(mounts[0].typ().as_deref(), Some("proc"), "other mounts stay as they were");
+        let sys = &mounts[1];
+        assert_eq!((sys.typ().as_deref(), sys.source().as_deref()), (Some("bind"), Some(Path::new(CONTAINER_SYSFS))));
+        let options = sys.options().clone().unwrap();
+        assert!(options.iter().any(|o| o == "ro") && !options.iter().any(|o| o == "rw"), "{options:?}");
+        assert_eq!(bind_sysfs(&mut spec(serde_json::json!({"ociVersion": "1.0.2"}))), 0);
     }
 }

@@ -62,6 +62,8 @@ pub struct Sandbox {
     /// Namespace mode in the minimal root with the capability drop (crate::privileges): every
     /// container and exec is checked against the capabilities containers may have.
     pub confined: bool,
+    /// Namespace mode in a user namespace of its own (`guest_init::user_ns`): no sysfs mounts.
+    in_user_ns: bool,
     state_dir: PathBuf,
     cgroup_parent: PathBuf,
     io: ProcessIoSetup,
@@ -99,6 +101,7 @@ impl Sandbox {
             mode: opts.mode,
             network: opts.network,
             confined: opts.confined(),
+            in_user_ns: opts.confined() && guest_init::user_ns::serving_in_one()?,
             state_dir: opts.state_dir.clone(),
             cgroup_parent: opts.cgroup_parent.clone(),
             io: ProcessIoSetup::new(
@@ -170,6 +173,9 @@ impl Sandbox {
             let sysctls = spec.linux().as_ref().and_then(|l| l.sysctl().clone()).unwrap_or_default();
             guest_init::check_namespaced(sysctls.keys().map(String::as_str), self.network)?;
             host_view::keep_proc_read_only(&mut spec);
+            if self.in_user_ns {
+                host_view::bind_sysfs(&mut spec);
+            }
         }
         let seal_cgroups = self.mode == Mode::Namespace && host_view::wants_read_only_cgroups(&spec);
         let cgroup_path = self.cgroup_parent.join(&req.id);

@@ -9,13 +9,16 @@
 //! 3. builds a tmpfs root ([`build`]) holding only its own binary (read-only, [`AGENT_EXE`];
 //!    for a dynamically linked build also its loader and libraries, read-only: `loader`),
 //!    a /proc of its own pid namespace, sysfs read-only with the host's cgroup hierarchies on
-//!    /sys/fs/cgroup (it manages the containers' cgroups), a read-only /dev of six nodes, its
+//!    /sys/fs/cgroup (it manages the containers' cgroups; on cgroup v2 read-only but for the
+//!    pod's subtree, [`ServesFrom`]), a read-only /dev of six nodes, its
 //!    state dir (nosuid, nodev, noexec) and each `--share-dir`, both at their host paths so that
 //!    the paths the shim sends mean the same inside; then makes the tmpfs itself read-only;
 //! 4. pivot_root(2)s into it (not chroot: no way back up) and detaches the old root;
 //! 5. executes itself again from there (`--in-minimal-root`, the listener as `--listen-fd`), so
 //!    no mapping or descriptor of the host's filesystem stays in the agent, and `/proc/self/exe`
-//!    (which the `__libcontainer` helper is started from) is the read-only bind inside.
+//!    (which the `__libcontainer` helper is started from) is the read-only bind inside. On
+//!    cgroup v2 the run executed there is a child in a user namespace of its own, and this one
+//!    only waits for it (`user_ns`): the root's mounts reach it locked, as built.
 //!
 //! The second run checks it is on that root ([`check_entered`]); capabilities are dropped next
 //! (`crate::privileges`). Every mount goes through [`Syscall`], so the plan is unit-tested.
@@ -30,11 +33,16 @@ use anyhow::Context;
 use nix::mount::MsFlags as F;
 
 use super::loader::{self, Entry};
+use super::user_ns;
 use crate::cli::{AgentOpts, Listen};
 use crate::syscall::{LinuxSyscall, Syscall};
 
 /// Where the agent's binary is inside its root.
 pub const AGENT_EXE: &str = "/bulkhead-agent";
+/// The host's cgroup tree, kept at its own path.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// The sysfs containers get as /sys from an agent in its own user namespace ([`ServesFrom`]).
+pub const CONTAINER_SYSFS: &str = "/container-sysfs";
 /// The root tmpfs's source name, by which the second run recognises its root in mountinfo.
 const ROOT_SOURCE: &str = "bulkhead-agent-root";
 /// The agent's device nodes: name, major, minor (all 0666, as a container gets them).
@@ -52,11 +60,55 @@ pub struct Keep {
     pub state_dir: PathBuf,
     /// `--share-dir`s: kept as the host mounted them (the shim's view is read-only).
     pub share_dirs: Vec<PathBuf>,
+    /// Which user namespace the agent serves from, and so what the root holds for it.
+    pub serves_from: ServesFrom,
+}
+
+/// Which user namespace the serving agent is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServesFrom {
+    /// The host's (cgroup v1: `user_ns`): its CAP_SYS_ADMIN is the host's, and every cgroup
+    /// hierarchy is kept writable.
+    HostUserNs,
+    /// Its own (`user_ns`), to which a file's mode is all that counts, so the cgroup tree is
+    /// read-only but for the pod's cgroup `pod` (absolute in the hierarchy) and what is below it,
+    /// and of the pod cgroup's own files those named in `sealed` (its limits, which kubelet set)
+    /// stay read-only too. The root also holds a sysfs with nothing mounted below it at
+    /// [`CONTAINER_SYSFS`], which containers get bound read-only as their /sys (a sysfs mount
+    /// is refused there: the pod's network namespace is the host user namespace's).
+    OwnUserNs { pod: PathBuf, sealed: Vec<String> },
+}
+
+/// The pod cgroup's files the agent may write: moving processes, enabling controllers for the
+/// containers' cgroups, freezing or killing its own pod, and PSI triggers.
+const POD_WRITABLE: [&str; 6] =
+    ["cgroup.procs", "cgroup.threads", "cgroup.subtree_control", "cgroup.freeze", "cgroup.kill", "memory.reclaim"];
+
+impl ServesFrom {
+    /// [`ServesFrom::OwnUserNs`] for the pod cgroup `pod`, sealing each file the owner may write
+    /// in `dir` (its directory as seen now) that is not one the agent needs ([`POD_WRITABLE`]).
+    pub fn own_user_ns(pod: &Path, dir: &Path) -> anyhow::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        check_kept(pod)?;
+        anyhow::ensure!(pod.components().count() > 1, "the pod cgroup {} is the hierarchy's root", pod.display());
+        let mut sealed = Vec::new();
+        for entry in std::fs::read_dir(dir).with_context(|| format!("list the pod cgroup {}", dir.display()))? {
+            let entry = entry.with_context(|| format!("list the pod cgroup {}", dir.display()))?;
+            let meta = entry.metadata().with_context(|| format!("stat {}", entry.path().display()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let needed = POD_WRITABLE.contains(&name.as_str()) || name.ends_with(".pressure");
+            if meta.is_file() && meta.permissions().mode() & 0o200 != 0 && !needed {
+                sealed.push(name);
+            }
+        }
+        sealed.sort();
+        Ok(Self::OwnUserNs { pod: pod.to_path_buf(), sealed })
+    }
 }
 
 impl Keep {
-    pub fn from_opts(opts: &AgentOpts, exe: PathBuf, loader: Vec<Entry>) -> Self {
-        Self { exe, loader, state_dir: opts.state_dir.clone(), share_dirs: opts.share_dirs.clone() }
+    pub fn from_opts(opts: &AgentOpts, exe: PathBuf, loader: Vec<Entry>, serves_from: ServesFrom) -> Self {
+        Self { exe, loader, state_dir: opts.state_dir.clone(), share_dirs: opts.share_dirs.clone(), serves_from }
     }
 
     /// Every kept directory with whether it is the state dir, shallowest first, so a deeper
@@ -142,11 +194,28 @@ pub fn build(root: &Path, keep: &Keep, sys: &dyn Syscall) -> anyhow::Result<()> 
     mount(sys, Some("proc"), &proc, Some("proc"), hardened, None)?;
 
     // sysfs read-only (libcgroups and the huge page sizes read it); the host's cgroup
-    // hierarchies on top, writable: the agent makes and steers the containers' cgroups.
+    // hierarchies on top, writable where the agent makes and steers the containers' cgroups.
     let sysfs = inside(root, Path::new("/sys"));
     mkdir(sys, &sysfs)?;
     mount(sys, Some("sysfs"), &sysfs, Some("sysfs"), hardened | F::MS_RDONLY, None)?;
-    bind(sys, Path::new("/sys/fs/cgroup"), &inside(root, Path::new("/sys/fs/cgroup")), F::MS_REC)?;
+    let cgroup_root = Path::new(CGROUP_ROOT);
+    let cgroups = inside(root, cgroup_root);
+    bind(sys, cgroup_root, &cgroups, F::MS_REC)?;
+    if let ServesFrom::OwnUserNs { pod, sealed } = &keep.serves_from {
+        mount(sys, None, &cgroups, None, F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY | hardened, None)?;
+        let host = inside(cgroup_root, pod);
+        let at = inside(&cgroups, pod);
+        bind(sys, &host, &at, F::empty())?;
+        mount(sys, None, &at, None, F::MS_REMOUNT | F::MS_BIND | hardened, None)?;
+        for name in sealed {
+            let file = at.join(name);
+            bind(sys, &host.join(name), &file, F::empty())?;
+            mount(sys, None, &file, None, F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY | hardened, None)?;
+        }
+        let container_sysfs = inside(root, Path::new(CONTAINER_SYSFS));
+        mkdir(sys, &container_sysfs)?;
+        mount(sys, Some("sysfs"), &container_sysfs, Some("sysfs"), hardened | F::MS_RDONLY, None)?;
+    }
 
     // /dev: the nodes the agent itself opens; containers get their own /dev from libcontainer.
     let dev = inside(root, Path::new("/dev"));
@@ -227,7 +296,19 @@ pub fn own_binary() -> anyhow::Result<PathBuf> {
 /// The first run's way in: module docs, steps 1 to 5. Returns only on failure.
 pub fn enter(opts: &AgentOpts) -> anyhow::Result<Infallible> {
     let exe = own_binary()?;
-    let keep = Keep::from_opts(opts, exe.clone(), loader::entries_for(&exe)?);
+    let in_user_ns = user_ns::wanted()?;
+    let serves_from = if in_user_ns {
+        let pod = &opts.cgroup_parent;
+        user_ns::enable_controllers_down_to(Path::new(CGROUP_ROOT), pod);
+        ServesFrom::own_user_ns(pod, &inside(Path::new(CGROUP_ROOT), pod))?
+    } else {
+        tracing::warn!(
+            "namespace mode on cgroup v1: the agent keeps CAP_SYS_ADMIN over the host's user namespace \
+             (libcgroups writes devices.allow, which needs it); on cgroup v2 it serves from a user namespace"
+        );
+        ServesFrom::HostUserNs
+    };
+    let keep = Keep::from_opts(opts, exe.clone(), loader::entries_for(&exe)?, serves_from);
     for (dir, _) in keep.ordered() {
         check_kept(dir)?;
     }
@@ -245,6 +326,13 @@ pub fn enter(opts: &AgentOpts) -> anyhow::Result<Infallible> {
     build(&root, &keep, &sys)?;
     sys.pivot_root(&root).with_context(|| format!("pivot_root into {}", root.display()))?;
     tracing::info!(state_dir = %opts.state_dir.display(), share_dirs = ?opts.share_dirs, "in the minimal root; re-executing");
+    if in_user_ns {
+        let exec = move || match exec_self(listener) {
+            Err(e) => e,
+            Ok(never) => match never {},
+        };
+        return user_ns::serve_from_child(exec, listener);
+    }
     exec_self(listener)
 }
 
@@ -292,6 +380,7 @@ mod tests {
             ],
             state_dir: "/run/bh/pod1/agent".into(),
             share_dirs: vec!["/run/bh/pod1/view".into(), "/srv/shared".into()],
+            serves_from: ServesFrom::HostUserNs,
         }
     }
 
@@ -366,10 +455,79 @@ mod tests {
     }
 
     #[test]
+    fn in_its_own_user_namespace_the_agent_writes_only_below_its_pod_cgroup() {
+        let sys = RecordingSyscall::default();
+        let root = Path::new("/r");
+        let pod = PathBuf::from("/kubepods/pod1");
+        let serves_from = ServesFrom::OwnUserNs { pod: pod.clone(), sealed: vec!["pids.max".into()] };
+        build(root, &Keep { serves_from, ..keep() }, &sys).unwrap();
+        let all = mounts(&sys.calls());
+        let at = |target: &str| -> Vec<F> {
+            all.iter().filter(|(_, t, _)| t == Path::new(target)).map(|(_, _, f)| *f).collect()
+        };
+        let ro = F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY;
+        let cgroup = at("/r/sys/fs/cgroup");
+        assert!(cgroup[0].contains(F::MS_BIND | F::MS_REC) && cgroup[1].contains(ro), "{cgroup:?}");
+        let pod_dir = at("/r/sys/fs/cgroup/kubepods/pod1");
+        assert_eq!(pod_dir.len(), 2, "{pod_dir:?}");
+        assert!(pod_dir[0].contains(F::MS_BIND) && !pod_dir[1].contains(F::MS_RDONLY), "the pod's cgroup is writable");
+        let limit = at("/r/sys/fs/cgroup/kubepods/pod1/pids.max");
+        assert!(limit[0].contains(F::MS_BIND) && limit[1].contains(ro), "the pod's own limit is not: {limit:?}");
+        let order: Vec<&Path> = all.iter().map(|(_, t, _)| t.as_path()).collect();
+        let first = |p: &str| order.iter().position(|t| *t == Path::new(p)).unwrap();
+        assert!(first("/r/sys/fs/cgroup") < first("/r/sys/fs/cgroup/kubepods/pod1"));
+        assert!(first("/r/sys/fs/cgroup/kubepods/pod1") < first("/r/sys/fs/cgroup/kubepods/pod1/pids.max"));
+        let sysfs = all.iter().find(|(_, t, _)| t == Path::new("/r/container-sysfs")).unwrap();
+        assert_eq!(sysfs.0.as_deref(), Some("sysfs"));
+        assert!(sysfs.2.contains(F::MS_RDONLY | F::MS_NOSUID | F::MS_NODEV | F::MS_NOEXEC));
+        // On the host's user namespace nothing of this: the tree stays as the host has it.
+        let host = RecordingSyscall::default();
+        build(root, &keep(), &host).unwrap();
+        let host_mounts = mounts(&host.calls());
+        assert!(!host_mounts
+            .iter()
+            .any(|(_, t, _)| t.starts_with("/r/container-sysfs") || t.starts_with("/r/sys/fs/cgroup/kubepods")));
+    }
+
+    #[test]
+    fn the_pod_cgroup_files_sealed_are_those_the_agent_has_no_use_for() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for (name, mode) in [
+            ("cgroup.procs", 0o644),
+            ("cgroup.subtree_control", 0o644),
+            ("cgroup.kill", 0o200),
+            ("memory.pressure", 0o644),
+            ("memory.max", 0o644),
+            ("cgroup.max.descendants", 0o644),
+            ("memory.current", 0o444),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        std::fs::create_dir(dir.path().join("ctr1")).unwrap();
+        let pod = Path::new("/kubepods/pod1");
+        let ServesFrom::OwnUserNs { sealed, .. } = ServesFrom::own_user_ns(pod, dir.path()).unwrap() else {
+            panic!("not a user namespace plan")
+        };
+        assert_eq!(sealed, ["cgroup.max.descendants", "memory.max"], "read-only files and child cgroups need no seal");
+        assert!(ServesFrom::own_user_ns(Path::new("/"), dir.path()).is_err(), "the whole hierarchy is not a pod");
+        assert!(ServesFrom::own_user_ns(Path::new("/a/../b"), dir.path()).is_err());
+        assert!(ServesFrom::own_user_ns(pod, &dir.path().join("missing")).is_err());
+    }
+
+    #[test]
     fn the_binary_dev_state_and_root_end_up_read_only_or_hardened() {
         let sys = RecordingSyscall::default();
         let root = Path::new("/s/.root");
-        let keep = Keep { exe: "/a".into(), loader: vec![], state_dir: "/s".into(), share_dirs: vec![] };
+        let keep = Keep {
+            exe: "/a".into(),
+            loader: vec![],
+            state_dir: "/s".into(),
+            share_dirs: vec![],
+            serves_from: ServesFrom::HostUserNs,
+        };
         build(root, &keep, &sys).unwrap();
         let remounts: Vec<(PathBuf, F)> = mounts(&sys.calls())
             .into_iter()
@@ -390,8 +548,13 @@ mod tests {
     #[test]
     fn a_state_dir_inside_a_share_dir_is_bound_after_it() {
         let sys = RecordingSyscall::default();
-        let keep =
-            Keep { exe: "/a".into(), loader: vec![], state_dir: "/t/a/state".into(), share_dirs: vec!["/t/a".into()] };
+        let keep = Keep {
+            exe: "/a".into(),
+            loader: vec![],
+            state_dir: "/t/a/state".into(),
+            share_dirs: vec!["/t/a".into()],
+            serves_from: ServesFrom::HostUserNs,
+        };
         build(Path::new("/t/a/state/.root"), &keep, &sys).unwrap();
         let order: Vec<Option<String>> = mounts(&sys.calls())
             .into_iter()
@@ -408,8 +571,13 @@ mod tests {
             assert!(check_kept(Path::new(bad)).is_err(), "{bad:?}");
         }
         let sys = RecordingSyscall::default();
-        let keep =
-            Keep { exe: "/a".into(), loader: vec![], state_dir: "/s".into(), share_dirs: vec!["/a/../etc".into()] };
+        let keep = Keep {
+            exe: "/a".into(),
+            loader: vec![],
+            state_dir: "/s".into(),
+            share_dirs: vec!["/a/../etc".into()],
+            serves_from: ServesFrom::HostUserNs,
+        };
         assert!(build(Path::new("/s/.root"), &keep, &sys).is_err());
     }
 
@@ -423,7 +591,13 @@ mod tests {
         for (dir, fine) in
             [("/run/bh/state", true), ("/usr/local/state", true), ("/lib/bh", false), ("/usr/lib", false)]
         {
-            let keep = Keep { exe: "/a".into(), loader: loader.clone(), state_dir: dir.into(), share_dirs: vec![] };
+            let keep = Keep {
+                exe: "/a".into(),
+                loader: loader.clone(),
+                state_dir: dir.into(),
+                share_dirs: vec![],
+                serves_from: ServesFrom::HostUserNs,
+            };
             let built = build(Path::new("/r"), &keep, &RecordingSyscall::default());
             assert_eq!(built.is_ok(), fine, "{dir}: {built:?}");
         }

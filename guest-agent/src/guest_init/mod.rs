@@ -6,6 +6,7 @@ mod loader;
 pub mod minimal_root;
 mod setup;
 pub mod switch_root;
+pub mod user_ns;
 
 pub use setup::{apply_setup, check_namespaced, SandboxSettings};
 

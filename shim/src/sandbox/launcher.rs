@@ -18,9 +18,9 @@
 //! host's mounts held by it for the pod's lifetime would receive every other pod's container
 //! mounts too.
 //!
-//! No user namespace: the shim runs as root and the agent needs real root to mount and to
-//! manage cgroups for the containers; a user namespace would add uid-mapping of every rootfs
-//! and volume without adding isolation that matters next to "no VM". Documented in README.
+//! No user namespace here: on cgroup v2 the agent clones itself into one of its own once its
+//! minimal root is built (guest-agent README, "The agent's user namespace"), which it must
+//! build as host root (a sysfs for the pod's network namespace, the /dev nodes).
 
 use std::ffi::CString;
 use std::os::fd::AsFd;

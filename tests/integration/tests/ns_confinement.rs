@@ -109,6 +109,23 @@ async fn agent_pid(pod_id: &str) -> Result<u32> {
     bail!("no agent in its minimal root for pod {pod_id}")
 }
 
+/// Whether the agent serves from a user namespace of its own: on a cgroup v2 host (the guest
+/// agent's `guest_init::user_ns`; on cgroup v1 libcgroups needs the host's CAP_SYS_ADMIN).
+fn agent_in_own_user_ns() -> bool {
+    Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+}
+
+/// The agent's user namespace map, as `guest_init::user_ns::ID_MAP` writes it.
+const AGENT_ID_MAP: [&str; 3] = ["0", "0", "4294967294"];
+
+/// The agent's `--cgroup-parent`: the pod's cgroup, absolute in the hierarchy.
+fn agent_cgroup_parent(agent: u32) -> Result<String> {
+    let cmdline = std::fs::read(format!("/proc/{agent}/cmdline"))?;
+    let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let at = args.iter().position(|a| a == "--cgroup-parent").context("no --cgroup-parent")?;
+    args.get(at + 1).cloned().context("--cgroup-parent without a value")
+}
+
 fn status_field(pid: u32, field: &str) -> Result<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
@@ -119,15 +136,17 @@ fn status_field(pid: u32, field: &str) -> Result<String> {
 }
 
 /// Runs `busybox args...` (the container image's own busybox, reached through the pod's view)
-/// inside the agent's mount namespace and root, as root: what a container process that got out
-/// of its own root into the agent's would see. Returns (success, stdout + stderr).
+/// inside the agent's mount namespace and root, as root (in the agent's user namespace where it
+/// has one of its own): what a container process that got out of its own root into the agent's
+/// would see. Returns (success, stdout + stderr).
 fn in_agent_root(agent: u32, busybox: &Path, args: &[&str]) -> Result<(bool, String)> {
-    let out = std::process::Command::new("nsenter")
-        .args(["--target", &agent.to_string(), "--mount", "--root", "--wd=/"])
-        .arg(busybox)
-        .args(args)
-        .output()
-        .context("nsenter")?;
+    let target = agent.to_string();
+    let mut nsenter = vec!["--target", &target, "--mount", "--root", "--wd=/"];
+    if agent_in_own_user_ns() {
+        nsenter.push("--user");
+    }
+    let out =
+        std::process::Command::new("nsenter").args(nsenter).arg(busybox).args(args).output().context("nsenter")?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     Ok((out.status.success(), text))
 }
@@ -219,6 +238,30 @@ async fn the_agent_sees_neither_the_hosts_files_nor_another_pod() -> Result<()> 
     assert_eq!(std::fs::read_to_string(rw.path().join("f"))?, "w\n");
     assert!(!ro.path().join("x").exists());
 
+    // On cgroup v2 the agent's privileges are over its own user namespace only, with the
+    // host's ids: what needs the host's (a device node, a new cgroup hierarchy, another pod's
+    // cgroup or its own pod's limits) is refused; its containers' cgroups are its to make.
+    if agent_in_own_user_ns() {
+        let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/user"));
+        assert_ne!(ns(&agent_a.to_string())?, ns("self")?, "the agent is in the host's user namespace");
+        let map = std::fs::read_to_string(format!("/proc/{agent_a}/uid_map"))?;
+        assert_eq!(map.split_whitespace().collect::<Vec<_>>(), AGENT_ID_MAP, "{map}");
+        let state = env.pod_dir(&a).join("agent");
+        let try_in_agent = |args: &[&str]| in_agent_root(agent_a, &busybox, args);
+        let (ok, text) = try_in_agent(&["mknod", &state.join("disk").display().to_string(), "b", "8", "0"])?;
+        assert!(!ok && text.contains("Operation not permitted"), "a device node made in the agent: {text}");
+        let (ok, text) = try_in_agent(&["mount", "-t", "cgroup2", "none", &state.display().to_string()])?;
+        assert!(!ok, "a cgroup hierarchy mounted in the agent: {text}");
+        let pod_cgroup = format!("/sys/fs/cgroup{}", agent_cgroup_parent(agent_a)?);
+        let (ok, text) = try_in_agent(&["sh", "-c", &format!("echo 1 > {pod_cgroup}/cgroup.max.descendants")])?;
+        assert!(!ok && text.contains("Read-only"), "the pod's own limit written from its agent: {text}");
+        let (ok, text) = try_in_agent(&["mkdir", "/sys/fs/cgroup/bulkhead-planted"])?;
+        assert!(!ok && text.contains("Read-only"), "a cgroup made outside the pod: {text}");
+        let (ok, text) =
+            try_in_agent(&["sh", "-c", &format!("mkdir {pod_cgroup}/planted && rmdir {pod_cgroup}/planted")])?;
+        assert!(ok, "the agent cannot make a cgroup in its pod's: {text}");
+    }
+
     // The agent's capabilities and no_new_privs are what the READMEs state.
     for agent in [agent_a, agent_b] {
         for set in ["CapEff", "CapPrm", "CapBnd"] {
@@ -283,8 +326,13 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     let out = env.exec(&plain, &["sh", "-c", ESCAPES], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let said = |key: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{key}="))).unwrap_or("missing");
-    assert_eq!(said("mknod"), "0", "making a node is allowed, as with runc: {text}");
-    assert!(said("open_disk").contains("Operation not permitted"), "the devices cgroup refuses the disk: {text}");
+    if agent_in_own_user_ns() {
+        assert!(said("mknod").parse::<i32>().is_ok_and(|c| c != 0), "no device node in a user namespace: {text}");
+        assert!(said("open_disk").contains("No such file"), "{text}");
+    } else {
+        assert_eq!(said("mknod"), "0", "making a node is allowed, as with runc: {text}");
+        assert!(said("open_disk").contains("Operation not permitted"), "the devices cgroup refuses the disk: {text}");
+    }
     assert_ne!(said("mount"), "0", "{text}");
     assert_eq!(said("release_agent"), "none writable", "{text}");
     assert!(said("core_pattern").contains("Read-only file system"), "/proc/sys is read-only: {text}");
