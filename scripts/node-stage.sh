@@ -18,6 +18,8 @@ NODE_TESTS=(
   emptydir_e2e::_on_bulkhead_vmm
   containerd_2x::_on_bulkhead_vmm
   shim_e2e::shim_pods_live_in_kubelets_systemd_slice
+  # The namespace backend's agent in a user namespace of its own: cgroup v2 only, so only here.
+  ns_confinement::
 )
 NODE_TESTS_MORE=(
   vm_e2e_on_containerd_2_1::_on_bulkhead_vmm
