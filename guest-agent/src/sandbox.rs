@@ -36,6 +36,9 @@ use crate::{
 };
 
 const OOM_POLL: Duration = Duration::from_millis(200);
+/// How long WaitProcess holds an exit for the process's output to be handed on first
+/// (`ProcessIo::output_handed_on`): well below the shim's 2 s drain after the exit.
+const OUTPUT_BEFORE_EXIT: Duration = Duration::from_secs(1);
 
 pub struct CreateRequest {
     pub id: String,
@@ -299,7 +302,12 @@ impl Sandbox {
 
     pub async fn wait(&self, id: &str, exec_id: &str) -> Result<ExitRecord> {
         let p = self.container(id)?.process(exec_id)?;
-        Ok(p.wait().await)
+        let exit = p.wait().await;
+        if !p.io.output_handed_on(OUTPUT_BEFORE_EXIT).await {
+            tracing::info!(container = %id, exec = %exec_id, bound = ?OUTPUT_BEFORE_EXIT,
+                "the process's output is still open after its exit (a child holds it); reporting the exit");
+        }
+        Ok(exit)
     }
 
     pub fn resize(&self, id: &str, exec_id: &str, rows: u32, cols: u32) -> Result<()> {

@@ -30,7 +30,7 @@ use std::{
 use bulkhead_protocol::stream::StreamKind;
 use tokio::{
     io::{unix::AsyncFd, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf},
-    sync::{mpsc, Notify},
+    sync::{mpsc, watch, Notify},
 };
 
 use crate::transport::Conn;
@@ -47,17 +47,27 @@ pub struct PumpOpts {
 /// Handle to an output pump; dropping it ends the pump (the process was removed).
 pub struct OutputStream {
     attach: mpsc::Sender<BoxWrite>,
+    /// Set once the process's end of the output is reached and handed on: written and shut
+    /// down to the attached reader, or left in the backlog when none is attached.
+    handed_on: watch::Receiver<bool>,
 }
 
 impl OutputStream {
     pub fn spawn(source: impl AsyncRead + Send + Unpin + 'static, opts: PumpOpts, label: String) -> Self {
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(pump(source, rx, opts, label));
-        Self { attach: tx }
+        let (done_tx, done_rx) = watch::channel(false);
+        tokio::spawn(pump(source, rx, opts, label, done_tx));
+        Self { attach: tx, handed_on: done_rx }
     }
 
     pub fn attach(&self, w: BoxWrite) -> Result<(), String> {
         self.attach.try_send(w).map_err(|_| "output stream is busy or finished".to_owned())
+    }
+
+    /// Waits until the output is handed on (see the field), or the pump is gone.
+    pub async fn handed_on(&self) {
+        let mut rx = self.handed_on.clone();
+        let _ = rx.wait_for(|done| *done).await;
     }
 }
 
@@ -102,6 +112,7 @@ async fn pump(
     mut attach: mpsc::Receiver<BoxWrite>,
     opts: PumpOpts,
     label: String,
+    handed_on: watch::Sender<bool>,
 ) {
     let mut backlog = Backlog { buf: VecDeque::new(), cap: opts.backlog, dropped: 0 };
     let mut reader: Option<BoxWrite> = None;
@@ -132,6 +143,7 @@ async fn pump(
                     if let Some(mut w) = reader.take() {
                         let _ = tokio::time::timeout(opts.stall, w.shutdown()).await;
                     }
+                    handed_on.send_replace(true);
                     continue;
                 }
                 let chunk = &buf[..n];
@@ -319,6 +331,23 @@ impl ProcessIo {
         }
     }
 
+    /// Waits, at most `bound`, until every output of the process is handed on (written to its
+    /// reader and shut down), so that a process's exit is reported after its output: the shim
+    /// gives the output only a short while past the exit, and the output travels on streams of
+    /// its own. `bound` covers a process whose output a child of its own still holds open.
+    /// Returns whether it was.
+    pub async fn output_handed_on(&self, bound: Duration) -> bool {
+        let all = async {
+            match self {
+                ProcessIo::Pipes { stdout, stderr, .. } => {
+                    tokio::join!(stdout.handed_on(), stderr.handed_on());
+                }
+                ProcessIo::Tty { output, .. } => output.handed_on().await,
+            }
+        };
+        tokio::time::timeout(bound, all).await.is_ok()
+    }
+
     pub fn resize(&self, rows: u16, cols: u16) -> Result<(), String> {
         let ProcessIo::Tty { control, .. } = self else {
             return Err("process has no terminal".to_owned());
@@ -401,5 +430,30 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), proc_stdin_r.read_to_end(&mut rest)).await.unwrap().unwrap();
         assert!(rest.is_empty());
         assert!(sink.attach(Box::new(tokio::io::empty())).is_err());
+    }
+
+    #[tokio::test]
+    async fn the_output_is_handed_on_before_the_exit_is_told_unless_a_child_holds_it() {
+        let pipes = |stdout| ProcessIo::Pipes {
+            stdin: None,
+            stdout: OutputStream::spawn(stdout, OPTS, "out".into()),
+            stderr: OutputStream::spawn(tokio::io::empty(), OPTS, "err".into()),
+        };
+        let (mut proc_w, proc_r) = tokio::io::duplex(64);
+        let io = pipes(proc_r);
+        let (reader_side, mut shim) = tokio::io::duplex(64);
+        let ProcessIo::Pipes { stdout, .. } = &io else { unreachable!("made as pipes") };
+        stdout.attach(Box::new(reader_side)).unwrap();
+        proc_w.write_all(b"9\n").await.unwrap();
+        drop(proc_w); // the process exits
+        assert!(io.output_handed_on(Duration::from_secs(5)).await);
+        // Handed on means already in the stream: the bytes and EOF are there at once.
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_millis(100), shim.read_to_end(&mut got)).await.unwrap().unwrap();
+        assert_eq!(got, b"9\n");
+
+        // Output a child still holds open: the exit is told after the bound.
+        let (_held, proc_r) = tokio::io::duplex(64);
+        assert!(!pipes(proc_r).output_handed_on(Duration::from_millis(50)).await);
     }
 }
