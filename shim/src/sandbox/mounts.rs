@@ -107,10 +107,11 @@ pub fn bind_propagation(options: &[String]) -> MsFlags {
 }
 
 /// Mounts containerd's rootfs `mounts` (an overlay of the snapshot's layers, usually one) at
-/// `target`.
-pub fn mount_rootfs(mounts: &[RootfsMount], target: &Path) -> Result<(), MountError> {
+/// `target`, each with `extra` flags on top of its own options.
+pub fn mount_rootfs(mounts: &[RootfsMount], target: &Path, extra: MsFlags) -> Result<(), MountError> {
     for m in mounts {
         let (flags, data) = parse_options(&m.options);
+        let flags = flags | extra;
         let fstype = Some(m.type_.as_str()).filter(|t| !t.is_empty() && *t != "bind");
         mount(Some(m.source.as_str()), target, fstype, flags, data.as_deref())
             .map_err(mount_err(format!("rootfs {} ({})", m.source, m.type_), target))?;

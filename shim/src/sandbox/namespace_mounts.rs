@@ -25,6 +25,12 @@
 //! otherwise join its source's peer group, and a mount the host makes below a readOnly hostPath
 //! later (another pod's secret tmpfs) would reach the containers with its own, writable, flags.
 //!
+//! **nodev.** Every rootfs and volume is mounted nodev. An image layer (or a volume) may hold a
+//! device node, which containerd creates as it is; runc relies on the devices cgroup to refuse
+//! opening it, and the agent, serving from a user namespace of its own, can neither load the BPF
+//! program that is that cgroup on v2 nor write `devices.allow` on v1. Containers get their /dev
+//! from the agent, which binds the handful of nodes they may use from its own root.
+//!
 //! **Read-only.** A remount never propagates: a volume made read-only here after the bind would
 //! stay writable in the agent's copy. So a read-only volume is bound as a detached clone made
 //! read-only before it is attached (`open_tree`, `mount_setattr`, `move_mount`): read-only in
@@ -54,8 +60,8 @@ fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T,
 
 /// Clones the mount at `source` (with everything below it if `recursive`) as a detached tree,
 /// gives it `propagation` (`MS_PRIVATE` or `MS_SLAVE`: a clone joins its source's peer group)
-/// and makes it read-only if asked, and attaches it at `target`, so that it is born with its
-/// flags and every propagated copy has them (module docs).
+/// and nodev, makes it read-only if asked, and attaches it at `target`, so that it is born with
+/// its flags and every propagated copy has them (module docs).
 fn attach_clone(
     source: &Path,
     target: &Path,
@@ -74,7 +80,7 @@ fn attach_clone(
     // SAFETY: open_tree just returned this descriptor; nothing else owns it.
     let tree = unsafe { OwnedFd::from_raw_fd(fd) };
     {
-        let attr_set = if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
+        let attr_set = libc::MOUNT_ATTR_NODEV | if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
         let propagation = (propagation & (MsFlags::MS_PRIVATE | MsFlags::MS_SLAVE)).bits();
         let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd: 0 };
         let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
@@ -126,7 +132,7 @@ impl Binder for CloneBinder {
             attach_clone(bundle_rootfs, rootfs, true, false, MsFlags::MS_PRIVATE)
                 .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), rootfs))?;
         }
-        mount_rootfs(mounts, rootfs)
+        mount_rootfs(mounts, rootfs, MsFlags::MS_NODEV)
     }
 
     fn volume(&self, _id: &str, v: &Volume<'_>) -> Result<(), MountError> {
@@ -249,8 +255,8 @@ mod tests {
 
     /// As root: a container's rootfs and volumes are mounted below rootfs/, appear in the
     /// read-only view and in a mount namespace copied before they existed (the agent's case),
-    /// a read-only volume is read-only there too, the spec names the view, and release leaves
-    /// nothing. Skipped without root.
+    /// a read-only volume is read-only there too, no device node opens from any of them, the spec
+    /// names the view, and release leaves nothing. Skipped without root.
     #[test]
     fn prepared_mounts_reach_an_earlier_slave_copy_read_only_where_asked() {
         if !nix::unistd::geteuid().is_root() {
@@ -273,7 +279,9 @@ mod tests {
             "mount --make-rslave / && echo ready && read _ && \
              cat {v}/c1/rootfs/hello && cat {v}/c1/volumes/0/data && \
              (touch {v}/c1/volumes/1/x 2>/dev/null && echo ro-volume-writable || echo ro-volume-refused) && \
-             (mkdir {v}/planted 2>/dev/null && echo view-writable || echo view-refused)",
+             (mkdir {v}/planted 2>/dev/null && echo view-writable || echo view-refused) && \
+             for n in rootfs/null volumes/0/null; do \
+             (: < {v}/c1/$n) 2>/dev/null && echo $n-opened || echo $n-refused; done",
             v = view.display()
         );
         let mut child = std::process::Command::new("unshare")
@@ -285,14 +293,30 @@ mod tests {
         let mut lines = std::io::BufRead::lines(std::io::BufReader::new(ready_r));
         assert_eq!(lines.next().unwrap().unwrap(), "ready");
 
-        let bundle_rootfs = scratch.path().join("bundle-rootfs");
+        // The sources on a tmpfs of the test's own, so device nodes open there whatever /run is.
+        let sources = scratch.path().join("sources");
+        std::fs::create_dir_all(&sources).unwrap();
+        mount(Some("tmpfs"), &sources, Some("tmpfs"), MsFlags::empty(), Some("size=1m")).unwrap();
+        let bundle_rootfs = sources.join("bundle-rootfs");
         std::fs::create_dir_all(&bundle_rootfs).unwrap();
         std::fs::write(bundle_rootfs.join("hello"), "from-rootfs\n").unwrap();
-        let rw = scratch.path().join("rw");
-        let ro = scratch.path().join("ro");
+        let rw = sources.join("rw");
+        let ro = sources.join("ro");
         std::fs::create_dir_all(&rw).unwrap();
         std::fs::create_dir_all(&ro).unwrap();
         std::fs::write(rw.join("data"), "from-volume\n").unwrap();
+        // /dev/null's numbers, as an image layer or a volume may carry them (module docs, "nodev").
+        for dir in [&bundle_rootfs, &rw] {
+            let node = dir.join("null");
+            nix::sys::stat::mknod(
+                &node,
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+                nix::sys::stat::makedev(1, 3),
+            )
+            .unwrap();
+            std::fs::File::open(&node).expect("the node opens where it was made");
+        }
         let mounts = json!({"mounts": [
             {"destination": "/data", "type": "bind", "source": rw, "options": ["rbind", "rw"]},
             {"destination": "/cfg", "type": "bind", "source": ro, "options": ["rbind", "ro"]},
@@ -309,7 +333,17 @@ mod tests {
         drop(go_w);
         let out: Vec<String> = lines.map(|l| l.unwrap()).collect();
         assert!(child.wait().unwrap().success(), "{out:?}");
-        assert_eq!(out, ["from-rootfs", "from-volume", "ro-volume-refused", "view-refused"]);
+        assert_eq!(
+            out,
+            [
+                "from-rootfs",
+                "from-volume",
+                "ro-volume-refused",
+                "view-refused",
+                "rootfs/null-refused",
+                "volumes/0/null-refused"
+            ]
+        );
         // On the host too, the read-only volume is read-only in the view, and the source stays writable.
         assert!(std::fs::write(view.join("c1/volumes/1/x"), b"x").is_err());
         std::fs::write(ro.join("y"), b"y").unwrap();

@@ -20,6 +20,12 @@ const EARLY_EXIT_SOURCE: &str = include_str!("../images/early-exit.c");
 pub const EARLY_EXIT_LINE: &str = "simulated early exit before serving";
 /// In the busybox image: `images/conformance.c`, the kernel facilities ordinary programs use.
 pub const CONFORMANCE_BIN: &str = "/bin/bulkhead-conformance";
+/// In the busybox image: a character device node with /dev/null's numbers (1:3), mode 0666, as
+/// a hostile image may carry one; containerd makes it as it is when it unpacks the layer.
+pub const IMAGE_NODE: &str = "/bulkhead-image-null";
+/// What the busybox layer holds besides its programs, in its cache name: a change here names
+/// a new tarball.
+const BUSYBOX_LAYOUT: &str = "layout 2: busybox, applets, conformance, forkbomb, passwd, group, image node";
 /// In the busybox image: `images/forkbomb.c`, a fork bomb that prints how many forks it made and
 /// how many the kernel refused, once a second.
 pub const FORKBOMB_BIN: &str = "/bin/bulkhead-forkbomb";
@@ -42,7 +48,7 @@ pub fn build_all(dir: &Path) -> Result<ImageTarballs> {
         // Named by what goes into it, so a changed conformance program replaces a cached image.
         busybox: ensure(
             dir,
-            &format!("busybox-{}.oci.tar", short_hash(&[CONFORMANCE_SOURCE, FORKBOMB_SOURCE].concat())),
+            &format!("busybox-{}.oci.tar", short_hash(&[BUSYBOX_LAYOUT, CONFORMANCE_SOURCE, FORKBOMB_SOURCE].concat())),
             build_busybox_layer,
             BUSYBOX,
             &["sh"],
@@ -149,6 +155,7 @@ fn build_busybox_layer(dir: &Path) -> Result<Vec<u8>> {
     }
     tar.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n", 0o644)?;
     tar.file("etc/group", b"root:x:0:\nnogroup:x:65534:\n", 0o644)?;
+    tar.char_device(IMAGE_NODE.trim_start_matches('/'), (1, 3), 0o666)?;
     tar.finish()
 }
 
@@ -189,6 +196,14 @@ impl LayerBuilder {
     fn file(&mut self, path: &str, data: &[u8], mode: u32) -> Result<()> {
         let mut h = Self::header(tar::EntryType::Regular, mode, data.len() as u64);
         self.0.append_data(&mut h, path, data)?;
+        Ok(())
+    }
+
+    fn char_device(&mut self, path: &str, (major, minor): (u32, u32), mode: u32) -> Result<()> {
+        let mut h = Self::header(tar::EntryType::Char, mode, 0);
+        h.set_device_major(major)?;
+        h.set_device_minor(minor)?;
+        self.0.append_data(&mut h, path, std::io::empty())?;
         Ok(())
     }
 

@@ -182,7 +182,8 @@ impl Binder for Staging {
             bind(bundle_rootfs, &root_at, MsFlags::MS_REC, format!("rootfs {}", bundle_rootfs.display()))?;
             flags_only(&root_at, MsFlags::MS_PRIVATE | MsFlags::MS_REC, "rootfs private")?;
         }
-        mount_rootfs(mounts, &root_at)?;
+        // No nodev: a device node on the share opens the guest's own device, never the host's.
+        mount_rootfs(mounts, &root_at, MsFlags::empty())?;
         if read_only_root {
             // Mount points a read-only rootfs needs: every destination, a file where a file is
             // bound (the guest's runtime cannot make them in a read-only tree).
