@@ -9,6 +9,7 @@ use std::{
 use tokio::sync::watch;
 
 use crate::{
+    cgroup_v1_devices::DevicesStub,
     cgroups::Cgroup,
     error::{AgentError, Result},
     reaper::{ExitInfo, Reaper},
@@ -95,6 +96,8 @@ pub struct Container {
     pub cgroup: Cgroup,
     /// Mounts the agent made under the rootfs; undone at removal.
     pub rootfs_mounts: Vec<PathBuf>,
+    /// Its devices cgroup's stub (cgroup v1 in the agent's user namespace); lifted at removal.
+    pub devices_stub: Option<DevicesStub>,
     state: Mutex<ContainerState>,
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
@@ -120,6 +123,7 @@ pub struct NewContainer {
     pub bundle: PathBuf,
     pub cgroup: Cgroup,
     pub rootfs_mounts: Vec<PathBuf>,
+    pub devices_stub: Option<DevicesStub>,
     pub init_pid: i32,
     pub init_io: ProcessIo,
 }
@@ -134,6 +138,7 @@ impl Container {
             bundle: n.bundle,
             cgroup: n.cgroup,
             rootfs_mounts: n.rootfs_mounts,
+            devices_stub: n.devices_stub,
             state: Mutex::new(ContainerState::Created),
             init: Arc::new(Process { pid: n.init_pid, io: n.init_io, exit: rx }),
             execs: Mutex::new(HashMap::new()),

@@ -11,7 +11,7 @@
 //!   move any host process); with them a container could lift its own limits. Once the container
 //!   is created and before it starts, [`seal_cgroup_mounts`] remounts everything at and below
 //!   /sys/fs/cgroup read-only in its mount namespace, as the spec asks.
-//! - **/sys**: an agent in a user namespace of its own (cgroup v2: `guest_init::user_ns`) may not
+//! - **/sys**: an agent in a user namespace of its own (`guest_init::user_ns`) may not
 //!   mount a sysfs (the pod's network namespace belongs to the host's user namespace), so
 //!   [`bind_sysfs`] makes the spec's sysfs mount a read-only bind of the one the agent's root keeps
 //!   for them (`minimal_root::CONTAINER_SYSFS`), mounted in the pod's network namespace, read-only
@@ -88,7 +88,7 @@ pub fn wants_read_only_cgroups(spec: &Spec) -> bool {
 
 /// The mount points at or below /sys/fs/cgroup in a `/proc/<pid>/mountinfo`, shallowest first
 /// (mount point is the fifth field, with octal escapes for space and friends).
-fn cgroup_mount_points(mountinfo: &str) -> Vec<PathBuf> {
+pub(crate) fn cgroup_mount_points(mountinfo: &str) -> Vec<PathBuf> {
     let mut points: Vec<PathBuf> = mountinfo
         .lines()
         .filter_map(|line| line.split(' ').nth(4))

@@ -1,6 +1,7 @@
 //! `bulkhead-agent`: PID 1 of a bulkhead sandbox. See the crate README for the job and boundaries.
 
 mod bundle;
+mod cgroup_v1_devices;
 mod cgroups;
 mod cli;
 mod console;

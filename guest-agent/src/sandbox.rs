@@ -15,6 +15,7 @@ use oci_spec::runtime::Spec;
 
 use crate::{
     bundle,
+    cgroup_v1_devices::{self, DevicesStub},
     cgroups::{self, Cgroup, Hierarchy},
     cli::{AgentOpts, Mode, PodNetwork},
     container::{Container, Event, ExitRecord, NewContainer},
@@ -202,6 +203,18 @@ impl Sandbox {
         let id = req.id.clone();
         // A failed create may leave libcontainer state (and a waiting init) behind.
         undo.push(format!("delete libcontainer container {id}"), move || runtime.delete_blocking(&id, true));
+        let devices_stub = if self.in_user_ns && hierarchy == Hierarchy::V1 {
+            let stub = DevicesStub::place(&self.sys, &cgroup_v1_devices::hierarchy()?, &cgroup_path)?;
+            // Registered after the delete, so it runs before it: the cgroup cannot go with the binds in it.
+            let (sys, placed) = (&self.sys, stub.clone());
+            undo.push(format!("lift the devices stub of {}", req.id), move || {
+                placed.lift_and_remove(sys);
+                Ok::<(), AgentError>(())
+            });
+            Some(stub)
+        } else {
+            None
+        };
         let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref()).await?;
         if seal_cgroups {
             // Before the container starts: its init waits for Start.
@@ -218,6 +231,7 @@ impl Sandbox {
                 bundle,
                 cgroup: Cgroup::new(cgroup_path, hierarchy),
                 rootfs_mounts: laid_out.rootfs_mounts,
+                devices_stub,
                 init_pid: pid,
                 init_io: io,
             },
@@ -376,6 +390,9 @@ impl Sandbox {
                 "container {id} is {}; stop it or remove with force",
                 state.name()
             )));
+        }
+        if let Some(stub) = &c.devices_stub {
+            stub.lift(&self.sys);
         }
         self.runtime.delete(id, true).await?;
         rootfs::unmount_all(&self.sys, &c.rootfs_mounts);

@@ -9,16 +9,16 @@
 //! 3. builds a tmpfs root ([`build`]) holding only its own binary (read-only, [`AGENT_EXE`];
 //!    for a dynamically linked build also its loader and libraries, read-only: `loader`),
 //!    a /proc of its own pid namespace, sysfs read-only with the host's cgroup hierarchies on
-//!    /sys/fs/cgroup (it manages the containers' cgroups; on cgroup v2 read-only but for the
-//!    pod's subtree, [`ServesFrom`]), a read-only /dev of six nodes, its
+//!    /sys/fs/cgroup (it manages the containers' cgroups: read-only but for the pod's subtree,
+//!    [`CgroupView`]), a read-only /dev of six nodes, its
 //!    state dir (nosuid, nodev, noexec) and each `--share-dir`, both at their host paths so that
 //!    the paths the shim sends mean the same inside; then makes the tmpfs itself read-only;
 //! 4. pivot_root(2)s into it (not chroot: no way back up) and detaches the old root;
 //! 5. executes itself again from there (`--in-minimal-root`, the listener as `--listen-fd`), so
 //!    no mapping or descriptor of the host's filesystem stays in the agent, and `/proc/self/exe`
-//!    (which the `__libcontainer` helper is started from) is the read-only bind inside. On
-//!    cgroup v2 the run executed there is a child in a user namespace of its own, and this one
-//!    only waits for it (`user_ns`): the root's mounts reach it locked, as built.
+//!    (which the `__libcontainer` helper is started from) is the read-only bind inside. The run
+//!    executed there is a child in a user namespace of its own, and this one only waits for it
+//!    (`user_ns`): the root's mounts reach it locked, as built.
 //!
 //! The second run checks it is on that root ([`check_entered`]); capabilities are dropped next
 //! (`crate::privileges`). Every mount goes through [`Syscall`], so the plan is unit-tested.
@@ -41,7 +41,7 @@ use crate::syscall::{LinuxSyscall, Syscall};
 pub const AGENT_EXE: &str = "/bulkhead-agent";
 /// The host's cgroup tree, kept at its own path.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-/// The sysfs containers get as /sys from an agent in its own user namespace ([`ServesFrom`]).
+/// The sysfs containers get as /sys from an agent in its own user namespace ([`CgroupView`]).
 pub const CONTAINER_SYSFS: &str = "/container-sysfs";
 /// The root tmpfs's source name, by which the second run recognises its root in mountinfo.
 const ROOT_SOURCE: &str = "bulkhead-agent-root";
@@ -60,37 +60,49 @@ pub struct Keep {
     pub state_dir: PathBuf,
     /// `--share-dir`s: kept as the host mounted them (the shim's view is read-only).
     pub share_dirs: Vec<PathBuf>,
-    /// Which user namespace the agent serves from, and so what the root holds for it.
-    pub serves_from: ServesFrom,
+    /// The host's cgroup tree as the agent (in its own user namespace) may use it.
+    pub cgroups: CgroupView,
 }
 
-/// Which user namespace the serving agent is in.
+/// The host's cgroup tree as the agent keeps it. The agent serves from a user namespace of its
+/// own (`user_ns`), to which a file's mode is all that counts, so the whole tree is read-only
+/// ([`CgroupView::mounts`]) but for the pod's cgroup in each hierarchy the agent manages and what
+/// is below it ([`PodCgroupDir`]); of the pod cgroup's own files those sealed (its limits, which
+/// kubelet set) stay read-only too. The root also holds a sysfs with nothing mounted below it at
+/// [`CONTAINER_SYSFS`], which containers get bound read-only as their /sys (a sysfs mount is
+/// refused there: the pod's network namespace is the host user namespace's).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CgroupView {
+    /// Every mount at or below /sys/fs/cgroup (host paths, shallowest first): made read-only.
+    pub mounts: Vec<PathBuf>,
+    /// The pod's cgroup in each hierarchy: kept writable but for its sealed files.
+    pub pods: Vec<PodCgroupDir>,
+}
+
+/// The pod's cgroup directory in one hierarchy (host path), and its files kept read-only.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ServesFrom {
-    /// The host's (cgroup v1: `user_ns`): its CAP_SYS_ADMIN is the host's, and every cgroup
-    /// hierarchy is kept writable.
-    HostUserNs,
-    /// Its own (`user_ns`), to which a file's mode is all that counts, so the cgroup tree is
-    /// read-only but for the pod's cgroup `pod` (absolute in the hierarchy) and what is below it,
-    /// and of the pod cgroup's own files those named in `sealed` (its limits, which kubelet set)
-    /// stay read-only too. The root also holds a sysfs with nothing mounted below it at
-    /// [`CONTAINER_SYSFS`], which containers get bound read-only as their /sys (a sysfs mount
-    /// is refused there: the pod's network namespace is the host user namespace's).
-    OwnUserNs { pod: PathBuf, sealed: Vec<String> },
+pub struct PodCgroupDir {
+    pub dir: PathBuf,
+    pub sealed: Vec<String>,
 }
 
-/// The pod cgroup's files the agent may write: moving processes, enabling controllers for the
-/// containers' cgroups, freezing or killing its own pod, and PSI triggers.
-const POD_WRITABLE: [&str; 6] =
-    ["cgroup.procs", "cgroup.threads", "cgroup.subtree_control", "cgroup.freeze", "cgroup.kill", "memory.reclaim"];
+/// The pod cgroup's files the agent may write: moving processes (v1: `tasks`), enabling
+/// controllers for the containers' cgroups, freezing or killing its own pod, and PSI triggers.
+const POD_WRITABLE: [&str; 7] = [
+    "cgroup.procs",
+    "cgroup.threads",
+    "tasks",
+    "cgroup.subtree_control",
+    "cgroup.freeze",
+    "cgroup.kill",
+    "memory.reclaim",
+];
 
-impl ServesFrom {
-    /// [`ServesFrom::OwnUserNs`] for the pod cgroup `pod`, sealing each file the owner may write
-    /// in `dir` (its directory as seen now) that is not one the agent needs ([`POD_WRITABLE`]).
-    pub fn own_user_ns(pod: &Path, dir: &Path) -> anyhow::Result<Self> {
+impl PodCgroupDir {
+    /// `dir` as it is now, sealing each file the owner may write that is not one the agent
+    /// needs ([`POD_WRITABLE`]).
+    pub fn of(dir: &Path) -> anyhow::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
-        check_kept(pod)?;
-        anyhow::ensure!(pod.components().count() > 1, "the pod cgroup {} is the hierarchy's root", pod.display());
         let mut sealed = Vec::new();
         for entry in std::fs::read_dir(dir).with_context(|| format!("list the pod cgroup {}", dir.display()))? {
             let entry = entry.with_context(|| format!("list the pod cgroup {}", dir.display()))?;
@@ -102,13 +114,74 @@ impl ServesFrom {
             }
         }
         sealed.sort();
-        Ok(Self::OwnUserNs { pod: pod.to_path_buf(), sealed })
+        Ok(Self { dir: dir.to_path_buf(), sealed })
     }
 }
 
+impl CgroupView {
+    /// The view for the pod cgroup `pod` (absolute in each hierarchy): on cgroup v2 the one
+    /// hierarchy, its controllers enabled down to the pod; on v1 each hierarchy libcgroups
+    /// manages, the pod's directory made where it is missing (as libcgroups would, now that it
+    /// cannot from inside). `mountinfo` is this process's.
+    pub fn for_pod(pod: &Path, mountinfo: &str) -> anyhow::Result<Self> {
+        check_kept(pod)?;
+        anyhow::ensure!(pod.components().count() > 1, "the pod cgroup {} is the hierarchy's root", pod.display());
+        let root = Path::new(CGROUP_ROOT);
+        let hierarchies = match crate::cgroups::Hierarchy::detect().map_err(|e| anyhow::anyhow!("{e}"))? {
+            crate::cgroups::Hierarchy::V2 => {
+                user_ns::enable_controllers_down_to(root, pod);
+                vec![root.to_path_buf()]
+            }
+            crate::cgroups::Hierarchy::V1 => {
+                let supported =
+                    libcgroups::v1::util::list_supported_mount_points().context("the cgroup v1 hierarchies")?;
+                let mut points: Vec<PathBuf> = supported.values().cloned().collect();
+                points.sort();
+                points.dedup();
+                for point in &points {
+                    let dir = inside(point, pod);
+                    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+                }
+                if let Some(cpuset) = supported.get(&libcgroups::v1::ControllerType::CpuSet) {
+                    fill_cpuset_down_to(cpuset, pod)?;
+                }
+                points
+            }
+        };
+        let pods = hierarchies.iter().map(|h| PodCgroupDir::of(&inside(h, pod))).collect::<anyhow::Result<_>>()?;
+        Ok(Self { mounts: crate::host_view::cgroup_mount_points(mountinfo), pods })
+    }
+}
+
+/// Gives each cgroup from the cpuset hierarchy's root (`point`) down to `pod` its parent's CPUs
+/// and memory nodes where it has none, as libcgroups does for a container's ancestors: a new
+/// cpuset cgroup starts empty, no process may join it so, and from inside the user namespace the
+/// pod's own values are sealed and its ancestors read-only.
+fn fill_cpuset_down_to(point: &Path, pod: &Path) -> anyhow::Result<()> {
+    for file in ["cpuset.cpus", "cpuset.mems"] {
+        let mut dir = point.to_path_buf();
+        let read = |dir: &Path| {
+            let path = dir.join(file);
+            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
+        };
+        let mut parent = read(&dir)?;
+        for part in pod.components().filter(|c| matches!(c, Component::Normal(_))) {
+            dir.push(part);
+            let own = read(&dir)?;
+            if own.trim().is_empty() {
+                let path = dir.join(file);
+                std::fs::write(&path, parent.trim()).with_context(|| format!("write {}", path.display()))?;
+            } else {
+                parent = own;
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Keep {
-    pub fn from_opts(opts: &AgentOpts, exe: PathBuf, loader: Vec<Entry>, serves_from: ServesFrom) -> Self {
-        Self { exe, loader, state_dir: opts.state_dir.clone(), share_dirs: opts.share_dirs.clone(), serves_from }
+    pub fn from_opts(opts: &AgentOpts, exe: PathBuf, loader: Vec<Entry>, cgroups: CgroupView) -> Self {
+        Self { exe, loader, state_dir: opts.state_dir.clone(), share_dirs: opts.share_dirs.clone(), cgroups }
     }
 
     /// Every kept directory with whether it is the state dir, shallowest first, so a deeper
@@ -194,28 +267,36 @@ pub fn build(root: &Path, keep: &Keep, sys: &dyn Syscall) -> anyhow::Result<()> 
     mount(sys, Some("proc"), &proc, Some("proc"), hardened, None)?;
 
     // sysfs read-only (libcgroups and the huge page sizes read it); the host's cgroup
-    // hierarchies on top, writable where the agent makes and steers the containers' cgroups.
+    // hierarchies on top, read-only but where the agent makes and steers the containers' cgroups.
     let sysfs = inside(root, Path::new("/sys"));
     mkdir(sys, &sysfs)?;
     mount(sys, Some("sysfs"), &sysfs, Some("sysfs"), hardened | F::MS_RDONLY, None)?;
     let cgroup_root = Path::new(CGROUP_ROOT);
     let cgroups = inside(root, cgroup_root);
     bind(sys, cgroup_root, &cgroups, F::MS_REC)?;
-    if let ServesFrom::OwnUserNs { pod, sealed } = &keep.serves_from {
-        mount(sys, None, &cgroups, None, F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY | hardened, None)?;
-        let host = inside(cgroup_root, pod);
-        let at = inside(&cgroups, pod);
-        bind(sys, &host, &at, F::empty())?;
-        mount(sys, None, &at, None, F::MS_REMOUNT | F::MS_BIND | hardened, None)?;
-        for name in sealed {
-            let file = at.join(name);
-            bind(sys, &host.join(name), &file, F::empty())?;
-            mount(sys, None, &file, None, F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY | hardened, None)?;
-        }
-        let container_sysfs = inside(root, Path::new(CONTAINER_SYSFS));
-        mkdir(sys, &container_sysfs)?;
-        mount(sys, Some("sysfs"), &container_sysfs, Some("sysfs"), hardened | F::MS_RDONLY, None)?;
+    let read_only = F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY | hardened;
+    // A remount is the one mount's: each of the recursive bind's mounts is made read-only.
+    for point in keep.cgroups.mounts.iter().filter(|p| p.starts_with(cgroup_root)) {
+        mount(sys, None, &inside(root, point), None, read_only, None)?;
     }
+    for pod in &keep.cgroups.pods {
+        anyhow::ensure!(
+            pod.dir.starts_with(cgroup_root),
+            "pod cgroup {} is not below {CGROUP_ROOT}",
+            pod.dir.display()
+        );
+        let at = inside(root, &pod.dir);
+        bind(sys, &pod.dir, &at, F::empty())?;
+        mount(sys, None, &at, None, F::MS_REMOUNT | F::MS_BIND | hardened, None)?;
+        for name in &pod.sealed {
+            let file = at.join(name);
+            bind(sys, &pod.dir.join(name), &file, F::empty())?;
+            mount(sys, None, &file, None, read_only, None)?;
+        }
+    }
+    let container_sysfs = inside(root, Path::new(CONTAINER_SYSFS));
+    mkdir(sys, &container_sysfs)?;
+    mount(sys, Some("sysfs"), &container_sysfs, Some("sysfs"), hardened | F::MS_RDONLY, None)?;
 
     // /dev: the nodes the agent itself opens; containers get their own /dev from libcontainer.
     let dev = inside(root, Path::new("/dev"));
@@ -296,19 +377,9 @@ pub fn own_binary() -> anyhow::Result<PathBuf> {
 /// The first run's way in: module docs, steps 1 to 5. Returns only on failure.
 pub fn enter(opts: &AgentOpts) -> anyhow::Result<Infallible> {
     let exe = own_binary()?;
-    let in_user_ns = user_ns::wanted()?;
-    let serves_from = if in_user_ns {
-        let pod = &opts.cgroup_parent;
-        user_ns::enable_controllers_down_to(Path::new(CGROUP_ROOT), pod);
-        ServesFrom::own_user_ns(pod, &inside(Path::new(CGROUP_ROOT), pod))?
-    } else {
-        tracing::warn!(
-            "namespace mode on cgroup v1: the agent keeps CAP_SYS_ADMIN over the host's user namespace \
-             (libcgroups writes devices.allow, which needs it); on cgroup v2 it serves from a user namespace"
-        );
-        ServesFrom::HostUserNs
-    };
-    let keep = Keep::from_opts(opts, exe.clone(), loader::entries_for(&exe)?, serves_from);
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
+    let cgroups = CgroupView::for_pod(&opts.cgroup_parent, &mountinfo)?;
+    let keep = Keep::from_opts(opts, exe.clone(), loader::entries_for(&exe)?, cgroups);
     for (dir, _) in keep.ordered() {
         check_kept(dir)?;
     }
@@ -326,14 +397,11 @@ pub fn enter(opts: &AgentOpts) -> anyhow::Result<Infallible> {
     build(&root, &keep, &sys)?;
     sys.pivot_root(&root).with_context(|| format!("pivot_root into {}", root.display()))?;
     tracing::info!(state_dir = %opts.state_dir.display(), share_dirs = ?opts.share_dirs, "in the minimal root; re-executing");
-    if in_user_ns {
-        let exec = move || match exec_self(listener) {
-            Err(e) => e,
-            Ok(never) => match never {},
-        };
-        return user_ns::serve_from_child(exec, listener);
-    }
-    exec_self(listener)
+    let exec = move || match exec_self(listener) {
+        Err(e) => e,
+        Ok(never) => match never {},
+    };
+    user_ns::serve_from_child(exec, listener)
 }
 
 /// Binds the agent's listener at `path` (replacing a stale socket, mode 0600) for the second run to serve:
@@ -380,7 +448,7 @@ mod tests {
             ],
             state_dir: "/run/bh/pod1/agent".into(),
             share_dirs: vec!["/run/bh/pod1/view".into(), "/srv/shared".into()],
-            serves_from: ServesFrom::HostUserNs,
+            cgroups: CgroupView::default(),
         }
     }
 
@@ -435,7 +503,7 @@ mod tests {
             })
             .collect();
         let names: Vec<&str> = fresh.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["tmpfs:", "proc:proc", "sysfs:sys", "tmpfs:dev"]);
+        assert_eq!(names, ["tmpfs:", "proc:proc", "sysfs:sys", "sysfs:container-sysfs", "tmpfs:dev"]);
         assert!(fresh[2].1.contains(F::MS_RDONLY), "sysfs is read-only");
         let nodes: Vec<String> = calls
             .iter()
@@ -455,12 +523,21 @@ mod tests {
     }
 
     #[test]
-    fn in_its_own_user_namespace_the_agent_writes_only_below_its_pod_cgroup() {
+    fn the_agent_writes_only_below_its_pod_cgroup_in_each_hierarchy() {
         let sys = RecordingSyscall::default();
         let root = Path::new("/r");
-        let pod = PathBuf::from("/kubepods/pod1");
-        let serves_from = ServesFrom::OwnUserNs { pod: pod.clone(), sealed: vec!["pids.max".into()] };
-        build(root, &Keep { serves_from, ..keep() }, &sys).unwrap();
+        // cgroup v1: a tmpfs of hierarchies; the pod's directory in two of them.
+        let cgroups = CgroupView {
+            mounts: ["/sys/fs/cgroup", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids"].map(PathBuf::from).to_vec(),
+            pods: vec![
+                PodCgroupDir {
+                    dir: "/sys/fs/cgroup/memory/kubepods/pod1".into(),
+                    sealed: vec!["memory.limit_in_bytes".into()],
+                },
+                PodCgroupDir { dir: "/sys/fs/cgroup/pids/kubepods/pod1".into(), sealed: vec!["pids.max".into()] },
+            ],
+        };
+        build(root, &Keep { cgroups, ..keep() }, &sys).unwrap();
         let all = mounts(&sys.calls());
         let at = |target: &str| -> Vec<F> {
             all.iter().filter(|(_, t, _)| t == Path::new(target)).map(|(_, _, f)| *f).collect()
@@ -468,25 +545,48 @@ mod tests {
         let ro = F::MS_REMOUNT | F::MS_BIND | F::MS_RDONLY;
         let cgroup = at("/r/sys/fs/cgroup");
         assert!(cgroup[0].contains(F::MS_BIND | F::MS_REC) && cgroup[1].contains(ro), "{cgroup:?}");
-        let pod_dir = at("/r/sys/fs/cgroup/kubepods/pod1");
-        assert_eq!(pod_dir.len(), 2, "{pod_dir:?}");
-        assert!(pod_dir[0].contains(F::MS_BIND) && !pod_dir[1].contains(F::MS_RDONLY), "the pod's cgroup is writable");
-        let limit = at("/r/sys/fs/cgroup/kubepods/pod1/pids.max");
-        assert!(limit[0].contains(F::MS_BIND) && limit[1].contains(ro), "the pod's own limit is not: {limit:?}");
+        for hierarchy in ["/r/sys/fs/cgroup/memory", "/r/sys/fs/cgroup/pids"] {
+            assert_eq!(at(hierarchy), [ro | F::MS_NOSUID | F::MS_NODEV | F::MS_NOEXEC], "{hierarchy}: each mount");
+        }
+        for (pod, limit) in [("memory", "memory.limit_in_bytes"), ("pids", "pids.max")] {
+            let pod_dir = at(&format!("/r/sys/fs/cgroup/{pod}/kubepods/pod1"));
+            assert_eq!(pod_dir.len(), 2, "{pod_dir:?}");
+            assert!(pod_dir[0].contains(F::MS_BIND) && !pod_dir[1].contains(F::MS_RDONLY), "{pod}: writable");
+            let sealed = at(&format!("/r/sys/fs/cgroup/{pod}/kubepods/pod1/{limit}"));
+            assert!(sealed[0].contains(F::MS_BIND) && sealed[1].contains(ro), "{pod}: its own limit: {sealed:?}");
+        }
         let order: Vec<&Path> = all.iter().map(|(_, t, _)| t.as_path()).collect();
         let first = |p: &str| order.iter().position(|t| *t == Path::new(p)).unwrap();
-        assert!(first("/r/sys/fs/cgroup") < first("/r/sys/fs/cgroup/kubepods/pod1"));
-        assert!(first("/r/sys/fs/cgroup/kubepods/pod1") < first("/r/sys/fs/cgroup/kubepods/pod1/pids.max"));
+        assert!(first("/r/sys/fs/cgroup/pids") < first("/r/sys/fs/cgroup/memory/kubepods/pod1"));
+        assert!(first("/r/sys/fs/cgroup/pids/kubepods/pod1") < first("/r/sys/fs/cgroup/pids/kubepods/pod1/pids.max"));
         let sysfs = all.iter().find(|(_, t, _)| t == Path::new("/r/container-sysfs")).unwrap();
         assert_eq!(sysfs.0.as_deref(), Some("sysfs"));
         assert!(sysfs.2.contains(F::MS_RDONLY | F::MS_NOSUID | F::MS_NODEV | F::MS_NOEXEC));
-        // On the host's user namespace nothing of this: the tree stays as the host has it.
-        let host = RecordingSyscall::default();
-        build(root, &keep(), &host).unwrap();
-        let host_mounts = mounts(&host.calls());
-        assert!(!host_mounts
-            .iter()
-            .any(|(_, t, _)| t.starts_with("/r/container-sysfs") || t.starts_with("/r/sys/fs/cgroup/kubepods")));
+
+        // A pod directory outside the tree is refused, not bound.
+        let stray = CgroupView { mounts: vec![], pods: vec![PodCgroupDir { dir: "/etc".into(), sealed: vec![] }] };
+        assert!(build(root, &Keep { cgroups: stray, ..keep() }, &RecordingSyscall::default()).is_err());
+    }
+
+    #[test]
+    fn empty_cpusets_down_to_the_pod_get_their_parents_values() {
+        let root = tempfile::tempdir().unwrap();
+        let at = |dir: &str, file: &str| root.path().join(dir).join(file);
+        for (dir, cpus, mems) in [("", "0-3\n", "0\n"), ("kubepods", "\n", "\n"), ("kubepods/pod1", "", "")] {
+            std::fs::create_dir_all(root.path().join(dir)).unwrap();
+            std::fs::write(at(dir, "cpuset.cpus"), cpus).unwrap();
+            std::fs::write(at(dir, "cpuset.mems"), mems).unwrap();
+        }
+        std::fs::write(at("kubepods", "cpuset.cpus"), "1-2\n").unwrap();
+        fill_cpuset_down_to(root.path(), Path::new("/kubepods/pod1")).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(at("kubepods/pod1", "cpuset.cpus")).unwrap(),
+            "1-2",
+            "the nearest set value"
+        );
+        assert_eq!(std::fs::read_to_string(at("kubepods", "cpuset.mems")).unwrap(), "0");
+        assert_eq!(std::fs::read_to_string(at("kubepods/pod1", "cpuset.mems")).unwrap(), "0");
+        assert!(fill_cpuset_down_to(root.path(), Path::new("/kubepods/missing")).is_err());
     }
 
     #[test]
@@ -495,10 +595,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (name, mode) in [
             ("cgroup.procs", 0o644),
+            ("tasks", 0o644),
             ("cgroup.subtree_control", 0o644),
             ("cgroup.kill", 0o200),
             ("memory.pressure", 0o644),
             ("memory.max", 0o644),
+            ("memory.limit_in_bytes", 0o644),
             ("cgroup.max.descendants", 0o644),
             ("memory.current", 0o444),
         ] {
@@ -507,14 +609,16 @@ mod tests {
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
         }
         std::fs::create_dir(dir.path().join("ctr1")).unwrap();
-        let pod = Path::new("/kubepods/pod1");
-        let ServesFrom::OwnUserNs { sealed, .. } = ServesFrom::own_user_ns(pod, dir.path()).unwrap() else {
-            panic!("not a user namespace plan")
-        };
-        assert_eq!(sealed, ["cgroup.max.descendants", "memory.max"], "read-only files and child cgroups need no seal");
-        assert!(ServesFrom::own_user_ns(Path::new("/"), dir.path()).is_err(), "the whole hierarchy is not a pod");
-        assert!(ServesFrom::own_user_ns(Path::new("/a/../b"), dir.path()).is_err());
-        assert!(ServesFrom::own_user_ns(pod, &dir.path().join("missing")).is_err());
+        let PodCgroupDir { sealed, .. } = PodCgroupDir::of(dir.path()).unwrap();
+        assert_eq!(
+            sealed,
+            ["cgroup.max.descendants", "memory.limit_in_bytes", "memory.max"],
+            "read-only files and child cgroups need no seal"
+        );
+        assert!(PodCgroupDir::of(&dir.path().join("missing")).is_err());
+        let mountinfo = "";
+        assert!(CgroupView::for_pod(Path::new("/"), mountinfo).is_err(), "the whole hierarchy is not a pod");
+        assert!(CgroupView::for_pod(Path::new("/a/../b"), mountinfo).is_err());
     }
 
     #[test]
@@ -526,7 +630,7 @@ mod tests {
             loader: vec![],
             state_dir: "/s".into(),
             share_dirs: vec![],
-            serves_from: ServesFrom::HostUserNs,
+            cgroups: CgroupView::default(),
         };
         build(root, &keep, &sys).unwrap();
         let remounts: Vec<(PathBuf, F)> = mounts(&sys.calls())
@@ -553,7 +657,7 @@ mod tests {
             loader: vec![],
             state_dir: "/t/a/state".into(),
             share_dirs: vec!["/t/a".into()],
-            serves_from: ServesFrom::HostUserNs,
+            cgroups: CgroupView::default(),
         };
         build(Path::new("/t/a/state/.root"), &keep, &sys).unwrap();
         let order: Vec<Option<String>> = mounts(&sys.calls())
@@ -576,7 +680,7 @@ mod tests {
             loader: vec![],
             state_dir: "/s".into(),
             share_dirs: vec!["/a/../etc".into()],
-            serves_from: ServesFrom::HostUserNs,
+            cgroups: CgroupView::default(),
         };
         assert!(build(Path::new("/s/.root"), &keep, &sys).is_err());
     }
@@ -596,7 +700,7 @@ mod tests {
                 loader: loader.clone(),
                 state_dir: dir.into(),
                 share_dirs: vec![],
-                serves_from: ServesFrom::HostUserNs,
+                cgroups: CgroupView::default(),
             };
             let built = build(Path::new("/r"), &keep, &RecordingSyscall::default());
             assert_eq!(built.is_ok(), fine, "{dir}: {built:?}");

@@ -1,11 +1,12 @@
-//! Namespace mode on a cgroup v2 host: the agent serves from a user namespace of its own, so
-//! the CAP_SYS_ADMIN that libcontainer needs is not CAP_SYS_ADMIN over the host's kernel.
+//! Namespace mode: the agent serves from a user namespace of its own, so the CAP_SYS_ADMIN that
+//! libcontainer needs is not CAP_SYS_ADMIN over the host's kernel.
 //!
 //! Once the first run is in its minimal root (still host root, single-threaded), it clones a
 //! child into new user, mount, PID, UTS and IPC namespaces ([`FLAGS`]) and writes the child's
 //! id maps from outside ([`ID_MAP`]: every id but the last onto itself). The child mounts a
-//! /proc of its PID namespace and executes the agent again; the first run only waits for it and
-//! exits with its status ([`relay_exit`]).
+//! /proc of its PID namespace and executes the agent again; the first run only passes on the
+//! signals that ask it to stop ([`FORWARDED`]: the shim's SIGTERM must reach the agent, which then
+//! destroys the sandbox), waits for it and exits with its status ([`relay_exit`]).
 //!
 //! What that buys, with the map's ids still the host's own:
 //! - the kernel grants capabilities over objects its user namespace owns: the pod's mount, PID,
@@ -22,12 +23,15 @@
 //! that stops short of 4294967295 ids, and only then binds the containers' device nodes instead
 //! of making them (mknod is refused here), and tolerates the cgroup writes it cannot make.
 //!
-//! Not on cgroup v1: libcgroups writes each container's `devices.allow`, which the kernel allows
-//! only with CAP_SYS_ADMIN over the host's user namespace ([`wanted`]).
+//! On cgroup v1 libcgroups also writes each container's `devices.allow` and `devices.deny`,
+//! which the kernel allows only with CAP_SYS_ADMIN over the host's user namespace; the agent
+//! stubs them out (`crate::cgroup_v1_devices`), which costs nothing here: no container can make
+//! a device node, and every rootfs and volume is nodev (the shim's `namespace_mounts`).
 
 use std::convert::Infallible;
 use std::os::fd::AsRawFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::Context;
 use nix::sched::CloneFlags;
@@ -47,10 +51,35 @@ pub const ID_MAP: &str = "0 0 4294967294\n";
 /// The child's stack: it only waits, mounts /proc and executes.
 const STACK: usize = 256 * 1024;
 
-/// Whether the agent serves from a user namespace: on a cgroup v2 host (module docs).
-pub fn wanted() -> anyhow::Result<bool> {
-    let fs = nix::sys::statfs::statfs("/sys/fs/cgroup").context("statfs /sys/fs/cgroup")?;
-    Ok(fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+/// What the first run passes on to the serving agent rather than die of.
+const FORWARDED: [nix::sys::signal::Signal; 4] = {
+    use nix::sys::signal::Signal::*;
+    [SIGTERM, SIGINT, SIGHUP, SIGQUIT]
+};
+/// The serving agent's pid, once cloned; 0 before.
+static SERVING: AtomicI32 = AtomicI32::new(0);
+/// A forwarded signal that came before the clone: sent on once the pid is known.
+static EARLY: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward(signal: libc::c_int) {
+    let pid = SERVING.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill(2) is async-signal-safe; the pid is our unreaped child's.
+        unsafe { libc::kill(pid, signal) };
+    } else {
+        EARLY.store(signal, Ordering::SeqCst);
+    }
+}
+
+/// Installs [`forward`] for each of [`FORWARDED`].
+fn forward_signals() -> anyhow::Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet};
+    let action = SigAction::new(SigHandler::Handler(forward), SaFlags::SA_RESTART, SigSet::empty());
+    for signal in FORWARDED {
+        // SAFETY: the handler only loads, stores and calls kill(2), all async-signal-safe.
+        unsafe { sigaction(signal, &action) }.with_context(|| format!("handle {signal}"))?;
+    }
+    Ok(())
 }
 
 /// Clones the serving agent into its namespaces, maps its ids, and waits for it; never returns
@@ -86,6 +115,9 @@ pub fn serve_from_child(exec: impl FnOnce() -> anyhow::Error, listener: Option<i
         eprintln!("bulkhead-agent: {:#}", exec());
         127
     };
+    // Before the clone, so no stop request finds the first run without its handler (the child's
+    // copy of it is gone at its exec).
+    forward_signals()?;
     let mut stack = vec![0u8; STACK];
     // SAFETY: single-threaded (the first run starts no thread); the child has a copy of this
     // address space and only makes syscalls before it executes.
@@ -104,6 +136,12 @@ pub fn serve_from_child(exec: impl FnOnce() -> anyhow::Error, listener: Option<i
     }
     std::io::Write::write_all(&mut &ready, b"1").context("tell the agent its ids are mapped")?;
     drop(ready);
+    SERVING.store(pid.as_raw(), Ordering::SeqCst);
+    let early = EARLY.swap(0, Ordering::SeqCst);
+    if early != 0 {
+        // SAFETY: kill(2) on our unreaped child.
+        unsafe { libc::kill(pid.as_raw(), early) };
+    }
     tracing::info!(
         pid = pid.as_raw(),
         id_map = ID_MAP.trim_end(),

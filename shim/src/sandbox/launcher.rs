@@ -18,7 +18,7 @@
 //! host's mounts held by it for the pod's lifetime would receive every other pod's container
 //! mounts too.
 //!
-//! No user namespace here: on cgroup v2 the agent clones itself into one of its own once its
+//! No user namespace here: the agent clones itself into one of its own once its
 //! minimal root is built (guest-agent README, "The agent's user namespace"), which it must
 //! build as host root (a sysfs for the pod's network namespace, the /dev nodes).
 

@@ -17,7 +17,7 @@
 //! root of its own that keeps only its binary, /proc, /sys with the cgroup hierarchies, a small
 //! /dev, its state dir (`--state-dir`) and `view/` (`--share-dir`), at their host paths, and drops
 //! every capability but containerd's default container set, CAP_SYS_ADMIN and CAP_SYS_PTRACE;
-//! on cgroup v2 it serves from a user namespace of its own, so those are not the host's.
+//! it serves from a user namespace of its own, so those are not the host's.
 //! Its Unix socket is bound before the pivot and stays where the shim dials it. The host paths
 //! containerd names (snapshot layers, kubelet's volumes) are not in that root: the shim mounts
 //! them into `rootfs/`, they propagate into the agent's copy of `view/`, and the spec and rootfs

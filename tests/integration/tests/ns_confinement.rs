@@ -26,6 +26,7 @@ const AGENT_CAPS: &str = "00000000a82c25fb";
 /// fail; core_pattern is written its own value, so even a failing run changes nothing on the host.
 const ESCAPES: &str = "mknod /tmp/disk b 8 0; echo mknod=$?; \
     echo open_disk=$(head -c 1 /tmp/disk 2>&1 >/dev/null); \
+    echo image_node=$( (: > {image_node}) 2>&1 && echo opened); \
     mkdir -p /tmp/m; mount -t tmpfs t /tmp/m 2>/dev/null; echo mount=$?; \
     ra='none writable'; for f in /sys/fs/cgroup/*/release_agent /sys/fs/cgroup/release_agent; do \
     [ -e $f ] && [ -w $f ] && { echo /bin/true > $f 2>/dev/null && ra=written; }; done; echo release_agent=$ra; \
@@ -109,9 +110,8 @@ async fn agent_pid(pod_id: &str) -> Result<u32> {
     bail!("no agent in its minimal root for pod {pod_id}")
 }
 
-/// Whether the agent serves from a user namespace of its own: on a cgroup v2 host (the guest
-/// agent's `guest_init::user_ns`; on cgroup v1 libcgroups needs the host's CAP_SYS_ADMIN).
-fn agent_in_own_user_ns() -> bool {
+/// Whether the host is on cgroup v2 (one hierarchy at /sys/fs/cgroup) rather than v1.
+fn cgroup_v2() -> bool {
     Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
 }
 
@@ -136,15 +136,11 @@ fn status_field(pid: u32, field: &str) -> Result<String> {
 }
 
 /// Runs `busybox args...` (the container image's own busybox, reached through the pod's view)
-/// inside the agent's mount namespace and root, as root (in the agent's user namespace where it
-/// has one of its own): what a container process that got out of its own root into the agent's
-/// would see. Returns (success, stdout + stderr).
+/// inside the agent's user and mount namespaces and root, as root: what a container process that
+/// got out of its own root into the agent's would see. Returns (success, stdout + stderr).
 fn in_agent_root(agent: u32, busybox: &Path, args: &[&str]) -> Result<(bool, String)> {
     let target = agent.to_string();
-    let mut nsenter = vec!["--target", &target, "--mount", "--root", "--wd=/"];
-    if agent_in_own_user_ns() {
-        nsenter.push("--user");
-    }
+    let nsenter = ["--target", &target, "--user", "--mount", "--root", "--wd=/"];
     let out =
         std::process::Command::new("nsenter").args(nsenter).arg(busybox).args(args).output().context("nsenter")?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -238,29 +234,33 @@ async fn the_agent_sees_neither_the_hosts_files_nor_another_pod() -> Result<()> 
     assert_eq!(std::fs::read_to_string(rw.path().join("f"))?, "w\n");
     assert!(!ro.path().join("x").exists());
 
-    // On cgroup v2 the agent's privileges are over its own user namespace only, with the
-    // host's ids: what needs the host's (a device node, a new cgroup hierarchy, another pod's
-    // cgroup or its own pod's limits) is refused; its containers' cgroups are its to make.
-    if agent_in_own_user_ns() {
-        let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/user"));
-        assert_ne!(ns(&agent_a.to_string())?, ns("self")?, "the agent is in the host's user namespace");
-        let map = std::fs::read_to_string(format!("/proc/{agent_a}/uid_map"))?;
-        assert_eq!(map.split_whitespace().collect::<Vec<_>>(), AGENT_ID_MAP, "{map}");
-        let state = env.pod_dir(&a).join("agent");
-        let try_in_agent = |args: &[&str]| in_agent_root(agent_a, &busybox, args);
-        let (ok, text) = try_in_agent(&["mknod", &state.join("disk").display().to_string(), "b", "8", "0"])?;
-        assert!(!ok && text.contains("Operation not permitted"), "a device node made in the agent: {text}");
-        let (ok, text) = try_in_agent(&["mount", "-t", "cgroup2", "none", &state.display().to_string()])?;
-        assert!(!ok, "a cgroup hierarchy mounted in the agent: {text}");
-        let pod_cgroup = format!("/sys/fs/cgroup{}", agent_cgroup_parent(agent_a)?);
-        let (ok, text) = try_in_agent(&["sh", "-c", &format!("echo 1 > {pod_cgroup}/cgroup.max.descendants")])?;
-        assert!(!ok && text.contains("Read-only"), "the pod's own limit written from its agent: {text}");
-        let (ok, text) = try_in_agent(&["mkdir", "/sys/fs/cgroup/bulkhead-planted"])?;
-        assert!(!ok && text.contains("Read-only"), "a cgroup made outside the pod: {text}");
-        let (ok, text) =
-            try_in_agent(&["sh", "-c", &format!("mkdir {pod_cgroup}/planted && rmdir {pod_cgroup}/planted")])?;
-        assert!(ok, "the agent cannot make a cgroup in its pod's: {text}");
+    // The agent's privileges are over its own user namespace only, with the host's ids: what
+    // needs the host's (a device node, a new cgroup hierarchy, release_agent, another pod's cgroup
+    // or its own pod's limits) is refused; its containers' cgroups are its to make.
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/user"));
+    assert_ne!(ns(&agent_a.to_string())?, ns("self")?, "the agent is in the host's user namespace");
+    let map = std::fs::read_to_string(format!("/proc/{agent_a}/uid_map"))?;
+    assert_eq!(map.split_whitespace().collect::<Vec<_>>(), AGENT_ID_MAP, "{map}");
+    let state = env.pod_dir(&a).join("agent");
+    let try_in_agent = |args: &[&str]| in_agent_root(agent_a, &busybox, args);
+    let (ok, text) = try_in_agent(&["mknod", &state.join("disk").display().to_string(), "b", "8", "0"])?;
+    assert!(!ok && text.contains("Operation not permitted"), "a device node made in the agent: {text}");
+    let (ok, text) = try_in_agent(&["mount", "-t", "cgroup2", "none", &state.display().to_string()])?;
+    assert!(!ok, "a cgroup hierarchy mounted in the agent: {text}");
+    // One hierarchy on v2; on v1 the pids one stands for each.
+    let (hierarchy, own_limit) =
+        if cgroup_v2() { ("/sys/fs/cgroup", "cgroup.max.descendants") } else { ("/sys/fs/cgroup/pids", "pids.max") };
+    let pod_cgroup = format!("{hierarchy}{}", agent_cgroup_parent(agent_a)?);
+    let (ok, text) = try_in_agent(&["sh", "-c", &format!("echo 1 > {pod_cgroup}/{own_limit}")])?;
+    assert!(!ok && text.contains("Read-only"), "the pod's own limit written from its agent: {text}");
+    let (ok, text) = try_in_agent(&["mkdir", &format!("{hierarchy}/bulkhead-planted")])?;
+    assert!(!ok && text.contains("Read-only"), "a cgroup made outside the pod: {text}");
+    if !cgroup_v2() {
+        let (ok, text) = try_in_agent(&["sh", "-c", &format!("echo /bin/true > {hierarchy}/release_agent")])?;
+        assert!(!ok && text.contains("Read-only"), "release_agent written from the agent: {text}");
     }
+    let (ok, text) = try_in_agent(&["sh", "-c", &format!("mkdir {pod_cgroup}/planted && rmdir {pod_cgroup}/planted")])?;
+    assert!(ok, "the agent cannot make a cgroup in its pod's: {text}");
 
     // The agent's capabilities and no_new_privs are what the READMEs state.
     for agent in [agent_a, agent_b] {
@@ -323,16 +323,15 @@ async fn containers_keep_the_default_capabilities_and_nothing_more() -> Result<(
     // What a container reaches for first to become host root without a VM: none of it works.
     // (This harness's CRI requests carry no masked or read-only /proc paths, as kubelet's do: the
     // agent adds containerd's defaults itself.)
-    let out = env.exec(&plain, &["sh", "-c", ESCAPES], 10).await?;
+    let escapes = ESCAPES.replace("{image_node}", bulkhead_integration::images::IMAGE_NODE);
+    let out = env.exec(&plain, &["sh", "-c", &escapes], 10).await?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let said = |key: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{key}="))).unwrap_or("missing");
-    if agent_in_own_user_ns() {
-        assert!(said("mknod").parse::<i32>().is_ok_and(|c| c != 0), "no device node in a user namespace: {text}");
-        assert!(said("open_disk").contains("No such file"), "{text}");
-    } else {
-        assert_eq!(said("mknod"), "0", "making a node is allowed, as with runc: {text}");
-        assert!(said("open_disk").contains("Operation not permitted"), "the devices cgroup refuses the disk: {text}");
-    }
+    assert!(said("mknod").parse::<i32>().is_ok_and(|c| c != 0), "no device node in a user namespace: {text}");
+    assert!(said("open_disk").contains("No such file"), "{text}");
+    // The image's own node (/dev/null's numbers, which any devices cgroup allows): containerd
+    // made it on the host, and only the rootfs's nodev keeps it from opening a host device.
+    assert!(said("image_node").contains("Permission denied"), "a device node from the image opens: {text}");
     assert_ne!(said("mount"), "0", "{text}");
     assert_eq!(said("release_agent"), "none writable", "{text}");
     assert!(said("core_pattern").contains("Read-only file system"), "/proc/sys is read-only: {text}");
