@@ -169,6 +169,11 @@ impl BundleSpec {
         self.spec.hostname().as_deref()
     }
 
+    /// `process.oomScoreAdj` (containerd gives a sandbox -998 unless kubelet says otherwise).
+    pub fn oom_score_adj(&self) -> Option<i32> {
+        self.spec.process().as_ref()?.oom_score_adj()
+    }
+
     /// `linux.sysctl`, sorted by name.
     pub fn sysctls(&self) -> Vec<(String, String)> {
         let map = self.spec.linux().as_ref().and_then(|l| l.sysctl().as_ref());

@@ -206,6 +206,7 @@ impl TaskService {
                     resources: spec.pod_resources(),
                     log_dir: spec.log_directory(),
                     emptydirs,
+                    oom_score_adj: spec.oom_score_adj(),
                 },
             )
             .await?;

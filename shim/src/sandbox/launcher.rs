@@ -40,6 +40,8 @@ pub struct LaunchArgs {
     pub netns: Option<String>,
     /// The sandbox's cgroup (path inside each hierarchy) to join before forking the agent.
     pub cgroup: Option<String>,
+    /// The agent's OOM score adjustment, set before forking it ([`set_oom_score_adj`]).
+    pub oom_score_adj: Option<i32>,
     /// The agent binary and its arguments.
     pub command: Vec<String>,
 }
@@ -53,6 +55,8 @@ impl LaunchArgs {
             self.netns.clone().unwrap_or_else(dash),
             "--cgroup".to_string(),
             self.cgroup.clone().unwrap_or_else(dash),
+            "--oom-score-adj".to_string(),
+            self.oom_score_adj.map(|a| a.to_string()).unwrap_or_else(dash),
             "--".to_string(),
         ];
         args.extend(self.command.iter().cloned());
@@ -62,17 +66,29 @@ impl LaunchArgs {
     /// Parses what [`LaunchArgs::to_args`] produced.
     pub fn parse(args: &[String]) -> Result<Self, String> {
         match args {
-            [flag, netns, cg_flag, cgroup, sep, command @ ..]
-                if flag == "--netns" && cg_flag == "--cgroup" && sep == "--" =>
+            [flag, netns, cg_flag, cgroup, oom_flag, oom, sep, command @ ..]
+                if flag == "--netns" && cg_flag == "--cgroup" && oom_flag == "--oom-score-adj" && sep == "--" =>
             {
                 if command.is_empty() {
                     return Err("launcher: no command after --".into());
                 }
                 let netns = (netns != "-").then(|| netns.clone());
                 let cgroup = (cgroup != "-").then(|| cgroup.clone());
-                Ok(Self { netns, cgroup, command: command.to_vec() })
+                let oom_score_adj = match oom.as_str() {
+                    "-" => None,
+                    n => Some(
+                        n.parse::<i32>()
+                            .ok()
+                            .filter(|a| (-1000..=1000).contains(a))
+                            .ok_or_else(|| format!("launcher: --oom-score-adj {n} is not in -1000..=1000"))?,
+                    ),
+                };
+                Ok(Self { netns, cgroup, oom_score_adj, command: command.to_vec() })
             }
-            _ => Err("launcher: usage: --netns <path|-> --cgroup <path|-> -- <agent> [args...]".into()),
+            _ => {
+                Err("launcher: usage: --netns <path|-> --cgroup <path|-> --oom-score-adj <n|-> -- <agent> [args...]"
+                    .into())
+            }
         }
     }
 }
@@ -99,7 +115,20 @@ pub fn maybe_run_launcher() -> Option<i32> {
     Some(code)
 }
 
+/// Sets this process's OOM score adjustment, which the agent inherits. Written by root with
+/// CAP_SYS_RESOURCE, it is also the floor below which the agent, which lacks that capability,
+/// cannot go: kubelet gives the sandbox -998 and every container more (-997 for Guaranteed
+/// pods, up to 1000), so the agent can give each container what its spec asks, as runc does. The
+/// floor inherited otherwise (containerd's own adjustment plus one) made a container asking for
+/// less fail to start.
+fn set_oom_score_adj(adj: i32) -> Result<(), String> {
+    std::fs::write("/proc/self/oom_score_adj", adj.to_string()).map_err(|e| format!("oom_score_adj {adj}: {e}"))
+}
+
 fn launch_and_wait(launch: &LaunchArgs) -> Result<i32, String> {
+    if let Some(adj) = launch.oom_score_adj {
+        set_oom_score_adj(adj)?;
+    }
     if let Some(cgroup) = &launch.cgroup {
         // Best effort: a pod whose accounting misses the agent still runs.
         for problem in super::cgroups::join(std::path::Path::new(cgroup), std::process::id()) {
@@ -177,18 +206,26 @@ mod tests {
         let launch = LaunchArgs {
             netns: Some("/var/run/netns/cni-1".into()),
             cgroup: Some("/kubepods/pod1/sb1".into()),
+            oom_score_adj: Some(-998),
             command: vec!["/bin/agent".into(), "--mode".into(), "namespace".into()],
         };
         assert_eq!(LaunchArgs::parse(&launch.to_args()).unwrap(), launch);
-        let host = LaunchArgs { netns: None, cgroup: None, command: vec!["/bin/agent".into()] };
+        let host = LaunchArgs { netns: None, cgroup: None, oom_score_adj: None, command: vec!["/bin/agent".into()] };
         assert_eq!(LaunchArgs::parse(&host.to_args()).unwrap(), host);
     }
 
     #[test]
     fn malformed_args_are_refused() {
         assert!(LaunchArgs::parse(&[]).is_err());
-        let no_command: Vec<String> = ["--netns", "-", "--cgroup", "-", "--"].map(String::from).to_vec();
+        let no_command: Vec<String> =
+            ["--netns", "-", "--cgroup", "-", "--oom-score-adj", "-", "--"].map(String::from).to_vec();
         assert!(LaunchArgs::parse(&no_command).is_err());
+        for bad in ["1001", "-1001", "x", ""] {
+            let args: Vec<String> =
+                ["--netns", "-", "--cgroup", "-", "--oom-score-adj", bad, "--", "a"].map(String::from).to_vec();
+            let err = LaunchArgs::parse(&args).unwrap_err();
+            assert!(err.contains("--oom-score-adj"), "{bad:?}: {err}");
+        }
         assert!(LaunchArgs::parse(&["--netns".into(), "-".into(), "--".into(), "a".into()]).is_err());
         assert!(LaunchArgs::parse(&["--x".into(), "-".into(), "--".into(), "a".into()]).is_err());
     }

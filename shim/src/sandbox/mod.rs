@@ -94,6 +94,9 @@ pub struct SandboxRequest {
     pub log_dir: Option<PathBuf>,
     /// The size limits of the pod's emptyDir volumes, read from the sandbox spec.
     pub emptydirs: emptydir::EmptyDirPolicy,
+    /// The sandbox process's OOM score adjustment (the pause container's, for the `namespace`
+    /// backend's agent), from the sandbox spec.
+    pub oom_score_adj: Option<i32>,
 }
 
 /// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)

@@ -130,6 +130,7 @@ impl NamespaceSandbox {
         let launch = LaunchArgs {
             netns: req.netns.as_ref().map(|p| p.display().to_string()),
             cgroup: Some(req.cgroup.sandbox().display().to_string()),
+            oom_score_adj: req.oom_score_adj,
             command: vec![
                 agent_path.display().to_string(),
                 "--listen".into(),

@@ -86,6 +86,7 @@ impl TemplateBuilder for VmTemplateBuilder {
             resources: Default::default(),
             log_dir: None,
             emptydirs: Default::default(),
+            oom_score_adj: None,
         };
         let shape = VmShape { vcpus: inputs.vcpus, mem: inputs.memory_mib };
         let mut started = Started::default();
