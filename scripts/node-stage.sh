@@ -17,8 +17,9 @@ NODE_TESTS=(
   network_e2e::_on_bulkhead_vmm
   emptydir_e2e::_on_bulkhead_vmm
   containerd_2x::_on_bulkhead_vmm
-  shim_e2e::shim_pods_live_in_kubelets_systemd_slice
-  # The namespace backend's agent in a user namespace of its own: cgroup v2 only, so only here.
+  # The namespace backend on cgroup v2 (the host's run is v1): its pods, cgroups, OOM kills and
+  # kubelet's systemd slice, and its agent's confinement in a user namespace of its own.
+  shim_e2e::
   ns_confinement::
 )
 NODE_TESTS_MORE=(

@@ -127,6 +127,15 @@ async fn wait_for_process(marker: &str) -> Result<()> {
     bail!("no process with {marker} in its command line")
 }
 
+/// The host pid of the one process with `marker` in its command line, once it runs.
+async fn container_pid(marker: &str) -> Result<u32> {
+    wait_for_process(marker).await?;
+    match processes_with(marker).as_slice() {
+        [(pid, _)] => Ok(*pid),
+        more => bail!("not one process with {marker}: {more:?}"),
+    }
+}
+
 /// Nothing of the pod may remain: processes, mounts, sockets, state.
 async fn assert_pod_gone(env: &Env, pod_id: &str, ctr_ids: &[&str], marker: &str) -> Result<()> {
     let within = Duration::from_secs(15);
@@ -222,8 +231,8 @@ async fn shim_exit_code_log_file_and_oom_killed() -> Result<()> {
         resources: Some(cri::LinuxContainerResources { memory_limit_in_bytes: 32 << 20, ..Default::default() }),
         ..Default::default()
     });
-    let hog_id = env.cri.create_container(&pod_id, &hog, &pod).await?;
-    env.cri.start_container(&hog_id).await?;
+    let hog_id = env.cri.create_container(&pod_id, &hog, &pod).await.with_context(|| env.fail_context())?;
+    env.cri.start_container(&hog_id).await.with_context(|| env.fail_context())?;
     let status = env.cri.wait_container(&hog_id, Duration::from_secs(60), |s| s.state == EXITED).await?;
     assert_eq!(status.reason, "OOMKilled", "status: {status:?}");
     assert_eq!(status.exit_code, 137);
@@ -636,11 +645,10 @@ async fn shim_containers_go_into_the_pod_cgroup() -> Result<()> {
     if let Some(linux) = pod.linux.as_mut() {
         linux.cgroup_parent = parent.clone();
     }
-    let (pod_id, ctr) =
-        env.pod_with(&pod, &sleeper("sleeper", &unique("cgroup"))).await.with_context(|| env.fail_context())?;
-    let out = env.cri.exec_sync(&ctr, &["cat", "/proc/self/cgroup"], 10).await?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert_eq!(cgroups::path_in(&text), Some(format!("{parent}/{ctr}")), "{text}");
+    let marker = unique("cgroup");
+    let (pod_id, ctr) = env.pod_with(&pod, &sleeper("sleeper", &marker)).await.with_context(|| env.fail_context())?;
+    // Seen from the host: on cgroup v2 the container has a cgroup namespace and sees itself at /.
+    assert_eq!(cgroups::of_pid(container_pid(&marker).await?), Some(format!("{parent}/{ctr}")));
 
     // The agent (the pod's PID 1) is accounted to the sandbox's own cgroup in the pod cgroup.
     let agents = pod_agents(&pod_id);
@@ -736,10 +744,8 @@ async fn shim_pods_without_cgroup_parent_stop_alone_and_quickly() -> Result<()> 
         pods.push((pod_id, ctr, marker));
     }
     // Each pod's container sits in the pod's own cgroup, not under containerd's shared default.
-    for (pod_id, ctr, _) in &pods {
-        let out = env.cri.exec_sync(ctr, &["cat", "/proc/self/cgroup"], 10).await?;
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert_eq!(cgroups::path_in(&text), Some(format!("/bulkhead/{pod_id}/{ctr}")), "{text}");
+    for (pod_id, ctr, marker) in &pods {
+        assert_eq!(cgroups::of_pid(container_pid(marker).await?), Some(format!("/bulkhead/{pod_id}/{ctr}")));
     }
     let cgroup_dirs = |pod_id: &str, ctr: &str| {
         [format!("/bulkhead/{pod_id}/{pod_id}"), format!("/bulkhead/{pod_id}/{ctr}")]
