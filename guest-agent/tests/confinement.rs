@@ -47,17 +47,19 @@ async fn the_agent_runs_in_a_minimal_root_with_the_kept_capabilities() {
         return;
     }
     let agent = Agent::start("confined").await;
-    let pid = agent.agent_pid().expect("agent pid");
+    // The serving agent: its first run, which only waits for it, keeps the launcher's privileges.
+    let pid = agent.serving_pid().unwrap_or_else(|| panic!("no serving agent\n{}", agent.log()));
     let root = format!("/proc/{pid}/root");
 
-    // The root holds its binary, /dev, /proc, /sys and the top of the kept directories (the
-    // test's directory under /tmp), and for a dynamically linked build the loader's and
-    // libraries' paths: nothing of the host's /etc, no shadow file.
+    // The root holds its binary, /dev, /proc, /sys, the read-only sysfs containers get as their
+    // /sys, and the top of the kept directories (the test's directory under /tmp), and for a
+    // dynamically linked build the loader's and libraries' paths: nothing of the host's /etc,
+    // no shadow file.
     let mut top: Vec<String> =
         std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     top.retain(|name| !["lib", "lib64", "usr"].contains(&name.as_str()));
     top.sort();
-    assert_eq!(top, ["bulkhead-agent", "dev", "proc", "sys", "tmp"], "{}", agent.log());
+    assert_eq!(top, ["bulkhead-agent", "container-sysfs", "dev", "proc", "sys", "tmp"], "{}", agent.log());
     for dir in ["lib", "lib64", "usr"] {
         for file in files_below(Path::new(&format!("{root}/{dir}"))) {
             let name = file.file_name().unwrap().to_string_lossy().into_owned();
@@ -86,7 +88,7 @@ async fn the_agent_runs_in_a_minimal_root_with_the_kept_capabilities() {
     let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
     for point in mountinfo.lines().filter_map(|l| l.split(' ').nth(4)) {
         let library = (point.starts_with("/usr/") || point.starts_with("/lib")) && point.contains(".so");
-        let allowed = ["/", "/bulkhead-agent", "/proc", "/sys", "/dev"].contains(&point)
+        let allowed = ["/", "/bulkhead-agent", "/proc", "/sys", "/container-sysfs", "/dev"].contains(&point)
             || library
             || point.starts_with("/sys/fs/cgroup")
             || point == dir

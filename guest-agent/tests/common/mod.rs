@@ -170,6 +170,17 @@ impl Agent {
         text.split_whitespace().next()?.parse().ok()
     }
 
+    /// The agent that serves in namespace mode: the first run's child in its own user namespace
+    /// (`guest_init::user_ns`), whose command line marks its minimal root.
+    pub fn serving_pid(&self) -> Option<i32> {
+        let first = self.agent_pid()?;
+        let text = std::fs::read_to_string(format!("/proc/{first}/task/{first}/children")).ok()?;
+        text.split_whitespace().filter_map(|p| p.parse::<i32>().ok()).find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"--in-minimal-root"))
+        })
+    }
+
     pub fn log(&self) -> String {
         read_log(self.dir.path())
     }

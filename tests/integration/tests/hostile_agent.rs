@@ -173,8 +173,9 @@ async fn a_hostile_agent_fails_only_its_own_pod() -> Result<()> {
     env.remove_pod(&bystander_pod).await
 }
 
-/// `kill -9` of the pod's agent, or of its sandbox process (the namespace launcher): the
-/// containers are reported exited with 137, and the pod stops and goes without debris.
+/// `kill -9` of the pod's agent (the one serving, in its user namespace; the first run waiting
+/// for it goes with it), or of its sandbox process (the namespace launcher): the containers are
+/// reported exited with 137, and the pod stops and goes without debris.
 #[tokio::test]
 async fn kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing() -> Result<()> {
     let Some(env) = setup("kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing").await? else {
@@ -183,9 +184,9 @@ async fn kill9_of_agent_or_sandbox_process_gives_137_and_leaves_nothing() -> Res
     const LAUNCHER: &str = "__bulkhead-ns-launch";
     for victim in ["agent", "sandbox"] {
         let (pod_id, ctr, _) = env.pod(&format!("kill9-{victim}"), "bulkhead").await?;
-        // The launcher's command line names the agent too; the agent's names no launcher.
+        // The launcher's command line names the agent too; only the serving agent's names its root.
         let is_victim = |cmd: &str| match victim {
-            "agent" => cmd.contains("bulkhead-agent") && !cmd.contains(LAUNCHER),
+            "agent" => cmd.contains("bulkhead-agent") && cmd.contains("--in-minimal-root"),
             _ => cmd.contains(LAUNCHER),
         };
         let pids: Vec<u32> =
