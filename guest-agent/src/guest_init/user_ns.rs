@@ -121,8 +121,8 @@ pub fn serve_from_child(exec: impl FnOnce() -> anyhow::Error, listener: Option<i
     let mut stack = vec![0u8; STACK];
     // SAFETY: single-threaded (the first run starts no thread); the child has a copy of this
     // address space and only makes syscalls before it executes.
-    let pid = unsafe { nix::sched::clone(Box::new(child), &mut stack, FLAGS, Some(libc::SIGCHLD)) }
-        .context("clone the agent into a user namespace of its own")?;
+    let pid =
+        unsafe { nix::sched::clone(Box::new(child), &mut stack, FLAGS, Some(libc::SIGCHLD)) }.map_err(clone_refused)?;
     if let Some(fd) = listener {
         let _ = nix::unistd::close(fd);
     }
@@ -148,6 +148,19 @@ pub fn serve_from_child(exec: impl FnOnce() -> anyhow::Error, listener: Option<i
         "namespace mode: the agent serves from a user namespace of its own; this process waits for it"
     );
     std::process::exit(relay_exit(pid))
+}
+
+/// The clone's error, with what to check for the two ways a node refuses root a user namespace.
+/// Root is not subject to the knobs for unprivileged user namespaces: what refuses it is the
+/// count limit (ENOSPC: `user.max_user_namespaces`, 0 on some hardened images) or a seccomp
+/// filter or security module around the runtime (EPERM).
+fn clone_refused(e: nix::errno::Errno) -> anyhow::Error {
+    let hint = match e {
+        nix::errno::Errno::ENOSPC => "; the node allows no user namespace: raise sysctl user.max_user_namespaces",
+        nix::errno::Errno::EPERM => "; a seccomp filter or security module around the runtime refuses it",
+        _ => "",
+    };
+    anyhow::anyhow!("clone the agent into a user namespace of its own: {e}{hint}")
 }
 
 /// Enables every controller the hierarchy has in each cgroup from the root down to the pod's
@@ -232,6 +245,19 @@ mod tests {
         assert!(is_the_map("         0          0 4294967294\n"));
         assert!(!is_the_map("         0          0 4294967295\n"), "the host's own map");
         assert!(!is_the_map("0 100000 65536\n"));
+    }
+
+    #[test]
+    fn a_refused_clone_says_what_to_check() {
+        let text = |e| clone_refused(e).to_string();
+        assert!(
+            text(nix::errno::Errno::ENOSPC).contains("user.max_user_namespaces"),
+            "{}",
+            text(nix::errno::Errno::ENOSPC)
+        );
+        assert!(text(nix::errno::Errno::EPERM).contains("seccomp filter or security module"));
+        let other = text(nix::errno::Errno::ENOMEM);
+        assert!(other.contains("ENOMEM") && !other.contains("; "), "no hint for another error: {other}");
     }
 
     #[test]
