@@ -118,9 +118,9 @@ pub fn maybe_run_launcher() -> Option<i32> {
 /// Sets this process's OOM score adjustment, which the agent inherits. Written by root with
 /// CAP_SYS_RESOURCE, it is also the floor below which the agent, which lacks that capability,
 /// cannot go: kubelet gives the sandbox -998 and every container more (-997 for Guaranteed
-/// pods, up to 1000), so the agent can give each container what its spec asks, as runc does. The
-/// floor inherited otherwise (containerd's own adjustment plus one) made a container asking for
-/// less fail to start.
+/// pods, up to 1000), so the agent can give each container what its spec asks, as runc does. With
+/// the floor it would otherwise inherit from the shim, a container asking for less failed to start
+/// (measured in the cgroup v2 node).
 fn set_oom_score_adj(adj: i32) -> Result<(), String> {
     std::fs::write("/proc/self/oom_score_adj", adj.to_string()).map_err(|e| format!("oom_score_adj {adj}: {e}"))
 }
