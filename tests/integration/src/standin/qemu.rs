@@ -13,6 +13,15 @@
 //!   loop (10 tries of up to 65536 reads of a port nothing answers) before it falls back to a
 //!   triple fault; under TCG on a loaded host that took longer than the shim's 45 s connect
 //!   timeout once. A triple fault resets at once.
+//! - `init_on_free=1` after the shim's words: the guest kernel zeroes every page it frees. TCG
+//!   drops the code it translated from a page only when a vCPU or QEMU itself writes that page;
+//!   virtiofsd writes file data straight into the shared memfd, so a page cache page refilled
+//!   over virtio-fs could still run the code translated from what the page held before. Two
+//!   static binaries share text addresses (busybox and the conformance binary, both at 0x400000),
+//!   and measured without it, one of them segfaulted within 45 alternate runs (3 of 3 tries,
+//!   `vm_e2e::binaries_read_over_virtio_fs_run_as_they_are`); with it, none in 1500. The zeroing
+//!   is a vCPU's write, so the stale code goes before virtiofsd can reuse the page. KVM has no
+//!   such cache: `bulkhead-vmm`'s guests do not need it.
 
 use std::path::Path;
 
@@ -20,8 +29,9 @@ use super::Plan;
 
 /// The QEMU binary (Debian's `qemu-system-x86`, installed by `make setup`).
 pub const QEMU: &str = "qemu-system-x86_64";
-/// How the guest kernel resets (and so ends QEMU) on a machine without an i8042.
-const GUEST_RESET: &str = "reboot=t";
+/// Kernel words the stand-in adds (module docs): how the guest resets (and so ends QEMU) on a
+/// machine without an i8042, and freed pages zeroed so TCG forgets the code translated from them.
+const STAND_IN_WORDS: &str = "init_on_free=1 reboot=t";
 
 /// QEMU's arguments (after the binary) for `plan`, with its QMP sockets at `qmp` (commands) and
 /// `events` (events only) and, when the plan has vsock, `vhost-device-vsock` serving vhost-user
@@ -42,7 +52,7 @@ pub fn args(plan: &Plan, qmp: &Path, events: &Path, vhost_vsock: Option<&Path>) 
         push(&["-initrd", &initramfs.display().to_string()]);
     }
     // The last `reboot=` wins.
-    push(&["-append", &format!("{} {GUEST_RESET}", plan.cmdline)]);
+    push(&["-append", &format!("{} {STAND_IN_WORDS}", plan.cmdline)]);
     match &plan.console {
         Some(console) => {
             push(&["-chardev", &format!("file,id=console,path={}", qemu_path(console)), "-serial", "chardev:console"])
@@ -134,7 +144,10 @@ mod tests {
         assert!(m.contains("acpi=off") && m.contains("memory-backend=mem"), "{m}");
         assert_eq!(value_after(&a, "-object", "memfd"), Some("memory-backend-memfd,id=mem,size=512M,share=on"));
         assert_eq!(value_after(&a, "-smp", ""), Some("2"));
-        assert_eq!(value_after(&a, "-append", ""), Some("console=ttyS0 bulkhead.shared_fs=bulkhead reboot=t"));
+        assert_eq!(
+            value_after(&a, "-append", ""),
+            Some("console=ttyS0 bulkhead.shared_fs=bulkhead init_on_free=1 reboot=t")
+        );
         assert_eq!(value_after(&a, "-kernel", ""), Some("/cache/vmlinux"));
         assert!(a.contains(&"-no-reboot".to_string()));
         assert_eq!(value_after(&a, "-device", "balloon"), Some("virtio-balloon-device,free-page-reporting=on"));
