@@ -19,6 +19,7 @@ use containerd_shim::protos::cgroups::metrics::Metrics;
 use containerd_shim::protos::protobuf::well_known_types::empty::Empty;
 use containerd_shim::protos::types::task::{ProcessInfo, Status};
 use containerd_shim::{DeleteResponse, ExitSignal, Task, TtrpcContext, TtrpcResult};
+use oci_spec::runtime::LinuxResources;
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::agent::AgentClient;
@@ -674,7 +675,15 @@ impl Task for TaskService {
         if resources.len() > MAX_JSON {
             return Err(TaskError::InvalidArgument("resources too large".into()).into());
         }
+        let parsed: LinuxResources = serde_json::from_slice(&resources)
+            .map_err(|e| TaskError::InvalidArgument(format!("update of {}: resources: {e}", req.id)))?;
+        let sandbox = self.sandbox_for(&req.id).await?;
+        if let Err(e) = sandbox.check_resize(&req.id, &parsed) {
+            warn!(container = %req.id, "resize refused: {e}");
+            return Err(TaskError::from(e).into());
+        }
         agent.update_container(&req.id, resources).await.map_err(TaskError::from)?;
+        sandbox.resized(&req.id, &parsed);
         Ok(Empty::new())
     }
 

@@ -17,7 +17,7 @@ impl From<TaskError> for ttrpc::Error {
         let code = match &e {
             TaskError::NotFound(_) => Code::NOT_FOUND,
             TaskError::AlreadyExists(_) => Code::ALREADY_EXISTS,
-            TaskError::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+            TaskError::FailedPrecondition(_) | TaskError::Sandbox(SandboxError::Resize(_)) => Code::FAILED_PRECONDITION,
             TaskError::InvalidArgument(_) | TaskError::Config(_) | TaskError::Spec(_) => Code::INVALID_ARGUMENT,
             TaskError::Agent(a) => a.code().unwrap_or(Code::UNKNOWN),
             TaskError::Sandbox(SandboxError::Unsupported { .. }) | TaskError::Unimplemented(_) => Code::UNIMPLEMENTED,

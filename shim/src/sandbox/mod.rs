@@ -27,7 +27,7 @@ use async_trait::async_trait;
 
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
-use oci_spec::runtime::Spec;
+use oci_spec::runtime::{LinuxResources, Spec};
 
 use crate::agent::{AgentClient, AgentClientError};
 use crate::config::{Backend, Config};
@@ -60,6 +60,8 @@ pub enum SandboxError {
     Agent(#[from] AgentClientError),
     #[error(transparent)]
     Network(#[from] crate::network::NetworkError),
+    #[error(transparent)]
+    Resize(#[from] vm::resize::ResizeRefused),
 }
 
 impl From<vm::api::ApiError> for SandboxError {
@@ -161,6 +163,16 @@ pub trait Sandbox: Send + Sync {
     async fn end_unreachable(&self) -> Result<(), SandboxError> {
         self.signal(libc::SIGKILL as u32).await
     }
+
+    /// Whether the sandbox can take a container's new limits (`resources`, OCI) before the agent
+    /// applies them. The default takes any: the pod's host cgroups are what binds it.
+    fn check_resize(&self, _container_id: &str, _resources: &LinuxResources) -> Result<(), SandboxError> {
+        Ok(())
+    }
+
+    /// A container's limits once the agent applied them (a resize; create goes through
+    /// [`Sandbox::prepare_container`]).
+    fn resized(&self, _container_id: &str, _resources: &LinuxResources) {}
 
     /// Pauses the whole sandbox (every container with it), or says the backend cannot.
     async fn pause(&self) -> Result<(), SandboxError>;

@@ -373,7 +373,8 @@ async fn vm_container_sees_its_own_cgroup_and_memory_limit_on_bulkhead_vmm() -> 
 /// With containerd's own spec, which on this cgroup v1 host has no cgroup namespace, a vm pod's
 /// container still gets what runc gives it on a cgroup v2 node (the guest always is one): its
 /// cgroup is the root of what it sees, and /sys/fs/cgroup shows its own limits, which follow an
-/// UpdateContainerResources. Runtimes that size themselves from `memory.max` need both.
+/// UpdateContainerResources. Runtimes that size themselves from `memory.max` need both. A resize
+/// beyond the VM's size is refused (`shim/src/sandbox/vm/resize.rs`).
 async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
     let Some(env) = VmEnv::start(test, containerd_version(), vmm, None).await? else {
         return Ok(());
@@ -411,6 +412,18 @@ async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
     )
     .await?;
     assert_eq!(memory_max().await?.trim(), raised.to_string(), "memory.max after UpdateContainerResources");
+
+    // A resize the VM cannot hold (it keeps its boot size) is refused, naming the size and the
+    // setting behind it, and the container keeps its limits and runs on.
+    for (beyond, names) in [
+        (cri::LinuxContainerResources { memory_limit_in_bytes: 64 << 30, ..Default::default() }, "vm.memory_mib"),
+        (cri::LinuxContainerResources { cpu_period: 100_000, cpu_quota: 3_300_000, ..Default::default() }, "vm.vcpus"),
+    ] {
+        let err = cri.update_container_resources(&app, beyond).await.expect_err("a resize beyond the VM").to_string();
+        assert!(err.contains("does not grow a running VM") && err.contains(names), "{err}");
+    }
+    assert_eq!(memory_max().await?.trim(), raised.to_string(), "memory.max after the refused resizes");
+    assert_eq!(cri.container_status(&app).await?.state, RUNNING, "the container after the refused resizes");
 
     cri.stop_container(&app, 10).await?;
     cri.remove_container(&app).await?;

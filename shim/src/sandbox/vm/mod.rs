@@ -30,6 +30,7 @@ pub mod console;
 pub mod ids;
 mod launch;
 pub mod pod_dirs;
+pub mod resize;
 pub mod shape;
 pub mod share;
 mod start_phases;
@@ -46,12 +47,13 @@ use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
-use oci_spec::runtime::Spec;
+use oci_spec::runtime::{LinuxResources, Spec};
 use tracing::{info, warn, Instrument};
 
 use self::api::VmmApi;
 use self::launch::{launch, start_failure, wait_restored, Launched, Origin, Started};
 use self::pod_dirs::VmLayout;
+use self::resize::{Limits, ResizeCeiling};
 use self::shape::VmShape;
 use self::share::SharedDir;
 use self::start_phases::StartPhases;
@@ -92,6 +94,8 @@ pub struct VmSandbox {
     log_dir: Option<PathBuf>,
     /// How the VM's end came about, as far as the shim knows: what its teardown reports.
     ending: Mutex<Ending>,
+    /// The VM's size against its containers' limits, for resizes.
+    ceiling: ResizeCeiling,
 }
 
 /// Why a VM ends, as the shim sees it.
@@ -182,6 +186,7 @@ impl VmSandbox {
                     cgroup: req.cgroup,
                     log_dir: req.log_dir,
                     ending: Mutex::new(Ending::Unasked),
+                    ceiling: ResizeCeiling::new(shape, &req.resources),
                 }))
             }
             Err(e) => {
@@ -356,6 +361,9 @@ impl Sandbox for VmSandbox {
         spec: Spec,
     ) -> Result<ContainerPlan, SandboxError> {
         let mut spec = super::redirect_emptydirs(&self.emptydirs, container_id, spec).await?;
+        if let Some(resources) = spec.linux().as_ref().and_then(|l| l.resources().as_ref()) {
+            self.ceiling.created(container_id, Limits::of(resources));
+        }
         let (share, id, bundle_rootfs, mounts) =
             (self.share.clone(), container_id.to_string(), bundle_rootfs.to_owned(), mounts.to_vec());
         // Mounts are blocking system calls: off the runtime's workers.
@@ -368,6 +376,7 @@ impl Sandbox for VmSandbox {
     }
 
     async fn release_container(&self, container_id: &str) -> Result<(), SandboxError> {
+        self.ceiling.removed(container_id);
         let (share, id) = (self.share.clone(), container_id.to_string());
         tokio::task::spawn_blocking(move || share.release(&id))
             .await
@@ -384,6 +393,14 @@ impl Sandbox for VmSandbox {
         // The waiter relays SIGTERM/SIGINT to the VMM; any other signal ends the waiter, and the
         // VMM with it (its parent-death signal).
         self.vmm.signal(sig)
+    }
+
+    fn check_resize(&self, container_id: &str, resources: &LinuxResources) -> Result<(), SandboxError> {
+        Ok(self.ceiling.check(container_id, Limits::of(resources))?)
+    }
+
+    fn resized(&self, container_id: &str, resources: &LinuxResources) {
+        self.ceiling.resized(container_id, Limits::of(resources));
     }
 
     async fn pause(&self) -> Result<(), SandboxError> {

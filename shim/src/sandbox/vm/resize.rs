@@ -1,0 +1,206 @@
+//! What a running pod's VM can take of its containers' new limits. The VM keeps the memory and
+//! vCPUs it booted with (`shape`: the pod's limits plus `vm.memory_mib`, or the configured
+//! defaults), so a resize that needs more is refused, naming that size and what sets it, and
+//! the container keeps its old limits. A limit the guest can honour goes through as before.
+//!
+//! Memory is checked for the pod's containers together: kubelet sizes the pod as the sum of its
+//! containers' limits, and the guest's cgroups enforce each one. Only growth is refused: kubelet
+//! sends a container's unchanged limits again (the CPU manager's reconcile loop does), and a pod
+//! started without pod-level resources (containerd before 1.7) may already have a container
+//! limit beyond its default-sized VM.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use bulkhead_vmm_api::memory::Mib;
+use oci_spec::runtime::LinuxResources;
+
+use super::shape::VmShape;
+use crate::spec::PodResources;
+
+/// One container's memory and CPU limits, as far as they bind (0 = none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// ceil(quota / period).
+    pub cpus: u64,
+}
+
+impl Limits {
+    pub fn of(resources: &LinuxResources) -> Self {
+        let memory_bytes = resources.memory().as_ref().and_then(|m| m.limit()).and_then(|l| u64::try_from(l).ok());
+        let cpus = resources.cpu().as_ref().and_then(|c| match (c.quota(), c.period()) {
+            (Some(quota), Some(period)) if quota > 0 && period > 0 => Some((quota as u64).div_ceil(period)),
+            _ => None,
+        });
+        Self { memory_bytes: memory_bytes.unwrap_or(0), cpus: cpus.unwrap_or(0) }
+    }
+}
+
+/// A resize the VM cannot take, said so that an operator knows what would.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("container {container}: {what} bulkhead does not grow a running VM yet: recreate the pod with the new limits")]
+pub struct ResizeRefused {
+    container: String,
+    what: String,
+}
+
+/// The pod's VM size and the limits its containers have now.
+pub struct ResizeCeiling {
+    vcpus: u64,
+    /// What the containers may hold together.
+    memory_room: Mib,
+    /// Whether the pod's own CPU and memory limits sized the VM (else the configured defaults did).
+    cpus_from_pod: bool,
+    memory_from_pod: bool,
+    limits: Mutex<HashMap<String, Limits>>,
+}
+
+impl ResizeCeiling {
+    /// The room of a VM of `shape` for a pod asking `pod`: its memory limit where it gave one
+    /// (the rest is `base`, the guest's own), else the whole VM.
+    pub fn new(shape: VmShape, pod: &PodResources) -> Self {
+        let memory_room = match pod.memory_bytes {
+            Some(bytes) => Mib::holding(bytes),
+            None => shape.mem,
+        };
+        Self {
+            vcpus: u64::from(shape.vcpus),
+            memory_room,
+            cpus_from_pod: pod.cpus.is_some(),
+            memory_from_pod: pod.memory_bytes.is_some(),
+            limits: Mutex::default(),
+        }
+    }
+
+    fn limits(&self) -> std::sync::MutexGuard<'_, HashMap<String, Limits>> {
+        self.limits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new container's limits, as kubelet created it: never refused (its pod was sized for it).
+    pub fn created(&self, container: &str, limits: Limits) {
+        self.limits().insert(container.to_string(), limits);
+    }
+
+    pub fn removed(&self, container: &str) {
+        self.limits().remove(container);
+    }
+
+    /// Whether the VM can take `container`'s new limits (module docs).
+    pub fn check(&self, container: &str, new: Limits) -> Result<(), ResizeRefused> {
+        let limits = self.limits();
+        let old = limits.get(container).copied().unwrap_or_default();
+        let refuse = |what: String| Err(ResizeRefused { container: container.to_string(), what });
+        let set_by = |from_pod: bool, what: &str, config: &str| {
+            if from_pod {
+                format!("set when the pod started, from its {what}")
+            } else {
+                format!("the pod gave no pod-level {what}, so the VM has the default {config} from bulkhead's config")
+            }
+        };
+        if new.cpus > self.vcpus && new.cpus > old.cpus {
+            let why = set_by(self.cpus_from_pod, "CPU limit", "vm.vcpus");
+            return refuse(format!(
+                "a CPU limit of {} CPUs is more than its VM's {} vCPUs ({why}).",
+                new.cpus, self.vcpus
+            ));
+        }
+        if new.memory_bytes > old.memory_bytes {
+            let others: u64 = limits.iter().filter(|(id, _)| *id != container).map(|(_, l)| l.memory_bytes).sum();
+            let together = Mib::holding(others.saturating_add(new.memory_bytes));
+            if together > self.memory_room {
+                let why = set_by(self.memory_from_pod, "memory limit", "vm.memory_mib");
+                let room = if self.memory_from_pod {
+                    format!("{} MiB for its containers ({why})", self.memory_room.get())
+                } else {
+                    format!("{} MiB ({why})", self.memory_room.get())
+                };
+                return refuse(format!(
+                    "a memory limit of {} MiB (the pod's containers together: {} MiB) does not fit its VM: it \
+                     has {room}.",
+                    Mib::holding(new.memory_bytes).get(),
+                    together.get(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records `container`'s limits once the guest applied them.
+    pub fn resized(&self, container: &str, new: Limits) {
+        self.limits().insert(container.to_string(), new);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn mem(mib: u64) -> Limits {
+        Limits { memory_bytes: mib * MIB, cpus: 0 }
+    }
+
+    fn sized(mem_mib: u64, vcpus: u8) -> ResizeCeiling {
+        let pod = PodResources { cpus: Some(u64::from(vcpus)), memory_bytes: Some(mem_mib * MIB) };
+        ResizeCeiling::new(VmShape { vcpus, mem: Mib(mem_mib + 256) }, &pod)
+    }
+
+    #[test]
+    fn growth_within_the_pods_size_goes_through() {
+        let c = sized(512, 2);
+        c.created("a", mem(200));
+        c.created("b", mem(200));
+        assert_eq!(c.check("a", mem(312)), Ok(()));
+        c.resized("a", mem(312));
+        assert_eq!(c.check("b", mem(150)), Ok(()), "shrinking");
+    }
+
+    #[test]
+    fn growth_beyond_the_pods_size_is_refused_naming_it() {
+        let c = sized(512, 2);
+        c.created("a", mem(200));
+        c.created("b", mem(200));
+        let err = c.check("a", mem(400)).unwrap_err().to_string();
+        for want in ["container a", "400 MiB", "together: 600 MiB", "512 MiB for its containers", "its memory limit"] {
+            assert!(err.contains(want), "{want} missing from: {err}");
+        }
+        assert!(err.contains("recreate the pod"), "{err}");
+        let err = c.check("a", Limits { memory_bytes: 0, cpus: 3 }).unwrap_err().to_string();
+        assert!(err.contains("3 CPUs") && err.contains("2 vCPUs") && err.contains("its CPU limit"), "{err}");
+    }
+
+    #[test]
+    fn a_default_sized_vm_names_the_config_keys() {
+        let c = ResizeCeiling::new(VmShape { vcpus: 1, mem: Mib(512) }, &PodResources::default());
+        c.created("a", mem(64));
+        assert_eq!(c.check("a", mem(512)), Ok(()));
+        let err = c.check("a", mem(2048)).unwrap_err().to_string();
+        assert!(err.contains("512 MiB") && err.contains("vm.memory_mib"), "{err}");
+        let err = c.check("a", Limits { memory_bytes: 0, cpus: 2 }).unwrap_err().to_string();
+        assert!(err.contains("vm.vcpus"), "{err}");
+    }
+
+    #[test]
+    fn unchanged_or_smaller_limits_beyond_the_vm_are_not_refused() {
+        // A pod without pod-level resources, created with a limit its VM cannot hold.
+        let c = ResizeCeiling::new(VmShape { vcpus: 1, mem: Mib(512) }, &PodResources::default());
+        let big = Limits { memory_bytes: 1024 * MIB, cpus: 4 };
+        c.created("a", big);
+        assert_eq!(c.check("a", big), Ok(()), "the CPU manager's reconcile sends them again");
+        assert_eq!(c.check("a", Limits { memory_bytes: 900 * MIB, cpus: 3 }), Ok(()));
+        c.removed("a");
+        assert!(c.check("a", big).is_err(), "a removed container's limits are forgotten");
+    }
+
+    #[test]
+    fn limits_come_from_the_oci_resources() {
+        let r: LinuxResources =
+            serde_json::from_str(r#"{"memory": {"limit": 104857600}, "cpu": {"quota": 150000, "period": 100000}}"#)
+                .unwrap();
+        assert_eq!(Limits::of(&r), Limits { memory_bytes: 100 * MIB, cpus: 2 });
+        let none: LinuxResources = serde_json::from_str(r#"{"memory": {"limit": -1}, "cpu": {"quota": -1}}"#).unwrap();
+        assert_eq!(Limits::of(&none), Limits::default());
+    }
+}
