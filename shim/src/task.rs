@@ -675,8 +675,12 @@ impl Task for TaskService {
         if resources.len() > MAX_JSON {
             return Err(TaskError::InvalidArgument("resources too large".into()).into());
         }
-        let parsed: LinuxResources = serde_json::from_slice(&resources)
-            .map_err(|e| TaskError::InvalidArgument(format!("update of {}: resources: {e}", req.id)))?;
+        // No resources at all asks for nothing the VM must hold.
+        let parsed: LinuxResources = match resources.is_empty() {
+            true => LinuxResources::default(),
+            false => serde_json::from_slice(&resources)
+                .map_err(|e| TaskError::InvalidArgument(format!("update of {}: resources: {e}", req.id)))?,
+        };
         let sandbox = self.sandbox_for(&req.id).await?;
         if let Err(e) = sandbox.check_resize(&req.id, &parsed) {
             warn!(container = %req.id, "resize refused: {e}");

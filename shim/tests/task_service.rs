@@ -539,4 +539,11 @@ async fn what_bulkhead_does_not_do_is_refused_by_name() {
     // A container's update still reaches the guest.
     h.task.update(&ctx, UpdateTaskRequest { id: "c1".into(), ..Default::default() }).await.unwrap();
     assert_eq!(*h.agent.updated.lock().unwrap(), ["c1"]);
+    // Resources that are not OCI LinuxResources are refused, naming the container; the guest never sees them.
+    let garbled = Any { value: b"{\"memory\": {\"limit\": \"lots\"}}".to_vec(), ..Default::default() };
+    let req = UpdateTaskRequest { id: "c1".into(), resources: Some(garbled).into(), ..Default::default() };
+    let err = h.task.update(&ctx, req).await.unwrap_err();
+    assert_eq!(code(err.clone()), ttrpc::Code::INVALID_ARGUMENT);
+    assert!(format!("{err:?}").contains("update of c1: resources"), "{err:?}");
+    assert_eq!(*h.agent.updated.lock().unwrap(), ["c1"]);
 }
