@@ -12,6 +12,7 @@ mod guest_init;
 mod host_view;
 mod mount;
 mod network;
+mod online_cpus;
 mod oom;
 mod privileges;
 mod process_io;

@@ -151,6 +151,18 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Brings `count` of the guest's CPUs online (the others offline); returns how many are.
+    /// Guest mode only: in namespace mode the CPUs are the host's.
+    pub async fn set_online_cpus(&self, count: u32) -> Result<u32> {
+        if self.mode != crate::cli::Mode::Guest {
+            return Err(AgentError::Unsupported("online CPUs in namespace mode: the CPUs are the host's".into()));
+        }
+        // CPU hotplug waits for the CPU to come up or stop: off the runtime's workers.
+        tokio::task::spawn_blocking(move || crate::online_cpus::set(Path::new(crate::online_cpus::SYSFS_CPUS), count))
+            .await
+            .map_err(|e| AgentError::internal("online CPUs", e))?
+    }
+
     /// Refuses work that needs the pod's identity before SetupSandbox has given it.
     fn check_identity(&self, what: &str) -> Result<()> {
         match *lock(&self.identity) {

@@ -115,7 +115,16 @@ impl Agent for AgentService {
         if !interfaces.is_empty() || !routes.is_empty() || self.sandbox.mode == crate::cli::Mode::Guest {
             crate::network::apply(&interfaces, &routes).await?;
         }
+        if req.online_cpus > 0 {
+            let online = self.sandbox.set_online_cpus(req.online_cpus).await?;
+            tracing::info!(online, "the pod's CPUs are online");
+        }
         Ok(pb::Empty::default())
+    }
+
+    async fn set_online_cpus(&self, _c: &TtrpcContext, req: pb::SetOnlineCpusRequest) -> R<pb::SetOnlineCpusResponse> {
+        let online = self.sandbox.set_online_cpus(req.count).await?;
+        Ok(pb::SetOnlineCpusResponse { online, ..Default::default() })
     }
 
     async fn destroy_sandbox(&self, _c: &TtrpcContext, req: pb::DestroySandboxRequest) -> R<pb::Empty> {

@@ -326,6 +326,12 @@ impl AgentClient {
         Ok(())
     }
 
+    /// Brings `count` of the guest's CPUs online (the others offline); the count online after.
+    pub async fn set_online_cpus(&self, count: u32) -> Result<u32, AgentClientError> {
+        let req = pb::SetOnlineCpusRequest { count, ..Default::default() };
+        Ok(self.raw.set_online_cpus(self.ctx(), &req).await.map_err(rpc_err("SetOnlineCpus"))?.online)
+    }
+
     pub async fn list_pids(&self, container_id: &str) -> Result<Vec<u32>, AgentClientError> {
         let reply =
             self.raw.list_pids(self.ctx(), &Self::container_req(container_id)).await.map_err(rpc_err("ListPids"))?;

@@ -130,6 +130,10 @@ pub struct VmSettings {
     /// vCPUs of a pod that sets no CPU limit.
     #[serde(default = "default_vcpus")]
     pub vcpus: u8,
+    /// vCPUs a pod's VM boots with to grow into (in-place resize): it gets the larger of its own
+    /// vCPUs and this, with only its own online. 0: none beyond its own.
+    #[serde(default)]
+    pub max_vcpus: u8,
     /// Guest memory of a pod that sets no memory limit; for a pod that does, what the guest
     /// kernel and agent get on top of it.
     #[serde(default = "default_memory_mib")]
@@ -337,6 +341,7 @@ impl Default for VmSettings {
             initramfs_path: default_initramfs_path(),
             virtiofsd_path: default_virtiofsd_path(),
             vcpus: default_vcpus(),
+            max_vcpus: 0,
             memory_mib: default_memory_mib(),
             jail_id_first: default_jail_id_first(),
             jail_id_count: default_jail_id_count(),
@@ -406,6 +411,9 @@ impl Config {
         }
         if self.vm.vcpus == 0 || self.vm.vcpus > MAX_VCPUS {
             return Err(invalid("vm.vcpus", &format!("must be between 1 and {MAX_VCPUS}")));
+        }
+        if self.vm.max_vcpus > MAX_VCPUS {
+            return Err(invalid("vm.max_vcpus", &format!("must be at most {MAX_VCPUS} (0: no vCPUs to grow into)")));
         }
         if self.vm.memory_mib < Mib(64) || self.vm.memory_mib > MAX_MEM {
             return Err(invalid("vm.memory_mib", &format!("must be between 64 and {}", MAX_MEM.get())));

@@ -687,7 +687,7 @@ impl Task for TaskService {
             return Err(TaskError::from(e).into());
         }
         agent.update_container(&req.id, resources).await.map_err(TaskError::from)?;
-        sandbox.resized(&req.id, &parsed);
+        sandbox.resized(&req.id, &parsed).await.map_err(TaskError::from)?;
         Ok(Empty::new())
     }
 

@@ -171,8 +171,11 @@ pub trait Sandbox: Send + Sync {
     }
 
     /// A container's limits once the agent applied them (a resize; create goes through
-    /// [`Sandbox::prepare_container`]).
-    fn resized(&self, _container_id: &str, _resources: &LinuxResources) {}
+    /// [`Sandbox::prepare_container`]): what the sandbox itself follows (the vm backend: the
+    /// guest's online vCPUs).
+    async fn resized(&self, _container_id: &str, _resources: &LinuxResources) -> Result<(), SandboxError> {
+        Ok(())
+    }
 
     /// Pauses the whole sandbox (every container with it), or says the backend cannot.
     async fn pause(&self) -> Result<(), SandboxError>;

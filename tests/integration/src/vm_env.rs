@@ -54,13 +54,35 @@ impl VmEnv {
         base_spec: Option<serde_json::Value>,
         connect_timeout_ms: u64,
     ) -> Result<Option<Self>> {
+        Self::start_configured(test, version, vmm, base_spec, connect_timeout_ms, "").await
+    }
+
+    /// [`Self::start`] with `vm_settings` (TOML lines) added to the shim config's `[vm]` table.
+    pub async fn start_with_vm_settings(
+        test: &str,
+        version: ContainerdVersion,
+        vmm: GuestVmm,
+        vm_settings: &str,
+    ) -> Result<Option<Self>> {
+        Self::start_configured(test, version, vmm, None, CONNECT_TIMEOUT_MS, vm_settings).await
+    }
+
+    async fn start_configured(
+        test: &str,
+        version: ContainerdVersion,
+        vmm: GuestVmm,
+        base_spec: Option<serde_json::Value>,
+        connect_timeout_ms: u64,
+        vm_settings: &str,
+    ) -> Result<Option<Self>> {
         let Some(setup) = Setup::new(test, version, &["containerd-shim-bulkhead-v2"])? else { return Ok(None) };
         if vmm.skip(test) {
             return Ok(None);
         }
         println!("{test}: the guest runs on {}", vmm.name());
-        let cfg =
-            setup.write_config("bulkhead.toml", &guests::real_vm_config(setup.state(), connect_timeout_ms, vmm)?)?;
+        // `[vm]` is the config's last table, so lines added at its end land in it.
+        let config = guests::real_vm_config(setup.state(), connect_timeout_ms, vmm)? + vm_settings;
+        let cfg = setup.write_config("bulkhead.toml", &config)?;
         let mut handler = RuntimeHandler::bulkhead(Some(&cfg));
         if let Some(spec) = base_spec {
             handler.base_runtime_spec =

@@ -431,6 +431,54 @@ async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
 }
 
 #[tokio::test]
+async fn vm_pod_vcpus_follow_a_cpu_resize() -> Result<()> {
+    vcpus_follow_a_resize("vm_pod_vcpus_follow_a_cpu_resize", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn vm_pod_vcpus_follow_a_cpu_resize_on_bulkhead_vmm() -> Result<()> {
+    vcpus_follow_a_resize("vm_pod_vcpus_follow_a_cpu_resize_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+/// In-place resize of a vm pod's CPU: with `vm.max_vcpus = 2` its VM boots two vCPUs and keeps
+/// one online (the pod's: containerd 1.6 passes no pod-level limit, so `vm.vcpus`, 1). A resize
+/// of its one container to 2 CPUs brings the second online, so `nproc` inside says 2; back to 1
+/// takes it offline again; 3 is more than the VM has and is refused, naming `vm.max_vcpus`.
+async fn vcpus_follow_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
+    let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, "max_vcpus = 2\n").await? else {
+        return Ok(());
+    };
+    let cri = &env.cri;
+    let pod = env.pod("vm-vcpus")?;
+    let pod_id = env.run_pod(&pod).await?;
+    let cpus =
+        |n: i64| cri::LinuxContainerResources { cpu_period: 100_000, cpu_quota: n * 100_000, ..Default::default() };
+    let mut app = long_running("app", "true");
+    app.linux.as_mut().unwrap().resources = Some(cpus(1));
+    let app = cri.create_container(&pod_id, &app, &pod).await.with_context(|| env.containerd.log_tail(40))?;
+    cri.start_container(&app).await?;
+    cri.wait_container(&app, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+    let nproc = || sh_in(cri, &app, "nproc; cat /sys/devices/system/cpu/online");
+    assert_eq!(nproc().await?, "1\n0\n", "one of the two vCPUs online at the start");
+
+    cri.update_container_resources(&app, cpus(2)).await.with_context(|| env.containerd.log_tail(40))?;
+    assert_eq!(nproc().await?, "2\n0-1\n", "after a resize to 2 CPUs");
+    assert_eq!(sh_in(cri, &app, "cat /sys/fs/cgroup/cpu.max").await?, "200000 100000\n");
+
+    let err = cri.update_container_resources(&app, cpus(3)).await.expect_err("3 CPUs in a 2-vCPU VM").to_string();
+    assert!(err.contains("2 vCPUs") && err.contains("vm.max_vcpus"), "{err}");
+    assert_eq!(nproc().await?, "2\n0-1\n", "the refused resize changed nothing");
+
+    cri.update_container_resources(&app, cpus(1)).await?;
+    assert_eq!(nproc().await?, "1\n0\n", "after a resize back to 1 CPU");
+
+    cri.stop_container(&app, 10).await?;
+    assert_eq!(cri.container_status(&app).await?.exit_code, 0, "the TERM trap exits 0");
+    cri.remove_container(&app).await?;
+    env.remove_pod_and_check_nothing_left(&pod_id).await
+}
+
+#[tokio::test]
 async fn vm_containers_come_and_go_cycle_after_cycle() -> Result<()> {
     containers_come_and_go("vm_containers_come_and_go_cycle_after_cycle", GuestVmm::QemuStandIn).await
 }

@@ -96,6 +96,7 @@ pub struct VmSandbox {
     ending: Mutex<Ending>,
     /// The VM's size against its containers' limits, for resizes.
     ceiling: ResizeCeiling,
+    shape: VmShape,
 }
 
 /// Why a VM ends, as the shim sees it.
@@ -187,6 +188,7 @@ impl VmSandbox {
                     log_dir: req.log_dir,
                     ending: Mutex::new(Ending::Unasked),
                     ceiling: ResizeCeiling::new(shape, &req.resources),
+                    shape,
                 }))
             }
             Err(e) => {
@@ -341,6 +343,10 @@ impl Sandbox for VmSandbox {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
             .unwrap_or(0);
+        // The vCPUs to grow into stay offline until a resize asks for them.
+        if self.shape.online < self.shape.vcpus {
+            setup.online_cpus = u32::from(self.shape.online);
+        }
         // kubelet's pod pids limit binds only host processes; the guest's are counted there.
         if let Some(limit) = self.cgroup.pids_limit() {
             info!(limit, "the pod's pids limit goes to the guest");
@@ -399,8 +405,13 @@ impl Sandbox for VmSandbox {
         Ok(self.ceiling.check(container_id, Limits::of(resources))?)
     }
 
-    fn resized(&self, container_id: &str, resources: &LinuxResources) {
-        self.ceiling.resized(container_id, Limits::of(resources));
+    async fn resized(&self, container_id: &str, resources: &LinuxResources) -> Result<(), SandboxError> {
+        if let Some(count) = self.ceiling.resized(container_id, Limits::of(resources)) {
+            let online = self.agent.set_online_cpus(count).await?;
+            self.ceiling.online(online);
+            info!(container = %container_id, online, "the guest's online vCPUs follow the pod's CPU limits");
+        }
+        Ok(())
     }
 
     async fn pause(&self) -> Result<(), SandboxError> {

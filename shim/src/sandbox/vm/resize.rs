@@ -1,7 +1,12 @@
 //! What a running pod's VM can take of its containers' new limits. The VM keeps the memory and
 //! vCPUs it booted with (`shape`: the pod's limits plus `vm.memory_mib`, or the configured
-//! defaults), so a resize that needs more is refused, naming that size and what sets it, and
-//! the container keeps its old limits. A limit the guest can honour goes through as before.
+//! defaults, and `vm.max_vcpus` vCPUs to grow into), so a resize that needs more is refused,
+//! naming that size and what sets it, and the container keeps its old limits. A limit the guest
+//! can honour goes through as before.
+//!
+//! CPU: the guest keeps as many vCPUs online as its containers' CPU limits add up to (each
+//! rounded up, within the VM's vCPUs), once every container has one, so `nproc` in the pod
+//! follows a resize both ways. A pod with a container without a CPU limit keeps what it has.
 //!
 //! Memory is checked for the pod's containers together: kubelet sizes the pod as the sum of its
 //! containers' limits, and the guest's cgroups enforce each one. Only growth is refused: kubelet
@@ -53,7 +58,14 @@ pub struct ResizeCeiling {
     /// Whether the pod's own CPU and memory limits sized the VM (else the configured defaults did).
     cpus_from_pod: bool,
     memory_from_pod: bool,
-    limits: Mutex<HashMap<String, Limits>>,
+    now: Mutex<Now>,
+}
+
+#[derive(Default)]
+struct Now {
+    limits: HashMap<String, Limits>,
+    /// vCPUs online in the guest.
+    online: u64,
 }
 
 impl ResizeCeiling {
@@ -69,27 +81,27 @@ impl ResizeCeiling {
             memory_room,
             cpus_from_pod: pod.cpus.is_some(),
             memory_from_pod: pod.memory_bytes.is_some(),
-            limits: Mutex::default(),
+            now: Mutex::new(Now { limits: HashMap::new(), online: u64::from(shape.online) }),
         }
     }
 
-    fn limits(&self) -> std::sync::MutexGuard<'_, HashMap<String, Limits>> {
-        self.limits.lock().unwrap_or_else(|p| p.into_inner())
+    fn now(&self) -> std::sync::MutexGuard<'_, Now> {
+        self.now.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A new container's limits, as kubelet created it: never refused (its pod was sized for it).
     pub fn created(&self, container: &str, limits: Limits) {
-        self.limits().insert(container.to_string(), limits);
+        self.now().limits.insert(container.to_string(), limits);
     }
 
     pub fn removed(&self, container: &str) {
-        self.limits().remove(container);
+        self.now().limits.remove(container);
     }
 
     /// Whether the VM can take `container`'s new limits (module docs).
     pub fn check(&self, container: &str, new: Limits) -> Result<(), ResizeRefused> {
-        let limits = self.limits();
-        let old = limits.get(container).copied().unwrap_or_default();
+        let now = self.now();
+        let old = now.limits.get(container).copied().unwrap_or_default();
         let refuse = |what: String| Err(ResizeRefused { container: container.to_string(), what });
         let set_by = |from_pod: bool, what: &str, config: &str| {
             if from_pod {
@@ -101,12 +113,13 @@ impl ResizeCeiling {
         if new.cpus > self.vcpus && new.cpus > old.cpus {
             let why = set_by(self.cpus_from_pod, "CPU limit", "vm.vcpus");
             return refuse(format!(
-                "a CPU limit of {} CPUs is more than its VM's {} vCPUs ({why}).",
+                "a CPU limit of {} CPUs is more than its VM's {} vCPUs ({why}; `vm.max_vcpus` gives new VMs vCPUs to \
+                 grow into).",
                 new.cpus, self.vcpus
             ));
         }
         if new.memory_bytes > old.memory_bytes {
-            let others: u64 = limits.iter().filter(|(id, _)| *id != container).map(|(_, l)| l.memory_bytes).sum();
+            let others: u64 = now.limits.iter().filter(|(id, _)| *id != container).map(|(_, l)| l.memory_bytes).sum();
             let together = Mib::holding(others.saturating_add(new.memory_bytes));
             if together > self.memory_room {
                 let why = set_by(self.memory_from_pod, "memory limit", "vm.memory_mib");
@@ -126,9 +139,21 @@ impl ResizeCeiling {
         Ok(())
     }
 
-    /// Records `container`'s limits once the guest applied them.
-    pub fn resized(&self, container: &str, new: Limits) {
-        self.limits().insert(container.to_string(), new);
+    /// Records `container`'s limits once the guest applied them; returns the vCPUs the guest
+    /// should have online now, if that changed (module docs).
+    pub fn resized(&self, container: &str, new: Limits) -> Option<u32> {
+        let mut now = self.now();
+        now.limits.insert(container.to_string(), new);
+        if now.limits.values().any(|l| l.cpus == 0) {
+            return None;
+        }
+        let wanted = now.limits.values().map(|l| l.cpus).sum::<u64>().clamp(1, self.vcpus);
+        (wanted != now.online).then(|| u32::try_from(wanted).unwrap_or(u32::MAX))
+    }
+
+    /// The vCPUs the guest has online, as its agent said after a change.
+    pub fn online(&self, count: u32) {
+        self.now().online = u64::from(count);
     }
 }
 
@@ -144,7 +169,7 @@ mod tests {
 
     fn sized(mem_mib: u64, vcpus: u8) -> ResizeCeiling {
         let pod = PodResources { cpus: Some(u64::from(vcpus)), memory_bytes: Some(mem_mib * MIB) };
-        ResizeCeiling::new(VmShape { vcpus, mem: Mib(mem_mib + 256) }, &pod)
+        ResizeCeiling::new(VmShape { vcpus, online: vcpus, mem: Mib(mem_mib + 256) }, &pod)
     }
 
     #[test]
@@ -153,7 +178,7 @@ mod tests {
         c.created("a", mem(200));
         c.created("b", mem(200));
         assert_eq!(c.check("a", mem(312)), Ok(()));
-        c.resized("a", mem(312));
+        assert_eq!(c.resized("a", mem(312)), None, "containers without CPU limits leave the vCPUs be");
         assert_eq!(c.check("b", mem(150)), Ok(()), "shrinking");
     }
 
@@ -173,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_default_sized_vm_names_the_config_keys() {
-        let c = ResizeCeiling::new(VmShape { vcpus: 1, mem: Mib(512) }, &PodResources::default());
+        let c = ResizeCeiling::new(VmShape { vcpus: 1, online: 1, mem: Mib(512) }, &PodResources::default());
         c.created("a", mem(64));
         assert_eq!(c.check("a", mem(512)), Ok(()));
         let err = c.check("a", mem(2048)).unwrap_err().to_string();
@@ -185,13 +210,31 @@ mod tests {
     #[test]
     fn unchanged_or_smaller_limits_beyond_the_vm_are_not_refused() {
         // A pod without pod-level resources, created with a limit its VM cannot hold.
-        let c = ResizeCeiling::new(VmShape { vcpus: 1, mem: Mib(512) }, &PodResources::default());
+        let c = ResizeCeiling::new(VmShape { vcpus: 1, online: 1, mem: Mib(512) }, &PodResources::default());
         let big = Limits { memory_bytes: 1024 * MIB, cpus: 4 };
         c.created("a", big);
         assert_eq!(c.check("a", big), Ok(()), "the CPU manager's reconcile sends them again");
         assert_eq!(c.check("a", Limits { memory_bytes: 900 * MIB, cpus: 3 }), Ok(()));
         c.removed("a");
         assert!(c.check("a", big).is_err(), "a removed container's limits are forgotten");
+    }
+
+    #[test]
+    fn online_vcpus_follow_the_containers_cpu_limits_within_the_vm() {
+        let c = ResizeCeiling::new(VmShape { vcpus: 4, online: 1, mem: Mib(512) }, &PodResources::default());
+        let cpus = |n| Limits { memory_bytes: 0, cpus: n };
+        c.created("a", cpus(1));
+        c.created("b", Limits::default());
+        assert_eq!(c.check("a", cpus(3)), Ok(()), "within the VM's 4 vCPUs");
+        assert_eq!(c.resized("a", cpus(3)), None, "b has no CPU limit");
+        c.removed("b");
+        assert_eq!(c.resized("a", cpus(3)), Some(3));
+        c.online(3);
+        assert_eq!(c.resized("a", cpus(3)), None, "unchanged");
+        assert_eq!(c.resized("a", cpus(1)), Some(1), "shrinking takes vCPUs offline");
+        c.online(1);
+        let err = c.check("a", cpus(5)).unwrap_err().to_string();
+        assert!(err.contains("4 vCPUs") && err.contains("vm.max_vcpus"), "{err}");
     }
 
     #[test]

@@ -11,17 +11,21 @@ use crate::spec::PodResources;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmShape {
+    /// vCPUs the VM has: the pod's, or `vm.max_vcpus` to grow into if more.
     pub vcpus: u8,
+    /// vCPUs online at the start: the pod's.
+    pub online: u8,
     pub mem: Mib,
 }
 
 impl VmShape {
-    /// vCPUs: ceil(the pod's CPU limit), else `config.vcpus`. Memory: the pod's memory limit
+    /// vCPUs: ceil(the pod's CPU limit), else `config.vcpus`, online; the VM has
+    /// `config.max_vcpus` if that is more. Memory: the pod's memory limit
     /// plus `config.memory_mib` (what the guest kernel and agent use beyond the containers),
     /// else `config.memory_mib`. A pod larger than a VM can be is refused, never shrunk.
     pub fn for_pod(config: &VmSettings, pod: &PodResources) -> Result<Self, SandboxError> {
         let too_big = |what: String| SandboxError::Setup(format!("the pod asks for {what}"));
-        let vcpus = match pod.cpus {
+        let online = match pod.cpus {
             Some(cpus) => u8::try_from(cpus)
                 .ok()
                 .filter(|c| *c <= MAX_VCPUS)
@@ -37,7 +41,7 @@ impl VmShape {
             let (mem, base, max) = (mem.get(), base.get(), MAX_MEM.get());
             return Err(too_big(format!("{mem} MiB of VM memory (limit + {base} MiB); at most {max}")));
         }
-        Ok(Self { vcpus, mem })
+        Ok(Self { vcpus: online.max(config.max_vcpus), online, mem })
     }
 }
 
@@ -51,13 +55,23 @@ mod tests {
 
     #[test]
     fn defaults_without_pod_resources() {
-        assert_eq!(VmShape::for_pod(&config(), &PodResources::default()).unwrap(), VmShape { vcpus: 1, mem: Mib(256) });
+        let shape = VmShape { vcpus: 1, online: 1, mem: Mib(256) };
+        assert_eq!(VmShape::for_pod(&config(), &PodResources::default()).unwrap(), shape);
     }
 
     #[test]
     fn pod_limits_shape_the_vm() {
         let pod = PodResources { cpus: Some(3), memory_bytes: Some((512 << 20) + 1) };
-        assert_eq!(VmShape::for_pod(&config(), &pod).unwrap(), VmShape { vcpus: 3, mem: Mib(513 + 256) });
+        assert_eq!(VmShape::for_pod(&config(), &pod).unwrap(), VmShape { vcpus: 3, online: 3, mem: Mib(513 + 256) });
+    }
+
+    #[test]
+    fn vcpus_to_grow_into_are_there_but_not_online() {
+        let config = VmSettings { max_vcpus: 4, ..config() };
+        let shape = VmShape::for_pod(&config, &PodResources { cpus: Some(2), memory_bytes: None }).unwrap();
+        assert_eq!((shape.vcpus, shape.online), (4, 2));
+        let shape = VmShape::for_pod(&config, &PodResources { cpus: Some(6), memory_bytes: None }).unwrap();
+        assert_eq!((shape.vcpus, shape.online), (6, 6), "a pod larger than the headroom keeps its own");
     }
 
     #[test]
