@@ -14,7 +14,7 @@
 //! - **/sys**: an agent in a user namespace of its own (`guest_init::user_ns`) may not
 //!   mount a sysfs (the pod's network namespace belongs to the host's user namespace), so
 //!   [`bind_sysfs`] makes the spec's sysfs mount a read-only bind of the one the agent's root keeps
-//!   for them (`minimal_root::CONTAINER_SYSFS`), mounted in the pod's network namespace, read-only
+//!   for them ([`CONTAINER_SYSFS`]), mounted in the pod's network namespace, read-only
 //!   and locked so, with nothing mounted below it.
 
 use std::path::{Path, PathBuf};
@@ -23,7 +23,10 @@ use nix::mount::MsFlags;
 use oci_spec::runtime::Spec;
 
 use crate::error::{AgentError, Result};
-use crate::guest_init::minimal_root::CONTAINER_SYSFS;
+
+/// The sysfs containers get as /sys from an agent in its own user namespace: the agent's root
+/// (`guest_init::minimal_root`) keeps it at this path.
+pub const CONTAINER_SYSFS: &str = "/container-sysfs";
 
 /// containerd's default masked paths (`oci.populateDefaultUnixSpec`).
 const MASKED: [&str; 12] = [

@@ -35,14 +35,13 @@ use nix::mount::MsFlags as F;
 use super::loader::{self, Entry};
 use super::user_ns;
 use crate::cli::{AgentOpts, Listen};
+use crate::host_view::{cgroup_mount_points, CONTAINER_SYSFS};
 use crate::syscall::{LinuxSyscall, Syscall};
 
 /// Where the agent's binary is inside its root.
 pub const AGENT_EXE: &str = "/bulkhead-agent";
 /// The host's cgroup tree, kept at its own path.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-/// The sysfs containers get as /sys from an agent in its own user namespace ([`CgroupView`]).
-pub const CONTAINER_SYSFS: &str = "/container-sysfs";
 /// The root tmpfs's source name, by which the second run recognises its root in mountinfo.
 const ROOT_SOURCE: &str = "bulkhead-agent-root";
 /// The agent's device nodes: name, major, minor (all 0666, as a container gets them).
@@ -149,7 +148,7 @@ impl CgroupView {
             }
         };
         let pods = hierarchies.iter().map(|h| PodCgroupDir::of(&inside(h, pod))).collect::<anyhow::Result<_>>()?;
-        Ok(Self { mounts: crate::host_view::cgroup_mount_points(mountinfo), pods })
+        Ok(Self { mounts: cgroup_mount_points(mountinfo), pods })
     }
 }
 
