@@ -203,9 +203,11 @@ impl BundleSpec {
         let refused: &[LinuxNamespaceType] = &[User, Time];
         for (typ, _) in self.namespaces() {
             if refused.contains(&typ) {
+                // A pod that asked for its own user namespace must never run in the host's.
+                let what = if typ == User { "a pod user namespace (hostUsers: false) is " } else { "" };
                 return Err(unsupported(
                     format!("linux.namespaces[type={}]", oci_name(typ)),
-                    format!("not supported by the bulkhead {} backend", backend.as_str()),
+                    format!("{what}not supported by the bulkhead {} backend yet", backend.as_str()),
                 ));
             }
         }

@@ -12,6 +12,7 @@
 //!   (2.1 then fails every StartContainer);
 //! - a shim-sandboxer pod survives a containerd restart, and one whose shim is killed goes NOTREADY, its workload
 //!   ends, and CRI removes it leaving nothing;
+//! - a `hostUsers: false` pod is refused on both paths, naming user namespaces, and leaves nothing;
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -420,6 +421,46 @@ async fn a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing() -> 
         Err(e) => format!("{e:#}"),
     };
     assert!(err.contains("hostPID"), "{err}");
+    assert!(env.cri.list_pod_sandboxes().await?.is_empty());
+    bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
+        let address = format!("-address {}", env.containerd.address().display());
+        let shims = bulkhead_integration::host::processes_with(&address);
+        shims
+            .into_iter()
+            .filter(|(_, c)| c.contains("containerd-shim-bulkhead"))
+            .map(|(p, c)| format!("{p} {c}"))
+            .collect()
+    })
+    .await
+}
+
+/// A `hostUsers: false` pod (CRI user namespace options with the pod's id mappings) is refused
+/// on both of 2.1's paths, naming user namespaces, and leaves nothing: bulkhead does not give pods
+/// a user namespace of their own yet (issue 34), and must never run one in the host's instead.
+/// kubelet does not send one to a handler that reports no user namespace support (see
+/// [`containerd_2_introspects_the_runtime`]); crictl and other CRI clients can.
+#[tokio::test]
+async fn a_host_users_false_pod_is_refused_naming_user_namespaces() -> Result<()> {
+    let test = "a_host_users_false_pod_is_refused_naming_user_namespaces";
+    let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
+    for handler in ["bulkhead", "bulkhead-sandboxer"] {
+        let mut pod = env.pod(&format!("userns-{handler}"))?;
+        let ns =
+            pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+        let ns = ns.context("namespace options")?;
+        ns.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+        let ids = vec![k8s_cri::v1::IdMapping { host_id: 1 << 20, container_id: 0, length: 65536 }];
+        ns.userns_options = Some(k8s_cri::v1::UserNamespace {
+            mode: k8s_cri::v1::NamespaceMode::Pod as i32,
+            uids: ids.clone(),
+            gids: ids,
+        });
+        let err = match env.cri.run_pod_sandbox(&pod, handler).await {
+            Ok(id) => anyhow::bail!("{handler}: the hostUsers: false pod {id} started"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains("hostUsers: false") && err.contains("type=user"), "{handler}: {err}");
+    }
     assert!(env.cri.list_pod_sandboxes().await?.is_empty());
     bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
         let address = format!("-address {}", env.containerd.address().display());
