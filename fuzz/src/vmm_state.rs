@@ -93,6 +93,10 @@ pub fn api_request(data: &[u8]) {
         snapshots: None,
         restore: None,
         boot: None,
+        // A real balloon, so a fuzzed `balloon` request reaches its target check.
+        balloon: bulkhead_vmm::devices::virtio::balloon::Balloon::new(&Default::default())
+            .ok()
+            .map(|b| Arc::new(std::sync::Mutex::new(b))),
     };
     let saved = api_saved_config();
     let mut lines = RequestLines::default();

@@ -144,6 +144,7 @@ pub fn run(
             snapshots: Some(snapshots),
             restore,
             boot,
+            balloon: devices.balloon,
         };
         api::spawn(endpoint, controller, filters.api().clone())
             .map_err(dev_err(format!("api socket {}", path.display())))?;

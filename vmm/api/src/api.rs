@@ -1,5 +1,6 @@
 //! The API socket's messages: one JSON object per line each way. A request is
-//! `{"cmd": "pause" | "resume" | "shutdown" | "info"}`, `{"cmd": "snapshot", "dir": "/path"}` or,
+//! `{"cmd": "pause" | "resume" | "shutdown" | "info"}`, `{"cmd": "snapshot", "dir": "/path"}`,
+//! `{"cmd": "balloon", "mib": 256}` or,
 //! to a `--prepare`d VMM, `{"cmd": "restore", "config": {..RestoreConfig..}}`; every request gets
 //! one [`Response`] line. Both sides bound a line's length, so neither can make the other buffer
 //! without limit.
@@ -33,6 +34,11 @@ pub enum Request {
     Restore {
         config: RestoreConfig,
     },
+    /// Asks the guest to hold `mib` of its memory in the balloon, inflating or deflating to it
+    /// (0 gives it all back). The driver gets there on its own time: `info` says how far it is.
+    Balloon {
+        mib: Mib,
+    },
 }
 
 /// Run state of the vCPUs as the API reports it.
@@ -62,6 +68,16 @@ pub struct VmInfo {
     /// How the boot went, for a booted VM.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub boot: Option<BootReport>,
+    /// The balloon, for a VM that has one.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub balloon: Option<BalloonInfo>,
+}
+
+/// The balloon's target and what the guest's driver says it holds (whole MiB, rounded down).
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq, Clone, Copy)]
+pub struct BalloonInfo {
+    pub target_mib: Mib,
+    pub actual_mib: Mib,
 }
 
 /// What a snapshot wrote and how long it took.
@@ -184,6 +200,11 @@ mod tests {
         assert_eq!(config.vsock_uds_path, Some("/run/v.sock".into()));
         assert!(parse_request(br#"{"cmd":"restore","config":{"vcpus":4}}"#).is_err(), "unknown run setting");
         assert!(parse_request(br#"{"cmd":"snapshot"}"#).is_err(), "a snapshot needs a dir");
+        assert_eq!(parse_request(br#"{"cmd":"balloon","mib":256}"#), Ok(Request::Balloon { mib: Mib(256) }));
+        for junk in [&br#"{"cmd":"balloon"}"#[..], br#"{"cmd":"balloon","mib":-1}"#, br#"{"cmd":"balloon","mib":"x"}"#]
+        {
+            assert!(parse_request(junk).is_err(), "{}", String::from_utf8_lossy(junk));
+        }
         assert!(parse_request(b"\xff\xfe").is_err());
         assert!(matches!(parse_request(&[b' '; MAX_REQUEST_LINE + 1]), Err(MessageError::TooLong(_))));
     }
@@ -210,6 +231,7 @@ mod tests {
                 phases: vec![Phase { name: "jail".into(), us: 700, host: false }],
                 ready_unix_ns: 3,
             }),
+            balloon: Some(BalloonInfo { target_mib: Mib(256), actual_mib: Mib(100) }),
         };
         let resp = Response { info: Some(info), snapshot: Some(SnapshotReport::default()), ..Response::ok() };
         let line = encode_line(&resp);

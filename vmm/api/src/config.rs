@@ -174,14 +174,15 @@ pub enum LinkState {
     Down,
 }
 
-/// The virtio-balloon device. Its job is free page reporting: the guest's kernel reports pages it
-/// freed and the VMM gives them back to the host. The device never asks the guest for memory (its
-/// balloon target stays 0), and has no statistics queue, free page hinting or page poisoning.
+/// The virtio-balloon device. Free page reporting: the guest's kernel reports pages it freed and
+/// the VMM gives them back to the host. Its target (the API's `balloon` request, 0 at boot) asks
+/// the guest to hold memory in it, which the VMM gives back too: the shim sizes a VM's memory
+/// with it. No statistics queue, free page hinting or page poisoning.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct BalloonConfig {
     /// Offer VIRTIO_BALLOON_F_REPORTING. Without it the device has only its inflate and deflate
-    /// queues, which nothing ever asks the guest to use: it is inert.
+    /// queues, which the guest uses only when the API sets a target.
     #[serde(default)]
     pub free_page_reporting: bool,
 }

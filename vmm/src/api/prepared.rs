@@ -231,6 +231,7 @@ pub fn prepared_info(vcpus: u8, mem_mib: Mib, irqchip: bool, start_unix_ns: u64,
         first_kvm_run_unix_ns: None,
         restore: Some(restore),
         boot: None,
+        balloon: None,
     }
 }
 

@@ -1,22 +1,24 @@
 //! A running VM's API server: each client's request lines answered by [`VmController`] on the
-//! API thread, which never touches the devices (a `snapshot` goes to the event loop).
+//! API thread, which touches no device but the balloon's target (a config field and an
+//! interrupt); a `snapshot` goes to the event loop.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bulkhead_vmm_api::api::{
-    encode_line, parse_request, BootReport, Request, Response, RestoreReport, SnapshotReport, VmInfo,
+    encode_line, parse_request, BalloonInfo, BootReport, Request, Response, RestoreReport, SnapshotReport, VmInfo,
 };
 use bulkhead_vmm_api::memory::Mib;
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use seccompiler::BpfProgram;
 use vmm_sys_util::epoll::EventSet;
 
+use crate::devices::virtio::balloon::Balloon;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::seccomp::{self, ThreadKind};
 use crate::snapshotter::SnapshotRequests;
@@ -26,6 +28,8 @@ use super::{bind_api_socket, malformed, RequestLines, IO_TIMEOUT};
 
 const MAX_CLIENTS: usize = 16;
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// virtio-balloon counts 4 KiB pages.
+const PAGES_PER_MIB: u64 = 256;
 
 /// What the API may do to the VM.
 pub struct VmController {
@@ -41,6 +45,8 @@ pub struct VmController {
     pub restore: Option<RestoreReport>,
     /// For a booted VM: how the boot went.
     pub boot: Option<BootReport>,
+    /// The balloon device, for a VM that has one.
+    pub balloon: Option<Arc<Mutex<Balloon>>>,
 }
 
 impl VmController {
@@ -57,6 +63,7 @@ impl VmController {
             snapshots: None,
             restore: None,
             boot: None,
+            balloon: None,
         }
     }
 
@@ -106,6 +113,7 @@ impl VmController {
                     first_kvm_run_unix_ns: self.control.first_run_unix_ns.get().copied(),
                     restore: self.restore.clone(),
                     boot: self.boot.clone(),
+                    balloon: self.balloon_info(),
                 }),
                 ..ok
             },
@@ -116,7 +124,32 @@ impl VmController {
             Request::Restore { .. } => {
                 Response::error("this VM is built already; `restore` is for a VMM started with --prepare")
             }
+            Request::Balloon { mib } => self.set_balloon(mib),
         }
+    }
+
+    /// A balloon of `mib`: less than the VM's memory, which the guest cannot do without.
+    fn set_balloon(&self, mib: Mib) -> Response {
+        let Some(balloon) = &self.balloon else { return Response::error("this VM has no balloon device") };
+        if mib >= self.mem_mib {
+            return Response::error(format!(
+                "a balloon of {} MiB would leave the guest nothing of its {} MiB",
+                mib.get(),
+                self.mem_mib.get()
+            ));
+        }
+        let Some(pages) = mib.get().checked_mul(PAGES_PER_MIB).and_then(|p| u32::try_from(p).ok()) else {
+            return Response::error(format!("a balloon of {} MiB is more pages than virtio-balloon counts", mib.get()));
+        };
+        balloon.lock().unwrap_or_else(|p| p.into_inner()).set_target(pages);
+        tracing::info!(mib = mib.get(), "balloon target set");
+        Response::ok()
+    }
+
+    fn balloon_info(&self) -> Option<BalloonInfo> {
+        let (target, actual) = self.balloon.as_ref()?.lock().unwrap_or_else(|p| p.into_inner()).pages();
+        let mib = |pages: u32| Mib(u64::from(pages) / PAGES_PER_MIB);
+        Some(BalloonInfo { target_mib: mib(target), actual_mib: mib(actual) })
     }
 
     /// Pauses the VM here (the kicks are this thread's calls), then lets the event loop save and
@@ -275,12 +308,32 @@ mod tests {
     use bulkhead_vmm_api::api::RunState;
 
     #[test]
+    fn the_balloons_target_is_set_within_the_vms_memory_and_reported() {
+        let balloon = Balloon::new(&crate::config::BalloonConfig { free_page_reporting: false }).unwrap();
+        let c = VmController { balloon: Some(Arc::new(Mutex::new(balloon))), ..VmController::idle(1) };
+        assert_eq!(
+            c.handle(Request::Info).0.info.unwrap().balloon,
+            Some(BalloonInfo { target_mib: Mib(0), actual_mib: Mib(0) })
+        );
+        assert!(c.handle(Request::Balloon { mib: Mib(40) }).0.ok);
+        let info = c.handle(Request::Info).0.info.unwrap();
+        assert_eq!(info.balloon, Some(BalloonInfo { target_mib: Mib(40), actual_mib: Mib(0) }));
+        for too_much in [Mib(64), Mib(u64::MAX)] {
+            let err = c.handle(Request::Balloon { mib: too_much }).0.error.unwrap();
+            assert!(err.contains("would leave the guest nothing of its 64 MiB"), "{err}");
+        }
+        assert_eq!(c.handle(Request::Info).0.info.unwrap().balloon.unwrap().target_mib, Mib(40), "unchanged");
+    }
+
+    #[test]
     fn controller_shutdown_and_info() {
         let c = VmController::idle(2);
         let info = c.handle(Request::Info).0.info.unwrap();
         assert_eq!((info.state, info.vcpus, info.first_kvm_run_unix_ns), (RunState::Running, 2, None));
         assert!(!c.handle(Request::Snapshot { dir: "/tmp/x".into() }).0.ok, "no snapshotter here");
         assert!(!c.handle(Request::Restore { config: Default::default() }).0.ok, "only for --prepare");
+        let no_balloon = c.handle(Request::Balloon { mib: Mib(8) }).0;
+        assert_eq!(no_balloon.error.as_deref(), Some("this VM has no balloon device"));
         let (answer, stop) = c.handle(Request::Shutdown);
         assert!(answer.ok);
         assert_eq!(stop, Some(ExitReason::ApiShutdown), "signalled once the client has the answer");

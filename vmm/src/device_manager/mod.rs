@@ -24,7 +24,7 @@ pub mod legacy;
 pub mod mmio;
 pub mod persist;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub use context::{CmdlineDevice, DeviceContext, Subscriber};
 pub use error::DeviceManagerError;
@@ -56,6 +56,8 @@ pub struct DeviceManager {
     /// (base, size, gsi) of each virtio-mmio device, for the kernel cmdline.
     pub cmdline_devices: Vec<CmdlineDevice>,
     pub saveable: SaveableDevices,
+    /// The balloon, whose target the API sets.
+    pub balloon: Option<Arc<Mutex<Balloon>>>,
 }
 
 impl DeviceManager {
@@ -130,18 +132,20 @@ impl DeviceManager {
             )?;
             subscribers.push(net);
         }
+        let mut balloon = None;
         if let Some(b) = &cfg.balloon {
-            let balloon = virtio.add(
+            let device = virtio.add(
                 "balloon".into(),
                 || Balloon::new(b).map_err(device_err("balloon".into())),
                 |irq| Ok(BalloonConstructorArgs { cfg: *b, mem: mem.clone(), irq }),
             )?;
-            subscribers.push(balloon);
+            subscribers.push(device.clone());
+            balloon = Some(device);
         }
         let Attached { saveable: virtio, cmdline_devices } = virtio.attach(ctx, &mut mmio)?;
 
         let saveable = SaveableDevices { serial: legacy.serial, i8042: legacy.i8042, virtio };
-        Ok(Self { pio: Arc::new(pio), mmio: Arc::new(mmio), subscribers, cmdline_devices, saveable })
+        Ok(Self { pio: Arc::new(pio), mmio: Arc::new(mmio), subscribers, cmdline_devices, saveable, balloon })
     }
 }
 

@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use super::state::{StateError, VmState};
 
 pub const MAGIC: [u8; 8] = *b"BHKSNAP\0";
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 pub const HEADER_LEN: usize = 96;
 /// A VM of 32 vCPUs needs well under 1 MiB; anything near this is not ours.
 pub const MAX_BODY_BYTES: u64 = 16 << 20;
@@ -196,10 +196,11 @@ pub(crate) mod tests {
     const FP: [u8; 32] = [5; 32];
     const HERE: (&str, &[u8; 32]) = ("TestCPU", &FP);
 
-    /// The body layout of format version 4, as SHA-256 of a sample with every device kind.
-    /// (Version 3's, without the NIC link: 6e9537c20367e9ec653e04c74795f1b7f39c0a4b816510eb4be3f97e13758b23;
+    /// The body layout of format version 5, as SHA-256 of a sample with every device kind.
+    /// (Version 4's, without the balloon's target: 2935f045e143b63a61bf19e24a27f60eab8e07fb61c67c77c8b72ac50baf0443;
+    /// version 3's, without the NIC link: 6e9537c20367e9ec653e04c74795f1b7f39c0a4b816510eb4be3f97e13758b23;
     /// version 2's, without the balloon: 23073eed23f1ddf53e95787816d55ed6924f3829bdaaaf48a73771581f455921.)
-    const LAYOUT_V4: &str = "2935f045e143b63a61bf19e24a27f60eab8e07fb61c67c77c8b72ac50baf0443";
+    const LAYOUT_V5: &str = "55937662d1a816b55272aa4bd92d9cc58e49675307ec7096ecd97ae1f77ced4c";
 
     #[test]
     fn body_layout_is_pinned_to_the_format_version() {
@@ -283,6 +284,7 @@ pub(crate) mod tests {
                 device: VirtioDeviceState::Balloon(BalloonState {
                     free_page_reporting: true,
                     acked_features: 1 << 5,
+                    num_pages: 300,
                     actual: 7,
                     queues: vec![q; 3],
                     broken: false,
@@ -301,9 +303,9 @@ pub(crate) mod tests {
         s.vcpus[0].xcrs = Some(Default::default());
         let body = postcard::to_stdvec(&s).unwrap();
         let layout = hex(&Sha256::digest(&body));
-        assert_eq!(FORMAT_VERSION, 4);
+        assert_eq!(FORMAT_VERSION, 5);
         assert_eq!(
-            layout, LAYOUT_V4,
+            layout, LAYOUT_V5,
             "the state body's layout changed: bump FORMAT_VERSION and pin the new layout here"
         );
     }

@@ -203,7 +203,7 @@ fn run() -> Result<u8> {
     }
     if let Some(path) = &plan.api_socket {
         let shape = api::Shape { vcpus: plan.vcpus, mem_mib: plan.mem_mib, start_unix_ns };
-        api::Api { qmp: qmp.clone(), shape }
+        api::Api { qmp: qmp.clone(), shape, balloon_target: Default::default() }
             .spawn(api::bind(path).with_context(|| format!("bind {}", path.display()))?)?;
     }
 

@@ -1,14 +1,18 @@
 //! The VMM's API socket (`bulkhead_vmm_api::api`), answered through QEMU's QMP: `pause` is
 //! `stop`, `resume` is `cont`, `info` is `query-status`, and `shutdown` asks the stand-in's main
 //! thread to stop (it sends the process SIGTERM, which the main thread handles as an orderly
-//! stop). Snapshots and restores are refused: the stand-in has none.
+//! stop), `balloon` is QMP's `balloon` (which takes the guest's size, so the stand-in keeps the
+//! target) and `info`'s balloon is `query-balloon`. Snapshots and restores are refused: the
+//! stand-in has none.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bulkhead_vmm_api::api::{encode_line, parse_request, Request, Response, RunState, VmInfo, MAX_REQUEST_LINE};
+use bulkhead_vmm_api::api::{
+    encode_line, parse_request, BalloonInfo, Request, Response, RunState, VmInfo, MAX_REQUEST_LINE,
+};
 use bulkhead_vmm_api::memory::Mib;
 
 use super::qmp::Qmp;
@@ -29,6 +33,8 @@ pub struct Shape {
 pub struct Api {
     pub qmp: PathBuf,
     pub shape: Shape,
+    /// The balloon target last set (QEMU reports only what the guest holds).
+    pub balloon_target: std::sync::Mutex<Mib>,
 }
 
 impl Api {
@@ -92,6 +98,7 @@ impl Api {
                             first_kvm_run_unix_ns: None,
                             restore: None,
                             boot: None,
+                            balloon: self.balloon(),
                         }),
                         ..Response::ok()
                     }
@@ -101,7 +108,31 @@ impl Api {
             Request::Snapshot { .. } | Request::Restore { .. } => {
                 (Response::error("the QEMU stand-in takes no snapshots and restores none"), false)
             }
+            // QEMU's `balloon` takes the guest's size, not the balloon's.
+            Request::Balloon { mib } if mib >= self.shape.mem_mib => {
+                (Response::error(format!("a balloon of {} MiB would leave the guest nothing", mib.get())), false)
+            }
+            Request::Balloon { mib } => {
+                let size = (self.shape.mem_mib.get() - mib.get()) << 20;
+                let set = Qmp::connect(&self.qmp, IO_TIMEOUT)
+                    .and_then(|mut q| q.execute_with("balloon", serde_json::json!({ "value": size })));
+                if set.is_ok() {
+                    *self.balloon_target.lock().unwrap_or_else(|p| p.into_inner()) = mib;
+                }
+                (reply(set.map(|_| Response::ok())), false)
+            }
         }
+    }
+}
+
+impl Api {
+    /// The balloon's target and what QEMU says it holds (its `actual` is the guest's size);
+    /// `None` without a balloon device.
+    fn balloon(&self) -> Option<BalloonInfo> {
+        let size = Qmp::connect(&self.qmp, IO_TIMEOUT).and_then(|mut q| q.execute("query-balloon")).ok()?;
+        let guest = size.get("actual").and_then(serde_json::Value::as_u64)? >> 20;
+        let target_mib = *self.balloon_target.lock().unwrap_or_else(|p| p.into_inner());
+        Some(BalloonInfo { target_mib, actual_mib: Mib(self.shape.mem_mib.get().saturating_sub(guest)) })
     }
 }
 
@@ -125,8 +156,11 @@ mod tests {
     #[test]
     fn what_the_stand_in_cannot_do_is_refused_and_a_missing_qemu_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let api =
-            Api { qmp: dir.path().join("none.sock"), shape: Shape { vcpus: 1, mem_mib: Mib(256), start_unix_ns: 0 } };
+        let api = Api {
+            qmp: dir.path().join("none.sock"),
+            shape: Shape { vcpus: 1, mem_mib: Mib(256), start_unix_ns: 0 },
+            balloon_target: Default::default(),
+        };
         let (r, stop) = api.answer(Request::Snapshot { dir: "/x".into() });
         assert!(!r.ok && r.error.unwrap().contains("no snapshots"));
         assert!(!stop);

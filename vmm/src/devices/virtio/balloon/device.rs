@@ -1,6 +1,8 @@
 //! virtio-balloon device semantics: features (VERSION_1, plus REPORTING when configured), the
-//! config space (`num_pages` always 0, `actual` as the driver writes it) and serving the inflate,
-//! deflate and reporting queues.
+//! config space (`num_pages`, the pages the host asks the guest to hold in the balloon, set
+//! through the API; `actual` as the driver writes it) and serving the inflate, deflate and
+//! reporting queues. DEFLATE_ON_OOM is not offered: a guest under pressure cannot take back
+//! what the host asked for, so an inflated balloon bounds the guest's memory.
 //!
 //! Queue numbering: the spec (5.5.2) lists inflateq 0, deflateq 1, statsq 2, free_page_vq 3 and
 //! reporting_vq 4, each optional queue existing only with its feature. Linux's virtio-mmio
@@ -24,7 +26,7 @@ use crate::config::BalloonConfig;
 use crate::devices::virtio::chain;
 use crate::devices::virtio::{
     read_config_bytes, validate_queues, DeviceError, DeviceLogs, DeviceState, IrqTrigger, PendingReset, VirtioDevice,
-    TYPE_BALLOON, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
+    TYPE_BALLOON, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
 use crate::log_throttle::LogThrottle;
 use crate::throttled;
@@ -69,6 +71,8 @@ pub(super) struct BalloonLogs {
 pub struct Balloon {
     pub(super) free_page_reporting: bool,
     pub(super) acked_features: u64,
+    /// The host's `num_pages` (pages it asks the balloon to hold).
+    pub(super) num_pages: u32,
     /// The driver's `actual` (pages it says are in the balloon).
     pub(super) actual: u32,
     pub(super) queue_evts: Vec<EventFd>,
@@ -92,6 +96,7 @@ impl Balloon {
         Ok(Self {
             free_page_reporting: cfg.free_page_reporting,
             acked_features: 0,
+            num_pages: 0,
             actual: 0,
             queue_evts: (0..queues).map(|_| EventFd::new(libc::EFD_NONBLOCK)).collect::<Result<_, _>>()?,
             state: DeviceState::Inactive,
@@ -106,6 +111,20 @@ impl Balloon {
 
     pub fn counters(&self) -> BalloonCounters {
         self.counters
+    }
+
+    /// Asks the guest to hold `pages` in the balloon (inflating or deflating to it); a driver
+    /// already up is told at once, one still to come reads it when it starts.
+    pub fn set_target(&mut self, pages: u32) {
+        self.num_pages = pages;
+        if let DeviceState::Active(a) = &self.state {
+            a.irq.trigger(VIRTIO_MMIO_INT_CONFIG);
+        }
+    }
+
+    /// The pages asked for, and those the driver says the balloon holds.
+    pub fn pages(&self) -> (u32, u32) {
+        (self.num_pages, self.actual)
     }
 
     /// The notify eventfds, one per queue the device has.
@@ -241,6 +260,7 @@ impl VirtioDevice for Balloon {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut cfg = [0u8; CONFIG_SPACE_LEN];
+        cfg[..4].copy_from_slice(&self.num_pages.to_le_bytes());
         cfg[ACTUAL.start as usize..ACTUAL.end as usize].copy_from_slice(&self.actual.to_le_bytes());
         read_config_bytes(&cfg, offset, data);
     }
@@ -385,6 +405,29 @@ pub(crate) mod tests {
         b.reset();
         b.read_config(4, &mut actual);
         assert_eq!(actual, [0; 4]);
+    }
+
+    #[test]
+    fn the_hosts_target_is_in_num_pages_and_a_running_driver_is_told() {
+        // Before the driver starts: it reads the target when it does; nothing to interrupt.
+        let mut b = Balloon::new(&BalloonConfig { free_page_reporting: false }).unwrap();
+        b.set_target(300);
+        let mut num_pages = [0u8; 4];
+        b.read_config(0, &mut num_pages);
+        assert_eq!(u32::from_le_bytes(num_pages), 300);
+        // The driver cannot move the host's target, only report `actual`.
+        b.write_config(0, &[0; 4]);
+        b.write_config(4, &120u32.to_le_bytes());
+        assert_eq!(b.pages(), (300, 120));
+        b.reset();
+        assert_eq!(b.pages(), (300, 0), "a driver reset keeps what the host asked for");
+
+        let mut r = rig(false);
+        assert_eq!(r.irq.status() & VIRTIO_MMIO_INT_CONFIG, 0);
+        r.dev.set_target(64);
+        assert_ne!(r.irq.status() & VIRTIO_MMIO_INT_CONFIG, 0, "the driver is told of the change");
+        r.dev.read_config(0, &mut num_pages);
+        assert_eq!(u32::from_le_bytes(num_pages), 64);
     }
 
     #[test]

@@ -18,6 +18,9 @@ use crate::persist::Persist;
 pub struct BalloonState {
     pub free_page_reporting: bool,
     pub acked_features: u64,
+    /// The host's `num_pages` (the API's balloon target).
+    #[serde(default)]
+    pub num_pages: u32,
     /// The driver's `actual` config field.
     pub actual: u32,
     /// inflate, deflate (and reporting when negotiated); empty while inactive.
@@ -50,6 +53,7 @@ impl Persist for Balloon {
         BalloonState {
             free_page_reporting: self.free_page_reporting,
             acked_features: self.acked_features,
+            num_pages: self.num_pages,
             actual: self.actual,
             queues: match &self.state {
                 DeviceState::Active(a) => a.queues.iter().map(QueueState::from).collect(),
@@ -76,6 +80,7 @@ impl Persist for Balloon {
             CommonRestore::Active(queues) => DeviceState::Active(Active { mem: args.mem, queues, irq: args.irq }),
         };
         dev.acked_features = s.acked_features;
+        dev.num_pages = s.num_pages;
         dev.actual = s.actual;
         dev.counters = s.counters;
         Ok(dev)
