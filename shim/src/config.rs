@@ -134,6 +134,11 @@ pub struct VmSettings {
     /// vCPUs and this, with only its own online. 0: none beyond its own.
     #[serde(default)]
     pub max_vcpus: u8,
+    /// Memory every VM has to grow into (in-place resize), in MiB: a VM gets the larger of its
+    /// pod's memory and this, and its balloon holds the difference until a resize asks for it.
+    /// 0: none beyond the pod's.
+    #[serde(default)]
+    pub max_memory_mib: Mib,
     /// Guest memory of a pod that sets no memory limit; for a pod that does, what the guest
     /// kernel and agent get on top of it.
     #[serde(default = "default_memory_mib")]
@@ -342,6 +347,7 @@ impl Default for VmSettings {
             virtiofsd_path: default_virtiofsd_path(),
             vcpus: default_vcpus(),
             max_vcpus: 0,
+            max_memory_mib: Mib(0),
             memory_mib: default_memory_mib(),
             jail_id_first: default_jail_id_first(),
             jail_id_count: default_jail_id_count(),
@@ -417,6 +423,10 @@ impl Config {
         }
         if self.vm.memory_mib < Mib(64) || self.vm.memory_mib > MAX_MEM {
             return Err(invalid("vm.memory_mib", &format!("must be between 64 and {}", MAX_MEM.get())));
+        }
+        if self.vm.max_memory_mib > MAX_MEM {
+            let why = format!("must be at most {} (0: no memory to grow into)", MAX_MEM.get());
+            return Err(invalid("vm.max_memory_mib", &why));
         }
         if self.vm.template_max_count == 0 || self.vm.template_max_count > 10_000 {
             return Err(invalid("vm.template_max_count", "must be between 1 and 10000"));

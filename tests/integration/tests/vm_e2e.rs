@@ -420,7 +420,7 @@ async fn own_cgroup(test: &str, vmm: GuestVmm) -> Result<()> {
         (cri::LinuxContainerResources { cpu_period: 100_000, cpu_quota: 3_300_000, ..Default::default() }, "vm.vcpus"),
     ] {
         let err = cri.update_container_resources(&app, beyond).await.expect_err("a resize beyond the VM").to_string();
-        assert!(err.contains("does not grow a running VM") && err.contains(names), "{err}");
+        assert!(err.contains("does not grow beyond") && err.contains(names), "{err}");
     }
     assert_eq!(memory_max().await?.trim(), raised.to_string(), "memory.max after the refused resizes");
     assert_eq!(cri.container_status(&app).await?.state, RUNNING, "the container after the refused resizes");
@@ -471,6 +471,74 @@ async fn vcpus_follow_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
 
     cri.update_container_resources(&app, cpus(1)).await?;
     assert_eq!(nproc().await?, "1\n0\n", "after a resize back to 1 CPU");
+
+    cri.stop_container(&app, 10).await?;
+    assert_eq!(cri.container_status(&app).await?.exit_code, 0, "the TERM trap exits 0");
+    cri.remove_container(&app).await?;
+    env.remove_pod_and_check_nothing_left(&pod_id).await
+}
+
+#[tokio::test]
+async fn vm_pod_memory_follows_a_resize() -> Result<()> {
+    memory_follows_a_resize("vm_pod_memory_follows_a_resize", GuestVmm::QemuStandIn).await
+}
+
+#[tokio::test]
+async fn vm_pod_memory_follows_a_resize_on_bulkhead_vmm() -> Result<()> {
+    memory_follows_a_resize("vm_pod_memory_follows_a_resize_on_bulkhead_vmm", GuestVmm::Bulkhead).await
+}
+
+/// In-place resize of a vm pod's memory: with `vm.max_memory_mib = 512` its VM has 512 MiB and
+/// its balloon holds all but the pod's 256 (`vm.memory_mib`: containerd 1.6 passes no pod-level
+/// limit). Its container, limited to 64 MiB, is OOM-killed allocating 150; resized to 200 MiB,
+/// the balloon gives the guest that much more, and the same allocation succeeds; 600 MiB is more
+/// than the VM has and is refused, naming `vm.max_memory_mib`; back to 64 MiB, the balloon takes
+/// the memory back from the guest.
+async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
+    let settings = "max_memory_mib = 512\n";
+    let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, settings).await? else {
+        return Ok(());
+    };
+    let cri = &env.cri;
+    let pod = env.pod("vm-memory")?;
+    let pod_id = env.run_pod(&pod).await?;
+    let memory = |mib: i64| cri::LinuxContainerResources { memory_limit_in_bytes: mib << 20, ..Default::default() };
+    let mut app = long_running("app", "true");
+    app.linux.as_mut().unwrap().resources = Some(memory(64));
+    let app = cri.create_container(&pod_id, &app, &pod).await.with_context(|| env.containerd.log_tail(40))?;
+    cri.start_container(&app).await?;
+    cri.wait_container(&app, Duration::from_secs(60), |s| s.state == RUNNING).await?;
+    // The guest's MemTotal less what its kernel keeps: the balloon's pages leave MemTotal.
+    let total_mib = || async {
+        let text = sh_in(cri, &app, "grep MemTotal /proc/meminfo").await?;
+        let kib: u64 = text.split_whitespace().nth(1).and_then(|v| v.parse().ok()).context("MemTotal")?;
+        anyhow::Ok(kib >> 10)
+    };
+    let until = |what: &'static str, ok: fn(u64) -> bool| async move {
+        let mut last = 0;
+        for _ in 0..200 {
+            last = total_mib().await?;
+            if ok(last) {
+                return anyhow::Ok(last);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("{what}: MemTotal stayed at {last} MiB")
+    };
+    until("the balloon holding the VM's memory beyond the pod's", |m| m <= 256).await?;
+    let allocate = "dd if=/dev/zero of=/dev/null bs=150M count=1 2>/dev/null; echo dd-exit=$?";
+    assert_eq!(sh_in(cri, &app, allocate).await?, "dd-exit=137\n", "150 MiB under a 64 MiB limit");
+
+    cri.update_container_resources(&app, memory(200)).await.with_context(|| env.containerd.log_tail(40))?;
+    let grown = total_mib().await?;
+    assert!(grown >= 400, "the guest after a resize to 200 MiB (+256 for itself): MemTotal {grown} MiB");
+    assert_eq!(sh_in(cri, &app, allocate).await?, "dd-exit=0\n", "150 MiB under a 200 MiB limit");
+
+    let err = cri.update_container_resources(&app, memory(600)).await.expect_err("600 MiB in a 512 MiB VM").to_string();
+    assert!(err.contains("256 MiB for its containers") && err.contains("vm.max_memory_mib"), "{err}");
+
+    cri.update_container_resources(&app, memory(64)).await?;
+    until("the balloon taking back what the guest no longer needs", |m| m <= 320).await?;
 
     cri.stop_container(&app, 10).await?;
     assert_eq!(cri.container_status(&app).await?.exit_code, 0, "the TERM trap exits 0");

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bulkhead_vmm_api::api::{encode_line, parse_response, MessageError, Request, Response, VmInfo, MAX_RESPONSE_LINE};
+use bulkhead_vmm_api::memory::Mib;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +92,11 @@ impl VmmApi {
         self.command(Request::Snapshot { dir: dir.to_owned() }).await.map(drop)
     }
 
+    /// Asks the guest to hold `mib` in its balloon (0: give it all back).
+    pub async fn balloon(&self, mib: Mib) -> Result<(), ApiError> {
+        self.command(Request::Balloon { mib }).await.map(drop)
+    }
+
     pub async fn info(&self) -> Result<VmInfo, ApiError> {
         let response = self.command(Request::Info).await?;
         response.info.ok_or_else(|| ApiError::BadReply {
@@ -153,6 +159,7 @@ mod tests {
                     first_kvm_run_unix_ns: Some(20),
                     restore: None,
                     boot: None,
+                    balloon: None,
                 }),
                 snapshot: None,
                 restore: None,

@@ -26,6 +26,7 @@
 //! logged and ends the VM (the pod's sandbox fails); it is never restarted.
 
 pub mod api;
+mod balloon;
 pub mod console;
 pub mod ids;
 mod launch;
@@ -45,6 +46,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
+use bulkhead_vmm_api::memory::Mib;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
 use oci_spec::runtime::{LinuxResources, Spec};
@@ -171,11 +173,21 @@ impl VmSandbox {
         };
         match booted.map_err(BootFailure::into_error) {
             Ok(Booted { agent, vmm, virtiofsd, network }) => {
-                phases.log();
                 let layout = VmLayout::new(&paths);
+                let api = VmmApi::new(&layout.api_socket(), API_TIMEOUT);
+                // Before any container: the guest must not settle into memory the pod does not have.
+                if let Err(e) = balloon::hold_headroom(&api, shape).await {
+                    let e = SandboxError::from(e);
+                    warn!("the VM's memory to grow into could not go into its balloon: {e}");
+                    drop((agent, vmm, virtiofsd));
+                    started.stop().await;
+                    cleanup(&paths).await;
+                    return Err(e);
+                }
+                phases.log();
                 Ok(Arc::new(Self {
                     id: req.sandbox_id,
-                    api: VmmApi::new(&layout.api_socket(), API_TIMEOUT),
+                    api,
                     share: SharedDir::new(layout.shared_dir),
                     emptydirs: Arc::new(PodEmptyDirs::new(&paths, req.emptydirs, &config.emptydir)),
                     paths,
@@ -187,7 +199,7 @@ impl VmSandbox {
                     cgroup: req.cgroup,
                     log_dir: req.log_dir,
                     ending: Mutex::new(Ending::Unasked),
-                    ceiling: ResizeCeiling::new(shape, &req.resources),
+                    ceiling: ResizeCeiling::new(shape, &req.resources, config.vm.memory_mib),
                     shape,
                 }))
             }
@@ -406,10 +418,19 @@ impl Sandbox for VmSandbox {
     }
 
     async fn resized(&self, container_id: &str, resources: &LinuxResources) -> Result<(), SandboxError> {
-        if let Some(count) = self.ceiling.resized(container_id, Limits::of(resources)) {
+        let follow = self.ceiling.resized(container_id, Limits::of(resources));
+        if let Some(count) = follow.online {
             let online = self.agent.set_online_cpus(count).await?;
             self.ceiling.online(online);
             info!(container = %container_id, online, "the guest's online vCPUs follow the pod's CPU limits");
+        }
+        if let Some(guest) = follow.guest {
+            let balloon = Mib(self.ceiling.vm_memory().get().saturating_sub(guest.get()));
+            self.api.balloon(balloon).await?;
+            self.ceiling.guest(guest);
+            info!(container = %container_id, guest_mib = guest.get(), balloon_mib = balloon.get(),
+                "the guest's memory follows the pod's memory limits");
+            balloon::wait_deflated(&self.api, balloon, balloon::DEFLATE_WAIT).await;
         }
         Ok(())
     }

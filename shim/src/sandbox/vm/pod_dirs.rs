@@ -243,7 +243,7 @@ mod tests {
             gid: 40_001,
             cgroup: "/bulkhead/sb1/sb1".into(),
             netns: Some("/var/run/netns/cni-1".into()),
-            shape: VmShape { vcpus: 2, online: 2, mem: Mib(512) },
+            shape: VmShape { vcpus: 2, online: 2, mem: Mib(512), mem_start: Mib(512) },
             net: Vec::new(),
             template: None,
         }

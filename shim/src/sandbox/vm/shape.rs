@@ -15,12 +15,16 @@ pub struct VmShape {
     pub vcpus: u8,
     /// vCPUs online at the start: the pod's.
     pub online: u8,
+    /// Memory the VM has: the pod's, or `vm.max_memory_mib` to grow into if more.
     pub mem: Mib,
+    /// Memory the guest keeps at the start (its balloon holds the rest): the pod's.
+    pub mem_start: Mib,
 }
 
 impl VmShape {
     /// vCPUs: ceil(the pod's CPU limit), else `config.vcpus`, online; the VM has
-    /// `config.max_vcpus` if that is more. Memory: the pod's memory limit
+    /// `config.max_vcpus` if that is more. Memory (and likewise with `config.max_memory_mib`,
+    /// the rest in the balloon at the start): the pod's memory limit
     /// plus `config.memory_mib` (what the guest kernel and agent use beyond the containers),
     /// else `config.memory_mib`. A pod larger than a VM can be is refused, never shrunk.
     pub fn for_pod(config: &VmSettings, pod: &PodResources) -> Result<Self, SandboxError> {
@@ -41,7 +45,7 @@ impl VmShape {
             let (mem, base, max) = (mem.get(), base.get(), MAX_MEM.get());
             return Err(too_big(format!("{mem} MiB of VM memory (limit + {base} MiB); at most {max}")));
         }
-        Ok(Self { vcpus: online.max(config.max_vcpus), online, mem })
+        Ok(Self { vcpus: online.max(config.max_vcpus), online, mem: mem.max(config.max_memory_mib), mem_start: mem })
     }
 }
 
@@ -55,14 +59,17 @@ mod tests {
 
     #[test]
     fn defaults_without_pod_resources() {
-        let shape = VmShape { vcpus: 1, online: 1, mem: Mib(256) };
+        let shape = VmShape { vcpus: 1, online: 1, mem: Mib(256), mem_start: Mib(256) };
         assert_eq!(VmShape::for_pod(&config(), &PodResources::default()).unwrap(), shape);
     }
 
     #[test]
     fn pod_limits_shape_the_vm() {
         let pod = PodResources { cpus: Some(3), memory_bytes: Some((512 << 20) + 1) };
-        assert_eq!(VmShape::for_pod(&config(), &pod).unwrap(), VmShape { vcpus: 3, online: 3, mem: Mib(513 + 256) });
+        assert_eq!(
+            VmShape::for_pod(&config(), &pod).unwrap(),
+            VmShape { vcpus: 3, online: 3, mem: Mib(513 + 256), mem_start: Mib(513 + 256) }
+        );
     }
 
     #[test]
@@ -72,6 +79,15 @@ mod tests {
         assert_eq!((shape.vcpus, shape.online), (4, 2));
         let shape = VmShape::for_pod(&config, &PodResources { cpus: Some(6), memory_bytes: None }).unwrap();
         assert_eq!((shape.vcpus, shape.online), (6, 6), "a pod larger than the headroom keeps its own");
+    }
+
+    #[test]
+    fn memory_to_grow_into_is_there_and_in_the_balloon() {
+        let config = VmSettings { max_memory_mib: Mib(1024), ..config() };
+        let shape = VmShape::for_pod(&config, &PodResources { cpus: None, memory_bytes: Some(128 << 20) }).unwrap();
+        assert_eq!((shape.mem, shape.mem_start), (Mib(1024), Mib(128 + 256)));
+        let shape = VmShape::for_pod(&config, &PodResources { cpus: None, memory_bytes: Some(2 << 30) }).unwrap();
+        assert_eq!((shape.mem, shape.mem_start), (Mib(2048 + 256), Mib(2048 + 256)), "larger than the headroom");
     }
 
     #[test]

@@ -88,7 +88,8 @@ impl TemplateBuilder for VmTemplateBuilder {
             emptydirs: Default::default(),
             oom_score_adj: None,
         };
-        let shape = VmShape { vcpus: inputs.vcpus, online: inputs.vcpus, mem: inputs.memory_mib };
+        let shape =
+            VmShape { vcpus: inputs.vcpus, online: inputs.vcpus, mem: inputs.memory_mib, mem_start: inputs.memory_mib };
         let mut started = Started::default();
         let result = match launch(&self.config, &req, &paths, &mut started, shape, Origin::Template).await {
             Ok(launched) => snapshot(&launched, dir).await,
