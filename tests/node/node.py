@@ -9,6 +9,7 @@ on a cgroup v2 hierarchy, as on an EKS AL2023 node.
 
     node.py run   --out DIR [--timeout S] [--env K=V ...] -- COMMAND...
     node.py tests --out DIR [--timeout S] [--per-binary-timeout S] [--env K=V ...] -- BINARY[::FILTER]...
+      (FILTER: libtest's words, e.g. "_on_bulkhead_vmm --skip some_test")
 
 `run` boots a node, runs COMMAND there (bash -c of the words, in the current directory) and
 powers it off. `tests` runs libtest binaries there, one after the other, each with
@@ -383,7 +384,8 @@ def tests_command(specs, per_binary_timeout, progress):
     for i, spec in enumerate(specs):
         binary, _, filt = spec.partition("::")
         name = os.path.basename(binary)
-        words = [binary, "--test-threads=1", "--show-output"] + ([filt] if filt else [])
+        # FILTER is libtest's words: a name filter, then any `--skip NAME`.
+        words = [binary, "--test-threads=1", "--show-output"] + filt.split()
         # cargo's own header, so the summary script attributes the tests to their binary.
         lines.append(f"echo '     Running {name} ({binary})'")
         lines.append(f"timeout -k 10 {per_binary_timeout} {shlex.join(words)}; rc=$?")
