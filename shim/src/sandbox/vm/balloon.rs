@@ -19,10 +19,20 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// Puts what the VM has beyond the pod's memory into the balloon (nothing without headroom).
 pub async fn hold_headroom(api: &VmmApi, shape: VmShape) -> Result<(), ApiError> {
-    match shape.mem.get().checked_sub(shape.mem_start.get()) {
-        Some(extra) if extra > 0 => api.balloon(Mib(extra)).await,
-        _ => Ok(()),
+    if shape.mem <= shape.mem_start {
+        return Ok(());
     }
+    target(api, shape.mem_start).await.map(drop)
+}
+
+/// Leaves the guest `guest` of the VM's memory, the balloon holding the rest; returns the
+/// balloon's size. The VM's memory is the VMM's word: a VM restored from a template has its
+/// template's, which is rounded up from the pod's (`template::key::memory_bucket`).
+pub async fn target(api: &VmmApi, guest: Mib) -> Result<Mib, ApiError> {
+    let vm = api.info().await?.mem_mib;
+    let balloon = Mib(vm.get().saturating_sub(guest.get()));
+    api.balloon(balloon).await?;
+    Ok(balloon)
 }
 
 /// Waits, at most `within`, until the balloon holds no more than `target`.

@@ -46,7 +46,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bulkhead_protocol::agent as pb;
-use bulkhead_vmm_api::memory::Mib;
 use containerd_shim::protos::types::mount::Mount;
 use nix::sys::signal::Signal;
 use oci_spec::runtime::{LinuxResources, Spec};
@@ -425,8 +424,7 @@ impl Sandbox for VmSandbox {
             info!(container = %container_id, online, "the guest's online vCPUs follow the pod's CPU limits");
         }
         if let Some(guest) = follow.guest {
-            let balloon = Mib(self.ceiling.vm_memory().get().saturating_sub(guest.get()));
-            self.api.balloon(balloon).await?;
+            let balloon = balloon::target(&self.api, guest).await?;
             self.ceiling.guest(guest);
             info!(container = %container_id, guest_mib = guest.get(), balloon_mib = balloon.get(),
                 "the guest's memory follows the pod's memory limits");

@@ -200,11 +200,6 @@ impl ResizeCeiling {
     pub fn guest(&self, mib: Mib) {
         self.now().guest = mib;
     }
-
-    /// The VM's memory (the balloon holds what the guest does not keep).
-    pub fn vm_memory(&self) -> Mib {
-        self.mem
-    }
 }
 
 #[cfg(test)]
