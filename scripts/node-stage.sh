@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 
 # Each entry: an integration test binary and the filter of what runs in the node.
 NODE_TESTS=(
-  # The vCPU resize twin runs in `make test-node` only: in CI at 71916b5 its UpdateContainer hit the
-  # agent's 10 s deadline once (1 of 5 node runs; unexplained, see tests/node/README.md).
+  # The vCPU resize twin runs in `make test-node` only: it is the one test whose guest has two vCPUs, and
+  # such guests stalled in 2 of 11 node runs, once at boot before any vCPU went offline (tests/node/README.md).
   "vm_e2e::_on_bulkhead_vmm --skip vm_pod_vcpus_follow_a_cpu_resize_on_bulkhead_vmm"
   network_e2e::_on_bulkhead_vmm
   emptydir_e2e::_on_bulkhead_vmm
