@@ -35,6 +35,28 @@ pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
     found
 }
 
+/// Resident memory (VmRSS, KiB) of process `pid` and every process below it: a VM's host
+/// footprint, whether the VMM is the pid itself or its jailed child (bulkhead-vmm's waiter, the
+/// stand-in's QEMU).
+pub fn tree_rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("pid {pid}"))?;
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(0);
+    let mut total = rss;
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).with_context(|| format!("pid {pid}'s threads"))?;
+    for task in tasks.flatten() {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
+            // A child that exited meanwhile has no footprint left.
+            total += tree_rss_kib(child).unwrap_or(0);
+        }
+    }
+    Ok(total)
+}
+
 /// Lines of this process's mountinfo that contain `needle`.
 pub fn mounts_with(needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::{self, GuestVmm};
-use bulkhead_integration::host::processes_with;
+use bulkhead_integration::host::{processes_with, tree_rss_kib};
 use bulkhead_integration::images::{self, CONFORMANCE_BIN};
 use bulkhead_integration::vm_env::{console_log, guest_kernel_faults, nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
 use bulkhead_integration::{container_config, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler, Setup};
@@ -493,7 +493,8 @@ async fn vm_pod_memory_follows_a_resize_on_bulkhead_vmm() -> Result<()> {
 /// limit). Its container, limited to 64 MiB, is OOM-killed allocating 150; resized to 200 MiB,
 /// the balloon gives the guest that much more, and the same allocation succeeds; 600 MiB is more
 /// than the VM has and is refused, naming `vm.max_memory_mib`; back to 64 MiB, the balloon takes
-/// the memory back from the guest.
+/// the memory back from the guest, and the VM's resident memory on the host falls by at least 64
+/// of the 150 MiB the guest touched.
 async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
     let settings = "max_memory_mib = 512\n";
     let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, settings).await? else {
@@ -536,12 +537,29 @@ async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
     let grown = total_mib().await?;
     assert!(grown >= 400, "the guest after a resize to 200 MiB (+256 for itself): MemTotal {grown} MiB");
     assert_eq!(sh_in(cri, &app, allocate).await?, "dd-exit=0\n", "150 MiB under a 200 MiB limit");
+    // The 150 MiB the guest touched and freed are now resident on the host.
+    let vmm_pid: u32 =
+        std::fs::read_to_string(env.state_dir.path().join(&pod_id).join("vm/vmm.pid"))?.trim().parse()?;
+    let rss_mib = || anyhow::Ok(tree_rss_kib(vmm_pid)? >> 10);
+    let touched = rss_mib()?;
 
     let err = cri.update_container_resources(&app, memory(600)).await.expect_err("600 MiB in a 512 MiB VM").to_string();
     assert!(err.contains("256 MiB for its containers") && err.contains("vm.max_memory_mib"), "{err}");
 
     cri.update_container_resources(&app, memory(64)).await?;
     until("the balloon taking back what the guest no longer needs", |m| m <= 320).await?;
+    // The pages the balloon took go back to the host: the VM's resident memory falls.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = rss_mib()?;
+        if now + 64 <= touched {
+            println!("{test}: the VM's host RSS fell from {touched} MiB to {now} MiB");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the VM's host RSS after the resize down: {now} MiB, {touched} before");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(sh_in(cri, &app, "echo still-here").await?, "still-here\n", "nothing within 64 MiB was killed");
 
     cri.stop_container(&app, 10).await?;
     assert_eq!(cri.container_status(&app).await?.exit_code, 0, "the TERM trap exits 0");
