@@ -14,6 +14,7 @@ mod mount;
 mod network;
 mod online_cpus;
 mod oom;
+mod pod_userns;
 mod privileges;
 mod process_io;
 mod reaper;

@@ -25,6 +25,7 @@ use crate::{
     host_view,
     mount::GuestMount,
     oom::OomEvents,
+    pod_userns::PodUserns,
     privileges,
     process_io::{ProcessIoSetup, StdioRequest},
     reaper::Reaper,
@@ -78,6 +79,8 @@ pub struct Sandbox {
     /// Ids between reservation and insertion (create in progress), and exec ids likewise.
     reserved: Mutex<HashSet<String>>,
     identity: Mutex<Identity>,
+    /// A hostUsers: false pod's namespaces, from its SetupSandbox on.
+    pod_userns: Mutex<Option<Arc<PodUserns>>>,
     sys: LinuxSyscall,
 }
 
@@ -118,6 +121,7 @@ impl Sandbox {
             containers: Mutex::new(HashMap::new()),
             reserved: Mutex::new(HashSet::new()),
             identity: Mutex::new(Identity::Awaited),
+            pod_userns: Mutex::new(None),
             sys: LinuxSyscall,
         })
     }
@@ -136,19 +140,46 @@ impl Sandbox {
         Ok(Reservation { set: &self.reserved, key })
     }
 
-    pub fn setup(&self, s: &SandboxSettings) -> Result<()> {
+    /// Applies SetupSandbox; says whether the pod has a user namespace of its own.
+    pub fn setup(&self, s: &SandboxSettings) -> Result<bool> {
         let pod_cgroup =
             Path::new(cgroups::ROOT).join(self.cgroup_parent.strip_prefix("/").unwrap_or(&self.cgroup_parent));
         // Held throughout: a second SetupSandbox racing this one must not mount the share twice.
         let mut identity = lock(&self.identity);
         guest_init::apply_setup(s, self.mode, self.network, &self.sys, &dns::pod_file(&self.state_dir), &pod_cgroup)?;
+        let userns = self.setup_pod_userns(s)?;
         // Last, so that a failed setup leaves nothing mounted and can be tried again.
         if *identity == Identity::Awaited {
             crate::shared_fs::mount_shared_dir(self.mode, &self.sys, &crate::shared_fs::kernel_cmdline())
                 .map_err(|e| AgentError::Internal(format!("{e:#}")))?;
         }
         *identity = Identity::Given;
-        Ok(())
+        Ok(userns)
+    }
+
+    /// Makes the pod's user namespace the first time SetupSandbox asks for one; a repeated
+    /// SetupSandbox must ask for the same maps.
+    fn setup_pod_userns(&self, s: &SandboxSettings) -> Result<bool> {
+        if s.uid_mappings.is_empty() && s.gid_mappings.is_empty() {
+            return Ok(lock(&self.pod_userns).is_some());
+        }
+        if self.mode != Mode::Namespace {
+            return Err(AgentError::Unsupported(
+                "a pod user namespace (hostUsers: false) in a VM: not supported by this agent yet".into(),
+            ));
+        }
+        let mut slot = lock(&self.pod_userns);
+        if let Some(made) = slot.as_ref() {
+            return if made.has_maps(&s.uid_mappings, &s.gid_mappings) {
+                Ok(true)
+            } else {
+                Err(AgentError::FailedPrecondition("the pod already has a user namespace with other maps".into()))
+            };
+        }
+        let made = PodUserns::create(&s.uid_mappings, &s.gid_mappings, &s.hostname, &self.reaper)?;
+        tracing::info!(uid_map = ?s.uid_mappings, gid_map = ?s.gid_mappings, "the pod has a user namespace of its own");
+        *slot = Some(Arc::new(made));
+        Ok(true)
     }
 
     /// Brings `count` of the guest's CPUs online (the others offline); returns how many are.
@@ -206,6 +237,23 @@ impl Sandbox {
             dns::point_at_pod_file(&mut spec, &pod_dns);
         }
         let seccomp = spec::take_seccomp(&mut spec)?;
+        let pod_userns = lock(&self.pod_userns).clone();
+        let asks_userns = spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .is_some_and(|list| list.iter().any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User));
+        match &pod_userns {
+            Some(userns) => userns.join(&mut spec, &req.id)?,
+            None if asks_userns => {
+                return Err(AgentError::Unsupported(format!(
+                    "container {} asks for a user namespace its pod does not have (only a pod's own, hostUsers: \
+                     false, is supported)",
+                    req.id
+                )))
+            }
+            None => {}
+        }
         // Declared after the reservation, so the id stays reserved until the undo is done.
         let mut undo = Rollback::default();
         let bundle = self.state_dir.join("bundles").join(&req.id);
@@ -227,7 +275,8 @@ impl Sandbox {
         } else {
             None
         };
-        let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref()).await?;
+        let joined = pod_userns.as_deref().map(PodUserns::inherited).unwrap_or_default();
+        let pid = self.runtime.create(&req.id, &bundle, child_io, laid_out.seccomp_file.as_deref(), &joined).await?;
         if seal_cgroups {
             // Before the container starts: its init waits for Start.
             let sealed = tokio::task::spawn_blocking(move || host_view::seal_cgroup_mounts(pid))
@@ -292,7 +341,11 @@ impl Sandbox {
         }
         let path = bundle::write_exec_process(&c.bundle, exec_id, &process)?;
         let (child_io, pending) = self.io.prepare(&stdio)?;
-        let pid = self.runtime.exec(id, &path, child_io, seccomp_file.as_deref()).await?;
+        // An exec joins its pod's user namespace, if it has one, as its container did.
+        let pod_userns = lock(&self.pod_userns).clone();
+        let joined = pod_userns.as_deref().map(PodUserns::inherited).unwrap_or_default();
+        let pid =
+            self.runtime.exec(id, &path, child_io, seccomp_file.as_deref(), &joined, pod_userns.is_some()).await?;
         let io = self.io.finish(pending, &format!("{id}/{exec_id}")).await?;
         c.add_exec(exec_id, pid, io, &self.reaper);
         tracing::info!(container = id, exec = exec_id, pid, "exec started");

@@ -37,6 +37,12 @@ pub fn server(
     Ok(Server::new().add_listener(Listener::new(incoming)).register_service(create_agent(svc)))
 }
 
+fn id_maps(ms: &[pb::IdMapping]) -> Vec<crate::pod_userns::IdMap> {
+    ms.iter()
+        .map(|m| crate::pod_userns::IdMap { container_id: m.container_id, host_id: m.host_id, size: m.size })
+        .collect()
+}
+
 fn mounts(ms: &[pb::Mount]) -> Vec<GuestMount> {
     ms.iter()
         .map(|m| GuestMount {
@@ -79,7 +85,7 @@ impl Agent for AgentService {
         })
     }
 
-    async fn setup_sandbox(&self, _c: &TtrpcContext, req: pb::SetupSandboxRequest) -> R<pb::Empty> {
+    async fn setup_sandbox(&self, _c: &TtrpcContext, req: pb::SetupSandboxRequest) -> R<pb::SetupSandboxResponse> {
         let mut sysctls: Vec<(String, String)> = req.sysctls.into_iter().collect();
         sysctls.sort();
         let s = SandboxSettings {
@@ -90,6 +96,8 @@ impl Agent for AgentService {
             entropy_seed: req.entropy_seed,
             mounts: mounts(&req.guest_mounts),
             pids_limit: u64::try_from(req.pids_limit).ok().filter(|&limit| limit > 0),
+            uid_mappings: id_maps(&req.uid_mappings),
+            gid_mappings: id_maps(&req.gid_mappings),
         };
         let interfaces = crate::network::parse_interfaces(
             &req.interfaces
@@ -111,7 +119,7 @@ impl Agent for AgentService {
             )
             .into());
         }
-        self.sandbox.setup(&s)?;
+        let pod_user_namespace = self.sandbox.setup(&s)?;
         if !interfaces.is_empty() || !routes.is_empty() || self.sandbox.mode == crate::cli::Mode::Guest {
             crate::network::apply(&interfaces, &routes).await?;
         }
@@ -119,7 +127,7 @@ impl Agent for AgentService {
             let online = self.sandbox.set_online_cpus(req.online_cpus).await?;
             tracing::info!(online, "the pod's CPUs are online");
         }
-        Ok(pb::Empty::default())
+        Ok(pb::SetupSandboxResponse { pod_user_namespace, ..Default::default() })
     }
 
     async fn set_online_cpus(&self, _c: &TtrpcContext, req: pb::SetOnlineCpusRequest) -> R<pb::SetOnlineCpusResponse> {

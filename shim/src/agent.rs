@@ -198,9 +198,13 @@ impl AgentClient {
         ttrpc::context::with_timeout(self.timeouts.rpc.as_nanos() as i64)
     }
 
-    pub async fn setup_sandbox(&self, req: pb::SetupSandboxRequest) -> Result<(), AgentClientError> {
-        self.raw.setup_sandbox(self.ctx(), &req).await.map_err(rpc_err("SetupSandbox"))?;
-        Ok(())
+    /// SetupSandbox; the agent's answer says whether the pod got a user namespace of its own (an
+    /// agent that predates them answers no).
+    pub async fn setup_sandbox(
+        &self,
+        req: pb::SetupSandboxRequest,
+    ) -> Result<pb::SetupSandboxResponse, AgentClientError> {
+        self.raw.setup_sandbox(self.ctx(), &req).await.map_err(rpc_err("SetupSandbox"))
     }
 
     pub async fn destroy_sandbox(&self, grace: Duration) -> Result<(), AgentClientError> {

@@ -53,7 +53,8 @@ pub fn main() {
     }
     if flags.info {
         // Before any action: containerd runs `-info` with no action and the runtime options on stdin.
-        if let Err(e) = runtime_info().and_then(|bytes| {
+        let options = read_info_options();
+        if let Err(e) = runtime_info(&options).and_then(|bytes| {
             let mut out = std::io::stdout();
             out.write_all(&bytes).and_then(|()| out.flush()).context("write runtime info")
         }) {
@@ -105,14 +106,50 @@ fn runtime_for(action: &str) -> std::io::Result<tokio::runtime::Runtime> {
 /// The type URL containerd registers the OCI runtime-spec `features` document under (a JSON value).
 const FEATURES_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/features/Features";
 
-/// `-info`: the runtime's name and version, and the one OCI feature containerd checks a runtime for before it
-/// creates a container (idmapped mounts, for user-namespaced pods): not supported, so such a container fails at
-/// create naming that, rather than with whatever this binary would print without an action.
-fn runtime_info() -> anyhow::Result<Vec<u8>> {
+/// The runtime options containerd writes to `-info`'s stdin (a protobuf `Any`; nothing when the handler has none),
+/// bounded; a terminal is not read.
+fn read_info_options() -> Vec<u8> {
+    use std::io::{IsTerminal, Read};
+    let mut bytes = Vec::new();
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        let _ = stdin.lock().take(1 << 20).read_to_end(&mut bytes);
+    }
+    bytes
+}
+
+/// Whether the handler `-info` describes runs `hostUsers: false` pods: a namespace-backend config, found without
+/// runtime options. containerd 2.x starts a user-namespaced container only on a handler without them: it sets
+/// the console's owner in them as runc's and fails on any other type. The vm backend refuses such pods.
+fn runs_user_namespaces(options: &[u8], config: &Path) -> bool {
+    use containerd_shim::protos::protobuf::Message;
+    let has_options = !options.is_empty()
+        && containerd_shim::protos::protobuf::well_known_types::any::Any::parse_from_bytes(options)
+            .map_or(true, |any| !any.value.is_empty());
+    if has_options {
+        return false;
+    }
+    crate::config::Config::load(config).is_ok_and(|c| c.backend == crate::config::Backend::Namespace)
+}
+
+/// The OCI features document `-info` reports: idmapped mounts (a user-namespaced pod's, which the namespace
+/// backend makes: crate::sandbox::idmap), and the namespaces, `user` only where [`runs_user_namespaces`].
+/// containerd 2.x checks the first before it creates a container with idmapped mounts; from 2.4 CRI reports
+/// both together to kubelet as the handler's user namespace support (2.1 reports none for non-runc runtimes).
+fn features(user_namespaces: bool) -> serde_json::Value {
+    let mut namespaces = vec!["cgroup", "ipc", "mount", "network", "pid", "uts"];
+    if user_namespaces {
+        namespaces.push("user");
+    }
+    serde_json::json!({ "linux": { "namespaces": namespaces, "mountExtensions": { "idmap": { "enabled": true } } } })
+}
+
+/// `-info`: the runtime's name and version, and its [`features`] for the handler whose options are `options`.
+fn runtime_info(options: &[u8]) -> anyhow::Result<Vec<u8>> {
     use containerd_shim::protos::protobuf::well_known_types::any::Any;
     use containerd_shim::protos::protobuf::Message;
     use containerd_shim::protos::types::introspection::{RuntimeInfo, RuntimeVersion};
-    let features = serde_json::json!({ "linux": { "mountExtensions": { "idmap": { "enabled": false } } } });
+    let features = features(runs_user_namespaces(options, &crate::config::config_path(None)));
     let info = RuntimeInfo {
         name: RUNTIME_ID.into(),
         version: Some(RuntimeVersion { version: env!("CARGO_PKG_VERSION").into(), ..Default::default() }).into(),
@@ -306,12 +343,35 @@ mod tests {
     use containerd_shim::protos::types::introspection::RuntimeInfo;
 
     #[test]
-    fn info_names_the_runtime_and_says_idmapped_mounts_are_unsupported() {
-        let info = RuntimeInfo::parse_from_bytes(&runtime_info().unwrap()).unwrap();
+    fn info_names_the_runtime_and_says_idmapped_mounts_are_supported() {
+        let info = RuntimeInfo::parse_from_bytes(&runtime_info(&[]).unwrap()).unwrap();
         assert_eq!(info.name, RUNTIME_ID);
         assert_eq!(info.version.version, env!("CARGO_PKG_VERSION"));
         assert_eq!(info.features.type_url, FEATURES_TYPE_URL);
         let features: serde_json::Value = serde_json::from_slice(&info.features.value).unwrap();
-        assert_eq!(features.pointer("/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(false)));
+        assert_eq!(features.pointer("/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(true)));
+    }
+
+    #[test]
+    fn only_a_namespace_backend_handler_without_options_claims_user_namespaces() {
+        let names = |f: serde_json::Value| f["linux"]["namespaces"].as_array().unwrap().len();
+        assert_eq!((names(features(false)), names(features(true))), (6, 7));
+        assert_eq!(features(true)["linux"]["namespaces"][6], "user");
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("bulkhead.toml");
+        let claims = |toml: &str, options: &[u8]| {
+            std::fs::write(&config, toml).unwrap();
+            runs_user_namespaces(options, &config)
+        };
+        assert!(claims("backend = \"namespace\"\n", &[]));
+        assert!(!claims("backend = \"vm\"\n", &[]), "the vm backend refuses them");
+        assert!(!claims("not toml [", &[]), "an unreadable config claims nothing");
+        let any = containerd_shim::protos::protobuf::well_known_types::any::Any {
+            type_url: "runtimeoptions.v1.Options".into(),
+            value: vec![0x12, 0x01, b'x'],
+            ..Default::default()
+        };
+        let options = any.write_to_bytes().unwrap();
+        assert!(!claims("backend = \"namespace\"\n", &options), "containerd fails them on a handler with options");
     }
 }

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{Hooks, LinuxNamespace, LinuxNamespaceType, Process, Spec};
+use oci_spec::runtime::{Hooks, LinuxIdMapping, LinuxNamespace, LinuxNamespaceType, Process, Spec};
 
 use crate::annotations::{
     CONTAINER_TYPE, EMPTYDIR_SIZE_LIMITS, SANDBOX_CPU_PERIOD, SANDBOX_CPU_QUOTA, SANDBOX_ID, SANDBOX_LOG_DIRECTORY,
@@ -28,6 +28,14 @@ pub struct PodResources {
     pub cpus: Option<u64>,
     /// The pod's memory limit in bytes.
     pub memory_bytes: Option<u64>,
+}
+
+/// A `hostUsers: false` pod's id maps, as its sandbox spec gives them (`linux.uidMappings`,
+/// `linux.gidMappings`; containerd writes one line of each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodIdMaps {
+    pub uid: Vec<LinuxIdMapping>,
+    pub gid: Vec<LinuxIdMapping>,
 }
 
 /// Upper bound for a bundle's config.json.
@@ -200,18 +208,60 @@ impl BundleSpec {
         // cgroup v2 host (EKS AL2023), and the namespace backend's agent makes it below the
         // container's cgroup as runc does (refusing it failed every container on such a host).
         use LinuxNamespaceType::{Time, User};
-        let refused: &[LinuxNamespaceType] = &[User, Time];
         for (typ, _) in self.namespaces() {
-            if refused.contains(&typ) {
-                // A pod that asked for its own user namespace must never run in the host's.
-                let what = if typ == User { "a pod user namespace (hostUsers: false) is " } else { "" };
+            if typ == Time {
                 return Err(unsupported(
-                    format!("linux.namespaces[type={}]", oci_name(typ)),
-                    format!("{what}not supported by the bulkhead {} backend yet", backend.as_str()),
+                    "linux.namespaces[type=time]",
+                    format!("not supported by the bulkhead {} backend yet", backend.as_str()),
                 ));
+            }
+            // A pod that asked for its own user namespace must never run in the host's.
+            if typ == User && backend != Backend::Namespace {
+                return Err(unsupported(
+                    "linux.namespaces[type=user]",
+                    format!(
+                        "a pod user namespace (hostUsers: false) is not supported by the bulkhead {} backend yet",
+                        backend.as_str()
+                    ),
+                ));
+            }
+            if typ == User {
+                self.id_maps()?;
             }
         }
         Ok(())
+    }
+
+    /// `linux.uidMappings` and `linux.gidMappings`, which a user namespace needs: both present,
+    /// and none onto the host's root (the agent checks the rest).
+    fn id_maps(&self) -> Result<PodIdMaps, SpecError> {
+        let linux = self.spec.linux().as_ref();
+        let uid = linux.and_then(|l| l.uid_mappings().clone()).unwrap_or_default();
+        let gid = linux.and_then(|l| l.gid_mappings().clone()).unwrap_or_default();
+        for (field, map) in [("linux.uidMappings", &uid), ("linux.gidMappings", &gid)] {
+            if map.is_empty() {
+                return Err(unsupported(field, "a pod user namespace (hostUsers: false) needs the pod's id maps"));
+            }
+            if let Some(m) = map.iter().find(|m| m.host_id() == 0) {
+                return Err(unsupported(
+                    field,
+                    format!(
+                        "{} {} {} maps onto the host's root, which a pod with hostUsers: false must never be",
+                        m.container_id(),
+                        m.host_id(),
+                        m.size()
+                    ),
+                ));
+            }
+        }
+        Ok(PodIdMaps { uid, gid })
+    }
+
+    /// The id maps of the pod's own user namespace, if this sandbox spec asks for one (checked by
+    /// [`Self::validate_sandbox`]).
+    pub fn pod_id_maps(&self) -> Result<Option<PodIdMaps>, SpecError> {
+        let asks = self.namespaces().iter().any(|(typ, _)| *typ == LinuxNamespaceType::User);
+        asks.then(|| self.id_maps()).transpose()
     }
 
     /// Checks a sandbox spec and returns the pod network namespace to join (`None`: host).
@@ -232,7 +282,9 @@ impl BundleSpec {
             ));
         }
         for (typ, path) in &namespaces {
-            if *typ != LinuxNamespaceType::Network && path.is_some() {
+            // containerd 2.x pins a hostUsers: false pod's user namespace itself and names it here;
+            // the agent makes the pod's own with the same maps (crate::sandbox::idmap).
+            if !matches!(typ, LinuxNamespaceType::Network | LinuxNamespaceType::User) && path.is_some() {
                 return Err(unsupported(
                     format!("linux.namespaces[type={}].path", oci_name(*typ)),
                     "a sandbox can only join an existing network namespace",
@@ -259,6 +311,13 @@ impl BundleSpec {
             let mut kept = Vec::with_capacity(list.len());
             for ns in list.drain(..) {
                 match ns_path(&ns) {
+                    // The pod's user namespace is the agent's (containerd names the one it pinned):
+                    // the agent joins the container to it, and refuses one its pod does not have.
+                    Some(_) if ns.typ() == LinuxNamespaceType::User => {
+                        let mut ns = ns;
+                        ns.set_path(None);
+                        kept.push(ns);
+                    }
                     None => kept.push(ns),
                     Some(path) if points_at_sandbox(path, sandbox_pid, ns.typ()) => {}
                     Some(path) => {
@@ -604,14 +663,48 @@ mod tests {
         for backend in [Backend::Vm, Backend::Namespace] {
             assert_eq!(namespaces(&c.translate_container(42, backend).unwrap()), vec![(Cgroup, None)]);
         }
-        for typ in ["user", "time"] {
-            for backend in [Backend::Vm, Backend::Namespace] {
-                let s = spec(json!({"linux": {"namespaces": [{"type": typ}]}}));
-                let err = s.validate_sandbox(backend).unwrap_err().to_string();
-                assert!(err.contains(&format!("type={typ}")), "{err}");
-                assert!(s.translate_container(42, backend).is_err());
-            }
+        for backend in [Backend::Vm, Backend::Namespace] {
+            let s = spec(json!({"linux": {"namespaces": [{"type": "time"}]}}));
+            let err = s.validate_sandbox(backend).unwrap_err().to_string();
+            assert!(err.contains("type=time"), "{err}");
+            assert!(s.translate_container(42, backend).is_err());
         }
+    }
+
+    /// A hostUsers: false pod's sandbox spec as containerd 2.1 writes it: the user namespace it pinned, by path,
+    /// and the pod's maps; its containers' name the same path.
+    fn userns_spec(maps: serde_json::Value) -> serde_json::Value {
+        json!({
+            "process": process(&["sh"]),
+            "linux": {
+                "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "user", "path": "/run/containerd/userns/x"}],
+                "uidMappings": maps, "gidMappings": maps
+            }
+        })
+    }
+
+    #[test]
+    fn a_pod_user_namespace_runs_on_the_namespace_backend_only_and_never_as_host_root() {
+        let maps = json!([{"containerID": 0, "hostID": 65536, "size": 65536}]);
+        let s = spec(userns_spec(maps.clone()));
+        assert!(s.validate_sandbox(Backend::Namespace).is_ok());
+        let pod = s.pod_id_maps().unwrap().unwrap();
+        assert_eq!((pod.uid[0].host_id(), pod.gid[0].size()), (65536, 65536));
+        assert_eq!(sandbox_spec().pod_id_maps().unwrap(), None);
+        let err = s.validate_sandbox(Backend::Vm).unwrap_err().to_string();
+        assert!(err.contains("type=user") && err.contains("hostUsers: false") && err.contains("vm backend"), "{err}");
+        // A container keeps the user namespace without containerd's path: the agent joins it to the pod's.
+        let c = s.translate_container(42, Backend::Namespace).unwrap();
+        assert_eq!(namespaces(&c), vec![(Pid, None), (Ipc, None), (LinuxNamespaceType::User, None)]);
+        assert!(s.translate_container(42, Backend::Vm).is_err());
+
+        let root = spec(userns_spec(json!([{"containerID": 0, "hostID": 0, "size": 65536}])));
+        let err = root.validate_sandbox(Backend::Namespace).unwrap_err().to_string();
+        assert!(err.contains("linux.uidMappings") && err.contains("host's root"), "{err}");
+        let mut none = userns_spec(maps);
+        none["linux"]["gidMappings"] = json!([]);
+        let err = spec(none).validate_sandbox(Backend::Namespace).unwrap_err().to_string();
+        assert!(err.contains("linux.gidMappings") && err.contains("needs the pod's id maps"), "{err}");
     }
 
     #[test]

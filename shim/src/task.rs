@@ -179,6 +179,7 @@ impl TaskService {
         stdio: Stdio,
     ) -> Result<Container, TaskError> {
         let netns = spec.validate_sandbox(config.backend)?;
+        let id_maps = spec.pod_id_maps()?;
         // Before anything starts: a bad size-limit annotation fails the pod here, naming it.
         let emptydirs = crate::sandbox::emptydir::EmptyDirPolicy::for_pod(&config.emptydir, spec)?;
         let resolv_conf = crate::network::dns::pod_resolv_conf(spec).map_err(|e| TaskError::Internal(e.to_string()))?;
@@ -208,6 +209,7 @@ impl TaskService {
                     log_dir: spec.log_directory(),
                     emptydirs,
                     oom_score_adj: spec.oom_score_adj(),
+                    id_maps: id_maps.clone(),
                 },
             )
             .await?;
@@ -218,10 +220,26 @@ impl TaskService {
             resolv_conf,
             ..Default::default()
         };
+        if let Some(maps) = &id_maps {
+            setup.uid_mappings = maps.uid.iter().map(id_mapping).collect();
+            setup.gid_mappings = maps.gid.iter().map(id_mapping).collect();
+        }
         sandbox.guest_setup(&mut setup);
-        if let Err(e) = agent.setup_sandbox(setup).await {
-            let _ = sandbox.destroy().await;
-            return Err(e.into());
+        match agent.setup_sandbox(setup).await {
+            // An agent that does not know pod user namespaces would run the pod as the host's ids.
+            Ok(answer) if id_maps.is_some() && !answer.pod_user_namespace => {
+                let _ = sandbox.destroy().await;
+                return Err(TaskError::FailedPrecondition(
+                    "the agent did not give the hostUsers: false pod a user namespace (an agent older than the \
+                     shim?); the pod is not started"
+                        .into(),
+                ));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let _ = sandbox.destroy().await;
+                return Err(e.into());
+            }
         }
         *slot = PodSandbox::Running(sandbox.clone());
         drop(slot);
@@ -523,6 +541,11 @@ impl TaskService {
             .await
             .ok_or_else(|| TaskError::FailedPrecondition(format!("the pod sandbox {id} is not running")))
     }
+}
+
+/// One line of a pod's id map as the agent takes it.
+fn id_mapping(m: &oci_spec::runtime::LinuxIdMapping) -> pb::IdMapping {
+    pb::IdMapping { container_id: m.container_id(), host_id: m.host_id(), size: m.size(), ..Default::default() }
 }
 
 fn delete_response(state: ProcessState) -> DeleteResponse {

@@ -61,8 +61,8 @@ impl Agent for FakeAgent {
     async fn version(&self, _: &Ctx, _: pb::VersionRequest) -> ttrpc::Result<pb::VersionResponse> {
         Ok(pb::VersionResponse { protocol_version: PROTOCOL_VERSION, mode: "fake".into(), ..Default::default() })
     }
-    async fn setup_sandbox(&self, _: &Ctx, _: pb::SetupSandboxRequest) -> ttrpc::Result<pb::Empty> {
-        Ok(pb::Empty::default())
+    async fn setup_sandbox(&self, _: &Ctx, _: pb::SetupSandboxRequest) -> ttrpc::Result<pb::SetupSandboxResponse> {
+        Ok(pb::SetupSandboxResponse::default())
     }
     async fn create_container(
         &self,

@@ -19,6 +19,9 @@ pub struct SandboxSettings {
     pub mounts: Vec<GuestMount>,
     /// The pod's pids limit for the parent of every container cgroup; `None` is unlimited.
     pub pids_limit: Option<u64>,
+    /// A hostUsers: false pod's uid and gid maps (crate::pod_userns); both empty: none.
+    pub uid_mappings: Vec<crate::pod_userns::IdMap>,
+    pub gid_mappings: Vec<crate::pod_userns::IdMap>,
 }
 
 const MAX_RESOLV_CONF: usize = 64 << 10;
@@ -194,6 +197,7 @@ mod tests {
                 options: vec!["ro".into()],
             }],
             pids_limit: Some(1024),
+            ..Default::default()
         }
     }
 

@@ -59,6 +59,10 @@ pub enum HelperCmd {
         common: Common,
         #[arg(long)]
         process: PathBuf,
+        /// The exec's process enters its container's user namespace (a hostUsers: false pod's)
+        /// last ([`enter_user_namespace`]).
+        #[arg(long)]
+        join_user_namespace: bool,
     },
 }
 
@@ -82,8 +86,8 @@ pub fn main(op: HelperOp) -> ExitCode {
             let r = create(&common, bundle);
             (common, r)
         }
-        HelperCmd::Exec { common, process } => {
-            let r = exec(&common, process);
+        HelperCmd::Exec { common, process, join_user_namespace } => {
+            let r = exec(&common, process, join_user_namespace);
             (common, r)
         }
     };
@@ -99,7 +103,7 @@ pub fn main(op: HelperOp) -> ExitCode {
     code
 }
 
-fn builder(c: &Common) -> Result<ContainerBuilder, String> {
+fn builder(c: &Common, join_user_namespace: bool) -> Result<ContainerBuilder, String> {
     let mut b = ContainerBuilder::new(c.id.clone(), SyscallType::Linux)
         .with_root_path(&c.root)
         .map_err(|e| e.to_string())?
@@ -110,26 +114,34 @@ fn builder(c: &Common) -> Result<ContainerBuilder, String> {
         let (i, o, e) = unsafe { (OwnedFd::from_raw_fd(3), OwnedFd::from_raw_fd(4), OwnedFd::from_raw_fd(5)) };
         b = b.with_stdin(i).with_stdout(o).with_stderr(e);
     }
+    let mut filters = Vec::new();
     if let Some(path) = &c.seccomp {
         let bytes = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
         if bytes.len() > crate::seccomp::MAX_FILTERS * (4 + crate::seccomp::MAX_INSNS * 8) {
             return Err("compiled seccomp file too large".into());
         }
-        let filters = crate::seccomp::decode(&bytes).map_err(|e| e.to_string())?;
-        b = b.with_executor(SeccompExecutor { filters: std::sync::Arc::new(filters) });
+        filters = crate::seccomp::decode(&bytes).map_err(|e| e.to_string())?;
+    }
+    if !filters.is_empty() || join_user_namespace {
+        b = b.with_executor(WorkloadExecutor { filters: std::sync::Arc::new(filters), join_user_namespace });
     }
     Ok(b)
 }
 
-/// Installs the container's seccomp filters, then runs the workload as libcontainer would.
-/// Runs in the container init after capabilities are dropped and no_new_privs is set.
+/// Enters the container's user namespace if asked, installs the container's seccomp
+/// filters, then runs the workload as libcontainer would. Runs in the container's process after
+/// libcontainer set its ids and capabilities and no_new_privs.
 #[derive(Clone)]
-struct SeccompExecutor {
+struct WorkloadExecutor {
     filters: std::sync::Arc<Vec<seccompiler::BpfProgram>>,
+    join_user_namespace: bool,
 }
 
-impl Executor for SeccompExecutor {
+impl Executor for WorkloadExecutor {
     fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
+        if self.join_user_namespace {
+            enter_user_namespace(spec).map_err(|e| ExecutorError::Other(format!("pod user namespace: {e}")))?;
+        }
         for f in self.filters.iter() {
             seccompiler::apply_filter(f).map_err(|e| ExecutorError::Other(format!("seccomp: {e}")))?;
         }
@@ -141,8 +153,68 @@ impl Executor for SeccompExecutor {
     }
 }
 
+/// Moves an exec's process into its container's user namespace (a hostUsers: false pod's),
+/// which libcontainer 0.7 never joins an exec to (crate::pod_userns): the process is still in the
+/// agent's user namespace as the pod's owner, which may enter it, and already in the container's
+/// PID and mount namespaces, where /proc/1 is the container's init (a container of such a pod
+/// has a PID namespace of its own). Entering gives it every
+/// capability there and resets its bounding set, so the spec's user and capabilities are set
+/// again inside: bounding and inheritable first (with CAP_SETPCAP), then the ids (caps kept
+/// across them), then effective, permitted and ambient.
+fn enter_user_namespace(spec: &Spec) -> Result<(), String> {
+    use caps::{CapSet, CapsHashSet};
+    use libcontainer::capabilities::CapabilityExt;
+    use nix::unistd::{Gid, Uid};
+    let ns = std::fs::File::open("/proc/1/ns/user").map_err(|e| format!("open the init's: {e}"))?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWUSER).map_err(|e| format!("setns: {e}"))?;
+    let process = spec.process().as_ref().ok_or("the spec has no process")?;
+    let wanted = process.capabilities().as_ref();
+    let set_of = |pick: fn(&oci_spec::runtime::LinuxCapabilities) -> &Option<oci_spec::runtime::Capabilities>| {
+        wanted.and_then(|c| pick(c).as_ref()).map(|s| s.iter().map(|c| c.to_cap()).collect()).unwrap_or_default()
+    };
+    let (bounding, inheritable, permitted, effective, ambient): (
+        CapsHashSet,
+        CapsHashSet,
+        CapsHashSet,
+        CapsHashSet,
+        CapsHashSet,
+    ) = (
+        set_of(|c| c.bounding()),
+        set_of(|c| c.inheritable()),
+        set_of(|c| c.permitted()),
+        set_of(|c| c.effective()),
+        set_of(|c| c.ambient()),
+    );
+    fn err(what: &'static str) -> impl Fn(caps::errors::CapsError) -> String {
+        move |e| format!("{what}: {e}")
+    }
+    for cap in caps::all() {
+        if !bounding.contains(&cap) {
+            caps::drop(None, CapSet::Bounding, cap).map_err(err("drop from the bounding set"))?;
+        }
+    }
+    caps::set(None, CapSet::Inheritable, &inheritable).map_err(err("inheritable"))?;
+    let user = process.user();
+    // SAFETY: prctl with PR_SET_KEEPCAPS only sets a flag of this thread.
+    unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) };
+    let groups: Vec<Gid> = user.additional_gids().iter().flatten().map(|g| Gid::from_raw(*g)).collect();
+    nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
+    let (gid, uid) = (Gid::from_raw(user.gid()), Uid::from_raw(user.uid()));
+    nix::unistd::setresgid(gid, gid, gid).map_err(|e| format!("setresgid {gid}: {e}"))?;
+    nix::unistd::setresuid(uid, uid, uid).map_err(|e| format!("setresuid {uid}: {e}"))?;
+    // SAFETY: as above.
+    unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) };
+    // Effective first: it must stay within permitted at every step.
+    caps::set(None, CapSet::Effective, &effective).map_err(err("effective"))?;
+    caps::set(None, CapSet::Permitted, &permitted).map_err(err("permitted"))?;
+    for cap in &ambient {
+        caps::raise(None, CapSet::Ambient, *cap).map_err(err("ambient"))?;
+    }
+    Ok(())
+}
+
 fn create(c: &Common, bundle: PathBuf) -> Result<i32, String> {
-    let container = builder(c)?
+    let container = builder(c, false)?
         .validate_id()
         .map_err(|e| e.to_string())?
         .as_init(bundle)
@@ -153,8 +225,8 @@ fn create(c: &Common, bundle: PathBuf) -> Result<i32, String> {
     container.pid().map(|p| p.as_raw()).ok_or_else(|| "libcontainer create returned no pid".to_owned())
 }
 
-fn exec(c: &Common, process: PathBuf) -> Result<i32, String> {
-    let pid = builder(c)?
+fn exec(c: &Common, process: PathBuf, join_user_namespace: bool) -> Result<i32, String> {
+    let pid = builder(c, join_user_namespace)?
         .as_tenant()
         .with_process(Some(process))
         .with_detach(true)

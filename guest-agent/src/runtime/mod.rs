@@ -6,7 +6,7 @@ pub mod helper;
 
 use std::{
     os::{
-        fd::{AsRawFd, OwnedFd},
+        fd::{AsRawFd, OwnedFd, RawFd},
         unix::process::CommandExt,
     },
     path::{Path, PathBuf},
@@ -48,16 +48,39 @@ impl Runtime {
         Ok(Self { root, exe, reaper })
     }
 
-    pub async fn create(&self, id: &str, bundle: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
+    /// Creates container `id` from `bundle`; its helper first enters the namespaces `join` holds
+    /// (a pod's own IPC and UTS namespaces, crate::pod_userns), so the container inherits them.
+    pub async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        io: ChildIo,
+        seccomp: Option<&Path>,
+        join: &[RawFd],
+    ) -> Result<i32> {
         let result = bundle.join("create-result.json");
         let args = vec!["create".into(), "--bundle".into(), bundle.display().to_string()];
-        self.run_helper(id, args, seccomp, &result, io).await
+        self.run_helper(id, args, seccomp, &result, io, join).await
     }
 
-    pub async fn exec(&self, id: &str, process_json: &Path, io: ChildIo, seccomp: Option<&Path>) -> Result<i32> {
+    /// Execs `process_json` in container `id`; its helper first enters the namespaces `join` holds
+    /// (a pod's own IPC and UTS namespaces), and its process the container's user namespace if
+    /// `join_user_namespace` (crate::pod_userns).
+    pub async fn exec(
+        &self,
+        id: &str,
+        process_json: &Path,
+        io: ChildIo,
+        seccomp: Option<&Path>,
+        join: &[RawFd],
+        join_user_namespace: bool,
+    ) -> Result<i32> {
         let result = process_json.with_extension("result.json");
-        let args = vec!["exec".into(), "--process".into(), process_json.display().to_string()];
-        self.run_helper(id, args, seccomp, &result, io).await
+        let mut args = vec!["exec".into(), "--process".into(), process_json.display().to_string()];
+        if join_user_namespace {
+            args.push("--join-user-namespace".into());
+        }
+        self.run_helper(id, args, seccomp, &result, io, join).await
     }
 
     async fn run_helper(
@@ -67,6 +90,7 @@ impl Runtime {
         seccomp: Option<&Path>,
         result: &Path,
         io: ChildIo,
+        join: &[RawFd],
     ) -> Result<i32> {
         let _ = std::fs::remove_file(result);
         if let Some(s) = seccomp {
@@ -109,6 +133,21 @@ impl Runtime {
                         Ok(())
                     });
                 }
+            }
+        }
+        if !join.is_empty() {
+            let join = join.to_vec();
+            // SAFETY: only setns (a syscall) runs between fork and exec; the descriptors are the
+            // caller's, open until spawn returns.
+            unsafe {
+                cmd.pre_exec(move || {
+                    for fd in &join {
+                        if libc::setns(*fd, 0) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
             }
         }
         let child = cmd.spawn().map_err(|e| AgentError::internal("spawn libcontainer helper", e))?;

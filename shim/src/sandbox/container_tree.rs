@@ -19,6 +19,7 @@ use nix::mount::{mount, MsFlags};
 use oci_spec::runtime::{Mount as SpecMount, Spec};
 use tracing::warn;
 
+use super::idmap::{take_mount_maps, IdmapUserns};
 use super::mounts::{
     bind_source, flags_only, io, is_bind, make_point, mount_err, mounts_below, options_of, remove_mount_points,
     unmount_all, MountError,
@@ -35,6 +36,8 @@ pub struct Volume<'a> {
     pub target: &'a Path,
     /// Its fstab-style options (`rbind`, `ro`, propagation).
     pub options: &'a [String],
+    /// Bound idmapped with the pod's maps (a user-namespaced pod's: [`super::idmap`]).
+    pub idmap: bool,
 }
 
 /// How a backend binds into the tree.
@@ -52,6 +55,12 @@ pub trait Binder {
 
     /// Binds `volume`'s source at its target.
     fn volume(&self, id: &str, volume: &Volume<'_>) -> Result<(), MountError>;
+
+    /// The pod's id-map user namespace, if the pod has a user namespace of its own and the
+    /// backend idmaps its mounts (none by default: a mount with id maps is refused).
+    fn idmap_userns(&self) -> Option<&IdmapUserns> {
+        None
+    }
 
     /// Where a bind mount the backend serves by other means points instead of at a volume of
     /// the tree (none by default).
@@ -131,6 +140,7 @@ impl ContainerTree {
                 if !is_bind(m) {
                     continue;
                 }
+                let idmap = take_mount_maps(binder.idmap_userns(), m)?;
                 if let Some(own) = binder.own_source(m) {
                     m.set_source(Some(own));
                     continue;
@@ -138,7 +148,7 @@ impl ContainerTree {
                 let (source, is_dir) = bind_source(index, m)?;
                 let target = volumes.join(index.to_string());
                 make_point(&target, !is_dir)?;
-                let volume = Volume { index, source: &source, is_dir, target: &target, options: options_of(m) };
+                let volume = Volume { index, source: &source, is_dir, target: &target, options: options_of(m), idmap };
                 binder.volume(id, &volume)?;
                 m.set_source(Some(seen.join("volumes").join(index.to_string())));
             }

@@ -12,6 +12,7 @@ pub mod cgroup_stats;
 pub mod cgroups;
 pub mod container_tree;
 pub mod emptydir;
+pub mod idmap;
 pub mod launcher;
 pub mod mounts;
 pub mod namespace;
@@ -99,6 +100,9 @@ pub struct SandboxRequest {
     /// The sandbox process's OOM score adjustment (the pause container's, for the `namespace`
     /// backend's agent), from the sandbox spec.
     pub oom_score_adj: Option<i32>,
+    /// A `hostUsers: false` pod's id maps (namespace backend only): its containers' rootfs and
+    /// volumes are mounted idmapped with them.
+    pub id_maps: Option<crate::spec::PodIdMaps>,
 }
 
 /// What the agent gets for a new container: its rootfs at `rootfs_path` (in the agent's view)

@@ -29,6 +29,8 @@ pub enum MountError {
     Spec { index: usize, reason: String },
     #[error("mount point {destination} in the read-only rootfs: {reason}")]
     MountPoint { destination: String, reason: String },
+    #[error(transparent)]
+    Idmap(#[from] super::idmap::IdmapError),
 }
 
 pub fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> MountError {

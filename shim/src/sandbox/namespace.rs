@@ -91,11 +91,27 @@ impl NamespaceSandbox {
         // A leftover of an earlier crashed attempt must not confuse this one.
         cleanup(&paths).await;
         paths.create_dir().map_err(io(format!("create {}", paths.dir.display())))?;
+        // A hostUsers: false pod's containers' mounts are idmapped with its maps (the agent makes
+        // the pod's user namespace itself, at SetupSandbox).
+        let userns = match req.id_maps.as_ref().map(super::idmap::IdmapUserns::new).transpose() {
+            Ok(userns) => userns.map(Arc::new),
+            Err(e) => {
+                cleanup(&paths).await;
+                return Err(SandboxError::Setup(e.to_string()));
+            }
+        };
         // Before the launcher: the agent's mount namespace must copy these to receive later mounts.
-        let mounts = PodMounts::new(&paths);
+        let mounts = PodMounts::new(&paths, userns);
         if let Err(e) = mounts.create() {
             cleanup(&paths).await;
             return Err(SandboxError::Setup(format!("pod mounts: {e}")));
+        }
+        if let Some(maps) = &req.id_maps {
+            // The containers' init opens its mounts' sources as the pod's root.
+            if let Err(e) = super::idmap::open_to_pod_root(maps, &[&paths.dir, &paths.rootfs_dir()]) {
+                cleanup(&paths).await;
+                return Err(SandboxError::Setup(e.to_string()));
+            }
         }
         // Before the agent (and so any container) runs; host-network pods are the node's network.
         if let (Some(netns), MetadataAccess::Blocked) = (&req.netns, MetadataAccess::from_config(&config.network)) {

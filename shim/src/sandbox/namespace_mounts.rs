@@ -40,8 +40,9 @@
 //! capability is without a VM). Removal unmounts, then removes only the empty mount points it
 //! made.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use containerd_shim::protos::types::mount::Mount;
 use nix::errno::Errno;
@@ -50,6 +51,7 @@ use nix::NixPath;
 use oci_spec::runtime::Spec;
 
 use super::container_tree::{Binder, ContainerTree, Volume};
+use super::idmap::{take_rootfs_maps, IdmapError, IdmapUserns, RootfsIdmap};
 use super::mounts::{bind_propagation, mount_err, mount_rootfs, MountError};
 use super::paths::PodPaths;
 
@@ -60,14 +62,16 @@ fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T,
 
 /// Clones the mount at `source` (with everything below it if `recursive`) as a detached tree,
 /// gives it `propagation` (`MS_PRIVATE` or `MS_SLAVE`: a clone joins its source's peer group)
-/// and nodev, makes it read-only if asked, and attaches it at `target`, so that it is born with
-/// its flags and every propagated copy has them (module docs).
+/// and nodev, makes it read-only if asked and idmapped with the maps of user namespace `idmap`
+/// if given, and attaches it at `target`, so that it is born with its flags and every propagated
+/// copy has them (module docs).
 fn attach_clone(
     source: &Path,
     target: &Path,
     recursive: bool,
     read_only: bool,
     propagation: MsFlags,
+    idmap: Option<BorrowedFd<'_>>,
 ) -> Result<(), Errno> {
     let rec = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
     let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | rec;
@@ -80,9 +84,14 @@ fn attach_clone(
     // SAFETY: open_tree just returned this descriptor; nothing else owns it.
     let tree = unsafe { OwnedFd::from_raw_fd(fd) };
     {
-        let attr_set = libc::MOUNT_ATTR_NODEV | if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
+        let mut attr_set = libc::MOUNT_ATTR_NODEV | if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
+        let mut userns_fd = 0;
+        if let Some(fd) = idmap {
+            attr_set |= libc::MOUNT_ATTR_IDMAP;
+            userns_fd = u64::try_from(fd.as_raw_fd()).map_err(|_| Errno::EBADF)?;
+        }
         let propagation = (propagation & (MsFlags::MS_PRIVATE | MsFlags::MS_SLAVE)).bits();
-        let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd: 0 };
+        let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd };
         let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
         // SAFETY: mount_setattr(2) on our detached tree's descriptor, an empty path (a static
         // C string), and a mount_attr of the size passed, which outlives the call.
@@ -115,13 +124,53 @@ fn attach_clone(
     Errno::result(rc).map(drop)
 }
 
-/// How the namespace backend binds: detached clones, born with their flags.
-struct CloneBinder;
+/// How the namespace backend binds: detached clones, born with their flags, idmapped with the
+/// pod's maps for a user-namespaced pod (crate::sandbox::idmap).
+struct CloneBinder<'a> {
+    userns: Option<&'a IdmapUserns>,
+    /// Host-only: where an idmapped rootfs's layers are bound while its overlay is mounted.
+    scratch: &'a Path,
+}
 
-impl Binder for CloneBinder {
+impl CloneBinder<'_> {
+    /// Mounts one of containerd's rootfs mounts that carries the pod's id maps (`uidmap=`,
+    /// `gidmap=`): a bind idmapped, or an overlay on idmapped lower layers (crate::sandbox::idmap).
+    fn idmapped_rootfs(&self, id: &str, m: &Mount, options: Vec<String>, rootfs: &Path) -> Result<(), MountError> {
+        let userns = self.userns.map(IdmapUserns::fd);
+        let what = format!("rootfs {} ({}), idmapped", m.source, m.type_);
+        match m.type_.as_str() {
+            "bind" => {
+                let recursive = options.iter().any(|o| o == "rbind");
+                let read_only = options.iter().any(|o| o == "ro");
+                attach_clone(Path::new(&m.source), rootfs, recursive, read_only, MsFlags::MS_PRIVATE, userns)
+                    .map_err(mount_err(what, rootfs))
+            }
+            "overlay" => {
+                let at = self.scratch.join(id);
+                let plan = RootfsIdmap::plan(&options, &at)?;
+                std::fs::create_dir_all(&at).map_err(super::mounts::io("create", &at))?;
+                let result = attach_clone(&plan.source, &at, false, true, MsFlags::MS_PRIVATE, userns)
+                    .map_err(mount_err(format!("{what}: its layers"), &at))
+                    .and_then(|()| {
+                        let overlay = Mount { options: plan.options.clone(), ..m.clone() };
+                        mount_rootfs(&[overlay], rootfs, MsFlags::MS_NODEV)
+                    });
+                // The overlay holds the layers it uses; the bind of their directory may go.
+                let _ = nix::mount::umount2(&at, nix::mount::MntFlags::MNT_DETACH);
+                let _ = std::fs::remove_dir(&at);
+                result
+            }
+            other => Err(MountError::Idmap(IdmapError::Malformed(format!(
+                "an idmapped rootfs of type {other:?}: only bind and overlay are"
+            )))),
+        }
+    }
+}
+
+impl Binder for CloneBinder<'_> {
     fn rootfs(
         &self,
-        _id: &str,
+        id: &str,
         bundle_rootfs: &Path,
         mounts: &[Mount],
         _spec: &Spec,
@@ -129,30 +178,49 @@ impl Binder for CloneBinder {
     ) -> Result<(), MountError> {
         if mounts.is_empty() {
             // Private: not in the bundle's peer group (module docs, "Propagation").
-            attach_clone(bundle_rootfs, rootfs, true, false, MsFlags::MS_PRIVATE)
+            attach_clone(bundle_rootfs, rootfs, true, false, MsFlags::MS_PRIVATE, None)
                 .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), rootfs))?;
         }
-        mount_rootfs(mounts, rootfs, MsFlags::MS_NODEV)
+        for m in mounts {
+            match take_rootfs_maps(self.userns, &m.options)? {
+                (options, true) => self.idmapped_rootfs(id, m, options, rootfs)?,
+                (_, false) => mount_rootfs(std::slice::from_ref(m), rootfs, MsFlags::MS_NODEV)?,
+            }
+        }
+        Ok(())
     }
 
     fn volume(&self, _id: &str, v: &Volume<'_>) -> Result<(), MountError> {
         let recursive = v.options.iter().any(|o| o == "rbind");
         let read_only = v.options.iter().any(|o| o == "ro");
-        attach_clone(v.source, v.target, recursive, read_only, bind_propagation(v.options))
+        let idmap = if v.idmap { self.userns.map(IdmapUserns::fd) } else { None };
+        attach_clone(v.source, v.target, recursive, read_only, bind_propagation(v.options), idmap)
             .map_err(mount_err(format!("volume {}", v.source.display()), v.target))
+    }
+
+    fn idmap_userns(&self) -> Option<&IdmapUserns> {
+        self.userns
     }
 }
 
 /// The pod's container mounts on the host (module docs): `<pod>/rootfs`, seen by the agent as
 /// `<pod>/view`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PodMounts {
     tree: ContainerTree,
+    /// A user-namespaced pod's id maps, which its containers' mounts are idmapped with.
+    userns: Option<Arc<IdmapUserns>>,
+    scratch: PathBuf,
 }
 
 impl PodMounts {
-    pub fn new(paths: &PodPaths) -> Self {
-        Self { tree: ContainerTree::new(paths.rootfs_dir(), paths.dir.join("view")) }
+    pub fn new(paths: &PodPaths, userns: Option<Arc<IdmapUserns>>) -> Self {
+        let tree = ContainerTree::new(paths.rootfs_dir(), paths.dir.join("view"));
+        Self { tree, userns, scratch: paths.dir.join("idmap") }
+    }
+
+    fn binder(&self) -> CloneBinder<'_> {
+        CloneBinder { userns: self.userns.as_deref(), scratch: &self.scratch }
     }
 
     /// The directory the agent's minimal root keeps (its `--share-dir`).
@@ -175,12 +243,12 @@ impl PodMounts {
         mounts: &[Mount],
         spec: &mut Spec,
     ) -> Result<PathBuf, MountError> {
-        self.tree.prepare(&CloneBinder, id, bundle_rootfs, mounts, spec, self.tree.view())
+        self.tree.prepare(&self.binder(), id, bundle_rootfs, mounts, spec, self.tree.view())
     }
 
     /// Unmounts container `id`'s mounts (their copies in the view and the agent go with them).
     pub fn release(&self, id: &str) {
-        self.tree.release(&CloneBinder, id)
+        self.tree.release(&self.binder(), id)
     }
 }
 
@@ -194,7 +262,7 @@ mod tests {
     #[test]
     fn the_view_is_a_sibling_the_agent_keeps_and_ids_stay_plain() {
         let paths = PodPaths::new(Path::new("/run/bh"), "pod1").unwrap();
-        let pod = PodMounts::new(&paths);
+        let pod = PodMounts::new(&paths, None);
         assert_eq!(pod.view(), Path::new("/run/bh/pod1/view"));
         assert_eq!(pod.tree.container_dir("c1").unwrap(), Path::new("/run/bh/pod1/rootfs/c1"));
         for bad in ["", "..", "a/b", "/x"] {
@@ -233,7 +301,7 @@ mod tests {
         }
         let paths = PodPaths::new(scratch.path(), "pod").unwrap();
         std::fs::create_dir_all(&paths.dir).unwrap();
-        let pod = PodMounts::new(&paths);
+        let pod = PodMounts::new(&paths, None);
         pod.create().unwrap();
         let mounts = json!({"mounts": [
             {"destination": "/pods", "type": "bind", "source": s("pods"), "options": ["rbind", "rprivate", "ro"]},
@@ -267,7 +335,7 @@ mod tests {
         let _unmount = Unmount(scratch.path().to_owned());
         let paths = PodPaths::new(scratch.path(), "pod").unwrap();
         std::fs::create_dir_all(&paths.dir).unwrap();
-        let pod = PodMounts::new(&paths);
+        let pod = PodMounts::new(&paths, None);
         pod.create().unwrap();
 
         // The agent's side: a process whose mount namespace was copied now, made a slave,

@@ -8,7 +8,9 @@ use std::path::Path;
 
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use k8s_cri::v1::{DnsConfig, NamespaceMode, PodSandboxConfig};
-use oci_spec::runtime::{LinuxBuilder, LinuxNamespace, LinuxNamespaceBuilder, LinuxNamespaceType, Mount, Spec};
+use oci_spec::runtime::{
+    LinuxBuilder, LinuxIdMapping, LinuxNamespace, LinuxNamespaceBuilder, LinuxNamespaceType, Mount, Spec,
+};
 use prost::Message as _;
 
 use crate::annotations::{
@@ -83,6 +85,11 @@ pub fn cgroups_path(parent: &str, id: &str) -> Option<String> {
     }
 }
 
+/// CRI's id maps as OCI's (a pod's user namespace).
+fn id_maps(maps: &[k8s_cri::v1::IdMapping]) -> Vec<LinuxIdMapping> {
+    maps.iter().filter_map(|m| crate::sandbox::idmap::id_mapping(m.container_id, m.host_id, m.length)).collect()
+}
+
 fn namespace(typ: LinuxNamespaceType, path: Option<&str>) -> LinuxNamespace {
     let mut builder = LinuxNamespaceBuilder::default().typ(typ);
     if let Some(path) = path {
@@ -137,11 +144,16 @@ pub fn sandbox_spec(id: &str, netns_path: &str, pod: &PodSandboxConfig, resolv_c
     if options.network != node && !netns_path.is_empty() {
         namespaces.push(namespace(LinuxNamespaceType::Network, Some(netns_path)));
     }
-    if options.userns_options.as_ref().is_some_and(|u| u.mode == NamespaceMode::Pod as i32) {
+    let userns = options.userns_options.as_ref().filter(|u| u.mode == NamespaceMode::Pod as i32);
+    if userns.is_some() {
         namespaces.push(namespace(LinuxNamespaceType::User, None));
     }
 
     let mut linux_builder = LinuxBuilder::default().namespaces(namespaces).sysctl(linux.sysctls.clone());
+    if let Some(u) = userns {
+        // As containerd writes them into a pause container's spec; the sandbox checks refuse none.
+        linux_builder = linux_builder.uid_mappings(id_maps(&u.uids)).gid_mappings(id_maps(&u.gids));
+    }
     if let Some(path) = cgroups_path(&linux.cgroup_parent, id) {
         linux_builder = linux_builder.cgroups_path(path);
     }

@@ -4,7 +4,7 @@
 //!   later containers still go through `start` to the pod's one shim: the shim never claims version 3, which would
 //!   stop 2.x running `start` and `delete` for them (pod grouping, cleanup after a crash);
 //! - its introspection (`PluginInfo` of a runtime, `shim -info`) gets the runtime's name and version and the
-//!   one feature it checks before creating a container, idmapped mounts: not supported;
+//!   one feature it checks before creating a container with idmapped mounts: supported;
 //! - a runtime configured with `sandboxer = "shim"` runs a pod-network pod through the shim's sandbox API, with no
 //!   pause container, and stop and remove leave nothing behind (a host-network pod never reaches the shim on that
 //!   path: 2.1.9 itself crashes on it, fixed upstream in 2.3.0), and a pod it refuses (hostPID) fails naming why;
@@ -12,7 +12,8 @@
 //!   (2.1 then fails every StartContainer);
 //! - a shim-sandboxer pod survives a containerd restart, and one whose shim is killed goes NOTREADY, its workload
 //!   ends, and CRI removes it leaving nothing;
-//! - a `hostUsers: false` pod is refused on both paths, naming user namespaces, and leaves nothing;
+//! - a `hostUsers: false` pod runs on the namespace backend through both paths, as root in the pod's user namespace
+//!   and the mapped ids outside, with idmapped rootfs and volumes (the vm backend refuses one: `shim/src/spec.rs`);
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -147,11 +148,12 @@ async fn containerd_2_introspects_the_runtime() -> Result<()> {
     let info: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(info["Name"], "io.containerd.bulkhead.v2", "{info}");
     assert!(!info["Version"]["Version"].as_str().unwrap_or_default().is_empty(), "{info}");
-    assert_eq!(info.pointer("/Features/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(false)));
-    // What CRI tells kubelet of it: no user namespaces on the handler, not yet (issue 34); kubelet publishes it
-    // in the node's status.runtimeHandlers.
-    // containerd before 2.4 introspects runc-type runtimes only, so 2.1 reports no features for bulkhead at all;
-    // later ones ask `-info` above, whose idmap entry says no.
+    // Idmapped mounts: the namespace backend makes them for a hostUsers: false pod's containers.
+    assert_eq!(info.pointer("/Features/linux/mountExtensions/idmap/enabled"), Some(&serde_json::json!(true)));
+    // What CRI tells kubelet of it: no user namespaces on the handler; kubelet publishes it in the node's
+    // status.runtimeHandlers, and sends no hostUsers: false pod to a handler without them. containerd before 2.4
+    // introspects runc-type runtimes only, so 2.1 reports no features for bulkhead at all; later ones ask `-info`
+    // above, whose features list no `user` namespace (the vm backend refuses such pods: issue 34).
     let status = env.cri.status().await?;
     let handler =
         status.runtime_handlers.iter().find(|h| h.name == "bulkhead").context("no bulkhead handler in CRI Status")?;
@@ -421,11 +423,11 @@ async fn a_pod_the_sandbox_api_refuses_fails_naming_why_and_leaves_nothing() -> 
         Err(e) => format!("{e:#}"),
     };
     assert!(err.contains("hostPID"), "{err}");
-    nothing_of_a_refused_pod_left(&env).await
+    no_pod_and_no_shim_left(&env).await
 }
 
-/// After a refused RunPodSandbox: no pod in CRI, and no bulkhead shim of this containerd runs.
-async fn nothing_of_a_refused_pod_left(env: &Env) -> Result<()> {
+/// No pod in CRI, and no bulkhead shim of this containerd runs (after a refused RunPodSandbox, or once a test removed its pods).
+async fn no_pod_and_no_shim_left(env: &Env) -> Result<()> {
     assert!(env.cri.list_pod_sandboxes().await?.is_empty());
     bulkhead_integration::host::eventually_nothing("shims", Duration::from_secs(10), || {
         let address = format!("-address {}", env.containerd.address().display());
@@ -439,34 +441,170 @@ async fn nothing_of_a_refused_pod_left(env: &Env) -> Result<()> {
     .await
 }
 
-/// A `hostUsers: false` pod (CRI user namespace options with the pod's id mappings) is refused
-/// on both of 2.1's paths, naming user namespaces, and leaves nothing: bulkhead does not give pods
-/// a user namespace of their own yet (issue 34), and must never run one in the host's instead.
-/// kubelet does not send one to a handler that reports no user namespace support (see
-/// [`containerd_2_introspects_the_runtime`]); crictl and other CRI clients can.
-#[tokio::test]
-async fn a_host_users_false_pod_is_refused_naming_user_namespaces() -> Result<()> {
-    let test = "a_host_users_false_pod_is_refused_naming_user_namespaces";
-    let Some(env) = setup_with(test, with_sandboxer, true).await? else { return Ok(()) };
-    for handler in ["bulkhead", "bulkhead-sandboxer"] {
-        let mut pod = env.pod(&format!("userns-{handler}"))?;
-        let ns =
-            pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
-        let ns = ns.context("namespace options")?;
-        ns.network = k8s_cri::v1::NamespaceMode::Pod as i32;
-        let ids = vec![k8s_cri::v1::IdMapping { host_id: 1 << 20, container_id: 0, length: 65536 }];
-        ns.userns_options = Some(k8s_cri::v1::UserNamespace {
-            mode: k8s_cri::v1::NamespaceMode::Pod as i32,
-            uids: ids.clone(),
-            gids: ids,
-        });
-        let err = match env.cri.run_pod_sandbox(&pod, handler).await {
-            Ok(id) => anyhow::bail!("{handler}: the hostUsers: false pod {id} started"),
-            Err(e) => format!("{e:#}"),
-        };
-        assert!(err.contains("hostUsers: false") && err.contains("type=user"), "{handler}: {err}");
+/// The id maps of the `hostUsers: false` pods below: container ids 0..65536 onto host ids from 2^20, as kubelet
+/// hands a pod one 65536-id range above the node's own ids.
+const POD_HOST_ID: u32 = 1 << 20;
+
+fn pod_id_maps() -> Vec<k8s_cri::v1::IdMapping> {
+    vec![k8s_cri::v1::IdMapping { host_id: POD_HOST_ID, container_id: 0, length: 65536 }]
+}
+
+/// `pod` as kubelet asks for `hostUsers: false`: a pod network (containerd 2.1 makes it in the user namespace it
+/// pins) and a user namespace with the pod's id maps.
+fn with_pod_user_namespace(pod: &mut k8s_cri::v1::PodSandboxConfig) -> Result<()> {
+    let ns = pod.linux.as_mut().and_then(|l| l.security_context.as_mut()).and_then(|s| s.namespace_options.as_mut());
+    let ns = ns.context("namespace options")?;
+    ns.network = k8s_cri::v1::NamespaceMode::Pod as i32;
+    ns.userns_options = Some(k8s_cri::v1::UserNamespace {
+        mode: k8s_cri::v1::NamespaceMode::Pod as i32,
+        uids: pod_id_maps(),
+        gids: pod_id_maps(),
+    });
+    Ok(())
+}
+
+/// A volume as kubelet mounts one into a user-namespaced container: with the pod's id maps, which containerd
+/// passes on as an idmapped mount.
+fn idmapped_volume(host: &std::path::Path, at: &str, readonly: bool) -> k8s_cri::v1::Mount {
+    k8s_cri::v1::Mount {
+        container_path: at.into(),
+        host_path: host.display().to_string(),
+        readonly,
+        uid_mappings: pod_id_maps(),
+        gid_mappings: pod_id_maps(),
+        ..Default::default()
     }
-    nothing_of_a_refused_pod_left(&env).await
+}
+
+/// The uid and gid (real) of host process `pid`, from /proc/<pid>/status.
+fn host_ids(pid: u32) -> Result<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let first = |key: &str| -> Result<u32> {
+        let line = status.lines().find(|l| l.starts_with(key)).with_context(|| format!("{key} of {pid}"))?;
+        Ok(line.split_whitespace().nth(1).context(key.to_string())?.parse()?)
+    };
+    Ok((first("Uid:")?, first("Gid:")?))
+}
+
+/// The one host process whose command line has `marker` and whose parent's has not (a shell's forks carry the
+/// same command line until they exec).
+async fn top_process_with(marker: &str) -> Result<u32> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = bulkhead_integration::host::processes_with(marker);
+        let pids: Vec<u32> = found.iter().map(|(pid, _)| *pid).collect();
+        let parent = |pid: u32| -> Option<u32> {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+        };
+        let top: Vec<u32> = pids.iter().copied().filter(|p| parent(*p).is_none_or(|pp| !pids.contains(&pp))).collect();
+        if let [pid] = top.as_slice() {
+            return Ok(*pid);
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "not one process with {marker}: {found:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A `hostUsers: false` pod on the namespace backend, through both of 2.1's paths (the pause-container path and
+/// the shim as sandboxer): its container runs as root in the pod's user namespace (`/proc/self/uid_map` shows the
+/// pod's maps, `id -u` says 0) and as the mapped ids on the host; its image's files are root's inside (the rootfs
+/// is idmapped) and writable; a file it makes in an emptyDir is its root's inside and the mapped id's seen
+/// through its mount from the host (on disk, the volume's own root's: the mount is idmapped); a configMap-like
+/// read-only volume's file reads; an exec joins the container's user and IPC namespaces with its capabilities;
+/// and stop and remove leave nothing.
+#[tokio::test]
+async fn a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Result<()> {
+    let test = "a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts";
+    // containerd 2.1 starts a user-namespaced container only on a handler without runtime options: it sets the
+    // console's owner in them as runc's, and fails on any other type (`can't unmarshal type
+    // "runtimeoptions.v1.Options" to output "containerd.runc.v1.Options"`). So both handlers here find the config
+    // through BULKHEAD_CONFIG, as a 2.x install should: `bulkhead-env` on CRI's pause-container path, and
+    // `bulkhead-sandboxer` with the shim as sandboxer.
+    let handlers = |bulkhead: RuntimeHandler| {
+        let env = RuntimeHandler { name: "bulkhead-env".into(), options: vec![], ..bulkhead.clone() };
+        let mut all = with_sandboxer(bulkhead);
+        all.push(env);
+        all
+    };
+    let Some(env) = setup_with(test, handlers, true).await? else { return Ok(()) };
+    for handler in ["bulkhead-env", "bulkhead-sandboxer"] {
+        let mut pod = env.pod(&format!("userns-{handler}"))?;
+        with_pod_user_namespace(&mut pod)?;
+        let pod_id = env.cri.run_pod_sandbox(&pod, handler).await.with_context(|| env.containerd.log_tail(60))?;
+        let empty_dir = tempfile::tempdir()?;
+        let config_map = tempfile::tempdir()?;
+        std::fs::write(config_map.path().join("key"), "value")?;
+        let marker = format!("userns-marker-{handler}");
+        let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
+        let mut c = container_config("app", &["sh", "-c", &script]);
+        // kubelet gives each container its pod's namespace options, the user namespace's among them.
+        let mut ns =
+            pod.linux.as_ref().and_then(|l| l.security_context.as_ref()).and_then(|s| s.namespace_options.clone());
+        // And, without shareProcessNamespace, a PID namespace of its own.
+        if let Some(ns) = ns.as_mut() {
+            ns.pid = k8s_cri::v1::NamespaceMode::Container as i32;
+        }
+        let linux = c.linux.get_or_insert_with(Default::default);
+        linux.security_context.get_or_insert_with(Default::default).namespace_options = ns;
+        c.mounts = vec![
+            idmapped_volume(empty_dir.path(), "/data", false),
+            idmapped_volume(config_map.path(), "/config", true),
+        ];
+        let ctr = env.cri.create_container(&pod_id, &c, &pod).await.with_context(|| env.containerd.log_tail(60))?;
+        env.cri.start_container(&ctr).await.with_context(|| env.containerd.log_tail(60))?;
+        let sh = |script: &'static str| {
+            let (cri, ctr) = (&env.cri, &ctr);
+            async move {
+                let out = cri.exec_sync(ctr, &["sh", "-c", script], 10).await?;
+                let text = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+                anyhow::ensure!(
+                    out.exit_code == 0,
+                    "{script}: exit {}: {}",
+                    out.exit_code,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                anyhow::Ok(text)
+            }
+        };
+        assert_eq!(
+            sh("cat /proc/self/uid_map /proc/self/gid_map").await?,
+            format!("0 {POD_HOST_ID} 65536 0 {POD_HOST_ID} 65536"),
+            "{handler}"
+        );
+        assert_eq!(sh("id -u; id -g").await?, "0 0", "{handler}");
+        assert_eq!(
+            sh("stat -c %u:%g /bin/sh /etc; touch /etc/made-here && echo ok").await?,
+            "0:0 0:0 ok",
+            "{handler}: rootfs"
+        );
+        assert_eq!(sh("cat /config/key").await?, "value", "{handler}: configMap");
+        assert_eq!(sh("echo hi > /data/made && stat -c %u:%g /data/made").await?, "0:0", "{handler}: emptyDir");
+
+        let pid = top_process_with(&marker).await?;
+        assert_eq!(host_ids(pid)?, (POD_HOST_ID, POD_HOST_ID), "{handler}: the container's ids on the host");
+        // An exec is where its container is: the same user and IPC namespaces, the same capabilities.
+        let init_caps = std::fs::read_to_string(format!("/proc/{pid}/status"))?
+            .lines()
+            .find(|l| l.starts_with("CapEff:"))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .context("CapEff")?;
+        assert_eq!(sh("grep CapEff: /proc/self/status").await?, init_caps, "{handler}");
+        let ns_of = |ns: &str| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).map(|l| l.display().to_string());
+        let exec_ns = sh("readlink /proc/self/ns/user; readlink /proc/self/ns/ipc").await?;
+        assert_eq!(exec_ns, format!("{} {}", ns_of("user")?, ns_of("ipc")?), "{handler}");
+        let through_mount = std::fs::metadata(format!("/proc/{pid}/root/data/made"))?;
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((through_mount.uid(), through_mount.gid()), (POD_HOST_ID, POD_HOST_ID), "{handler}");
+        let on_disk = std::fs::metadata(empty_dir.path().join("made"))?;
+        assert_eq!((on_disk.uid(), on_disk.gid()), (0, 0), "{handler}: on disk, through no idmap");
+
+        env.cri.stop_container(&ctr, 10).await?;
+        env.cri.remove_container(&ctr).await?;
+        env.cri.stop_pod_sandbox(&pod_id).await?;
+        env.cri.remove_pod_sandbox(&pod_id).await?;
+    }
+    no_pod_and_no_shim_left(&env).await
 }
 
 #[tokio::test]

@@ -87,6 +87,7 @@ impl TemplateBuilder for VmTemplateBuilder {
             log_dir: None,
             emptydirs: Default::default(),
             oom_score_adj: None,
+            id_maps: None,
         };
         let shape =
             VmShape { vcpus: inputs.vcpus, online: inputs.vcpus, mem: inputs.memory_mib, mem_start: inputs.memory_mib };
