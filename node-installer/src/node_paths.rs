@@ -17,6 +17,9 @@ pub const CURRENT: &str = "current";
 pub const STATE: &str = "state";
 /// The shims' default `state_dir` (one directory per pod), as the node sees it.
 pub const SHIM_STATE_DIR: &str = "/run/bulkhead";
+/// The config the shim reads when containerd names none (the shim's `INSTALLED_CONFIG_PATH`: a test holds
+/// them equal).
+pub const SHIM_DEFAULT_CONFIG: &str = "/opt/bulkhead/current/config.toml";
 
 #[derive(Clone, Debug)]
 pub struct NodePaths {

@@ -39,8 +39,14 @@ fn runtime_table(version: ConfigVersion, e: &RuntimeEntry) -> Table {
         // A VM must not receive every host device when a pod is privileged.
         ("privileged_without_host_devices", Value::Boolean(true)),
         ("pod_annotations", Value::Array(vec![Value::String("bulkhead.io/*".into())])),
-        ("options", Value::Table(table(vec![("ConfigPath", Value::String(e.config_path.clone()))]))),
     ]);
+    // containerd 2.x starts a user-namespaced (hostUsers: false) container only on a handler without runtime
+    // options: it writes the console's owner into them as runc's, and fails on any other type. The shim reads
+    // the installed release's config by itself when none is named, so 2.x gets no options where that is the one.
+    let shim_finds_it = e.config_path == crate::node_paths::SHIM_DEFAULT_CONFIG;
+    if version == ConfigVersion::V2 || !shim_finds_it {
+        t.insert("options".into(), Value::Table(table(vec![("ConfigPath", Value::String(e.config_path.clone()))])));
+    }
     if version == ConfigVersion::V3 {
         t.insert("sandboxer".into(), Value::String("podsandbox".into()));
     }
@@ -113,14 +119,25 @@ mod tests {
         assert_eq!(rt.get("runtime_type").and_then(Value::as_str), Some("io.containerd.bulkhead.v2"));
         assert_eq!(rt.get("runtime_path").and_then(Value::as_str), Some(entry().shim_path.as_str()));
         assert_eq!(rt.get("sandboxer").and_then(Value::as_str), Some("podsandbox"));
+        // No options: the shim finds the installed config itself, and 2.x runs hostUsers: false pods only so.
+        assert!(rt.get("options").is_none(), "{text}");
+        let elsewhere = RuntimeEntry { config_path: "/etc/bulkhead/config.toml".into(), ..entry() };
+        let doc: Table = render(ConfigVersion::V3, None, &elsewhere).unwrap().parse().unwrap();
+        let rt = runtime(&doc, "io.containerd.cri.v1.runtime", "bulkhead").unwrap();
         assert_eq!(
             rt.get("options").and_then(|o| o.get("ConfigPath")).and_then(Value::as_str),
-            Some("/opt/bulkhead/current/config.toml")
+            Some("/etc/bulkhead/config.toml"),
+            "a config the shim would not find is named"
         );
         // Deep merge in 2.x: restating runc would override the user's runc options, so v3 never does.
         assert!(runtime(&doc, "io.containerd.cri.v1.runtime", "runc").is_none());
         let cri = plugins.get("io.containerd.cri.v1.runtime").unwrap().as_table().unwrap();
         assert_eq!(cri.keys().collect::<Vec<_>>(), vec!["containerd"]);
+    }
+
+    #[test]
+    fn the_config_the_shim_finds_by_itself_is_the_shims_own_default() {
+        assert_eq!(crate::node_paths::SHIM_DEFAULT_CONFIG, bulkhead_shim::config::INSTALLED_CONFIG_PATH);
     }
 
     #[test]
@@ -134,7 +151,7 @@ mod tests {
         let a = render(ConfigVersion::V3, None, &entry()).unwrap();
         assert_eq!(a, render(ConfigVersion::V3, None, &entry()).unwrap());
         assert!(a.contains("[plugins.\"io.containerd.cri.v1.runtime\".containerd.runtimes.bulkhead]"), "{a}");
-        assert!(a.contains("[plugins.\"io.containerd.cri.v1.runtime\".containerd.runtimes.bulkhead.options]"), "{a}");
+        assert!(!a.contains("options"), "{a}");
     }
 
     #[test]

@@ -76,7 +76,10 @@ pub async fn run(explicit_config: Option<&Path>, containerd_socket: &Path, handl
                         Ok(format!(
                             "{handler_name}: runtime_type {}, ConfigPath {}",
                             h.runtime_type,
-                            h.config_path.as_deref().unwrap_or("(none: the shim reads /etc/bulkhead/config.toml)")
+                            h.config_path.clone().unwrap_or_else(|| format!(
+                                "(none: the shim reads {})",
+                                default_config_path().display()
+                            ))
                         ))
                     },
                 ),
