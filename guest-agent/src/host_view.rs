@@ -65,15 +65,19 @@ pub fn keep_proc_read_only(spec: &mut Spec) {
     spec.set_linux(Some(linux));
 }
 
-/// Turns each sysfs mount of the spec into a read-only bind of the sysfs the agent keeps for
-/// containers (module docs). Returns how many it changed.
-pub fn bind_sysfs(spec: &mut Spec) -> usize {
+/// Turns each sysfs mount of the spec into a read-only bind of `source`: the sysfs the agent keeps
+/// for containers (module docs), or in a VM the guest's own /sys for a container in a pod's user
+/// namespace (the kernel mounts a sysfs only for the user namespace that owns the network
+/// namespace, the guest's). Returns how many it changed.
+pub fn bind_sysfs(spec: &mut Spec, source: &Path) -> usize {
     let Some(mounts) = spec.mounts_mut().as_mut() else { return 0 };
     let mut changed = 0;
     for m in mounts.iter_mut().filter(|m| m.typ().as_deref() == Some("sysfs")) {
         m.set_typ(Some("bind".into()));
-        m.set_source(Some(PathBuf::from(CONTAINER_SYSFS)));
-        let options = ["bind", "ro", "nosuid", "nodev", "noexec"].map(String::from).to_vec();
+        m.set_source(Some(source.to_path_buf()));
+        // Recursive: a bind of a mount with submounts (the guest's /sys has its cgroup2) that a
+        // user namespace did not make is refused otherwise, as it would uncover them.
+        let options = ["rbind", "ro", "nosuid", "nodev", "noexec"].map(String::from).to_vec();
         m.set_options(Some(options));
         changed += 1;
     }
@@ -222,13 +226,13 @@ bad line
         let mut s = spec(serde_json::json!({"ociVersion": "1.0.2", "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "rw"]}]}));
-        assert_eq!(bind_sysfs(&mut s), 1);
+        assert_eq!(bind_sysfs(&mut s, Path::new(CONTAINER_SYSFS)), 1);
         let mounts = s.mounts().clone().unwrap();
         assert_eq!(mounts[0].typ().as_deref(), Some("proc"), "other mounts stay as they were");
         let sys = &mounts[1];
         assert_eq!((sys.typ().as_deref(), sys.source().as_deref()), (Some("bind"), Some(Path::new(CONTAINER_SYSFS))));
         let options = sys.options().clone().unwrap();
         assert!(options.iter().any(|o| o == "ro") && !options.iter().any(|o| o == "rw"), "{options:?}");
-        assert_eq!(bind_sysfs(&mut spec(serde_json::json!({"ociVersion": "1.0.2"}))), 0);
+        assert_eq!(bind_sysfs(&mut spec(serde_json::json!({"ociVersion": "1.0.2"})), Path::new("/sys")), 0);
     }
 }

@@ -163,11 +163,6 @@ impl Sandbox {
         if s.uid_mappings.is_empty() && s.gid_mappings.is_empty() {
             return Ok(lock(&self.pod_userns).is_some());
         }
-        if self.mode != Mode::Namespace {
-            return Err(AgentError::Unsupported(
-                "a pod user namespace (hostUsers: false) in a VM: not supported by this agent yet".into(),
-            ));
-        }
         let mut slot = lock(&self.pod_userns);
         if let Some(made) = slot.as_ref() {
             return if made.has_maps(&s.uid_mappings, &s.gid_mappings) {
@@ -221,7 +216,7 @@ impl Sandbox {
             guest_init::check_namespaced(sysctls.keys().map(String::as_str), self.network)?;
             host_view::keep_proc_read_only(&mut spec);
             if self.in_user_ns {
-                host_view::bind_sysfs(&mut spec);
+                host_view::bind_sysfs(&mut spec, Path::new(host_view::CONTAINER_SYSFS));
             }
         }
         let seal_cgroups = self.mode == Mode::Namespace && host_view::wants_read_only_cgroups(&spec);
@@ -244,7 +239,12 @@ impl Sandbox {
             .and_then(|l| l.namespaces().as_ref())
             .is_some_and(|list| list.iter().any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User));
         match &pod_userns {
-            Some(userns) => userns.join(&mut spec, &req.id)?,
+            Some(userns) => {
+                userns.join(&mut spec, &req.id)?;
+                if self.mode == Mode::Guest {
+                    host_view::bind_sysfs(&mut spec, Path::new("/sys"));
+                }
+            }
             None if asks_userns => {
                 return Err(AgentError::Unsupported(format!(
                     "container {} asks for a user namespace its pod does not have (only a pod's own, hostUsers: \

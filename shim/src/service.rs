@@ -118,9 +118,9 @@ fn read_info_options() -> Vec<u8> {
     bytes
 }
 
-/// Whether the handler `-info` describes runs `hostUsers: false` pods: a namespace-backend config, found without
-/// runtime options. containerd 2.x starts a user-namespaced container only on a handler without them: it sets
-/// the console's owner in them as runc's and fails on any other type. The vm backend refuses such pods.
+/// Whether the handler `-info` describes runs `hostUsers: false` pods: one whose config loads, found without
+/// runtime options (both backends run them). containerd 2.x starts a user-namespaced container only on a handler
+/// without them: it sets the console's owner in them as runc's and fails on any other type.
 fn runs_user_namespaces(options: &[u8], config: &Path) -> bool {
     use containerd_shim::protos::protobuf::Message;
     let has_options = !options.is_empty()
@@ -129,11 +129,11 @@ fn runs_user_namespaces(options: &[u8], config: &Path) -> bool {
     if has_options {
         return false;
     }
-    crate::config::Config::load(config).is_ok_and(|c| c.backend == crate::config::Backend::Namespace)
+    crate::config::Config::load(config).is_ok()
 }
 
-/// The OCI features document `-info` reports: idmapped mounts (a user-namespaced pod's, which the namespace
-/// backend makes: crate::sandbox::idmap), and the namespaces, `user` only where [`runs_user_namespaces`].
+/// The OCI features document `-info` reports: idmapped mounts (a user-namespaced pod's, which the shim makes:
+/// crate::sandbox::idmap), and the namespaces, `user` only where [`runs_user_namespaces`].
 /// containerd 2.x checks the first before it creates a container with idmapped mounts; from 2.4 CRI reports
 /// both together to kubelet as the handler's user namespace support (2.1 reports none for non-runc runtimes).
 fn features(user_namespaces: bool) -> serde_json::Value {
@@ -353,7 +353,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_namespace_backend_handler_without_options_claims_user_namespaces() {
+    fn only_a_handler_without_options_claims_user_namespaces() {
         let names = |f: serde_json::Value| f["linux"]["namespaces"].as_array().unwrap().len();
         assert_eq!((names(features(false)), names(features(true))), (6, 7));
         assert_eq!(features(true)["linux"]["namespaces"][6], "user");
@@ -364,7 +364,7 @@ mod tests {
             runs_user_namespaces(options, &config)
         };
         assert!(claims("backend = \"namespace\"\n", &[]));
-        assert!(!claims("backend = \"vm\"\n", &[]), "the vm backend refuses them");
+        assert!(claims("backend = \"vm\"\n", &[]));
         assert!(!claims("not toml [", &[]), "an unreadable config claims nothing");
         let any = containerd_shim::protos::protobuf::well_known_types::any::Any {
             type_url: "runtimeoptions.v1.Options".into(),

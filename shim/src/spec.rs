@@ -215,16 +215,8 @@ impl BundleSpec {
                     format!("not supported by the bulkhead {} backend yet", backend.as_str()),
                 ));
             }
-            // A pod that asked for its own user namespace must never run in the host's.
-            if typ == User && backend != Backend::Namespace {
-                return Err(unsupported(
-                    "linux.namespaces[type=user]",
-                    format!(
-                        "a pod user namespace (hostUsers: false) is not supported by the bulkhead {} backend yet",
-                        backend.as_str()
-                    ),
-                ));
-            }
+            // A pod that asked for its own user namespace must never run in the host's (or the
+            // guest's): the agent makes it, with these maps.
             if typ == User {
                 self.id_maps()?;
             }
@@ -684,19 +676,18 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_user_namespace_runs_on_the_namespace_backend_only_and_never_as_host_root() {
+    fn a_pod_user_namespace_needs_its_maps_and_never_maps_the_hosts_root() {
         let maps = json!([{"containerID": 0, "hostID": 65536, "size": 65536}]);
         let s = spec(userns_spec(maps.clone()));
-        assert!(s.validate_sandbox(Backend::Namespace).is_ok());
+        for backend in [Backend::Namespace, Backend::Vm] {
+            assert!(s.validate_sandbox(backend).is_ok());
+            // A container keeps the user namespace without containerd's path: the agent joins it to the pod's.
+            let c = s.translate_container(42, backend).unwrap();
+            assert_eq!(namespaces(&c), vec![(Pid, None), (Ipc, None), (LinuxNamespaceType::User, None)]);
+        }
         let pod = s.pod_id_maps().unwrap().unwrap();
         assert_eq!((pod.uid[0].host_id(), pod.gid[0].size()), (65536, 65536));
         assert_eq!(sandbox_spec().pod_id_maps().unwrap(), None);
-        let err = s.validate_sandbox(Backend::Vm).unwrap_err().to_string();
-        assert!(err.contains("type=user") && err.contains("hostUsers: false") && err.contains("vm backend"), "{err}");
-        // A container keeps the user namespace without containerd's path: the agent joins it to the pod's.
-        let c = s.translate_container(42, Backend::Namespace).unwrap();
-        assert_eq!(namespaces(&c), vec![(Pid, None), (Ipc, None), (LinuxNamespaceType::User, None)]);
-        assert!(s.translate_container(42, Backend::Vm).is_err());
 
         let root = spec(userns_spec(json!([{"containerID": 0, "hostID": 0, "size": 65536}])));
         let err = root.validate_sandbox(Backend::Namespace).unwrap_err().to_string();

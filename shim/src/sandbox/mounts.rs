@@ -7,14 +7,18 @@
 //! spec and which host path it names, fstab-style options as mount flags, containerd's rootfs
 //! mounts, mount points made without following links, their removal, and the errors.
 
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use containerd_shim::protos::types::mount::Mount as RootfsMount;
 use nix::errno::Errno;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::NixPath;
 use oci_spec::runtime::Mount;
 use tracing::{debug, warn};
+
+use super::idmap::{IdmapError, IdmapUserns, RootfsIdmap};
 
 /// What mounting a container's rootfs and volumes on the host fails with.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +34,7 @@ pub enum MountError {
     #[error("mount point {destination} in the read-only rootfs: {reason}")]
     MountPoint { destination: String, reason: String },
     #[error(transparent)]
-    Idmap(#[from] super::idmap::IdmapError),
+    Idmap(#[from] IdmapError),
 }
 
 pub fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> MountError {
@@ -105,6 +109,129 @@ pub fn bind_propagation(options: &[String]) -> MsFlags {
         kind | MsFlags::MS_REC
     } else {
         kind
+    }
+}
+
+/// A path as the C string the mount system calls take.
+fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T, Errno> {
+    path.with_nix_path(f)
+}
+
+/// How [`attach_clone`] clones a mount.
+#[derive(Debug, Clone, Copy)]
+pub struct CloneAttrs<'a> {
+    /// With every mount below it.
+    pub recursive: bool,
+    pub read_only: bool,
+    pub nodev: bool,
+    /// `MS_PRIVATE` or `MS_SLAVE`: a clone joins its source's peer group otherwise.
+    pub propagation: MsFlags,
+    /// Idmapped with the maps of this user namespace (crate::sandbox::idmap).
+    pub idmap: Option<BorrowedFd<'a>>,
+}
+
+/// Clones the mount at `source` as a detached tree, gives it `attrs`, and attaches it at
+/// `target`, so that it is born with its flags and every propagated copy has them (the
+/// namespace backend's binds, and idmapped ones on both backends).
+pub fn attach_clone(source: &Path, target: &Path, attrs: CloneAttrs<'_>) -> Result<(), Errno> {
+    let CloneAttrs { recursive, read_only, nodev, propagation, idmap } = attrs;
+    let rec = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
+    let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | rec;
+    let fd = with_cpath(source, |src| {
+        // SAFETY: open_tree(2) with a valid NUL-terminated path and plain flags; it returns a new
+        // descriptor or -1, nothing else is touched.
+        unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, src.as_ptr(), flags) }
+    })?;
+    let fd = i32::try_from(Errno::result(fd)?).map_err(|_| Errno::EBADF)?;
+    // SAFETY: open_tree just returned this descriptor; nothing else owns it.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd) };
+    {
+        let mut attr_set = if nodev { libc::MOUNT_ATTR_NODEV } else { 0 };
+        if read_only {
+            attr_set |= libc::MOUNT_ATTR_RDONLY;
+        }
+        let mut userns_fd = 0;
+        if let Some(fd) = idmap {
+            attr_set |= libc::MOUNT_ATTR_IDMAP;
+            userns_fd = u64::try_from(fd.as_raw_fd()).map_err(|_| Errno::EBADF)?;
+        }
+        let propagation = (propagation & (MsFlags::MS_PRIVATE | MsFlags::MS_SLAVE)).bits();
+        let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd };
+        let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
+        // SAFETY: mount_setattr(2) on our detached tree's descriptor, an empty path (a static
+        // C string), and a mount_attr of the size passed, which outlives the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                at,
+                &attr as *const libc::mount_attr,
+                std::mem::size_of::<libc::mount_attr>(),
+            )
+        };
+        Errno::result(rc)?;
+    }
+    let rc = with_cpath(target, |to| {
+        // SAFETY: move_mount(2) from our detached tree's descriptor (empty path, a static C
+        // string) to a valid NUL-terminated target path.
+        unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        }
+    })?;
+    Errno::result(rc).map(drop)
+}
+
+/// Mounts one of containerd's rootfs mounts that carries the pod's id maps (`uidmap=`, `gidmap=`,
+/// already taken off into `options`) at `target`, with `extra` flags: a bind idmapped, or an
+/// overlay on lower layers seen through an idmapped bind of their directory at `scratch` (a
+/// private place of the shim's), dropped once the overlay holds them (crate::sandbox::idmap).
+pub fn mount_idmapped_rootfs(
+    m: &RootfsMount,
+    options: Vec<String>,
+    target: &Path,
+    scratch: &Path,
+    userns: &IdmapUserns,
+    extra: MsFlags,
+) -> Result<(), MountError> {
+    let what = format!("rootfs {} ({}), idmapped", m.source, m.type_);
+    let nodev = extra.contains(MsFlags::MS_NODEV);
+    let attrs = |recursive, read_only| CloneAttrs {
+        recursive,
+        read_only,
+        nodev,
+        propagation: MsFlags::MS_PRIVATE,
+        idmap: Some(userns.fd()),
+    };
+    match m.type_.as_str() {
+        "bind" => {
+            let (recursive, read_only) = (options.iter().any(|o| o == "rbind"), options.iter().any(|o| o == "ro"));
+            attach_clone(Path::new(&m.source), target, attrs(recursive, read_only)).map_err(mount_err(what, target))
+        }
+        "overlay" => {
+            let plan = RootfsIdmap::plan(&options, scratch)?;
+            std::fs::create_dir_all(scratch).map_err(io("create", scratch))?;
+            let result = attach_clone(&plan.source, scratch, attrs(false, true))
+                .map_err(mount_err(format!("{what}: its layers"), scratch))
+                .and_then(|()| {
+                    let overlay = RootfsMount { options: plan.options.clone(), ..m.clone() };
+                    mount_rootfs(&[overlay], target, extra)
+                });
+            // The overlay holds the layers it uses; the bind of their directory may go.
+            let _ = umount2(scratch, MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(scratch);
+            result
+        }
+        other => Err(MountError::Idmap(IdmapError::Malformed(format!(
+            "an idmapped rootfs of type {other:?}: only bind and overlay are"
+        )))),
     }
 }
 

@@ -40,89 +40,19 @@
 //! capability is without a VM). Removal unmounts, then removes only the empty mount points it
 //! made.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use containerd_shim::protos::types::mount::Mount;
-use nix::errno::Errno;
 use nix::mount::MsFlags;
-use nix::NixPath;
 use oci_spec::runtime::Spec;
 
 use super::container_tree::{Binder, ContainerTree, Volume};
-use super::idmap::{take_rootfs_maps, IdmapError, IdmapUserns, RootfsIdmap};
-use super::mounts::{bind_propagation, mount_err, mount_rootfs, MountError};
+use super::idmap::{take_rootfs_maps, IdmapUserns};
+use super::mounts::{
+    attach_clone, bind_propagation, mount_err, mount_idmapped_rootfs, mount_rootfs, CloneAttrs, MountError,
+};
 use super::paths::PodPaths;
-
-/// A path as the C string the mount system calls take.
-fn with_cpath<T>(path: &Path, f: impl FnOnce(&std::ffi::CStr) -> T) -> Result<T, Errno> {
-    path.with_nix_path(f)
-}
-
-/// Clones the mount at `source` (with everything below it if `recursive`) as a detached tree,
-/// gives it `propagation` (`MS_PRIVATE` or `MS_SLAVE`: a clone joins its source's peer group)
-/// and nodev, makes it read-only if asked and idmapped with the maps of user namespace `idmap`
-/// if given, and attaches it at `target`, so that it is born with its flags and every propagated
-/// copy has them (module docs).
-fn attach_clone(
-    source: &Path,
-    target: &Path,
-    recursive: bool,
-    read_only: bool,
-    propagation: MsFlags,
-    idmap: Option<BorrowedFd<'_>>,
-) -> Result<(), Errno> {
-    let rec = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
-    let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | rec;
-    let fd = with_cpath(source, |src| {
-        // SAFETY: open_tree(2) with a valid NUL-terminated path and plain flags; it returns a new
-        // descriptor or -1, nothing else is touched.
-        unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, src.as_ptr(), flags) }
-    })?;
-    let fd = i32::try_from(Errno::result(fd)?).map_err(|_| Errno::EBADF)?;
-    // SAFETY: open_tree just returned this descriptor; nothing else owns it.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd) };
-    {
-        let mut attr_set = libc::MOUNT_ATTR_NODEV | if read_only { libc::MOUNT_ATTR_RDONLY } else { 0 };
-        let mut userns_fd = 0;
-        if let Some(fd) = idmap {
-            attr_set |= libc::MOUNT_ATTR_IDMAP;
-            userns_fd = u64::try_from(fd.as_raw_fd()).map_err(|_| Errno::EBADF)?;
-        }
-        let propagation = (propagation & (MsFlags::MS_PRIVATE | MsFlags::MS_SLAVE)).bits();
-        let attr = libc::mount_attr { attr_set, attr_clr: 0, propagation, userns_fd };
-        let at = libc::AT_EMPTY_PATH as libc::c_uint | rec;
-        // SAFETY: mount_setattr(2) on our detached tree's descriptor, an empty path (a static
-        // C string), and a mount_attr of the size passed, which outlives the call.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_mount_setattr,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                at,
-                &attr as *const libc::mount_attr,
-                std::mem::size_of::<libc::mount_attr>(),
-            )
-        };
-        Errno::result(rc)?;
-    }
-    let rc = with_cpath(target, |to| {
-        // SAFETY: move_mount(2) from our detached tree's descriptor (empty path, a static C
-        // string) to a valid NUL-terminated target path.
-        unsafe {
-            libc::syscall(
-                libc::SYS_move_mount,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_FDCWD,
-                to.as_ptr(),
-                libc::MOVE_MOUNT_F_EMPTY_PATH,
-            )
-        }
-    })?;
-    Errno::result(rc).map(drop)
-}
 
 /// How the namespace backend binds: detached clones, born with their flags, idmapped with the
 /// pod's maps for a user-namespaced pod (crate::sandbox::idmap).
@@ -130,41 +60,6 @@ struct CloneBinder<'a> {
     userns: Option<&'a IdmapUserns>,
     /// Host-only: where an idmapped rootfs's layers are bound while its overlay is mounted.
     scratch: &'a Path,
-}
-
-impl CloneBinder<'_> {
-    /// Mounts one of containerd's rootfs mounts that carries the pod's id maps (`uidmap=`,
-    /// `gidmap=`): a bind idmapped, or an overlay on idmapped lower layers (crate::sandbox::idmap).
-    fn idmapped_rootfs(&self, id: &str, m: &Mount, options: Vec<String>, rootfs: &Path) -> Result<(), MountError> {
-        let userns = self.userns.map(IdmapUserns::fd);
-        let what = format!("rootfs {} ({}), idmapped", m.source, m.type_);
-        match m.type_.as_str() {
-            "bind" => {
-                let recursive = options.iter().any(|o| o == "rbind");
-                let read_only = options.iter().any(|o| o == "ro");
-                attach_clone(Path::new(&m.source), rootfs, recursive, read_only, MsFlags::MS_PRIVATE, userns)
-                    .map_err(mount_err(what, rootfs))
-            }
-            "overlay" => {
-                let at = self.scratch.join(id);
-                let plan = RootfsIdmap::plan(&options, &at)?;
-                std::fs::create_dir_all(&at).map_err(super::mounts::io("create", &at))?;
-                let result = attach_clone(&plan.source, &at, false, true, MsFlags::MS_PRIVATE, userns)
-                    .map_err(mount_err(format!("{what}: its layers"), &at))
-                    .and_then(|()| {
-                        let overlay = Mount { options: plan.options.clone(), ..m.clone() };
-                        mount_rootfs(&[overlay], rootfs, MsFlags::MS_NODEV)
-                    });
-                // The overlay holds the layers it uses; the bind of their directory may go.
-                let _ = nix::mount::umount2(&at, nix::mount::MntFlags::MNT_DETACH);
-                let _ = std::fs::remove_dir(&at);
-                result
-            }
-            other => Err(MountError::Idmap(IdmapError::Malformed(format!(
-                "an idmapped rootfs of type {other:?}: only bind and overlay are"
-            )))),
-        }
-    }
 }
 
 impl Binder for CloneBinder<'_> {
@@ -178,13 +73,23 @@ impl Binder for CloneBinder<'_> {
     ) -> Result<(), MountError> {
         if mounts.is_empty() {
             // Private: not in the bundle's peer group (module docs, "Propagation").
-            attach_clone(bundle_rootfs, rootfs, true, false, MsFlags::MS_PRIVATE, None)
+            let attrs = CloneAttrs {
+                recursive: true,
+                read_only: false,
+                nodev: true,
+                propagation: MsFlags::MS_PRIVATE,
+                idmap: None,
+            };
+            attach_clone(bundle_rootfs, rootfs, attrs)
                 .map_err(mount_err(format!("rootfs {}", bundle_rootfs.display()), rootfs))?;
         }
         for m in mounts {
-            match take_rootfs_maps(self.userns, &m.options)? {
-                (options, true) => self.idmapped_rootfs(id, m, options, rootfs)?,
-                (_, false) => mount_rootfs(std::slice::from_ref(m), rootfs, MsFlags::MS_NODEV)?,
+            match (take_rootfs_maps(self.userns, &m.options)?, self.userns) {
+                ((options, true), Some(userns)) => {
+                    let scratch = self.scratch.join(id);
+                    mount_idmapped_rootfs(m, options, rootfs, &scratch, userns, MsFlags::MS_NODEV)?
+                }
+                _ => mount_rootfs(std::slice::from_ref(m), rootfs, MsFlags::MS_NODEV)?,
             }
         }
         Ok(())
@@ -194,8 +99,8 @@ impl Binder for CloneBinder<'_> {
         let recursive = v.options.iter().any(|o| o == "rbind");
         let read_only = v.options.iter().any(|o| o == "ro");
         let idmap = if v.idmap { self.userns.map(IdmapUserns::fd) } else { None };
-        attach_clone(v.source, v.target, recursive, read_only, bind_propagation(v.options), idmap)
-            .map_err(mount_err(format!("volume {}", v.source.display()), v.target))
+        let attrs = CloneAttrs { recursive, read_only, nodev: true, propagation: bind_propagation(v.options), idmap };
+        attach_clone(v.source, v.target, attrs).map_err(mount_err(format!("volume {}", v.source.display()), v.target))
     }
 
     fn idmap_userns(&self) -> Option<&IdmapUserns> {

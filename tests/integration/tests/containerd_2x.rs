@@ -12,8 +12,8 @@
 //!   (2.1 then fails every StartContainer);
 //! - a shim-sandboxer pod survives a containerd restart, and one whose shim is killed goes NOTREADY, its workload
 //!   ends, and CRI removes it leaving nothing;
-//! - a `hostUsers: false` pod runs on the namespace backend through both paths, as root in the pod's user namespace
-//!   and the mapped ids outside, with idmapped rootfs and volumes (the vm backend refuses one: `shim/src/spec.rs`);
+//! - a `hostUsers: false` pod runs on the namespace backend through both paths, and on the vm backend, as root in
+//!   the pod's user namespace and the mapped ids outside, with idmapped rootfs and volumes;
 //! - the harness's runc runtime on 2.1 runs sid's runc 1.3, the runc 2.1 is tested with (not the system's 1.1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a broken fixture fails loudly
 
@@ -153,7 +153,7 @@ async fn containerd_2_introspects_the_runtime() -> Result<()> {
     // What CRI tells kubelet of it: no user namespaces on the handler; kubelet publishes it in the node's
     // status.runtimeHandlers, and sends no hostUsers: false pod to a handler without them. containerd before 2.4
     // introspects runc-type runtimes only, so 2.1 reports no features for bulkhead at all; later ones ask `-info`
-    // above, whose features list no `user` namespace (the vm backend refuses such pods: issue 34).
+    // above, whose features list the `user` namespace only for a handler without runtime options (this one has).
     let status = env.cri.status().await?;
     let handler =
         status.runtime_handlers.iter().find(|h| h.name == "bulkhead").context("no bulkhead handler in CRI Status")?;
@@ -506,13 +506,78 @@ async fn top_process_with(marker: &str) -> Result<u32> {
     }
 }
 
+/// A user-namespaced pod's container: its volumes (an emptyDir and a configMap-like read-only one, both
+/// idmapped as kubelet asks), the marker in its command line, and the container's id once started.
+struct UsernsContainer {
+    id: String,
+    marker: String,
+    empty_dir: tempfile::TempDir,
+    _config_map: tempfile::TempDir,
+}
+
+/// Creates and starts a container in `pod_id` as kubelet would in a `hostUsers: false` pod: its pod's namespace
+/// options (the user namespace's among them), a PID namespace of its own, and idmapped volumes.
+async fn start_userns_container(
+    cri: &bulkhead_integration::Cri,
+    containerd: &Containerd,
+    pod_id: &str,
+    pod: &k8s_cri::v1::PodSandboxConfig,
+    marker: &str,
+) -> Result<UsernsContainer> {
+    let empty_dir = tempfile::tempdir()?;
+    let config_map = tempfile::tempdir()?;
+    std::fs::write(config_map.path().join("key"), "value")?;
+    let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
+    let mut c = container_config("app", &["sh", "-c", &script]);
+    let mut ns = pod.linux.as_ref().and_then(|l| l.security_context.as_ref()).and_then(|s| s.namespace_options.clone());
+    if let Some(ns) = ns.as_mut() {
+        ns.pid = k8s_cri::v1::NamespaceMode::Container as i32;
+    }
+    let linux = c.linux.get_or_insert_with(Default::default);
+    linux.security_context.get_or_insert_with(Default::default).namespace_options = ns;
+    c.mounts =
+        vec![idmapped_volume(empty_dir.path(), "/data", false), idmapped_volume(config_map.path(), "/config", true)];
+    let id = cri.create_container(pod_id, &c, pod).await.with_context(|| containerd.log_tail(60))?;
+    cri.start_container(&id).await.with_context(|| containerd.log_tail(60))?;
+    Ok(UsernsContainer { id, marker: marker.into(), empty_dir, _config_map: config_map })
+}
+
+/// `script` in the container through ExecSync, its output's words joined by one space; a failure carries its stderr.
+async fn sh_words(cri: &bulkhead_integration::Cri, ctr: &str, script: &str) -> Result<String> {
+    let out = cri.exec_sync(ctr, &["sh", "-c", script], 30).await?;
+    let text = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+    anyhow::ensure!(out.exit_code == 0, "{script}: exit {}: {}", out.exit_code, String::from_utf8_lossy(&out.stderr));
+    Ok(text)
+}
+
+/// What a `hostUsers: false` pod's container sees on either backend: root in the pod's user namespace
+/// (`/proc/self/uid_map` shows the pod's maps, `id -u` says 0), its image's files root's (the rootfs is idmapped)
+/// and writable, the configMap's file readable, and a file it makes in the emptyDir its root's; on disk that file
+/// is the volume's own root's (the mount is idmapped, so nothing on the host is the pod's ids').
+async fn container_sees_root_in_its_user_namespace(
+    cri: &bulkhead_integration::Cri,
+    c: &UsernsContainer,
+    what: &str,
+) -> Result<()> {
+    let ids = format!("0 {POD_HOST_ID} 65536 0 {POD_HOST_ID} 65536");
+    assert_eq!(sh_words(cri, &c.id, "cat /proc/self/uid_map /proc/self/gid_map").await?, ids, "{what}");
+    assert_eq!(sh_words(cri, &c.id, "id -u; id -g").await?, "0 0", "{what}");
+    let rootfs = sh_words(cri, &c.id, "stat -c %u:%g /bin/sh /etc; touch /etc/made-here && echo ok").await?;
+    assert_eq!(rootfs, "0:0 0:0 ok", "{what}: rootfs");
+    assert_eq!(sh_words(cri, &c.id, "cat /config/key").await?, "value", "{what}: configMap");
+    let made = sh_words(cri, &c.id, "echo hi > /data/made && stat -c %u:%g /data/made").await?;
+    assert_eq!(made, "0:0", "{what}: emptyDir");
+    use std::os::unix::fs::MetadataExt;
+    let on_disk = std::fs::metadata(c.empty_dir.path().join("made"))?;
+    assert_eq!((on_disk.uid(), on_disk.gid()), (0, 0), "{what}: on disk, through no idmap");
+    Ok(())
+}
+
 /// A `hostUsers: false` pod on the namespace backend, through both of 2.1's paths (the pause-container path and
-/// the shim as sandboxer): its container runs as root in the pod's user namespace (`/proc/self/uid_map` shows the
-/// pod's maps, `id -u` says 0) and as the mapped ids on the host; its image's files are root's inside (the rootfs
-/// is idmapped) and writable; a file it makes in an emptyDir is its root's inside and the mapped id's seen
-/// through its mount from the host (on disk, the volume's own root's: the mount is idmapped); a configMap-like
-/// read-only volume's file reads; an exec joins the container's user and IPC namespaces with its capabilities;
-/// and stop and remove leave nothing.
+/// the shim as sandboxer): its container is root in the pod's user namespace and runs as the mapped ids on the
+/// host ([`container_sees_root_in_its_user_namespace`]); the emptyDir file it made is the mapped id's seen through
+/// its mount from the host; an exec joins the container's user and IPC namespaces with its capabilities; and stop
+/// and remove leave nothing.
 #[tokio::test]
 async fn a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Result<()> {
     let test = "a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts";
@@ -532,56 +597,11 @@ async fn a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Res
         let mut pod = env.pod(&format!("userns-{handler}"))?;
         with_pod_user_namespace(&mut pod)?;
         let pod_id = env.cri.run_pod_sandbox(&pod, handler).await.with_context(|| env.containerd.log_tail(60))?;
-        let empty_dir = tempfile::tempdir()?;
-        let config_map = tempfile::tempdir()?;
-        std::fs::write(config_map.path().join("key"), "value")?;
         let marker = format!("userns-marker-{handler}");
-        let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
-        let mut c = container_config("app", &["sh", "-c", &script]);
-        // kubelet gives each container its pod's namespace options, the user namespace's among them.
-        let mut ns =
-            pod.linux.as_ref().and_then(|l| l.security_context.as_ref()).and_then(|s| s.namespace_options.clone());
-        // And, without shareProcessNamespace, a PID namespace of its own.
-        if let Some(ns) = ns.as_mut() {
-            ns.pid = k8s_cri::v1::NamespaceMode::Container as i32;
-        }
-        let linux = c.linux.get_or_insert_with(Default::default);
-        linux.security_context.get_or_insert_with(Default::default).namespace_options = ns;
-        c.mounts = vec![
-            idmapped_volume(empty_dir.path(), "/data", false),
-            idmapped_volume(config_map.path(), "/config", true),
-        ];
-        let ctr = env.cri.create_container(&pod_id, &c, &pod).await.with_context(|| env.containerd.log_tail(60))?;
-        env.cri.start_container(&ctr).await.with_context(|| env.containerd.log_tail(60))?;
-        let sh = |script: &'static str| {
-            let (cri, ctr) = (&env.cri, &ctr);
-            async move {
-                let out = cri.exec_sync(ctr, &["sh", "-c", script], 10).await?;
-                let text = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
-                anyhow::ensure!(
-                    out.exit_code == 0,
-                    "{script}: exit {}: {}",
-                    out.exit_code,
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                anyhow::Ok(text)
-            }
-        };
-        assert_eq!(
-            sh("cat /proc/self/uid_map /proc/self/gid_map").await?,
-            format!("0 {POD_HOST_ID} 65536 0 {POD_HOST_ID} 65536"),
-            "{handler}"
-        );
-        assert_eq!(sh("id -u; id -g").await?, "0 0", "{handler}");
-        assert_eq!(
-            sh("stat -c %u:%g /bin/sh /etc; touch /etc/made-here && echo ok").await?,
-            "0:0 0:0 ok",
-            "{handler}: rootfs"
-        );
-        assert_eq!(sh("cat /config/key").await?, "value", "{handler}: configMap");
-        assert_eq!(sh("echo hi > /data/made && stat -c %u:%g /data/made").await?, "0:0", "{handler}: emptyDir");
+        let c = start_userns_container(&env.cri, &env.containerd, &pod_id, &pod, &marker).await?;
+        container_sees_root_in_its_user_namespace(&env.cri, &c, handler).await?;
 
-        let pid = top_process_with(&marker).await?;
+        let pid = top_process_with(&c.marker).await?;
         assert_eq!(host_ids(pid)?, (POD_HOST_ID, POD_HOST_ID), "{handler}: the container's ids on the host");
         // An exec is where its container is: the same user and IPC namespaces, the same capabilities.
         let init_caps = std::fs::read_to_string(format!("/proc/{pid}/status"))?
@@ -589,22 +609,89 @@ async fn a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Res
             .find(|l| l.starts_with("CapEff:"))
             .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
             .context("CapEff")?;
-        assert_eq!(sh("grep CapEff: /proc/self/status").await?, init_caps, "{handler}");
+        assert_eq!(sh_words(&env.cri, &c.id, "grep CapEff: /proc/self/status").await?, init_caps, "{handler}");
         let ns_of = |ns: &str| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).map(|l| l.display().to_string());
-        let exec_ns = sh("readlink /proc/self/ns/user; readlink /proc/self/ns/ipc").await?;
+        let exec_ns = sh_words(&env.cri, &c.id, "readlink /proc/self/ns/user; readlink /proc/self/ns/ipc").await?;
         assert_eq!(exec_ns, format!("{} {}", ns_of("user")?, ns_of("ipc")?), "{handler}");
-        let through_mount = std::fs::metadata(format!("/proc/{pid}/root/data/made"))?;
         use std::os::unix::fs::MetadataExt;
+        let through_mount = std::fs::metadata(format!("/proc/{pid}/root/data/made"))?;
         assert_eq!((through_mount.uid(), through_mount.gid()), (POD_HOST_ID, POD_HOST_ID), "{handler}");
-        let on_disk = std::fs::metadata(empty_dir.path().join("made"))?;
-        assert_eq!((on_disk.uid(), on_disk.gid()), (0, 0), "{handler}: on disk, through no idmap");
 
-        env.cri.stop_container(&ctr, 10).await?;
-        env.cri.remove_container(&ctr).await?;
+        env.cri.stop_container(&c.id, 10).await?;
+        env.cri.remove_container(&c.id).await?;
         env.cri.stop_pod_sandbox(&pod_id).await?;
         env.cri.remove_pod_sandbox(&pod_id).await?;
     }
     no_pod_and_no_shim_left(&env).await
+}
+
+#[tokio::test]
+async fn a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Result<()> {
+    host_users_false_vm_pod("a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts", GuestVmm::QemuStandIn)
+        .await
+}
+
+#[tokio::test]
+async fn a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts_on_bulkhead_vmm() -> Result<()> {
+    let test = "a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts_on_bulkhead_vmm";
+    host_users_false_vm_pod(test, GuestVmm::Bulkhead).await
+}
+
+/// A `hostUsers: false` pod on the vm backend (the real guest), through the shim as sandboxer (a handler without
+/// runtime options, as 2.1 needs): the agent gives the pod a user namespace in the guest, and the shim shares the
+/// container's rootfs and volumes with the guest idmapped, so virtiofsd serves the ids that namespace expects
+/// ([`container_sees_root_in_its_user_namespace`]). Seen from outside the VM, through the share, the emptyDir file
+/// the container made is the mapped id's; and stop and remove leave nothing.
+async fn host_users_false_vm_pod(test: &str, vmm: GuestVmm) -> Result<()> {
+    let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(()) };
+    if vmm.skip(test) {
+        return Ok(());
+    }
+    println!("{test}: containerd {}, the guest runs on {}", VERSION.line(), vmm.name());
+    let config = setup
+        .write_config("bulkhead.toml", &bulkhead_integration::guests::real_vm_config(setup.state(), 45_000, vmm)?)?;
+    let env = setup
+        .start(ContainerdConfig {
+            handlers: with_sandboxer(RuntimeHandler::bulkhead(Some(&config))),
+            cni_bridge: true,
+            extra_toml: shim_env(&config),
+            ..Default::default()
+        })
+        .await?;
+    let (cri, containerd, state_dir) = (&env.cri, &env.containerd, &env.state_dir);
+    let mut pod = env.pod("userns-vm")?;
+    with_pod_user_namespace(&mut pod)?;
+    let pod_id = cri.run_pod_sandbox(&pod, "bulkhead-sandboxer").await.with_context(|| containerd.log_tail(60))?;
+    let console = || {
+        let log = bulkhead_integration::vm_env::console_log(state_dir.path(), &pod_id);
+        format!("guest console:\n{}", std::fs::read_to_string(log).unwrap_or_default())
+    };
+    let c = start_userns_container(cri, containerd, &pod_id, &pod, "userns-vm-marker").await.with_context(console)?;
+    container_sees_root_in_its_user_namespace(cri, &c, "vm").await.with_context(console)?;
+    // The share's copy of the emptyDir (one of the container's volumes) is the idmapped mount the guest sees.
+    let volumes = state_dir.path().join(&pod_id).join("shared").join(&c.id).join("volumes");
+    let shared = std::fs::read_dir(&volumes)?
+        .flatten()
+        .map(|v| v.path().join("made"))
+        .find(|made| made.exists())
+        .with_context(|| format!("no volume of {} holds the file", volumes.display()))?;
+    use std::os::unix::fs::MetadataExt;
+    let seen = std::fs::metadata(&shared)?;
+    assert_eq!((seen.uid(), seen.gid()), (POD_HOST_ID, POD_HOST_ID), "through the share");
+
+    cri.stop_container(&c.id, 10).await?;
+    cri.remove_container(&c.id).await?;
+    cri.stop_pod_sandbox(&pod_id).await?;
+    cri.remove_pod_sandbox(&pod_id).await?;
+    let within = Duration::from_secs(20);
+    bulkhead_integration::host::eventually_nothing("mounts", within, || {
+        bulkhead_integration::host::mounts_with(&state_dir.path().display().to_string())
+    })
+    .await?;
+    bulkhead_integration::host::eventually_nothing("pod state", within, || {
+        bulkhead_integration::host::state_left(state_dir.path())
+    })
+    .await
 }
 
 #[tokio::test]

@@ -164,6 +164,11 @@ pub(super) async fn launch(
         .map_err(io(format!("lay out the VM in {}", layout.dir.display())))?;
     let share = SharedDir::new(layout.shared_dir.clone());
     share.create()?;
+    if let Some(maps) = &req.id_maps {
+        // The guest's containers' init opens its mounts' sources below the share as the pod's root.
+        crate::sandbox::idmap::open_to_pod_root(maps, &[&share.mounts_dir()])
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+    }
     // The sandbox outlives the Create RPC that started it: its tasks log under their own span.
     let life_span = tracing::info_span!(parent: None, "sandbox", id = %req.sandbox_id);
 

@@ -151,6 +151,15 @@ impl VmSandbox {
         let mut phases = StartPhases::begin();
         // Once per start: it keys the template and sizes the VM that boots or restores.
         let shape = VmShape::for_pod(&config.vm, &req.resources).inspect_err(|e| warn!("{e}"))?;
+        // A hostUsers: false pod's containers' mounts are idmapped with its maps, on the host, so
+        // that virtiofsd serves the guest the ids the pod's user namespace expects.
+        let userns = req
+            .id_maps
+            .as_ref()
+            .map(crate::sandbox::idmap::IdmapUserns::new)
+            .transpose()
+            .map_err(|e| SandboxError::Setup(e.to_string()))?
+            .map(Arc::new);
         let template = warm::template_for(config, &req, shape).await;
         phases.mark("template");
         let booted = match template {
@@ -187,7 +196,7 @@ impl VmSandbox {
                 Ok(Arc::new(Self {
                     id: req.sandbox_id,
                     api,
-                    share: SharedDir::new(layout.shared_dir),
+                    share: SharedDir::new(layout.shared_dir).with_idmap(userns),
                     emptydirs: Arc::new(PodEmptyDirs::new(&paths, req.emptydirs, &config.emptydir)),
                     paths,
                     agent: Arc::new(agent),

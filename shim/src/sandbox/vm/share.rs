@@ -31,6 +31,7 @@ use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use bulkhead_protocol::guest::SHARED_DIR;
 use containerd_shim::protos::types::mount::Mount;
@@ -42,9 +43,10 @@ use oci_spec::runtime::{Mount as SpecMount, Spec};
 use tracing::warn;
 
 use super::super::container_tree::{Binder, ContainerTree, Volume};
+use super::super::idmap::{take_rootfs_maps, IdmapUserns};
 use super::super::mounts::{
-    bind_propagation, flags_only, io, is_bind, make_point, mount_err, mount_rootfs, mounts_below, remove_mount_points,
-    unmount_all, MountError,
+    attach_clone, bind_propagation, flags_only, io, is_bind, make_point, mount_err, mount_idmapped_rootfs,
+    mount_rootfs, mounts_below, remove_mount_points, unmount_all, CloneAttrs, MountError,
 };
 
 /// Makes `target` (a bind mount, and every mount below it) read-only, keeping its other flags.
@@ -122,7 +124,7 @@ fn make_mount_point(root: &OwnedFd, destination: &str, file: bool) -> Result<(),
 const POD_SHM: &str = "/dev/shm";
 
 /// The pod's shared directory and the two host-only directories behind it (module docs).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct SharedDir {
     /// What virtiofsd serves: a read-only view of `<dir>.mounts`, where the shim mounts.
     pub dir: PathBuf,
@@ -133,8 +135,14 @@ pub struct SharedDir {
 
 /// How the vm backend binds: in the private staging directory, where a mount gets its
 /// propagation and read-only flag, then moved into the tree (module docs).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Staging(PathBuf);
+#[derive(Debug, Clone)]
+struct Staging {
+    dir: PathBuf,
+    /// A hostUsers: false pod's id maps, which its containers' rootfs and volumes are idmapped
+    /// with (crate::sandbox::idmap): virtiofsd then serves the guest the ids the pod's user
+    /// namespace expects, and stores what the pod's root writes as the volume's own root's.
+    userns: Option<Arc<IdmapUserns>>,
+}
 
 /// `dir` with `suffix` appended to its last component.
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {
@@ -157,7 +165,7 @@ fn move_mount(from: &Path, to: &Path) -> Result<(), MountError> {
 impl Staging {
     /// Where container `id`'s mount `what` is staged.
     fn staged(&self, id: &str, what: &str) -> PathBuf {
-        self.0.join(format!("{id}.{what}"))
+        self.dir.join(format!("{id}.{what}"))
     }
 }
 
@@ -183,7 +191,15 @@ impl Binder for Staging {
             flags_only(&root_at, MsFlags::MS_PRIVATE | MsFlags::MS_REC, "rootfs private")?;
         }
         // No nodev: a device node on the share opens the guest's own device, never the host's.
-        mount_rootfs(mounts, &root_at, MsFlags::empty())?;
+        for m in mounts {
+            match (take_rootfs_maps(self.userns.as_deref(), &m.options)?, self.userns.as_deref()) {
+                ((options, true), Some(userns)) => {
+                    let scratch = self.staged(id, "layers");
+                    mount_idmapped_rootfs(m, options, &root_at, &scratch, userns, MsFlags::empty())?
+                }
+                _ => mount_rootfs(std::slice::from_ref(m), &root_at, MsFlags::empty())?,
+            }
+        }
         if read_only_root {
             // Mount points a read-only rootfs needs: every destination, a file where a file is
             // bound (the guest's runtime cannot make them in a read-only tree).
@@ -206,7 +222,20 @@ impl Binder for Staging {
         // then moved (module docs).
         let staged = self.staged(id, &format!("volume-{}", v.index));
         make_point(&staged, !v.is_dir)?;
-        bind(v.source, &staged, recursive, format!("volume {}", v.source.display()))?;
+        match self.userns.as_deref().filter(|_| v.idmap) {
+            Some(userns) => {
+                let attrs = CloneAttrs {
+                    recursive: !recursive.is_empty(),
+                    read_only: false,
+                    nodev: false,
+                    propagation: MsFlags::MS_PRIVATE,
+                    idmap: Some(userns.fd()),
+                };
+                attach_clone(v.source, &staged, attrs)
+                    .map_err(mount_err(format!("volume {}, idmapped", v.source.display()), &staged))?
+            }
+            None => bind(v.source, &staged, recursive, format!("volume {}", v.source.display()))?,
+        }
         flags_only(&staged, bind_propagation(v.options), "volume propagation")?;
         if v.options.iter().any(|o| o == "ro") {
             remount_read_only(&staged)?;
@@ -217,6 +246,10 @@ impl Binder for Staging {
     /// The pod's /dev/shm is the guest's own tmpfs, shared by the pod's containers as
     /// containerd's sandbox tmpfs is with runc; a host tmpfs behind virtio-fs would be neither a
     /// tmpfs to the container nor memory of the guest.
+    fn idmap_userns(&self) -> Option<&IdmapUserns> {
+        self.userns.as_deref()
+    }
+
     fn own_source(&self, m: &SpecMount) -> Option<PathBuf> {
         is_pod_shm(m).then(|| POD_SHM.into())
     }
@@ -224,7 +257,7 @@ impl Binder for Staging {
     /// Removes container `id`'s staging entries (mount points a move emptied, or leftovers of a
     /// failed prepare, unmounted first).
     fn clear(&self, id: &str) {
-        let Ok(entries) = std::fs::read_dir(&self.0) else { return };
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
         let prefix = format!("{id}.");
         for entry in entries.flatten() {
             if entry.file_name().to_string_lossy().starts_with(&prefix) {
@@ -245,14 +278,25 @@ impl Binder for Staging {
 impl SharedDir {
     pub fn new(dir: PathBuf) -> Self {
         let tree = ContainerTree::new(sibling(&dir, ".mounts"), dir.clone());
-        Self { tree, staging: Staging(sibling(&dir, ".staging")), dir }
+        Self { tree, staging: Staging { dir: sibling(&dir, ".staging"), userns: None }, dir }
+    }
+
+    /// The same, its containers' mounts idmapped with a hostUsers: false pod's maps.
+    pub fn with_idmap(mut self, userns: Option<Arc<IdmapUserns>>) -> Self {
+        self.staging.userns = userns;
+        self
+    }
+
+    /// The directory the shim mounts in, whose root the guest sees as the share's.
+    pub fn mounts_dir(&self) -> PathBuf {
+        sibling(&self.dir, ".mounts")
     }
 
     /// Makes the three directories and their mounts (module docs): the tree a peer group of its
     /// own, staging private, and `dir` a read-only slave view of the tree. Before virtiofsd
     /// starts, so its copy of `dir` receives what is mounted later.
     pub fn create(&self) -> Result<(), MountError> {
-        let staging = &self.staging.0;
+        let staging = &self.staging.dir;
         std::fs::DirBuilder::new().mode(0o700).create(staging).map_err(io("create", staging))?;
         bind(staging, staging, MsFlags::empty(), "bind onto itself".into())?;
         flags_only(staging, MsFlags::MS_PRIVATE, "private")?;
