@@ -83,6 +83,22 @@ impl IdmapUserns {
         self.fd.as_fd()
     }
 
+    /// Runs `f` on this thread as the pod's root for file creation (fsuid and fsgid): an idmapped
+    /// mount refuses to create a file for an id its maps leave out, root's among them, and a file
+    /// the pod's root makes there lands on disk as the volume's own root's.
+    pub fn as_pod_root<T>(&self, f: impl FnOnce() -> T) -> T {
+        let Some((uid, gid)) = host_root(&self.maps) else { return f() };
+        // SAFETY: setfsuid/setfsgid only change this thread's filesystem ids, restored below.
+        let (old_uid, old_gid) = unsafe { (libc::setfsuid(uid), libc::setfsgid(gid)) };
+        let out = f();
+        // SAFETY: as above.
+        unsafe {
+            libc::setfsgid(old_gid as u32);
+            libc::setfsuid(old_uid as u32);
+        }
+        out
+    }
+
     /// Checks that `uid` and `gid` (an OCI mount's, or a rootfs option's) are the pod's maps.
     fn check(&self, what: &str, uid: &[LinuxIdMapping], gid: &[LinuxIdMapping]) -> Result<(), IdmapError> {
         if same(uid, &self.maps.uid) && same(gid, &self.maps.gid) {

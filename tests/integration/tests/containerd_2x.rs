@@ -516,25 +516,29 @@ struct UsernsContainer {
 }
 
 /// Creates and starts a container in `pod_id` as kubelet would in a `hostUsers: false` pod: its pod's namespace
-/// options (the user namespace's among them), a PID namespace of its own, and idmapped volumes.
+/// options (the user namespace's among them), a PID namespace of its own, and idmapped volumes; its rootfs
+/// read-only if `read_only_root`.
 async fn start_userns_container(
     cri: &bulkhead_integration::Cri,
     containerd: &Containerd,
     pod_id: &str,
     pod: &k8s_cri::v1::PodSandboxConfig,
     marker: &str,
+    read_only_root: bool,
 ) -> Result<UsernsContainer> {
     let empty_dir = tempfile::tempdir()?;
     let config_map = tempfile::tempdir()?;
     std::fs::write(config_map.path().join("key"), "value")?;
     let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
-    let mut c = container_config("app", &["sh", "-c", &script]);
+    let mut c = container_config(if read_only_root { "app-ro" } else { "app" }, &["sh", "-c", &script]);
     let mut ns = pod.linux.as_ref().and_then(|l| l.security_context.as_ref()).and_then(|s| s.namespace_options.clone());
     if let Some(ns) = ns.as_mut() {
         ns.pid = k8s_cri::v1::NamespaceMode::Container as i32;
     }
     let linux = c.linux.get_or_insert_with(Default::default);
-    linux.security_context.get_or_insert_with(Default::default).namespace_options = ns;
+    let security = linux.security_context.get_or_insert_with(Default::default);
+    security.namespace_options = ns;
+    security.readonly_rootfs = read_only_root;
     c.mounts =
         vec![idmapped_volume(empty_dir.path(), "/data", false), idmapped_volume(config_map.path(), "/config", true)];
     let id = cri.create_container(pod_id, &c, pod).await.with_context(|| containerd.log_tail(60))?;
@@ -598,7 +602,7 @@ async fn a_host_users_false_pod_runs_as_mapped_ids_with_idmapped_mounts() -> Res
         with_pod_user_namespace(&mut pod)?;
         let pod_id = env.cri.run_pod_sandbox(&pod, handler).await.with_context(|| env.containerd.log_tail(60))?;
         let marker = format!("userns-marker-{handler}");
-        let c = start_userns_container(&env.cri, &env.containerd, &pod_id, &pod, &marker).await?;
+        let c = start_userns_container(&env.cri, &env.containerd, &pod_id, &pod, &marker, false).await?;
         container_sees_root_in_its_user_namespace(&env.cri, &c, handler).await?;
 
         let pid = top_process_with(&c.marker).await?;
@@ -641,7 +645,8 @@ async fn a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts_on_bu
 /// runtime options, as 2.1 needs): the agent gives the pod a user namespace in the guest, and the shim shares the
 /// container's rootfs and volumes with the guest idmapped, so virtiofsd serves the ids that namespace expects
 /// ([`container_sees_root_in_its_user_namespace`]). Seen from outside the VM, through the share, the emptyDir file
-/// the container made is the mapped id's; and stop and remove leave nothing.
+/// the container made is the mapped id's; a container with a read-only rootfs starts too (the share makes its
+/// mount points in the rootfs before it goes read-only); and stop and remove leave nothing.
 async fn host_users_false_vm_pod(test: &str, vmm: GuestVmm) -> Result<()> {
     let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(()) };
     if vmm.skip(test) {
@@ -666,7 +671,9 @@ async fn host_users_false_vm_pod(test: &str, vmm: GuestVmm) -> Result<()> {
         let log = bulkhead_integration::vm_env::console_log(state_dir.path(), &pod_id);
         format!("guest console:\n{}", std::fs::read_to_string(log).unwrap_or_default())
     };
-    let c = start_userns_container(cri, containerd, &pod_id, &pod, "userns-vm-marker").await.with_context(console)?;
+    let c = start_userns_container(cri, containerd, &pod_id, &pod, "userns-vm-marker", false)
+        .await
+        .with_context(console)?;
     container_sees_root_in_its_user_namespace(cri, &c, "vm").await.with_context(console)?;
     // The share's copy of the emptyDir (one of the container's volumes) is the idmapped mount the guest sees.
     let volumes = state_dir.path().join(&pod_id).join("shared").join(&c.id).join("volumes");
@@ -678,6 +685,13 @@ async fn host_users_false_vm_pod(test: &str, vmm: GuestVmm) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let seen = std::fs::metadata(&shared)?;
     assert_eq!((seen.uid(), seen.gid()), (POD_HOST_ID, POD_HOST_ID), "through the share");
+    // A read-only rootfs: the share makes its mount points in it, as the pod's root.
+    let ro =
+        start_userns_container(cri, containerd, &pod_id, &pod, "userns-vm-ro", true).await.with_context(console)?;
+    let seen = sh_words(cri, &ro.id, "stat -c %u:%g /etc /data; touch /etc/x 2>/dev/null || echo read-only").await?;
+    assert_eq!(seen, "0:0 0:0 read-only", "read-only rootfs");
+    cri.stop_container(&ro.id, 10).await?;
+    cri.remove_container(&ro.id).await?;
 
     cri.stop_container(&c.id, 10).await?;
     cri.remove_container(&c.id).await?;

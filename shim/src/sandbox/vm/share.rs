@@ -205,8 +205,14 @@ impl Binder for Staging {
             // bound (the guest's runtime cannot make them in a read-only tree).
             let root = nix::fcntl::open(&root_at, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(mount_err("open the rootfs", &root_at))?;
+            // In an idmapped rootfs, as the pod's root: an idmapped bind refuses ids its maps leave
+            // out (root's), and in an overlay the points are then the pod root's, as runc makes them.
+            let idmapped = self.userns.as_deref().filter(|_| mounts.iter().any(|m| has_id_maps(&m.options)));
             for (destination, file) in mount_points(spec) {
-                make_mount_point(&root, &destination, file)?;
+                match idmapped {
+                    Some(userns) => userns.as_pod_root(|| make_mount_point(&root, &destination, file))?,
+                    None => make_mount_point(&root, &destination, file)?,
+                }
             }
             remount_read_only(&root_at)?;
         }
@@ -321,6 +327,11 @@ impl SharedDir {
     pub fn release(&self, id: &str) {
         self.tree.release(&self.staging, id)
     }
+}
+
+/// Whether a rootfs mount's options carry id maps (containerd's `uidmap=`).
+fn has_id_maps(options: &[String]) -> bool {
+    options.iter().any(|o| o.starts_with("uidmap="))
 }
 
 /// Whether `m` is the mount of the pod's /dev/shm (the destination exactly as containerd names it).
