@@ -57,6 +57,64 @@ pub fn tree_rss_kib(pid: u32) -> Result<u64> {
     Ok(total)
 }
 
+/// Whether this host can idmap a mount of the filesystem `dir` is on (tmpfs can from Linux 6.3, ext4 and xfs
+/// from 5.12, overlayfs layers from 5.19): containerd 2.x idmaps a `hostUsers: false` pod's image layers, and
+/// fails the container where it cannot. Tries it: a detached clone of `dir`, idmapped with a user namespace of a
+/// short-lived child mapping 0 onto 2^20, never attached.
+pub fn can_idmap(dir: &Path) -> Result<bool> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    let mut child = std::process::Command::new("sleep");
+    child.arg("30").stdin(std::process::Stdio::null());
+    // SAFETY: unshare(2) only, between fork and exec.
+    unsafe {
+        child.pre_exec(|| nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER).map_err(std::io::Error::from));
+    }
+    let mut child = child.spawn().context("spawn a child in a user namespace")?;
+    let pid = child.id();
+    let probe = (|| -> Result<bool> {
+        // The child unshares before it executes; until then its user namespace is still ours.
+        let ours = std::fs::read_link("/proc/self/ns/user")?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::read_link(format!("/proc/{pid}/ns/user"))? == ours {
+            anyhow::ensure!(Instant::now() < deadline, "the probe's child never unshared its user namespace");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for map in ["uid_map", "gid_map"] {
+            std::fs::write(format!("/proc/{pid}/{map}"), "0 1048576 65536\n")?;
+        }
+        let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
+        let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;
+        let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC;
+        // SAFETY: open_tree(2) with a NUL-terminated path; returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+        let fd = i32::try_from(nix::errno::Errno::result(fd)?)?;
+        // SAFETY: open_tree just returned it.
+        let tree = unsafe { OwnedFd::from_raw_fd(fd) };
+        let attr = libc::mount_attr {
+            attr_set: libc::MOUNT_ATTR_IDMAP,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: u64::try_from(userns.as_raw_fd())?,
+        };
+        // SAFETY: mount_setattr(2) on our detached tree, an empty path and a mount_attr that outlives the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                &attr as *const libc::mount_attr,
+                std::mem::size_of::<libc::mount_attr>(),
+            )
+        };
+        Ok(rc == 0)
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    probe
+}
+
 /// Lines of this process's mountinfo that contain `needle`.
 pub fn mounts_with(needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
