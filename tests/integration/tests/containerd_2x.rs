@@ -272,12 +272,13 @@ async fn a_vm_pod_runs_through_the_sandbox_api_on_bulkhead_vmm() -> Result<()> {
     vm_pod_through_the_sandbox_api("a_vm_pod_runs_through_the_sandbox_api_on_bulkhead_vmm", GuestVmm::Bulkhead).await
 }
 
-/// The vm backend (the real guest) through the shim sandboxer: RunPodSandbox starts the VM, a container runs on the
-/// guest kernel with the pod config's hostname, and stop and remove leave no process, mount or state.
-async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()> {
-    let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(()) };
+/// containerd 2.1 with a CNI bridge and `bulkhead` on the vm backend (the real guest on `vmm`), plus
+/// `bulkhead-sandboxer`, the same config through `BULKHEAD_CONFIG` with the shim as sandboxer. `None`, after one
+/// `SKIPPED` line, where `test` cannot run.
+async fn vm_sandboxer_env(test: &str, vmm: GuestVmm) -> Result<Option<ShimEnv>> {
+    let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(None) };
     if vmm.skip(test) {
-        return Ok(());
+        return Ok(None);
     }
     println!("{test}: containerd {}, the guest runs on {}", VERSION.line(), vmm.name());
     let config = setup
@@ -290,6 +291,13 @@ async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()>
             ..Default::default()
         })
         .await?;
+    Ok(Some(env))
+}
+
+/// The vm backend (the real guest) through the shim sandboxer: RunPodSandbox starts the VM, a container runs on the
+/// guest kernel with the pod config's hostname, and stop and remove leave no process, mount or state.
+async fn vm_pod_through_the_sandbox_api(test: &str, vmm: GuestVmm) -> Result<()> {
+    let Some(env) = vm_sandboxer_env(test, vmm).await? else { return Ok(()) };
     let (cri, containerd, state_dir) = (&env.cri, &env.containerd, &env.state_dir);
     let mut pod = env.pod("vm-sandboxer")?;
     pod.hostname = "vm-sandboxer".into();
@@ -669,21 +677,7 @@ async fn a_host_users_false_vm_pod_runs_as_mapped_ids_with_idmapped_mounts_on_bu
 /// the container made is the mapped id's; a container with a read-only rootfs starts too (the share makes its
 /// mount points in the rootfs before it goes read-only); and stop and remove leave nothing.
 async fn host_users_false_vm_pod(test: &str, vmm: GuestVmm) -> Result<()> {
-    let Some(setup) = Setup::new(test, VERSION, &["containerd-shim-bulkhead-v2"])? else { return Ok(()) };
-    if vmm.skip(test) {
-        return Ok(());
-    }
-    println!("{test}: containerd {}, the guest runs on {}", VERSION.line(), vmm.name());
-    let config = setup
-        .write_config("bulkhead.toml", &bulkhead_integration::guests::real_vm_config(setup.state(), 45_000, vmm)?)?;
-    let env = setup
-        .start(ContainerdConfig {
-            handlers: with_sandboxer(RuntimeHandler::bulkhead(Some(&config))),
-            cni_bridge: true,
-            extra_toml: shim_env(&config),
-            ..Default::default()
-        })
-        .await?;
+    let Some(env) = vm_sandboxer_env(test, vmm).await? else { return Ok(()) };
     let (cri, containerd, state_dir) = (&env.cri, &env.containerd, &env.state_dir);
     if skip_without_idmap(test, containerd.dir())? {
         return Ok(());
