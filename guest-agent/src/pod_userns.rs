@@ -1,10 +1,10 @@
-//! Namespace mode, `hostUsers: false`: the pod's user namespace, and the IPC and UTS namespaces
-//! it owns, made once at SetupSandbox and joined by every container of the pod.
+//! `hostUsers: false`, in a VM and in namespace mode alike: the pod's user namespace, and the IPC
+//! and UTS namespaces it owns, made once at SetupSandbox and joined by every container of the pod.
 //!
 //! libcontainer makes a user namespace itself only under systemd's cgroup manager (0.7 forces it
 //! for a new one), which the agent does not run; it joins one by path under any manager. So the
 //! agent clones a child into a new user namespace, writes its maps from outside (the agent holds
-//! CAP_SETUID and CAP_SETGID in its own user namespace, the child's parent), lets the child make
+//! CAP_SETUID and CAP_SETGID in the child's parent: the guest's, or its own in namespace mode), lets the child make
 //! the pod's IPC and UTS namespaces from inside (so the pod's user namespace owns them, as the
 //! pause container's would: a container then may mount its `/dev/mqueue`), and keeps a
 //! descriptor of each namespace. The child then exits: the descriptors keep the namespaces.
