@@ -35,6 +35,21 @@ pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
     found
 }
 
+/// Host processes with `marker` in their command line whose parent's has not: a container's shell forks
+/// for each command it runs, and until the child execs it carries the same command line.
+pub fn top_processes_with(marker: &str) -> Vec<(u32, String)> {
+    let found = processes_with(marker);
+    let pids: Vec<u32> = found.iter().map(|(pid, _)| *pid).collect();
+    found.into_iter().filter(|(pid, _)| parent_of(*pid).is_none_or(|p| !pids.contains(&p))).collect()
+}
+
+/// The parent pid of `pid`, from /proc/<pid>/stat (after the command name's closing parenthesis:
+/// the state, then the parent).
+pub fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Resident memory (VmRSS, KiB) of process `pid` and every process below it: a VM's host
 /// footprint, whether the VMM is the pid itself or its jailed child (bulkhead-vmm's waiter, the
 /// stand-in's QEMU).

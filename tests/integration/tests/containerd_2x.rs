@@ -499,17 +499,11 @@ fn host_ids(pid: u32) -> Result<(u32, u32)> {
 async fn top_process_with(marker: &str) -> Result<u32> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let found = bulkhead_integration::host::processes_with(marker);
-        let pids: Vec<u32> = found.iter().map(|(pid, _)| *pid).collect();
-        let parent = |pid: u32| -> Option<u32> {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
-        };
-        let top: Vec<u32> = pids.iter().copied().filter(|p| parent(*p).is_none_or(|pp| !pids.contains(&pp))).collect();
-        if let [pid] = top.as_slice() {
+        let top = bulkhead_integration::host::top_processes_with(marker);
+        if let [(pid, _)] = top.as_slice() {
             return Ok(*pid);
         }
-        anyhow::ensure!(std::time::Instant::now() < deadline, "not one process with {marker}: {found:?}");
+        anyhow::ensure!(std::time::Instant::now() < deadline, "not one process with {marker}: {top:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

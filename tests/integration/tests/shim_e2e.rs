@@ -132,21 +132,10 @@ async fn wait_for_process(marker: &str) -> Result<()> {
 /// command line (CI at 7b75b20 caught one): a match whose parent also matches is left out.
 async fn container_pid(marker: &str) -> Result<u32> {
     wait_for_process(marker).await?;
-    let found = processes_with(marker);
-    let pids: Vec<u32> = found.iter().map(|(pid, _)| *pid).collect();
-    let top: Vec<&(u32, String)> =
-        found.iter().filter(|(pid, _)| parent_of(*pid).is_none_or(|p| !pids.contains(&p))).collect();
-    match top.as_slice() {
+    match bulkhead_integration::host::top_processes_with(marker).as_slice() {
         [(pid, _)] => Ok(*pid),
         more => bail!("not one process with {marker} (but its forks): {more:?}"),
     }
-}
-
-/// The parent pid of `pid`, from /proc/<pid>/stat (after the command name's closing parenthesis:
-/// the state, then the parent).
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Nothing of the pod may remain: processes, mounts, sockets, state.
