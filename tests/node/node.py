@@ -11,6 +11,9 @@ on a cgroup v2 hierarchy, as on an EKS AL2023 node.
     node.py tests --out DIR [--timeout S] [--per-binary-timeout S] [--env K=V ...] -- BINARY[::FILTER]...
       (FILTER: libtest's words, e.g. "_on_bulkhead_vmm --skip some_test")
 
+The node's disk (/dev/vda, ext4, at /var/lib/bulkhead-test) is a sparse image made for each node as
+DIR/.node/disk.img and deleted when the node ends.
+
 `run` boots a node, runs COMMAND there (bash -c of the words, in the current directory) and
 powers it off. `tests` runs libtest binaries there, one after the other, each with
 `--test-threads=1 --show-output [FILTER]` under its own bound, and prints one summary line.
@@ -52,11 +55,13 @@ NODE_SMP = 2
 BUSYBOX = "/bin/busybox"
 # Modules the node's first init loads to reach its root, and that the node needs before
 # anything could autoload them; their dependencies come from modules.dep.
-BOOT_MODULES = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "kvm-amd", "dummy"]
+BOOT_MODULES = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "kvm-amd", "dummy", "virtio_blk", "ext4"]
 # Parameters of those modules, by file name (BULKHEAD_NODE_KVM_AMD: kvm-amd's, for experiments).
 MODULE_PARAMS = {"kvm-amd.ko": os.environ.get("BULKHEAD_NODE_KVM_AMD", "")}
 # Where the output share appears inside the node (init.sh moves it there).
 NODE_OUT = "/bulkhead-node"
+# Where the node's disk (ext4 on virtio-blk) is mounted: the integration tests' state (their containerd roots).
+TEST_STATE = "/var/lib/bulkhead-test"
 # The command unit: systemd runs it once and powers the node off whatever its result.
 SERVICE = """[Unit]
 Description=bulkhead emulated-node command
@@ -205,9 +210,12 @@ ip link add bulkhead-d0 type dummy && ip link set bulkhead-d0 up \\
   || echo "node: the dummy default route could not be set up"
 ip link set lo up
 # containerd's overlay snapshots cannot have their upper layers on the node's overlay root: the state
-# trees get tmpfs mounts of their own, as a node's disk would be. (Not /tmp: a checkout there, as CI's
-# may be, must stay visible.)
-for dir in /var/lib/bulkhead-test /var/lib/bulkhead /var/lib/containerd; do
+# trees get mounts of their own, as on a node's disk. (Not /tmp: a checkout there, as CI's may be, must
+# stay visible.) The tests' containerd roots are on the node's ext4 disk: containerd 2.x idmaps a
+# hostUsers: false pod's image layers there, which Linux 6.1 cannot do on tmpfs (from 6.3).
+mkdir -p {TEST_STATE} && mount -t ext4 -o discard,noatime /dev/vda {TEST_STATE} \
+  || {{ echo "node: cannot mount the node's disk at {TEST_STATE}: a tmpfs instead"; mount -t tmpfs -o mode=0755 tmpfs {TEST_STATE}; }}
+for dir in /var/lib/bulkhead /var/lib/containerd; do
   mkdir -p $dir && mount -t tmpfs -o mode=0755 tmpfs $dir || echo "node: cannot mount a tmpfs at $dir"
 done
 # A process that crashes in the node leaves its core beside the output, for gdb on the host (same binaries).
@@ -236,7 +244,21 @@ def pdeathsig():
     os.setpgid(0, 0)
 
 
-def boot(out, vmlinuz, initramfs, mem_mib, smp, cpu, accel, timeout):
+def make_disk(path, gib):
+    """A fresh sparse ext4 image of `gib` GiB at `path`: the node's disk. The host pays only for the blocks the
+    node keeps (it mounts with discard)."""
+    if os.path.exists(path):
+        os.remove(path)
+    with open(path, "wb") as f:
+        f.truncate(gib << 30)
+    mkfs = subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "bulkhead-node", "-E",
+                           "lazy_itable_init=1,lazy_journal_init=1,nodiscard", path],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    if mkfs.returncode != 0:
+        sys.exit(f"node: mkfs.ext4 of the node's disk {path} failed: {mkfs.stderr.strip()}")
+
+
+def boot(out, vmlinuz, initramfs, mem_mib, smp, cpu, accel, timeout, disk):
     """Boots the node and streams output.log until QEMU ends or `timeout` s pass.
     Returns (exit status or None, timed out)."""
     console = os.path.join(out, "console.log")
@@ -253,6 +275,8 @@ def boot(out, vmlinuz, initramfs, mem_mib, smp, cpu, accel, timeout):
         "-kernel", vmlinuz, "-initrd", initramfs, "-append", cmdline,
         "-virtfs", "local,path=/,mount_tag=host,security_model=passthrough,readonly=on,multidevs=remap",
         "-virtfs", f"local,path={out},mount_tag=out,security_model=passthrough,multidevs=remap",
+        # cache=unsafe: the disk dies with the node, so its flushes need not reach the host's disk.
+        "-drive", f"file={disk},if=virtio,format=raw,cache=unsafe,discard=unmap",
     ]
     with open(os.path.join(out, "qemu.log"), "wb") as qlog:
         qemu = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
@@ -333,8 +357,15 @@ def run_node(opts, command):
             sys.exit(f"node: --env wants K=V, not {kv!r}")
         env[k] = v
     vmlinuz, initramfs = prepare(out, command, env, opts.upper_mib)
+    disk = os.path.join(out, ".node", "disk.img")
+    make_disk(disk, opts.disk_gib)
     started = time.monotonic()
-    status, timed_out = boot(out, vmlinuz, initramfs, opts.mem_mib, opts.smp, opts.cpu, opts.accel, opts.timeout)
+    try:
+        status, timed_out = boot(out, vmlinuz, initramfs, opts.mem_mib, opts.smp, opts.cpu, opts.accel,
+                                 opts.timeout, disk)
+    finally:
+        # What the tests left there is gone with the node, as their tmpfs would be.
+        os.remove(disk)
     took = time.monotonic() - started
     if timed_out:
         log(f"timed out after {took:.0f} s; the console's tail:\n{tail(os.path.join(out, 'console.log'), 30)}")
@@ -353,8 +384,9 @@ def run_node(opts, command):
 
 
 # Console lines that say the node itself was in trouble.
+# "type=1326" is the audit record of a seccomp kill (a VMM thread's syscall outside its allow-list).
 TROUBLE = ("out of memory", "oom-kill", "killed process", "segfault", "general protection", "bug:",
-           "soft lockup", "hung task", "blocked for more than", "page allocation failure")
+           "soft lockup", "hung task", "blocked for more than", "page allocation failure", "type=1326")
 
 
 def kernel_trouble(console, most=20):
@@ -463,6 +495,7 @@ def main():
         # headroom: TCG maps guest RAM lazily, so the host pays only for what the node touches.
         p.add_argument("--mem-mib", type=int, default=8192)
         p.add_argument("--upper-mib", type=int, default=3072, help="the overlay's tmpfs size")
+        p.add_argument("--disk-gib", type=int, default=16, help=f"the node's disk (ext4 at {TEST_STATE}), sparse")
         p.add_argument("--smp", type=int, default=NODE_SMP)
         p.add_argument("--accel", default=NODE_ACCEL, help="QEMU's -accel for the node (default: %(default)s)")
         p.add_argument("--cpu", default=NODE_CPU, help="QEMU's -cpu for the node (default: %(default)s)")

@@ -510,7 +510,7 @@ async fn top_process_with(marker: &str) -> Result<u32> {
 
 /// Whether `test` cannot run here, saying why on one line: containerd 2.x idmaps a `hostUsers: false` pod's image
 /// layers in its root (`containerd_root`), and fails the container where the kernel cannot idmap that filesystem
-/// (the emulated node's tmpfs on Linux 6.1: tmpfs takes idmapped mounts from 6.3).
+/// (tmpfs before Linux 6.3; the emulated node keeps its tests' state on an ext4 disk for this).
 fn skip_without_idmap(test: &str, containerd_root: &std::path::Path) -> Result<bool> {
     if bulkhead_integration::host::can_idmap(containerd_root)? {
         return Ok(false);
@@ -546,8 +546,9 @@ async fn start_userns_container(
     marker: &str,
     read_only_root: bool,
 ) -> Result<UsernsContainer> {
-    let empty_dir = tempfile::tempdir()?;
-    let config_map = tempfile::tempdir()?;
+    // Beside containerd's root, as kubelet keeps a pod's volumes on the node's disk: they are idmapped too.
+    let empty_dir = tempfile::tempdir_in(containerd.dir())?;
+    let config_map = tempfile::tempdir_in(containerd.dir())?;
     std::fs::write(config_map.path().join("key"), "value")?;
     let script = format!("trap 'exit 0' TERM; while true; do sleep 0.2; done # {marker}");
     let mut c = container_config(if read_only_root { "app-ro" } else { "app" }, &["sh", "-c", &script]);
