@@ -75,6 +75,8 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 const API_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long virtiofsd gets to exit on SIGTERM at teardown.
 const VIRTIOFSD_GRACE: Duration = Duration::from_secs(1);
+/// How long an unreachable agent's VMM gets to end on its own before the shim kills it.
+const OWN_END_WAIT: Duration = Duration::from_secs(1);
 
 pub struct VmSandbox {
     id: String,
@@ -289,7 +291,7 @@ impl VmSandbox {
         let tail = console::tail(&console);
         let kept = self.log_dir.as_deref().and_then(|dir| console::keep(&console, dir));
         let kept = kept.map(|p| p.display().to_string()).unwrap_or_else(|| "not kept (no log directory)".into());
-        let status = exit.map(|e| e.status.to_string()).unwrap_or_else(|| "running".into());
+        let status = exit.map(|e| vmm_status(e.status)).unwrap_or_else(|| "running".into());
         warn!(
             status = %status,
             console = %kept,
@@ -305,6 +307,20 @@ impl VmSandbox {
             *state = SandboxState::Exited { pid, exit };
         }
         *state
+    }
+}
+
+/// A VMM's exit status as the log says it: a signal's name (the waiter exits 128+signal), and
+/// what SIGSYS means for our VMM.
+fn vmm_status(status: u32) -> String {
+    let signal = status.checked_sub(128).and_then(|n| Signal::try_from(i32::try_from(n).ok()?).ok());
+    match signal {
+        Some(Signal::SIGSYS) => format!(
+            "{status} (SIGSYS: a VMM thread made a syscall outside its seccomp allow-list; the host kernel's log \
+             names it, audit type=1326)"
+        ),
+        Some(sig) => format!("{status} ({sig})"),
+        None => status.to_string(),
     }
 }
 
@@ -459,6 +475,12 @@ impl Sandbox for VmSandbox {
     }
 
     async fn end_unreachable(&self) -> Result<(), SandboxError> {
+        // Every agent connection ending at once is often the VMM itself ending (a crash, a seccomp
+        // kill): a moment's wait lets its own exit status and last words be what the log reports,
+        // rather than the SIGKILL that would otherwise race them.
+        if tokio::time::timeout(OWN_END_WAIT, self.vmm.wait()).await.is_ok() {
+            return Ok(());
+        }
         self.note_end(Ending::AgentLost);
         self.signal(libc::SIGKILL as u32).await
     }
@@ -481,5 +503,20 @@ impl Sandbox for VmSandbox {
         }
         cleanup(&self.paths).await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::vmm_status;
+
+    #[test]
+    fn a_vmm_status_names_its_signal_and_what_sigsys_means() {
+        assert_eq!(vmm_status(0), "0");
+        assert_eq!(vmm_status(1), "1");
+        assert_eq!(vmm_status(137), "137 (SIGKILL)");
+        assert!(vmm_status(159).starts_with("159 (SIGSYS: a VMM thread made a syscall outside its seccomp"));
+        // Past the last signal: a plain status.
+        assert_eq!(vmm_status(255), "255");
     }
 }
