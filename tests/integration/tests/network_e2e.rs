@@ -271,14 +271,19 @@ async fn restored_vm_pods_are_each_their_own_on_bulkhead_vmm() -> Result<()> {
         assert!(started.contains("start=\"warm\""), "{name} did not start warm: {started:?}\n{}", env.fail_context());
         println!("{test}: {name}: {}", started.split("VM started").last().unwrap_or_default().trim());
         let run_owned = |cmd: String| {
-            let (cri, ctr) = (&env.cri, ctr.clone());
+            let (cri, ctr, containerd) = (&env.cri, ctr.clone(), &env.containerd);
             async move {
-                let out = cri.exec_sync(&ctr, &["sh", "-c", &cmd], 10).await?;
+                // A bound ExecSync that runs out also ends 137: the time taken and the pod's logs tell
+                // a slow emulated node from a kill.
+                let began = std::time::Instant::now();
+                let out = cri.exec_sync(&ctr, &["sh", "-c", &cmd], 30).await?;
                 anyhow::ensure!(
                     out.exit_code == 0,
-                    "{cmd}: exit {}: {}",
+                    "{cmd}: exit {} after {:.1} s: {}\n{}",
                     out.exit_code,
-                    String::from_utf8_lossy(&out.stderr)
+                    began.elapsed().as_secs_f64(),
+                    String::from_utf8_lossy(&out.stderr),
+                    containerd.log_tail(80)
                 );
                 Ok::<_, anyhow::Error>(String::from_utf8_lossy(&out.stdout).trim().to_string())
             }
