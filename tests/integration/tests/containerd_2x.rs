@@ -595,6 +595,12 @@ async fn container_sees_root_in_its_user_namespace(
     use std::os::unix::fs::MetadataExt;
     let on_disk = std::fs::metadata(c.empty_dir.path().join("made"))?;
     assert_eq!((on_disk.uid(), on_disk.gid()), (0, 0), "{what}: on disk, through no idmap");
+    // An exec on a terminal (`kubectl exec -it`) is in the pod's user namespace too. The terminal echoes the
+    // typed line with its expansions unexpanded; only the output has the values.
+    let typed = "read a b c </proc/self/uid_map; [ -t 0 ] && t=yes; echo \"uid=$(id -u) host=$b term=$t\"; exit\n";
+    let tty = bulkhead_integration::ws::tty_exec(cri, &c.id, typed).await?;
+    assert!(tty.stdout.contains(&format!("uid=0 host={POD_HOST_ID} term=yes")), "{what}: TTY exec: {:?}", tty.stdout);
+    assert!(tty.status.contains("Success"), "{what}: TTY exec status: {}", tty.status);
     Ok(())
 }
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bulkhead_integration::host::{eventually_nothing, mounts_with, processes_with};
+use bulkhead_integration::ws::tty_exec;
 use bulkhead_integration::{
     cgroups, container_config, workspace_bin, ContainerdConfig, ContainerdVersion, RuntimeHandler, Setup, ShimEnv,
 };
@@ -299,144 +300,16 @@ async fn shim_two_containers_share_a_volume() -> Result<()> {
     Ok(())
 }
 
-/// Minimal RFC 6455 client: enough to speak the Kubernetes `v4.channel.k8s.io` protocol to
-/// containerd's streaming server, as `crictl exec -it` does (over websocket instead of SPDY).
-mod ws {
-    use anyhow::{bail, Context, Result};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
-
-    pub struct Client {
-        stream: TcpStream,
-    }
-
-    /// Longest frame accepted from the server.
-    const MAX_FRAME: u64 = 1 << 20;
-
-    impl Client {
-        pub async fn connect(url: &str, protocol: &str) -> Result<Self> {
-            let rest = url.strip_prefix("http://").context("streaming URL is not http://")?;
-            let (host, path) = rest.split_once('/').context("streaming URL has no path")?;
-            let mut stream = TcpStream::connect(host).await.with_context(|| format!("connect {host}"))?;
-            let request = format!(
-                "GET /{path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-                 Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
-                 Sec-WebSocket-Protocol: {protocol}\r\n\r\n"
-            );
-            stream.write_all(request.as_bytes()).await?;
-            // Read the response head byte by byte so no frame byte is consumed.
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                if head.len() > 8192 {
-                    bail!("websocket response head too long");
-                }
-                let mut b = [0u8; 1];
-                if stream.read(&mut b).await? == 0 {
-                    bail!("server closed during handshake: {}", String::from_utf8_lossy(&head));
-                }
-                head.push(b[0]);
-            }
-            let head = String::from_utf8_lossy(&head).to_string();
-            if !head.starts_with("HTTP/1.1 101") {
-                bail!("websocket upgrade refused: {head}");
-            }
-            Ok(Self { stream })
-        }
-
-        /// Sends one binary message: channel byte + data (client frames are masked).
-        pub async fn send(&mut self, channel: u8, data: &[u8]) -> Result<()> {
-            let mut payload = vec![channel];
-            payload.extend_from_slice(data);
-            let mask = [0x12u8, 0x34, 0x56, 0x78];
-            let mut frame = vec![0x82u8];
-            let len = payload.len();
-            if len < 126 {
-                frame.push(0x80 | len as u8);
-            } else {
-                frame.push(0x80 | 126);
-                frame.extend_from_slice(&(len as u16).to_be_bytes());
-            }
-            frame.extend_from_slice(&mask);
-            frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-            self.stream.write_all(&frame).await?;
-            Ok(())
-        }
-
-        /// Next data message as (channel, bytes); `None` when the server closes.
-        pub async fn recv(&mut self) -> Result<Option<(u8, Vec<u8>)>> {
-            loop {
-                let mut h = [0u8; 2];
-                if self.stream.read_exact(&mut h).await.is_err() {
-                    return Ok(None);
-                }
-                let opcode = h[0] & 0x0f;
-                let mut len = u64::from(h[1] & 0x7f);
-                if len == 126 {
-                    let mut b = [0u8; 2];
-                    self.stream.read_exact(&mut b).await?;
-                    len = u64::from(u16::from_be_bytes(b));
-                } else if len == 127 {
-                    let mut b = [0u8; 8];
-                    self.stream.read_exact(&mut b).await?;
-                    len = u64::from_be_bytes(b);
-                }
-                if len > MAX_FRAME {
-                    bail!("websocket frame of {len} bytes");
-                }
-                let mut payload = vec![0u8; len as usize];
-                self.stream.read_exact(&mut payload).await?;
-                match opcode {
-                    0x8 => return Ok(None),
-                    0x9 | 0xA => continue,
-                    _ if payload.is_empty() => continue,
-                    _ => return Ok(Some((payload[0], payload[1..].to_vec()))),
-                }
-            }
-        }
-    }
-}
-
 #[tokio::test]
 async fn shim_streaming_tty_exec() -> Result<()> {
     let Some(env) = setup("shim_streaming_tty_exec", vec![]).await? else { return Ok(()) };
     let pod = env.pod("tty")?;
     let (_pod_id, ctr) =
         env.pod_with(&pod, &sleeper("sleeper", &unique("tty"))).await.with_context(|| env.fail_context())?;
-
-    let url = env
-        .cri
-        .exec(cri::ExecRequest {
-            container_id: ctr.clone(),
-            cmd: vec!["sh".into()],
-            tty: true,
-            stdin: true,
-            stdout: true,
-            stderr: false,
-        })
-        .await?;
-    let mut client = ws::Client::connect(&url, "v4.channel.k8s.io").await?;
-    client.send(4, br#"{"Width":80,"Height":24}"#).await?;
-    client.send(0, b"echo $((6*7))-tty-ok; exit\n").await?;
-
-    let mut stdout = Vec::new();
-    let mut status = Vec::new();
-    let result = tokio::time::timeout(Duration::from_secs(20), async {
-        while let Some((channel, data)) = client.recv().await? {
-            match channel {
-                1 => stdout.extend_from_slice(&data),
-                3 => status.extend_from_slice(&data),
-                _ => {}
-            }
-        }
-        anyhow::Ok(())
-    })
-    .await;
-    let text = String::from_utf8_lossy(&stdout).to_string();
-    result.map_err(|_| anyhow!("TTY exec did not finish; stdout so far: {text:?}"))??;
+    let out = tty_exec(&env.cri, &ctr, "echo $((6*7))-tty-ok; exit\n").await?;
     // The terminal echoes the typed line (with the expression unexpanded); the output has 42.
-    assert!(text.contains("42-tty-ok"), "stdout: {text:?}");
-    let status = String::from_utf8_lossy(&status);
-    assert!(status.contains("Success"), "exec status: {status}");
+    assert!(out.stdout.contains("42-tty-ok"), "stdout: {:?}", out.stdout);
+    assert!(out.status.contains("Success"), "exec status: {}", out.status);
     Ok(())
 }
 
