@@ -9,7 +9,8 @@ for this host kind by the checked-in ledger (tests/skips.ledger); an unlisted sk
 
 Each failed test's output is repeated (its tail) before the summary line, and so is every
 `RETRIED: ` line (a RunPodSandbox the harness tried again after the emulated node broke a guest's
-boot: a triple fault before the agent answered, or a kernel that stopped before /init), with their count.
+boot: a triple fault before the agent answered, or a kernel that stopped before /init; or a test tried
+again after a vCPU of its guest was found stuck in the node's KVM at a node-module address), with their count.
 
 Exit status: 0 when nothing failed and every skip is listed, 1 otherwise.
 """
@@ -138,8 +139,8 @@ def main():
     # The emulated node's kernel, where it reported trouble (tests/node/node.py): repeated too.
     for line in [l.rstrip("\n") for l in lines if l.startswith("node: kernel: ")][-20:]:
         print(line[:1000])
-    # RunPodSandbox calls the test harness tried again after the emulated node broke a guest's boot
-    # (tests/integration/src/cri.rs): never hidden, always counted.
+    # What the test harness tried again after the emulated node broke a guest (tests/integration/src/cri.rs,
+    # node_kvm.rs): never hidden, always counted.
     retried = [l.rstrip("\n") for l in lines if l.startswith("RETRIED: ")]
     for line in retried:
         print(line[:1000])
@@ -149,7 +150,7 @@ def main():
         print(f"add a line to {args.ledger} only if the skip is right for this host kind")
     print()
     if retried:
-        print(f"retried in the emulated node: {len(retried)} RunPodSandbox calls (guest boots the emulator broke)")
+        print(f"retried in the emulated node: {len(retried)} (guest boots or vCPUs the emulator broke)")
     print(f"tests: {passed - skipped} passed, {failed} failed, {skipped} skipped")
     sys.exit(1 if failed or unlisted or args.status else 0)
 

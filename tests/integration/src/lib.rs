@@ -1,7 +1,7 @@
 //! End-to-end harness for bulkhead: the one setup of every end-to-end file (`shim_env`), a
 //! private containerd (`containerd`), local OCI images (`images`), a CRI client (`cri`), the VMM's
 //! test guests (`guests`), host leftovers checks (`host`) and a vm pod's environment on the real
-//! guest (`vm_env`), and a TTY exec over containerd's streaming server (`ws`). Every end-to-end test in the workspace uses it.
+//! guest (`vm_env`), the emulated node's vCPU faults told from ours (`node_kvm`), and a TTY exec over containerd's streaming server (`ws`). Every end-to-end test in the workspace uses it.
 //!
 //! Tests that need root or containerd call [`skip_reason`] first and print one
 //! `SKIPPED: <reason>` line when it returns `Some`.
@@ -12,6 +12,7 @@ pub mod cri;
 pub mod guests;
 pub mod host;
 pub mod images;
+pub mod node_kvm;
 pub mod shim_env;
 pub mod standin;
 pub mod vm_env;
