@@ -101,7 +101,27 @@ threads() {
     echo 0 >"$t/events/kvm/kvm_emulate_insn/enable"
     echo "== kvm trace (last 60 lines)"
     tail -n 60 "$t/trace"
+    # The node's own kernel symbol at each emulated RIP, if any: a guest RIP that is a node address (its
+    # modules' text) says the guest's saved state holds the node's, which only the emulator can have put there.
+    local rip
+    for rip in $(grep -o "kvm_emulate_insn: [0-9a-f]*:[0-9a-f]*" "$t/trace" | cut -d: -f3 | sort -u | head -n 5); do
+      echo "== emulated RIP $rip in the node's kernel: $(node_symbol "$rip")"
+    done
   fi
+}
+# The node kernel's symbol at or below address $1 (hex), from /proc/kallsyms, or "none" within 1 MiB.
+node_symbol() {
+  python3 - "$1" <<'PY'
+import sys
+rip, best = int(sys.argv[1], 16), None
+with open("/proc/kallsyms") as f:
+    for line in f:
+        p = line.split()
+        a = int(p[0], 16)
+        if a <= rip and (best is None or a > best[0]):
+            best = (a, p[2], p[3] if len(p) > 3 else "")
+print(f"{best[1]}+{rip - best[0]:#x} {best[2]}".strip() if best and rip - best[0] < 1 << 20 else "none")
+PY
 }
 # Dials the agent as the shim does (hybrid vsock: "CONNECT <port>"); prints what came back.
 dial() {
