@@ -36,6 +36,58 @@ pub fn emulator_fault() -> Result<Option<String>> {
         .find_map(|(thread, rip)| module_symbol(&symbols, rip).map(|sym| format!("{thread} at {rip:#x}, {sym}"))))
 }
 
+/// Looks for [`emulator_fault`] every few seconds while a test attempt runs (in the node only), and keeps the first
+/// it finds: a guest stopped by the emulator at boot is gone by the time its RunPodSandbox fails (the shim ends a
+/// VM whose agent never answered), so a look at the failure alone would miss it. Stops when dropped.
+pub struct FaultWatch {
+    seen: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How often the watch looks (each look traces for [`TRACE_FOR`]).
+const WATCH_EVERY: Duration = Duration::from_secs(3);
+
+impl FaultWatch {
+    pub fn start() -> Self {
+        use std::sync::atomic::Ordering;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = in_emulated_node().then(|| {
+            let (seen, stop) = (seen.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(Some(fault)) = emulator_fault() {
+                        seen.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(fault);
+                    }
+                    let next = std::time::Instant::now() + WATCH_EVERY;
+                    while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < next {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            })
+        });
+        Self { seen, stop, thread }
+    }
+
+    /// `error`, marked as the emulated node's when the watch saw a stuck vCPU, or [`classify`] finds one now.
+    pub fn classify(&self, error: anyhow::Error) -> anyhow::Error {
+        match self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            Some(fault) => error.context(EmulatorFault(fault)),
+            None => classify(error),
+        }
+    }
+}
+
+impl Drop for FaultWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// What marks a test attempt's error as the emulated node's ([`classify`]).
 #[derive(Debug, thiserror::Error)]
 #[error("the emulated node stopped the guest: {0}")]
@@ -53,7 +105,17 @@ pub fn classify(error: anyhow::Error) -> anyhow::Error {
 
 /// Runs `attempt`, and once more when its error was the emulated node's ([`classify`]), printing the `RETRIED:`
 /// line that the run's summary repeats and counts. Any other failure, and a second one, is the test's.
-pub async fn retry_emulator_fault<F, Fut>(what: &str, mut attempt: F) -> Result<()>
+pub async fn retry_emulator_fault<F, Fut>(what: &str, attempt: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    retry_reporting(what, attempt, |line| println!("{line}")).await
+}
+
+/// [`retry_emulator_fault`], saying the `RETRIED:` line through `report` (unit tests keep it off the run's output,
+/// whose summary counts such lines).
+async fn retry_reporting<F, Fut>(what: &str, mut attempt: F, report: impl Fn(&str)) -> Result<()>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<()>>,
@@ -61,7 +123,7 @@ where
     match attempt().await {
         Err(e) if e.downcast_ref::<EmulatorFault>().is_some() => {
             let line: String = format!("{e:#}").replace('\n', " | ").chars().take(400).collect();
-            println!("RETRIED: {what}, after the emulated node's vCPU fault: {line}");
+            report(&format!("RETRIED: {what}, after the emulated node's vCPU fault: {line}"));
             attempt().await
         }
         other => other,
@@ -151,17 +213,25 @@ ffffffffc0a00000 T kvm_emulate_instruction\t[kvm]
             calls.set(calls.get() + 1);
             async { Err(anyhow::anyhow!("exec timed out").context(EmulatorFault("vcpu0-1 at 0x1".into()))) }
         };
-        let err = retry_emulator_fault("t", fault).await.unwrap_err();
+        let said = std::cell::RefCell::new(Vec::<String>::new());
+        let report = |line: &str| said.borrow_mut().push(line.to_string());
+        let err = retry_reporting("t", fault, report).await.unwrap_err();
         assert_eq!(calls.get(), 2);
         assert!(format!("{err:#}").contains("exec timed out"), "{err:#}");
+        assert_eq!(
+            said.take(),
+            vec!["RETRIED: t, after the emulated node's vCPU fault: the emulated node stopped the guest: vcpu0-1 at 0x1: \
+                  exec timed out"]
+        );
 
         calls.set(0);
         let plain = || {
             calls.set(calls.get() + 1);
             async { Err(anyhow::anyhow!("wrong nproc")) }
         };
-        assert!(retry_emulator_fault("t", plain).await.is_err());
+        assert!(retry_reporting("t", plain, report).await.is_err());
         assert_eq!(calls.get(), 1);
+        assert!(said.borrow().is_empty(), "a plain failure is not retried: {:?}", said.borrow());
 
         calls.set(0);
         let once = || {
@@ -175,8 +245,9 @@ ffffffffc0a00000 T kvm_emulate_instruction\t[kvm]
                 }
             }
         };
-        retry_emulator_fault("t", once).await.unwrap();
+        retry_reporting("t", once, report).await.unwrap();
         assert_eq!(calls.get(), 2);
+        assert_eq!(said.borrow().len(), 1);
     }
 
     #[test]
@@ -184,6 +255,18 @@ ffffffffc0a00000 T kvm_emulate_instruction\t[kvm]
         assert!(!in_emulated_node(), "unit tests run on the host");
         assert!(emulator_fault().unwrap().is_none());
         assert!(classify(anyhow::anyhow!("x")).downcast_ref::<EmulatorFault>().is_none());
+        let watch = FaultWatch::start();
+        assert!(watch.thread.is_none(), "no watch outside the node");
+        assert!(watch.classify(anyhow::anyhow!("x")).downcast_ref::<EmulatorFault>().is_none());
+    }
+
+    #[test]
+    fn what_the_watch_saw_marks_a_later_failure() {
+        let watch = FaultWatch::start();
+        *watch.seen.lock().unwrap() = Some("vcpu1-9 at 0xffffffffc067013c, __svm_vcpu_run+0x9c [kvm_amd]".into());
+        let err = watch.classify(anyhow::anyhow!("the agent did not answer within 45s"));
+        assert!(err.downcast_ref::<EmulatorFault>().is_some(), "{err:#}");
+        assert!(format!("{err:#}").contains("__svm_vcpu_run+0x9c"), "{err:#}");
     }
 
     #[test]

@@ -451,11 +451,12 @@ async fn vcpus_follow_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
 }
 
 async fn vcpus_follow_a_resize_once(test: &str, vmm: GuestVmm) -> Result<()> {
+    let watch = bulkhead_integration::node_kvm::FaultWatch::start();
     let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, "max_vcpus = 2\n").await? else {
         return Ok(());
     };
-    // Classified while the VM still runs: the environment goes only after this.
-    vcpus_follow_a_resize_in(&env).await.map_err(bulkhead_integration::node_kvm::classify)
+    // Classified while the VM may still run: the environment goes only after this.
+    vcpus_follow_a_resize_in(&env).await.map_err(|e| watch.classify(e))
 }
 
 async fn vcpus_follow_a_resize_in(env: &VmEnv) -> Result<()> {
