@@ -24,8 +24,7 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// agent that prints its first line within a second on every stand-in boot (tests/node/README.md).
 /// Anywhere else either fails the test.
 fn retry_in_emulated_node(error: &str) -> Option<&'static str> {
-    let in_node = std::env::var("BULKHEAD_IN_NODE").is_ok_and(|v| v == "1");
-    if !in_node {
+    if !crate::node_kvm::in_emulated_node() {
         return None;
     }
     if a_triple_fault_at_boot(error) {
@@ -47,7 +46,7 @@ fn a_boot_hang_before_the_agent(error: &str) -> bool {
 }
 
 /// The first 400 characters of an error chain, on one line.
-fn one_line(e: &anyhow::Error) -> String {
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
     format!("{e:#}").replace('\n', " | ").chars().take(400).collect()
 }
 

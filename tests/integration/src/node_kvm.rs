@@ -122,8 +122,7 @@ where
 {
     match attempt().await {
         Err(e) if e.downcast_ref::<EmulatorFault>().is_some() => {
-            let line: String = format!("{e:#}").replace('\n', " | ").chars().take(400).collect();
-            report(&format!("RETRIED: {what}, after the emulated node's vCPU fault: {line}"));
+            report(&format!("RETRIED: {what}, after the emulated node's vCPU fault: {}", crate::cri::one_line(&e)));
             attempt().await
         }
         other => other,
