@@ -6,7 +6,9 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
@@ -40,8 +42,8 @@ pub fn emulator_fault() -> Result<Option<String>> {
 /// it finds: a guest stopped by the emulator at boot is gone by the time its RunPodSandbox fails (the shim ends a
 /// VM whose agent never answered), so a look at the failure alone would miss it. Stops when dropped.
 pub struct FaultWatch {
-    seen: std::sync::Arc<std::sync::Mutex<Option<String>>>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: Arc<Mutex<Option<String>>>,
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -50,9 +52,8 @@ const WATCH_EVERY: Duration = Duration::from_secs(3);
 
 impl FaultWatch {
     pub fn start() -> Self {
-        use std::sync::atomic::Ordering;
-        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
         let thread = in_emulated_node().then(|| {
             let (seen, stop) = (seen.clone(), stop.clone());
             std::thread::spawn(move || {
@@ -60,8 +61,8 @@ impl FaultWatch {
                     if let Ok(Some(fault)) = emulator_fault() {
                         seen.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(fault);
                     }
-                    let next = std::time::Instant::now() + WATCH_EVERY;
-                    while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < next {
+                    let next = Instant::now() + WATCH_EVERY;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < next {
                         std::thread::sleep(Duration::from_millis(100));
                     }
                 }
@@ -81,7 +82,7 @@ impl FaultWatch {
 
 impl Drop for FaultWatch {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
