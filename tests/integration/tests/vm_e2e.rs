@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bulkhead_integration::guests::{self, GuestVmm};
-use bulkhead_integration::host::{processes_with, tree_rss_kib};
+use bulkhead_integration::host::{guest_memory_kib, processes_with};
 use bulkhead_integration::images::{self, CONFORMANCE_BIN};
 use bulkhead_integration::vm_env::{console_log, guest_kernel_faults, nothing_left, VmEnv, CONNECT_TIMEOUT_MS};
 use bulkhead_integration::{container_config, ContainerdConfig, ContainerdVersion, Cri, RuntimeHandler, Setup};
@@ -508,8 +508,9 @@ async fn vm_pod_memory_follows_a_resize_on_bulkhead_vmm() -> Result<()> {
 /// limit). Its container, limited to 64 MiB, is OOM-killed allocating 150; resized to 200 MiB,
 /// the balloon gives the guest that much more, and the same allocation succeeds; 600 MiB is more
 /// than the VM has and is refused, naming `vm.max_memory_mib`; back to 64 MiB, the balloon takes
-/// the memory back from the guest, and the VM's resident memory on the host falls by at least 64
-/// of the 150 MiB a container held in the pod's shm and then freed.
+/// the memory back from the guest, and the host memory its guest RAM holds (the memfd's pages,
+/// not the VMM's RSS: see `guest_memory_kib`) falls by at least 64 of the 150 MiB a container held
+/// in the pod's shm and then freed.
 async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
     let settings = "max_memory_mib = 512\n";
     let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, settings).await? else {
@@ -556,9 +557,10 @@ async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
     // The host may get freed pages back before the resize (free page reporting); after it, they must be back.
     let vmm_pid: u32 =
         std::fs::read_to_string(env.state_dir.path().join(&pod_id).join("vm/vmm.pid"))?.trim().parse()?;
-    let rss_mib = || anyhow::Ok(tree_rss_kib(vmm_pid)? >> 10);
+    let held_mib = || anyhow::Ok(guest_memory_kib(vmm_pid)? >> 10);
     assert_eq!(sh_in(cri, &app, "head -c 157286400 /dev/zero > /dev/shm/held && echo held").await?, "held\n");
-    let touched = rss_mib()?;
+    let touched = held_mib()?;
+    assert!(touched >= 150, "the VM's guest memory on the host while 150 MiB are held: {touched} MiB");
     assert_eq!(sh_in(cri, &app, "rm /dev/shm/held && echo freed").await?, "freed\n");
 
     let err = cri.update_container_resources(&app, memory(600)).await.expect_err("600 MiB in a 512 MiB VM").to_string();
@@ -569,12 +571,15 @@ async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
     // The pages the balloon took go back to the host: the VM's resident memory falls.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let now = rss_mib()?;
+        let now = held_mib()?;
         if now + 64 <= touched {
-            println!("{test}: the VM's host RSS fell from {touched} MiB to {now} MiB (the first reading 64 below)");
+            println!("{test}: the VM's guest memory on the host fell from {touched} MiB to {now} MiB (first reading 64 below)");
             break;
         }
-        assert!(Instant::now() < deadline, "the VM's host RSS after the resize down: {now} MiB, {touched} before");
+        assert!(
+            Instant::now() < deadline,
+            "the VM's guest memory on the host after the resize down: {now} MiB, {touched} before"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(sh_in(cri, &app, "echo still-here").await?, "still-here\n", "nothing within 64 MiB was killed");
