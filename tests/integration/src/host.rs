@@ -82,9 +82,11 @@ pub fn guest_memory_kib(pid: u32) -> Result<u64> {
     for process in process_tree(pid) {
         let Ok(fds) = std::fs::read_dir(format!("/proc/{process}/fd")) else { continue };
         for fd in fds.flatten() {
-            let is_memfd = std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:"));
+            if !std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:")) {
+                continue;
+            }
             // stat follows the fd's link to the memfd itself; a fd closed meanwhile is skipped.
-            let Some(meta) = is_memfd.then(|| std::fs::metadata(fd.path()).ok()).flatten() else { continue };
+            let Ok(meta) = std::fs::metadata(fd.path()) else { continue };
             if largest.as_ref().is_none_or(|l| meta.size() > l.size()) {
                 largest = Some(meta);
             }
