@@ -444,19 +444,28 @@ async fn vm_pod_vcpus_follow_a_cpu_resize_on_bulkhead_vmm() -> Result<()> {
 /// one online (the pod's: containerd 1.6 passes no pod-level limit, so `vm.vcpus`, 1). A resize
 /// of its one container to 2 CPUs brings the second online, so `nproc` inside says 2; back to 1
 /// takes it offline again; 3 is more than the VM has and is refused, naming `vm.max_vcpus`.
-/// In the emulated node, where guests with two vCPUs sometimes stop on the emulator's fault, such a
-/// failure (told apart by `node_kvm`) is retried once.
 async fn vcpus_follow_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
-    bulkhead_integration::node_kvm::retry_emulator_fault(test, || vcpus_follow_a_resize_once(test, vmm)).await
+    in_vm_env_watched(test, vmm, "max_vcpus = 2\n", vcpus_follow_a_resize_in).await
 }
 
-async fn vcpus_follow_a_resize_once(test: &str, vmm: GuestVmm) -> Result<()> {
-    let watch = bulkhead_integration::node_kvm::FaultWatch::start();
-    let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, "max_vcpus = 2\n").await? else {
-        return Ok(());
-    };
-    // Classified while the VM may still run: the environment goes only after this.
-    vcpus_follow_a_resize_in(&env).await.map_err(|e| watch.classify(e))
+/// Runs `body` in a fresh [`VmEnv`] with `vm_settings`. In the emulated node, where a guest sometimes stops on
+/// the emulator's vCPU fault (two-vCPU guests most often), a failure that `node_kvm`'s watch tells apart as that
+/// fault is retried once; any other failure is the test's.
+async fn in_vm_env_watched(
+    test: &str,
+    vmm: GuestVmm,
+    vm_settings: &str,
+    body: impl AsyncFn(&VmEnv) -> Result<()>,
+) -> Result<()> {
+    bulkhead_integration::node_kvm::retry_emulator_fault(test, || async {
+        let watch = bulkhead_integration::node_kvm::FaultWatch::start();
+        let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, vm_settings).await? else {
+            return Ok(());
+        };
+        // Classified while the VM may still run: the environment goes only after this.
+        body(&env).await.map_err(|e| watch.classify(e))
+    })
+    .await
 }
 
 async fn vcpus_follow_a_resize_in(env: &VmEnv) -> Result<()> {
@@ -512,10 +521,11 @@ async fn vm_pod_memory_follows_a_resize_on_bulkhead_vmm() -> Result<()> {
 /// not the VMM's RSS: see `guest_memory_kib`) falls by at least 64 of the 150 MiB a container held
 /// in the pod's shm and then freed.
 async fn memory_follows_a_resize(test: &str, vmm: GuestVmm) -> Result<()> {
-    let settings = "max_memory_mib = 512\n";
-    let Some(env) = VmEnv::start_with_vm_settings(test, containerd_version(), vmm, settings).await? else {
-        return Ok(());
-    };
+    in_vm_env_watched(test, vmm, "max_memory_mib = 512\n", async |env| memory_follows_a_resize_in(test, env).await)
+        .await
+}
+
+async fn memory_follows_a_resize_in(test: &str, env: &VmEnv) -> Result<()> {
     let cri = &env.cri;
     let pod = env.pod("vm-memory")?;
     let pod_id = env.run_pod(&pod).await?;
