@@ -179,6 +179,12 @@ impl AgentClient {
         Ok(Self { raw, socket: socket.into(), timeouts, agent_version: reply.agent_version, mode: reply.mode })
     }
 
+    /// The same connection with other deadlines: a dial's attempt uses short ones, the client
+    /// the configured ones.
+    pub fn with_timeouts(self, timeouts: Timeouts) -> Self {
+        Self { timeouts, ..self }
+    }
+
     /// A Version call on the open connection: the agent still answers (metrics, health).
     /// Returns the output bytes the agent has dropped so far.
     pub async fn ping(&self) -> Result<u64, AgentClientError> {

@@ -200,7 +200,9 @@ pub async fn dial_agent(socket: &Path, timeouts: Timeouts, child: &Supervised) -
             let mut exited = child.exited.clone();
             tokio::select! {
                 dialled = AgentClient::connect(socket, attempt) => match dialled {
-                    Ok(agent) => return Ok(agent),
+                    // The attempt's short deadlines were for this dial only: the client keeps the
+                    // configured ones for its life (each exec's stream dial, every RPC).
+                    Ok(agent) => return Ok(agent.with_timeouts(timeouts)),
                     Err(e) => last = e.to_string(),
                 },
                 // An exit ends a pending attempt at once instead of at its timeout.
